@@ -1,0 +1,82 @@
+"""gRPC server bootstrap shared by the services: explicit message-size limits, the standard health
+service (per service name and overall), server reflection, and graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Large payloads are streamed in chunks of at most 1 MiB; the limit leaves room for framing fields.
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES
+
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+)
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+Registrar = Callable[[Any, grpc.aio.Server], None]
+
+
+class GrpcServer:
+    """An asyncio gRPC server with health + reflection for the given services."""
+
+    def __init__(self, services: Iterable[tuple[Registrar, Any, str]], host: str, port: int) -> None:
+        self._services = list(services)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._health = health.aio.HealthServicer()
+        for register, servicer, _name in self._services:
+            register(servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = [name for _, _, name in self._services]
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self._server,
+        )
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+
+    async def start(self) -> None:
+        await self._server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", status)
+        for _, _, name in self._services:
+            await self._health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING first (routers stop sending), then let in-flight RPCs finish."""
+        await self.set_serving(False)
+        await self._server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+
+async def run_until_signal(server: GrpcServer, *, grace_s: float, on_stop: Callable[[], Any] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain for up to `grace_s` seconds and run `on_stop`."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    await stop.wait()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
