@@ -1,0 +1,171 @@
+"""Hot operations of the V4.1 inference path, each a torch reference beside a Triton kernel.
+
+Every op takes `backend="torch" | "triton"`; `default_backend()` picks Triton when CUDA is present. Shapes:
+B sequences, T queries per sequence (1 for decode, 1 + drafts for verification, a tile for prefill), H heads,
+D latent dim, W ring slots, N compressed entries stored, S scored positions, K top-k. See docs/kernels.md.
+
+Without a GPU, Triton can only run its interpreter, so TRITON_INTERPRET is set before any kernel is defined
+(Triton reads it when a kernel is decorated): the Triton backend then works on CPU tensors, slowly.
+"""
+
+import os
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from model.kernels import candidates, indexer, kv_quant, sparse_attn, topk
+
+Backend = Literal["torch", "triton"]
+
+__all__ = [
+    "Backend",
+    "candidate_mask",
+    "default_backend",
+    "dequantize_index_fp4",
+    "dequantize_kv_fp4",
+    "dequantize_swa_fp8",
+    "indexer_scores",
+    "quantize_index_fp4",
+    "quantize_kv_fp4",
+    "quantize_swa_fp8",
+    "sparse_attention",
+    "topk_indices",
+]
+
+
+def default_backend() -> Backend:
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def _pick(backend: Backend, module: object, op: str):
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return getattr(module, f"{op}_{backend}")
+
+
+def _expect(name: str, t: Tensor, shape: Sequence[int | None], dtypes: Sequence[torch.dtype] | None = None) -> None:
+    """Check rank, the sizes given (None = any) and the dtype of an argument, naming it in the error."""
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {wanted}, got {list(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+
+
+_INTS = (torch.int32, torch.int64)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------- KV formats
+
+
+def quantize_kv_fp4(x: Tensor, backend: Backend = "torch") -> tuple[Tensor, Tensor]:
+    """Main KV: [..., D] → (packed E2M1 uint8 [..., D/2], E4M3 scale bits uint8 [..., D/16])."""
+    return _pick(backend, kv_quant, "quantize_kv_fp4")(x)
+
+
+def quantize_index_fp4(x: Tensor, backend: Backend = "torch") -> tuple[Tensor, Tensor]:
+    """Indexer q/K: [..., D] → (packed E2M1 uint8 [..., D/2], UE8M0 scales uint8 [..., D/32])."""
+    return _pick(backend, kv_quant, "quantize_index_fp4")(x)
+
+
+def quantize_swa_fp8(x: Tensor, backend: Backend = "torch") -> tuple[Tensor, Tensor]:
+    """SWA ring: [..., D] → (E4M3 bits uint8 [..., D], UE8M0 scales uint8 [..., D/32])."""
+    return _pick(backend, kv_quant, "quantize_swa_fp8")(x)
+
+
+def dequantize_kv_fp4(data: Tensor, scale: Tensor, dtype: torch.dtype, backend: Backend = "torch") -> Tensor:
+    return _pick(backend, kv_quant, "dequantize_kv_fp4")(data, scale, dtype)
+
+
+def dequantize_index_fp4(data: Tensor, scale: Tensor, dtype: torch.dtype, backend: Backend = "torch") -> Tensor:
+    return _pick(backend, kv_quant, "dequantize_index_fp4")(data, scale, dtype)
+
+
+def dequantize_swa_fp8(data: Tensor, scale: Tensor, dtype: torch.dtype, backend: Backend = "torch") -> Tensor:
+    return _pick(backend, kv_quant, "dequantize_swa_fp8")(data, scale, dtype)
+
+
+# ------------------------------------------------------------------------------------------- indexer
+
+
+def indexer_scores(
+    q_data: Tensor,
+    q_scale: Tensor,
+    weights: Tensor,
+    k_data: Tensor,
+    k_scale: Tensor,
+    n_visible: Tensor,
+    backend: Backend = "torch",
+) -> Tensor:
+    """I[b,t,s] = Σ_h w·ReLU(q·K) from FP4 q [B,T,H,Di/2] and K [B,S,Di/2] (UE8M0 / 32); −inf for s ≥ n_visible."""
+    _expect("q_data", q_data, (None, None, None, None), (torch.uint8,))
+    B, T, H, half = q_data.shape
+    if 2 * half % kv_quant.INDEX_BLOCK != 0:
+        raise ValueError(f"q_data: index dim must be a multiple of {kv_quant.INDEX_BLOCK}, got {2 * half}")
+    _expect("q_scale", q_scale, (B, T, H, 2 * half // kv_quant.INDEX_BLOCK), (torch.uint8,))
+    _expect("weights", weights, (B, T, H), _FLOATS)
+    _expect("k_data", k_data, (B, None, half), (torch.uint8,))
+    _expect("k_scale", k_scale, (B, k_data.shape[1], 2 * half // kv_quant.INDEX_BLOCK), (torch.uint8,))
+    _expect("n_visible", n_visible, (B, T), _INTS)
+    return _pick(backend, indexer, "indexer_scores")(q_data, q_scale, weights, k_data, k_scale, n_visible)
+
+
+def candidate_mask(
+    scores: Tensor, n_visible: Tensor, block_size: int, topk_blocks: int, backend: Backend = "torch"
+) -> Tensor:
+    """Level-1 pool: top `topk_blocks` blocks of `block_size` positions (newest pinned) → bool [B, T, S]."""
+    _expect("scores", scores, (None, None, None), _FLOATS)
+    _expect("n_visible", n_visible, scores.shape[:2], _INTS)
+    if block_size < 1 or topk_blocks < 1:
+        raise ValueError(f"block_size and topk_blocks must be ≥ 1, got {block_size} and {topk_blocks}")
+    return _pick(backend, candidates, "candidate_mask")(scores, n_visible, block_size, topk_blocks)
+
+
+def topk_indices(scores: Tensor, k: int, lengths: Tensor | None = None, backend: Backend = "torch") -> Tensor:
+    """Top-min(k, length) positions of each row [R, L] among its first lengths[r] (−inf/NaN never chosen),
+    sorted ascending by position, −1 padded → int32 [R, k]."""
+    _expect("scores", scores, (None, None), _FLOATS)
+    if lengths is not None:
+        _expect("lengths", lengths, (scores.shape[0],), _INTS)
+    if k < 0:
+        raise ValueError(f"k must be ≥ 0, got {k}")
+    return _pick(backend, topk, "topk_indices")(scores, k, lengths)
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def sparse_attention(
+    q: Tensor,
+    swa_data: Tensor,
+    swa_scale: Tensor,
+    swa_mask: Tensor,
+    kv_data: Tensor,
+    kv_scale: Tensor,
+    idx: Tensor,
+    sink: Tensor,
+    softmax_scale: float,
+    backend: Backend = "torch",
+) -> Tensor:
+    """Attention of q [B,T,H,D] over [FP8 ring slots (swa_mask) ‖ FP4 entries idx (−1 = none)] with a sink."""
+    _expect("q", q, (None, None, None, None), _FLOATS)
+    B, T, H, D = q.shape
+    if D % kv_quant.SWA_BLOCK != 0:
+        raise ValueError(f"q: latent dim must be a multiple of {kv_quant.SWA_BLOCK}, got {D}")
+    _expect("swa_data", swa_data, (B, None, D), (torch.uint8,))
+    W = swa_data.shape[1]
+    _expect("swa_scale", swa_scale, (B, W, D // kv_quant.SWA_BLOCK), (torch.uint8,))
+    _expect("swa_mask", swa_mask, (B, T, W), (torch.bool,))
+    _expect("kv_data", kv_data, (B, None, D // 2), (torch.uint8,))
+    _expect("kv_scale", kv_scale, (B, kv_data.shape[1], D // kv_quant.KV_BLOCK), (torch.uint8,))
+    _expect("idx", idx, (B, T, None), _INTS)
+    _expect("sink", sink, (H,), _FLOATS)
+    return _pick(backend, sparse_attn, "sparse_attention")(
+        q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, softmax_scale
+    )

@@ -1,0 +1,64 @@
+"""Random inputs for the kernel tests (tiny shapes: interpreted Triton is slow). Shared by the reference tests and the
+Triton-vs-reference tests; bench/kernels.py --check builds the same kind of inputs at real sizes."""
+
+import torch
+from torch import Tensor
+
+from model import quant
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def indexer_case(g: torch.Generator, B: int, T: int, H: int, Di: int, S: int) -> tuple[Tensor, ...]:
+    q_data, q_scale = quant.fp4_quant_ue8m0(torch.randn(B, T, H, Di, generator=g))
+    k_data, k_scale = quant.fp4_quant_ue8m0(torch.randn(B, S, Di, generator=g) * 0.3)
+    weights = torch.randn(B, T, H, generator=g)
+    n_visible = torch.randint(0, S + 1, (B, T), generator=g)
+    n_visible[0, -1] = S  # one full row and one empty row among the ragged ones
+    n_visible[-1, 0] = 0
+    return q_data, q_scale, weights, k_data, k_scale, n_visible
+
+
+def attention_case(
+    g: torch.Generator, B: int, T: int, H: int, D: int, W: int, N: int, K: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+    q = torch.randn(B, T, H, D, generator=g)
+    swa_data, swa_scale = quant.fp8_quant(torch.randn(B, W, D, generator=g))
+    kv_data, kv_scale = quant.fp4_quant_e4m3(torch.randn(B, N, D, generator=g))
+    swa_mask = torch.rand(B, T, W, generator=g) < 0.7
+    swa_mask[0, 0] = False  # a query with no valid ring slot
+    idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(B * T)]).view(B, T, K).int()
+    n_selected = torch.randint(0, K + 1, (B, T, 1), generator=g)
+    idx = torch.where(torch.arange(K) < n_selected, idx, -1)  # ragged, −1 padded tails
+    idx[0, 0] = -1  # ... and that query sees nothing but the sink
+    sink = torch.randn(H, generator=g)
+    return q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, D**-0.5
+
+
+def topk_case(g: torch.Generator, R: int, L: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    scores = torch.randn(R, L, generator=g).to(dtype)
+    scores[torch.rand(R, L, generator=g) < 0.1] = float("-inf")
+    lengths = torch.randint(0, L + 1, (R,), generator=g)
+    lengths[0] = L
+    return scores, lengths
+
+
+def check_topk(scores: Tensor, lengths: Tensor | None, k: int, got: Tensor) -> None:
+    """`got` is a valid answer: the right count, distinct selectable positions sorted ascending then −1, and the
+    multiset of chosen values equal to the best possible (so the answer is exact up to ties)."""
+    R, L = scores.shape
+    assert got.shape == (R, k)
+    assert got.dtype == torch.int32
+    for r in range(R):
+        length = L if lengths is None else int(lengths[r])
+        row = scores[r, :length].float()
+        finite = row[row > float("-inf")]
+        count = min(k, finite.numel())
+        chosen, pad = got[r, :count], got[r, count:]
+        assert (pad == -1).all(), f"row {r}: expected {count} picks then −1 padding, got {got[r].tolist()}"
+        assert ((chosen >= 0) & (chosen < length)).all(), f"row {r}: {chosen.tolist()} outside [0, {length})"
+        assert (chosen[1:] > chosen[:-1]).all(), f"row {r}: not strictly ascending: {chosen.tolist()}"
+        best = finite.sort(descending=True).values[:count]
+        assert torch.equal(row[chosen.long()].sort(descending=True).values, best), f"row {r}: not a top-{k}"
