@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -67,7 +67,15 @@ class GrpcServer:
         await self._server.wait_for_termination()
 
 
-async def run_until_signal(server: GrpcServer, *, grace_s: float, on_stop: Callable[[], Any] | None = None) -> None:
+class Servable(Protocol):
+    """Anything `run_until_signal` can run: a `GrpcServer`, or a service object that wraps one."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace_s: float) -> None: ...
+
+
+async def run_until_signal(server: Servable, *, grace_s: float, on_stop: Callable[[], Any] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to `grace_s` seconds and run `on_stop`."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

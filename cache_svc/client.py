@@ -1,0 +1,396 @@
+"""Client of cache.v1.KvCache: the contract prefill, decode, the gateway and outside checks use.
+
+    from cache_svc.client import CacheClient
+
+    with CacheClient(["cache-0:7001", "cache-1:7001", "cache-2:7001"]) as cache:
+        committed = cache.put_blocks([(key, payload), ...])    # -> list[bytes], keys now readable
+        payloads = cache.get_blocks(keys)                       # -> list[bytes | None]
+        hit = cache.lookup(keys)                                # -> leading keys present
+        cache.put_record(seq_key, swa_state, ttl_s=300)         # volatile, DRAM only
+        cache.put_record(handoff_key, handoff, ttl_s=60, lease_s=30)
+        cache.get_record(handoff_key, consume=True)             # -> bytes | None
+        cache.stats()                                           # -> {address: {...}}
+
+`AsyncCacheClient` has the same methods as coroutines (create it inside the event loop that uses it).
+
+Blocks are sharded over the replicas by consistent hashing of their key, records by theirs. A replica
+that is down or too slow only costs its own keys: they read as misses (get → None, lookup stops at the
+first of them) while writes to it raise `CacheError` with code UNAVAILABLE or DEADLINE_EXCEEDED. Every
+RPC carries a deadline (`timeout_s`); nothing waits longer. Payloads travel in slices of ≤ 1 MiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+
+from cache_svc.ring import HashRing
+from cache_svc.slices import Assembler, SliceError, pack
+from mesh.grpc_server import CHANNEL_OPTIONS, CHUNK_BYTES
+from proto.cache.v1 import cache_pb2 as pb
+from proto.cache.v1 import cache_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 5.0
+# A restarted replica is reached again within a second or two, not after gRPC's default 2-minute backoff.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+# Codes meaning "this replica cannot answer now": reads treat its keys as misses.
+DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+Block = tuple[bytes, bytes]
+log = structlog.get_logger(service="cache_client")
+
+
+class CacheError(Exception):
+    """A cache RPC failed. `code` is the gRPC status, `address` the replica; for a put, `committed` lists the
+    keys that other replicas did commit."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode, address: str, committed: Sequence[bytes] = ()) -> None:
+        super().__init__(f"{address}: {code.name}: {message}")
+        self.code = code
+        self.address = address
+        self.details = message
+        self.committed = list(committed)
+
+
+def _addresses(addresses: str | Sequence[str]) -> list[str]:
+    return [addresses] if isinstance(addresses, str) else list(addresses)
+
+
+def _error(exc: grpc.RpcError, address: str, committed: Sequence[bytes] = ()) -> CacheError:
+    return CacheError(exc.details() or "", code=exc.code(), address=address, committed=committed)
+
+
+def _put_requests(blocks: Sequence[Block], chunk_bytes: int) -> Iterator[pb.PutBlocksRequest]:
+    """Slices of every block, `commit` set on the last message."""
+    batches = pack(blocks, chunk_bytes)
+    held = next(batches, [])
+    for batch in batches:
+        yield pb.PutBlocksRequest(slices=_put_slices(held))
+        held = batch
+    yield pb.PutBlocksRequest(slices=_put_slices(held), commit=True)
+
+
+def _put_slices(batch: Sequence[tuple[bytes, int, int, bytes]]) -> list[pb.PutSlice]:
+    return [pb.PutSlice(key=k, total_bytes=t, offset=o, data=d) for k, t, o, d in batch]
+
+
+def _record_requests(
+    key: bytes, payload: bytes, ttl_s: float, lease_s: float | None, chunk_bytes: int
+) -> Iterator[pb.PutRecordRequest]:
+    yield pb.PutRecordRequest(
+        key=key, total_bytes=len(payload), ttl_s=ttl_s, lease_s=lease_s or 0.0, data=payload[:chunk_bytes]
+    )
+    for offset in range(chunk_bytes, len(payload), chunk_bytes):
+        yield pb.PutRecordRequest(data=payload[offset : offset + chunk_bytes])
+
+
+class _Gather:
+    """Puts the answers of several replicas back in request order."""
+
+    def __init__(self, n: int) -> None:
+        self.found: list[bytes | None] = [None] * n
+
+    def add(self, positions: Sequence[int], messages: Iterable[pb.GetBlocksResponse], address: str) -> None:
+        assembler: Assembler[int] = Assembler(sys.maxsize)
+        try:
+            for message in messages:
+                for s in message.slices:
+                    assembler.add(s.index, s.total_bytes, s.offset, s.data)
+        except SliceError as exc:
+            raise CacheError(
+                f"malformed GetBlocks answer: {exc}", code=grpc.StatusCode.INTERNAL, address=address
+            ) from None
+        finally:  # blocks completed before a replica failed mid-stream are still good
+            for index, payload in assembler.complete():
+                if index < len(positions):
+                    self.found[positions[index]] = payload
+
+
+def _first_missing(positions: Sequence[int], hit_count: int, n: int) -> int:
+    return positions[hit_count] if hit_count < len(positions) else n
+
+
+def _record(payloads: Iterable[pb.GetRecordResponse]) -> bytes:
+    parts = [m.data for m in payloads]
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def as_dict(message: Message) -> dict[str, Any]:
+    """A Stats answer as plain Python numbers (json_format would turn uint64 into strings)."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        out[field.name] = as_dict(value) if field.message_type is not None else value
+    return out
+
+
+def _ordered(blocks: Sequence[Block], committed: set[bytes]) -> list[bytes]:
+    return [key for key, _ in blocks if key in committed]
+
+
+def _down(exc: grpc.RpcError, address: str, method: str) -> bool:
+    """Whether a read failure means 'replica down' (its keys miss); logs it if so."""
+    if exc.code() in DOWN:
+        log.warning("replica_down", address=address, rpc=method, code=exc.code().name, detail=exc.details())
+        return True
+    return False
+
+
+class CacheClient:
+    """Blocking client; safe to share between threads."""
+
+    def __init__(
+        self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        self.ring = HashRing(_addresses(addresses))
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._channels = {
+            a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS) for a in self.ring.nodes
+        }
+        self._stubs = {a: cache_pb2_grpc.KvCacheStub(c) for a, c in self._channels.items()}
+
+    def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
+        """Commit blocks on their replicas; returns the committed keys in input order.
+
+        Raises CacheError (with `.committed`) if any replica refused or could not be reached."""
+        blocks = list(blocks)
+        calls = {
+            address: self._stubs[address].PutBlocks.future(
+                _put_requests([blocks[i] for i in positions], self.chunk_bytes), timeout=self.timeout_s
+            )
+            for address, positions in self.ring.split([k for k, _ in blocks]).items()
+        }
+        committed: set[bytes] = set()
+        failure: tuple[str, grpc.RpcError] | None = None
+        for address, call in calls.items():
+            try:
+                committed.update(call.result().committed)
+            except grpc.RpcError as exc:
+                failure = failure or (address, exc)
+        if failure is not None:
+            raise _error(failure[1], failure[0], _ordered(blocks, committed))
+        return _ordered(blocks, committed)
+
+    def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Payloads in key order; None for a key that is missing, corrupt, or on a replica that is down."""
+        gather = _Gather(len(keys))
+        streams = [
+            (
+                address,
+                positions,
+                self._stubs[address].GetBlocks(
+                    pb.GetBlocksRequest(keys=[keys[i] for i in positions]), timeout=self.timeout_s
+                ),
+            )
+            for address, positions in self.ring.split(keys).items()
+        ]
+        for address, positions, stream in streams:
+            try:
+                gather.add(positions, stream, address)
+            except grpc.RpcError as exc:
+                if not _down(exc, address, "GetBlocks"):
+                    raise _error(exc, address) from None
+        return gather.found
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys present on their replicas (a replica that is down counts as missing)."""
+        calls = [
+            (
+                address,
+                positions,
+                self._stubs[address].Lookup.future(
+                    pb.LookupRequest(keys=[keys[i] for i in positions]), timeout=self.timeout_s
+                ),
+            )
+            for address, positions in self.ring.split(keys).items()
+        ]
+        hit = len(keys)
+        for address, positions, call in calls:
+            try:
+                count = call.result().hit_count
+            except grpc.RpcError as exc:
+                if not _down(exc, address, "Lookup"):
+                    raise _error(exc, address) from None
+                count = 0
+            hit = min(hit, _first_missing(positions, count, len(keys)))
+        return hit
+
+    def put_record(self, key: bytes, payload: bytes, ttl_s: float, lease_s: float | None = None) -> float:
+        """Store a volatile record; with a lease it is pinned until consumed or the lease ends.
+        Returns the lifetime granted (the server caps it at its --record-ttl-s)."""
+        address = self.ring.node(key)
+        requests = _record_requests(key, payload, ttl_s, lease_s, self.chunk_bytes)
+        try:
+            return self._stubs[address].PutRecord(requests, timeout=self.timeout_s).expires_in_s
+        except grpc.RpcError as exc:
+            raise _error(exc, address) from None
+
+    def get_record(self, key: bytes, consume: bool = False) -> bytes | None:
+        """The record, or None if absent, expired, already consumed, or its replica is down."""
+        address = self.ring.node(key)
+        try:
+            return _record(
+                self._stubs[address].GetRecord(pb.GetRecordRequest(key=key, consume=consume), timeout=self.timeout_s)
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND or _down(exc, address, "GetRecord"):
+                return None
+            raise _error(exc, address) from None
+
+    def has_record(self, key: bytes) -> bool:
+        address = self.ring.node(key)
+        try:
+            return self._stubs[address].Lookup(pb.LookupRequest(record_key=key), timeout=self.timeout_s).record_found
+        except grpc.RpcError as exc:
+            if _down(exc, address, "Lookup"):
+                return False
+            raise _error(exc, address) from None
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per replica address: its Stats answer as a dict, or {"error": ...} if it cannot answer."""
+        calls = {a: stub.Stats.future(pb.StatsRequest(), timeout=self.timeout_s) for a, stub in self._stubs.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for address, call in calls.items():
+            try:
+                out[address] = as_dict(call.result())
+            except grpc.RpcError as exc:
+                out[address] = {"error": f"{exc.code().name}: {exc.details()}"}
+        return out
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncCacheClient:
+    """asyncio client with the same methods as `CacheClient`, as coroutines."""
+
+    def __init__(
+        self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        self.ring = HashRing(_addresses(addresses))
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._channels = {
+            a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS) for a in self.ring.nodes
+        }
+        self._stubs = {a: cache_pb2_grpc.KvCacheStub(c) for a, c in self._channels.items()}
+
+    async def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
+        blocks = list(blocks)
+        shards = list(self.ring.split([k for k, _ in blocks]).items())
+        answers = await asyncio.gather(
+            *(
+                self._stubs[address].PutBlocks(
+                    _put_requests([blocks[i] for i in positions], self.chunk_bytes), timeout=self.timeout_s
+                )
+                for address, positions in shards
+            ),
+            return_exceptions=True,
+        )
+        committed = {k for a in answers if isinstance(a, pb.PutBlocksResponse) for k in a.committed}
+        for (address, _), answer in zip(shards, answers, strict=True):
+            if isinstance(answer, grpc.RpcError):
+                raise _error(answer, address, _ordered(blocks, committed))
+            if isinstance(answer, BaseException):
+                raise answer
+        return _ordered(blocks, committed)
+
+    async def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        gather = _Gather(len(keys))
+
+        async def one(address: str, positions: list[int]) -> None:
+            call = self._stubs[address].GetBlocks(
+                pb.GetBlocksRequest(keys=[keys[i] for i in positions]), timeout=self.timeout_s
+            )
+            try:
+                gather.add(positions, [m async for m in call], address)
+            except grpc.RpcError as exc:
+                if not _down(exc, address, "GetBlocks"):
+                    raise _error(exc, address) from None
+
+        await asyncio.gather(*(one(a, p) for a, p in self.ring.split(keys).items()))
+        return gather.found
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        async def one(address: str, positions: list[int]) -> int:
+            try:
+                answer = await self._stubs[address].Lookup(
+                    pb.LookupRequest(keys=[keys[i] for i in positions]), timeout=self.timeout_s
+                )
+            except grpc.RpcError as exc:
+                if not _down(exc, address, "Lookup"):
+                    raise _error(exc, address) from None
+                return _first_missing(positions, 0, len(keys))
+            return _first_missing(positions, answer.hit_count, len(keys))
+
+        firsts = await asyncio.gather(*(one(a, p) for a, p in self.ring.split(keys).items()))
+        return min(firsts, default=len(keys))
+
+    async def put_record(self, key: bytes, payload: bytes, ttl_s: float, lease_s: float | None = None) -> float:
+        address = self.ring.node(key)
+        requests = _record_requests(key, payload, ttl_s, lease_s, self.chunk_bytes)
+        try:
+            answer = await self._stubs[address].PutRecord(requests, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc, address) from None
+        return answer.expires_in_s
+
+    async def get_record(self, key: bytes, consume: bool = False) -> bytes | None:
+        address = self.ring.node(key)
+        call = self._stubs[address].GetRecord(pb.GetRecordRequest(key=key, consume=consume), timeout=self.timeout_s)
+        try:
+            return _record([m async for m in call])
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND or _down(exc, address, "GetRecord"):
+                return None
+            raise _error(exc, address) from None
+
+    async def has_record(self, key: bytes) -> bool:
+        address = self.ring.node(key)
+        try:
+            answer = await self._stubs[address].Lookup(pb.LookupRequest(record_key=key), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if _down(exc, address, "Lookup"):
+                return False
+            raise _error(exc, address) from None
+        return answer.record_found
+
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        async def one(stub: cache_pb2_grpc.KvCacheStub) -> dict[str, Any]:
+            try:
+                return as_dict(await stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
+            except grpc.RpcError as exc:
+                return {"error": f"{exc.code().name}: {exc.details()}"}
+
+        answers = await asyncio.gather(*(one(s) for s in self._stubs.values()))
+        return dict(zip(self._stubs, answers, strict=True))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+
+    async def __aenter__(self) -> AsyncCacheClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,278 @@
+"""cache.v1.KvCache over gRPC: request validation, staging of two-phase puts, and the status codes.
+
+Every failure is a `StatusError` carrying its status code; `_rpc` turns it into an abort with the message,
+so bad input is always a precise INVALID_ARGUMENT (or RESOURCE_EXHAUSTED, NOT_FOUND, DEADLINE_EXCEEDED)
+and never a traceback. Staged bytes of puts in flight are counted against `max_staged_bytes` and released
+however the stream ends (commit, bad input, lease expiry, client gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from cache_svc.blocks import BlockStore
+from cache_svc.config import CacheConfig
+from cache_svc.errors import InvalidArgumentError, LeaseExpiredError, NotFoundError, ResourceExhaustedError, StatusError
+from cache_svc.records import RecordPool
+from cache_svc.segment import KEY_BYTES
+from cache_svc.slices import Assembler, SliceError, pack
+from cache_svc.stats import Counters, Histograms
+from mesh.grpc_server import CHUNK_BYTES
+from mesh.logging import bind_request
+from proto.cache.v1 import cache_pb2 as pb
+from proto.cache.v1 import cache_pb2_grpc
+
+MAX_KEYS = 1 << 16  # keys per request: a 4 M-token context in 64-token blocks
+MAX_RECORD_KEY_BYTES = 64
+GET_WINDOW = 32  # blocks read from the store at a time while streaming a GetBlocks answer
+
+
+class KvCacheService(cache_pb2_grpc.KvCacheServicer):
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        store: BlockStore,
+        records: RecordPool,
+        counters: Counters,
+        histograms: Histograms,
+        logger: Any,
+    ) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._records = records
+        self._counters = counters
+        self._histograms = histograms
+        self._logger = logger
+        self._staged = 0
+
+    # --- RPCs -------------------------------------------------------------------------------------------
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:  # noqa: N802
+        async with self._rpc("Lookup", context):
+            keys = _block_keys(request.keys)
+            found = bool(request.record_key) and _record_key(request.record_key) in self._records
+            return pb.LookupResponse(hit_count=self._store.lookup(keys), record_found=found)
+
+    async def PutBlocks(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.PutBlocksRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutBlocksResponse:
+        async with self._rpc("PutBlocks", context), self._staging() as stage:
+            staged: Assembler[bytes] = Assembler(self._cfg.max_block_bytes)
+            committed = False
+            async for message in self._within_lease(request_iterator):
+                if committed:
+                    raise InvalidArgumentError("message after commit: commit must be set on the last message only")
+                for s in message.slices:
+                    _block_key(s.key)
+                    stage(len(s.data))
+                    _add(staged, s.key, s.total_bytes, s.offset, s.data)
+                committed = message.commit
+            if not committed:
+                raise InvalidArgumentError("stream ended without commit; its staged blocks were discarded")
+            if incomplete := staged.incomplete():
+                raise InvalidArgumentError("incomplete at commit: " + "; ".join(incomplete[:3]))
+            blocks = staged.complete()
+            await self._store.put(blocks)
+            stage.done()
+            return pb.PutBlocksResponse(committed=[key for key, _ in blocks])
+
+    async def GetBlocks(  # noqa: N802
+        self, request: pb.GetBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetBlocksResponse]:
+        async with self._rpc("GetBlocks", context):
+            keys = _block_keys(request.keys)
+            for start in range(0, len(keys), GET_WINDOW):
+                payloads = await self._store.get(keys[start : start + GET_WINDOW])
+                found = [(start + i, p) for i, p in enumerate(payloads) if p is not None]
+                for batch in pack(found, CHUNK_BYTES):
+                    yield pb.GetBlocksResponse(
+                        slices=[pb.GetSlice(index=i, total_bytes=t, offset=o, data=d) for i, t, o, d in batch]
+                    )
+
+    async def PutRecord(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.PutRecordRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutRecordResponse:
+        async with self._rpc("PutRecord", context), self._staging() as stage:
+            staged: Assembler[bytes] = Assembler(self._records.capacity, name="record")
+            header: pb.PutRecordRequest | None = None
+            received = 0
+            async for message in self._within_lease(request_iterator):
+                if header is None:
+                    header = _record_header(message)
+                elif message.key or message.total_bytes or message.ttl_s or message.lease_s:
+                    raise InvalidArgumentError("key, total_bytes, ttl_s and lease_s belong on the first message only")
+                stage(len(message.data))
+                _add(staged, header.key, header.total_bytes, received, message.data)
+                received += len(message.data)
+            if header is None:
+                raise InvalidArgumentError("empty stream: the first message must carry key and total_bytes")
+            if incomplete := staged.incomplete():
+                raise InvalidArgumentError(f"stream ended early: {incomplete[0]}")
+            ((key, payload),) = staged.complete()
+            lifetime = self._records.put(key, payload, header.ttl_s, header.lease_s)
+            stage.done()
+            return pb.PutRecordResponse(expires_in_s=lifetime)
+
+    async def GetRecord(  # noqa: N802
+        self, request: pb.GetRecordRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GetRecordResponse]:
+        async with self._rpc("GetRecord", context):
+            key = _record_key(request.key)
+            payload = self._records.get(key, consume=request.consume)
+            if payload is None:
+                raise NotFoundError(f"no record {key.hex()}: never put, expired, evicted or already consumed")
+            for offset in range(0, len(payload), CHUNK_BYTES):
+                total = len(payload) if offset == 0 else 0
+                yield pb.GetRecordResponse(total_bytes=total, data=payload[offset : offset + CHUNK_BYTES])
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:  # noqa: N802
+        async with self._rpc("Stats", context):
+            self._records.expire_due()
+            return self.snapshot()
+
+    def snapshot(self) -> pb.StatsResponse:
+        c, store, records = self._counters, self._store, self._records
+        segments, dead = store.segment_stats()
+        return pb.StatsResponse(
+            dram=pb.TierStats(
+                entries=len(store.dram),
+                bytes=store.dram.bytes,
+                capacity_bytes=self._cfg.dram_bytes,
+                hits=c.dram_hits,
+                misses=c.dram_misses,
+                evictions=c.dram_evictions,
+            ),
+            ssd=pb.TierStats(
+                entries=len(store),
+                bytes=store.ssd_bytes,
+                capacity_bytes=store.ssd_capacity,
+                hits=c.ssd_hits,
+                misses=c.ssd_misses,
+                evictions=c.ssd_evictions,
+            ),
+            records=pb.TierStats(
+                entries=len(records),
+                bytes=records.bytes,
+                capacity_bytes=records.capacity,
+                hits=c.record_hits,
+                misses=c.record_misses,
+                evictions=c.record_evictions,
+            ),
+            segments=segments,
+            dead_bytes=dead,
+            staged_bytes=self._staged,
+            refusals=c.refusals_ssd + c.refusals_records + c.refusals_staging,
+            corrupt_blocks=c.corrupt_blocks,
+            record_expiries=c.record_expiries,
+            compactions=c.compactions,
+            aborted_puts=c.aborted_puts,
+            retention_hours=self._cfg.retention_hours,
+        )
+
+    # --- plumbing ---------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _rpc(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Tag logs with the caller's request id, time the RPC, and report faults as status codes."""
+        metadata = dict(context.invocation_metadata() or ())
+        start = time.perf_counter()
+        with bind_request(request_id=metadata.get("x-request-id", ""), rpc=method):
+            try:
+                yield
+            except StatusError as fault:
+                self._logger.info("rpc_failed", code=fault.code.name, detail=str(fault))
+                await context.abort(fault.code, str(fault))
+            finally:
+                self._histograms.rpc_seconds.labels(method).observe(time.perf_counter() - start)
+
+    @contextlib.asynccontextmanager
+    async def _staging(self) -> AsyncIterator[_Stage]:
+        """Account the bytes a put holds before commit; a put that does not reach `done()` counts as aborted."""
+        stage = _Stage(self)
+        try:
+            yield stage
+        finally:
+            self._staged -= stage.bytes
+            if not stage.finished:
+                self._counters.aborted_puts += 1
+
+    async def _within_lease(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The stream's messages, until the put lease (counted from the first message) runs out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._cfg.put_lease_s
+        iterator = aiter(messages)
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(iterator), max(deadline - loop.time(), 0))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise LeaseExpiredError(
+                    f"put not committed within its {self._cfg.put_lease_s:g} s lease; staged data was discarded"
+                ) from None
+            yield message
+
+
+class _Stage:
+    def __init__(self, service: KvCacheService) -> None:
+        self._service = service
+        self.bytes = 0
+        self.finished = False
+
+    def __call__(self, n: int) -> None:
+        service = self._service
+        if service._staged + n > service._cfg.max_staged_bytes:
+            service._counters.refusals_staging += 1
+            raise ResourceExhaustedError(
+                f"staging full: {service._staged} bytes of uncommitted puts are held "
+                f"(--max-staged-bytes {service._cfg.max_staged_bytes})"
+            )
+        service._staged += n
+        self.bytes += n
+
+    def done(self) -> None:
+        self.finished = True
+
+
+def _add(staged: Assembler[bytes], key: bytes, total: int, offset: int, data: bytes) -> None:
+    try:
+        staged.add(key, total, offset, data)
+    except SliceError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def _block_key(key: bytes, position: int | None = None) -> bytes:
+    if len(key) != KEY_BYTES:
+        where = "" if position is None else f" #{position}"
+        raise InvalidArgumentError(f"block key{where} is {len(key)} bytes; block keys are {KEY_BYTES} bytes")
+    return key
+
+
+def _block_keys(keys: Sequence[bytes]) -> Sequence[bytes]:
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgumentError(f"{len(keys)} keys in one request; the limit is {MAX_KEYS}")
+    for i, key in enumerate(keys):
+        _block_key(key, i)
+    return keys
+
+
+def _record_key(key: bytes) -> bytes:
+    if not 0 < len(key) <= MAX_RECORD_KEY_BYTES:
+        raise InvalidArgumentError(f"record key is {len(key)} bytes; it must be 1 to {MAX_RECORD_KEY_BYTES} bytes")
+    return key
+
+
+def _record_header(message: pb.PutRecordRequest) -> pb.PutRecordRequest:
+    _record_key(message.key)
+    for name in ("ttl_s", "lease_s"):
+        value = getattr(message, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"{name} must be a finite number ≥ 0, got {value}")
+    return message
