@@ -1,0 +1,21 @@
+"""Kubernetes tooling for the mesh: `python -m mesh k8s render|apply|status`.
+
+- `kustomize`: renders the Kustomize overlays under k8s/ (a documented subset of Kustomize, output identical to
+  `kubectl kustomize`), so no kubectl is needed to render or apply.
+- `schema`: the Kubernetes 1.33 OpenAPI definitions (strategic-merge keys, offline validation).
+- `apply`: server-side apply of the rendered objects through the `kubernetes` client.
+- `status`: a rollout and readiness summary of a deployed mesh.
+"""
+
+from __future__ import annotations
+
+
+class ManifestError(ValueError):
+    """A kustomization or manifest that cannot be rendered or is invalid; the message names the file and field."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Imported here: rendering alone should not pay for importing the kubernetes client.
+    from mesh.k8s.cli import main as cli_main
+
+    return cli_main(argv)
