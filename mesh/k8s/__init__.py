@@ -14,6 +14,10 @@ class ManifestError(ValueError):
     """A kustomization or manifest that cannot be rendered or is invalid; the message names the file and field."""
 
 
+class ClusterError(RuntimeError):
+    """The cluster refused or cannot serve what was asked; the message says what to do."""
+
+
 def main(argv: list[str] | None = None) -> int:
     # Imported here: rendering alone should not pay for importing the kubernetes client.
     from mesh.k8s.cli import main as cli_main
