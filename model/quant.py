@@ -36,7 +36,7 @@ _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 _SUBNORMAL_LIFT = 64  # 2^64 moves every positive fp32 subnormal into the normal range, exactly
 
 
-def _check_block(x: Tensor, block: int, what: str) -> int:
+def check_block(x: Tensor, block: int, what: str) -> int:
     if x.dim() == 0 or x.shape[-1] % block != 0:
         raise ValueError(f"{what}: last dimension must be a multiple of block={block}, got shape {tuple(x.shape)}")
     return x.shape[-1] // block
@@ -119,7 +119,7 @@ def e2m1_decode(codes: Tensor) -> Tensor:
 def pack_fp4(codes: Tensor) -> Tensor:
     """uint8 codes [..., D] → bytes [..., D/2]; element 2i in the low nibble, 2i+1 in the high nibble."""
     _check_uint8(codes, "fp4 codes")
-    _check_block(codes, 2, "pack_fp4")
+    check_block(codes, 2, "pack_fp4")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -140,7 +140,7 @@ def _block_amax(xb: Tensor, floor: float) -> Tensor:
 
 def fp8_quant(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """x [..., D] → (E4M3 bits uint8 [..., D], UE8M0 scales uint8 [..., D/block])."""
-    _check_block(x, block, "fp8_quant")
+    check_block(x, block, "fp8_quant")
     xb = _blocks(x, block)
     scale = ceil_pow2(_block_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
     data = e4m3_encode(xb / scale).flatten(-2)
@@ -149,7 +149,7 @@ def fp8_quant(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
 
 def fp8_dequant(data: Tensor, scale: Tensor, block: int = 32, dtype: torch.dtype = torch.float32) -> Tensor:
     """(E4M3 bits [..., D], UE8M0 scales [..., D/block]) → values [..., D] in dtype."""
-    _check_scale_shape(data, scale, block, 1, "fp8_dequant")
+    check_scale_shape(data, scale, block, 1, "fp8_dequant")
     values = _blocks(e4m3_decode(data), block) * ue8m0_decode(scale).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
@@ -160,7 +160,7 @@ def _fp4_codes(xb: Tensor, scale: Tensor) -> Tensor:
 
 def fp4_quant_e4m3(x: Tensor, block: int = 16) -> tuple[Tensor, Tensor]:
     """Main-KV format: x [..., D] → (packed E2M1 uint8 [..., D/2], E4M3 scale bits uint8 [..., D/block])."""
-    _check_block(x, block, "fp4_quant_e4m3")
+    check_block(x, block, "fp4_quant_e4m3")
     xb = _blocks(x, block)
     scale_bits = e4m3_encode(_block_amax(xb, FP4_E4M3_AMAX_FLOOR) / E2M1_MAX)
     return _fp4_codes(xb, e4m3_decode(scale_bits)), scale_bits.squeeze(-1)
@@ -168,13 +168,13 @@ def fp4_quant_e4m3(x: Tensor, block: int = 16) -> tuple[Tensor, Tensor]:
 
 def fp4_quant_ue8m0(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """Indexer / expert format: x [..., D] → (packed E2M1 uint8 [..., D/2], UE8M0 scales uint8 [..., D/block])."""
-    _check_block(x, block, "fp4_quant_ue8m0")
+    check_block(x, block, "fp4_quant_ue8m0")
     xb = _blocks(x, block)
     scale = ceil_pow2(_block_amax(xb, FP4_UE8M0_AMAX_FLOOR) / E2M1_MAX)
     return _fp4_codes(xb, scale), ue8m0_encode(scale.squeeze(-1))
 
 
-def _check_scale_shape(data: Tensor, scale: Tensor, block: int, elements_per_byte: int, what: str) -> None:
+def check_scale_shape(data: Tensor, scale: Tensor, block: int, elements_per_byte: int, what: str) -> None:
     _check_uint8(data, f"{what} data")
     _check_uint8(scale, f"{what} scale")
     elements = data.shape[-1] * elements_per_byte
@@ -192,13 +192,13 @@ def _fp4_dequant(packed: Tensor, scale_values: Tensor, block: int, dtype: torch.
 
 def fp4_dequant_e4m3(packed: Tensor, scale: Tensor, block: int = 16, dtype: torch.dtype = torch.float32) -> Tensor:
     """(packed E2M1 [..., D/2], E4M3 scale bits [..., D/block]) → values [..., D] in dtype."""
-    _check_scale_shape(packed, scale, block, 2, "fp4_dequant_e4m3")
+    check_scale_shape(packed, scale, block, 2, "fp4_dequant_e4m3")
     return _fp4_dequant(packed, e4m3_decode(scale), block, dtype)
 
 
 def fp4_dequant_ue8m0(packed: Tensor, scale: Tensor, block: int = 32, dtype: torch.dtype = torch.float32) -> Tensor:
     """(packed E2M1 [..., D/2], UE8M0 scales [..., D/block]) → values [..., D] in dtype."""
-    _check_scale_shape(packed, scale, block, 2, "fp4_dequant_ue8m0")
+    check_scale_shape(packed, scale, block, 2, "fp4_dequant_ue8m0")
     return _fp4_dequant(packed, ue8m0_decode(scale), block, dtype)
 
 

@@ -1,16 +1,36 @@
 """KV formats: FP4 main KV (E4M3 scale / 16), FP4 indexer K (UE8M0 / 32), FP8 SWA ring (UE8M0 / 32).
 
-The torch side is model/quant.py itself; the Triton side reproduces its bytes exactly.
+The torch side is model/quant.py itself; the Triton side reproduces its bytes exactly. One quantise kernel and one
+dequantise kernel serve the three formats (a constexpr picks the format); each program handles BLOCK_M rows of a
+[M, D] view, so leading dimensions are flattened and any D that is a multiple of the block works.
 """
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from model import quant
+from model.kernels.formats import (
+    ceil_pow2,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    ue8m0_decode,
+    ue8m0_encode,
+)
 
 KV_BLOCK = 16
 INDEX_BLOCK = 32
 SWA_BLOCK = 32
+
+# format switch of the two kernels (constexpr: each format compiles to its own kernel)
+FP4_E4M3 = tl.constexpr(0)  # main KV
+FP4_UE8M0 = tl.constexpr(1)  # indexer q / K
+FP8_UE8M0 = tl.constexpr(2)  # SWA ring
+_BLOCKS = {FP4_E4M3.value: KV_BLOCK, FP4_UE8M0.value: INDEX_BLOCK, FP8_UE8M0.value: SWA_BLOCK}
+_TILE_ELEMENTS = 4096  # per program: a few KiB in, enough independent loads in flight
 
 
 def quantize_kv_fp4_torch(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -35,3 +55,128 @@ def dequantize_index_fp4_torch(data: Tensor, scale: Tensor, dtype: torch.dtype) 
 
 def dequantize_swa_fp8_torch(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return quant.fp8_dequant(data, scale, SWA_BLOCK, dtype)
+
+
+@triton.jit
+def _block_scale(amax, FORMAT: tl.constexpr):
+    """Block amax → (scale as fp32, its stored byte) per format (model/quant.py)."""
+    if FORMAT == FP4_E4M3:
+        byte = e4m3_encode(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0))
+        scale = e4m3_decode(byte)
+    elif FORMAT == FP4_UE8M0:
+        scale = ceil_pow2(tl.math.div_rn(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 6.0))
+        byte = ue8m0_encode(scale)
+    else:
+        scale = ceil_pow2(tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0))
+        byte = ue8m0_encode(scale)
+    return scale, byte
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, data_ptr, scale_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
+):
+    BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
+    NB: tl.constexpr = D // BLOCK
+    NBP: tl.constexpr = DP // BLOCK
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, DP)
+    ok = (rows[:, None] < M) & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
+    scale, byte = _block_scale(tl.max(tl.abs(xb), axis=2), FORMAT)
+    blocks = tl.arange(0, NBP)
+    scale_ok = (rows[:, None] < M) & (blocks[None, :] < NB)
+    tl.store(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], byte, mask=scale_ok)
+    if FORMAT == FP8_UE8M0:
+        codes = tl.reshape(e4m3_encode(xb * (1.0 / scale[:, :, None])), (BLOCK_M, DP))  # 1/2^k is exact
+        tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], codes, mask=ok)
+    else:
+        # E4M3 scales need a correctly rounded division (as torch divides); 1/2^k is exact, so UE8M0 multiplies
+        q = tl.math.div_rn(xb, scale[:, :, None]) if FORMAT == FP4_E4M3 else xb * (1.0 / scale[:, :, None])
+        even, odd = tl.split(tl.reshape(e2m1_encode(q), (BLOCK_M, DP // 2, 2)))
+        half = tl.arange(0, DP // 2)
+        half_ok = (rows[:, None] < M) & (half[None, :] < D // 2)
+        tl.store(data_ptr + rows[:, None].to(tl.int64) * (D // 2) + half[None, :], even | (odd << 4), mask=half_ok)
+
+
+@triton.jit
+def _dequantize_kernel(
+    data_ptr, scale_ptr, out_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
+):
+    BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
+    NB: tl.constexpr = D // BLOCK
+    NBP: tl.constexpr = DP // BLOCK
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    blocks = tl.arange(0, NBP)
+    scale_ok = (rows[:, None] < M) & (blocks[None, :] < NB)
+    scale_bytes = tl.load(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], mask=scale_ok, other=0)
+    scale = e4m3_decode(scale_bytes) if FORMAT == FP4_E4M3 else ue8m0_decode(scale_bytes)
+    cols = tl.arange(0, DP)
+    ok = (rows[:, None] < M) & (cols[None, :] < D)
+    if FORMAT == FP8_UE8M0:
+        values = e4m3_decode(tl.load(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0))
+    else:
+        half = tl.arange(0, DP // 2)
+        half_ok = (rows[:, None] < M) & (half[None, :] < D // 2)
+        packed = tl.load(data_ptr + rows[:, None].to(tl.int64) * (D // 2) + half[None, :], mask=half_ok, other=0)
+        values = tl.reshape(tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4)), (BLOCK_M, DP))
+    values = tl.reshape(tl.reshape(values, (BLOCK_M, NBP, BLOCK)) * scale[:, :, None], (BLOCK_M, DP))
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch_shape(M: int, D: int) -> tuple[int, int, tuple[int]]:
+    DP = triton.next_power_of_2(D)
+    block_m = max(1, _TILE_ELEMENTS // DP)
+    return DP, block_m, (triton.cdiv(M, block_m),)
+
+
+def _quantize_triton(x: Tensor, fmt: int) -> tuple[Tensor, Tensor]:
+    block = _BLOCKS[fmt]
+    quant.check_block(x, block, "quantize")
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    M = x2.shape[0]
+    width = D if fmt == FP8_UE8M0.value else D // 2
+    data = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], D // block), dtype=torch.uint8, device=x.device)
+    if M:
+        DP, block_m, grid = _launch_shape(M, D)
+        _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt)
+    return data, scale
+
+
+def _dequantize_triton(data: Tensor, scale: Tensor, dtype: torch.dtype, fmt: int) -> Tensor:
+    block = _BLOCKS[fmt]
+    D = data.shape[-1] * (1 if fmt == FP8_UE8M0.value else 2)
+    quant.check_scale_shape(data, scale, block, D // data.shape[-1], "dequantize")
+    out = torch.empty((*data.shape[:-1], D), dtype=dtype, device=data.device)
+    M = out.numel() // D if D else 0
+    if M:
+        DP, block_m, grid = _launch_shape(M, D)
+        _dequantize_kernel[grid](data.contiguous(), scale.contiguous(), out, M, D, DP, block_m, fmt)
+    return out
+
+
+def quantize_kv_fp4_triton(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _quantize_triton(x, FP4_E4M3.value)
+
+
+def quantize_index_fp4_triton(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _quantize_triton(x, FP4_UE8M0.value)
+
+
+def quantize_swa_fp8_triton(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _quantize_triton(x, FP8_UE8M0.value)
+
+
+def dequantize_kv_fp4_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return _dequantize_triton(data, scale, dtype, FP4_E4M3.value)
+
+
+def dequantize_index_fp4_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return _dequantize_triton(data, scale, dtype, FP4_UE8M0.value)
+
+
+def dequantize_swa_fp8_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return _dequantize_triton(data, scale, dtype, FP8_UE8M0.value)

@@ -1,0 +1,100 @@
+"""Bit-exact E2M1 / E4M3 / UE8M0 codecs inside Triton kernels, the in-register twins of model/quant.py.
+
+Everything is integer arithmetic on fp32 bit patterns (plus one exact fp32 rounding trick), so the kernels produce the
+same bytes as the torch reference on the GPU and in the CPU interpreter alike, without relying on fp8 casts.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+_RNE_MAGIC = 8388608.0  # 2^23: adding and subtracting it rounds a float in [0, 2^22) to an integer, ties to even
+
+
+@triton.jit
+def ceil_pow2(x):
+    """2^ceil(log2 x) for positive normal fp32 x, from its bits; inf and NaN pass through."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = bits >> 23
+    rounded = (exponent + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23
+    return tl.where(exponent >= 255, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def ue8m0_encode(scale):
+    """Power-of-two fp32 → biased exponent byte (the fp32 exponent field)."""
+    return ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def ue8m0_decode(byte):
+    """UE8M0 byte → 2^(e − 127) as fp32 (0 → 2^-127, 255 → NaN)."""
+    e = byte.to(tl.int32)
+    value = (e << 23).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, 5.877471754111438e-39, value)  # 2^-127, an fp32 subnormal
+    return tl.where(e == 255, float("nan"), value)
+
+
+@triton.jit
+def e4m3_encode(x):
+    """fp32 → E4M3 bits (uint8), round to nearest even, saturating at ±448, NaN → 0x7F | sign."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint8)
+    magnitude = tl.minimum(tl.abs(x), E4M3_MAX)
+    mbits = magnitude.to(tl.int32, bitcast=True)
+    # normal range (≥ 2^-6): round the 23-bit mantissa to 3 bits (ties to even), then rebias the exponent 127 → 7
+    rounded = (mbits + 0x7FFFF + ((mbits >> 20) & 1)) >> 20
+    normal = rounded - (120 << 3)
+    # subnormal range: code = RNE(|x| / 2^-9), which runs 0..8 (8 is the smallest normal, 2^-6)
+    subnormal = ((magnitude * 512.0 + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
+    code = tl.where(magnitude < 0.015625, subnormal, normal)
+    code = tl.where(x != x, 0x7F, code)
+    return code.to(tl.uint8) | sign
+
+
+@triton.jit
+def e4m3_decode(bits):
+    """E4M3 bits (uint8) → fp32 (0x7F / 0xFF → NaN)."""
+    b = bits.to(tl.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m · 2^-9
+    magnitude = tl.where((exponent == 15) & (mantissa == 7), float("nan"), magnitude)
+    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def e2m1_encode(q):
+    """Scaled fp32 → E2M1 code (uint8 0..15): saturate to ±6, nearest, ties to the even code, sign kept."""
+    a = tl.minimum(tl.abs(q), E2M1_MAX)
+    # midpoints between neighbouring magnitudes; at 0.25, 1.25, 2.5 and 5 the even code is below (strict), else above
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+    code += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    sign = (q.to(tl.int32, bitcast=True) >> 28) & 0x8
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_to_f16(code):
+    """E2M1 code → fp16 holding value · 2^-14 (exact; multiply by 2^14 after any fp16 product or cast).
+
+    The magnitude bits land as exponent|mantissa of an fp16 with bias 15 instead of 1: codes 0–1 become fp16
+    subnormals, 2–7 normals, all off by the same 2^-14.
+    """
+    c = code.to(tl.uint16)
+    return (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_decode(code):
+    """E2M1 code → fp32 value."""
+    return e2m1_to_f16(code).to(tl.float32) * 16384.0
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (where low-precision tl.dot is unreliable: kernels dot in fp32)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
