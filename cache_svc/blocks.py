@@ -14,6 +14,7 @@ before space is needed: until then they are still good cache hits.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -285,7 +286,8 @@ class BlockStore:
         seg.dead_bytes += entry.size
         if seg.sealed and seg.dead_bytes >= DEAD_FRACTION_TO_COMPACT * seg.size and not seg.compacting:
             seg.compacting = True
-            task = asyncio.get_running_loop().create_task(self._compact_dead(seg))
+            # A fresh context: the compaction belongs to no RPC, its log lines should not claim one.
+            task = asyncio.get_running_loop().create_task(self._compact_dead(seg), context=contextvars.Context())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 

@@ -18,7 +18,10 @@ LAYOUT_VERSION = 1
 
 
 def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error:
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
 
 
 def block_keys(
