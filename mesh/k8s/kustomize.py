@@ -230,7 +230,9 @@ def _generate_config_map(resources: list[Resource], rule: ConfigMapRule, where: 
     if rule.behavior == "create":
         if existing:
             raise ManifestError(f"{where}: ConfigMap {rule.name} already exists; use `behavior: merge` or `replace`")
-        obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": rule.name}, "data": data}
+        obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": rule.name}} | (
+            {"data": data} if data else {}
+        )
         resources.append(Resource(obj, generated=True))
         return
     if not existing:
