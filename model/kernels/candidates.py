@@ -3,13 +3,19 @@
 Block score = max over `block_size` consecutive positions (the tail padded with −inf); the block holding the
 newest visible position is pinned to +inf; the top `topk_blocks` blocks are kept, except picks scoring −inf; the
 kept blocks expand to a position mask that is False from n_visible on.
+
+Triton: a block-max kernel, the top-k select of model/kernels/topk.py over the block scores, and a scatter + expand
+kernel pair that turns the picked block ids into the position mask.
 """
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from model.kernels.topk import topk_indices_torch
+from model.kernels.formats import interpreting
+from model.kernels.topk import topk_indices_torch, topk_indices_triton
 
 
 def block_scores_torch(scores: Tensor, n_visible: Tensor, block_size: int) -> Tensor:
@@ -37,3 +43,53 @@ def candidate_mask_torch(scores: Tensor, n_visible: Tensor, block_size: int, top
     blocks = block_scores_torch(scores, n_visible, block_size)
     picked = topk_indices_torch(blocks.flatten(0, -2), topk_blocks, None).unflatten(0, blocks.shape[:-1])
     return expand_blocks(picked, n_visible, block_size, scores.shape[-1])
+
+
+@triton.jit
+def _block_max_kernel(scores_ptr, nv_ptr, out_ptr, S, NB, BS: tl.constexpr, BSP: tl.constexpr, TILE: tl.constexpr):
+    r = tl.program_id(1).to(tl.int64)
+    blocks = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    n_visible = tl.load(nv_ptr + r)
+    pos = blocks[:, None] * BS + tl.arange(0, BSP)[None, :]
+    visible = (pos < n_visible) & (pos < S) & (tl.arange(0, BSP)[None, :] < BS)
+    x = tl.load(scores_ptr + r * S + pos, mask=visible, other=float("-inf")).to(tl.float32)
+    block = tl.max(x, axis=1)
+    block = tl.where((n_visible > 0) & (blocks == (n_visible - 1) // BS), float("inf"), block)
+    tl.store(out_ptr + r * NB + blocks, block, mask=blocks < NB)
+
+
+@triton.jit
+def _keep_blocks_kernel(picked_ptr, kept_ptr, K, NB, TILE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    for start in range(0, K, TILE):
+        i = start + tl.arange(0, TILE)
+        block = tl.load(picked_ptr + r * K + i, mask=i < K, other=-1)
+        tl.store(kept_ptr + r * NB + block, tl.full((TILE,), 1, tl.int8), mask=block >= 0)
+
+
+@triton.jit
+def _expand_kernel(kept_ptr, nv_ptr, mask_ptr, S, NB, BS: tl.constexpr, TILE: tl.constexpr):
+    r = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    kept = tl.load(kept_ptr + r * NB + pos // BS, mask=pos < S, other=0)
+    tl.store(mask_ptr + r * S + pos, (kept != 0) & (pos < tl.load(nv_ptr + r)), mask=pos < S)
+
+
+def candidate_mask_triton(scores: Tensor, n_visible: Tensor, block_size: int, topk_blocks: int) -> Tensor:
+    B, T, S = scores.shape
+    R, NB = B * T, triton.cdiv(S, block_size)
+    mask = torch.empty((B, T, S), dtype=torch.bool, device=scores.device)
+    if R == 0 or S == 0:
+        return mask
+    tile = 64 if interpreting() else 1024
+    nv = n_visible.to(torch.int32).contiguous()
+    blocks = torch.empty((R, NB), dtype=torch.float32, device=scores.device)
+    block_tile = max(1, tile // triton.next_power_of_2(block_size))
+    _block_max_kernel[(triton.cdiv(NB, block_tile), R)](
+        scores.contiguous(), nv, blocks, S, NB, block_size, triton.next_power_of_2(block_size), block_tile
+    )
+    picked = topk_indices_triton(blocks, topk_blocks, None)
+    kept = torch.zeros((R, NB), dtype=torch.int8, device=scores.device)
+    _keep_blocks_kernel[(R,)](picked, kept, topk_blocks, NB, tile)
+    _expand_kernel[(triton.cdiv(S, tile), R)](kept, nv, mask, S, NB, block_size, tile)
+    return mask

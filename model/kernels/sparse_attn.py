@@ -3,12 +3,25 @@
 One softmax per (query, head) over the valid ring slots and the selected entries, with the head's sink logit in
 the denominator only: o = Σ_i exp(s_i) v_i / (Σ_j exp(s_j) + exp(sink_h)), s = scale · q·k. K = V = the shared
 dequantised latent. The output is before the inverse RoPE.
+
+Triton (flash-decoding): a program takes one query, BLOCK_H heads and a contiguous run of key tiles (ring tiles
+first, then tiles of selected entries). Each key tile is dequantised in registers (FP8 × UE8M0, or E2M1 × E4M3:
+both exact in bf16), serves as K for q·Kᵀ and as V for P·V, and feeds an online softmax in base 2. With one split
+the program also folds in the sink and writes the output; with several, a combine kernel merges the partial
+(max, sum, accumulator) triples and the sink.
 """
 
+import math
+
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
+from model.kernels.formats import e2m1_decode, e4m3_decode, interpreting, ue8m0_decode
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
+
+LOG2E = math.log2(math.e)
 
 
 def gather_entries(kv_data: Tensor, kv_scale: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,3 +55,152 @@ def sparse_attention_torch(
     W = ring.shape[1]
     out = torch.einsum("bthw,bwd->bthd", p[..., :W], ring) + torch.einsum("bthk,btkd->bthd", p[..., W:], entries)
     return (out / denom).to(q.dtype)
+
+
+@triton.jit
+def _ring_tile(swa_ptr, swas_ptr, mask_ptr, b, bt, W, tile, BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Ring slots of one key tile → (latents [BLOCK_N, DP] fp32, valid [BLOCK_N])."""
+    w = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, DP)
+    valid = (w < W) & (tl.load(mask_ptr + bt * W + w, mask=w < W, other=0) != 0)
+    row = b * W + w
+    ok = valid[:, None] & (d[None, :] < D)
+    fp8 = tl.load(swa_ptr + row[:, None] * D + d[None, :], mask=ok, other=0)
+    scale = tl.load(swas_ptr + row[:, None] * (D // 32) + d[None, :] // 32, mask=ok, other=127)
+    return e4m3_decode(fp8) * ue8m0_decode(scale), valid
+
+
+@triton.jit
+def _entry_tile(kv_ptr, kvs_ptr, idx_ptr, b, bt, N, K, tile, BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Selected compressed entries of one key tile → (latents [BLOCK_N, DP] fp32, valid [BLOCK_N])."""
+    e = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    entry = tl.load(idx_ptr + bt * K + e, mask=e < K, other=-1)
+    valid = entry >= 0
+    row = b * N + tl.maximum(entry, 0)
+    half = tl.arange(0, DP // 2)
+    packed = tl.load(kv_ptr + row[:, None] * (D // 2) + half[None, :], mask=valid[:, None] & (half[None, :] < D // 2))
+    codes = tl.reshape(tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4)), (BLOCK_N, DP))
+    d = tl.arange(0, DP)
+    ok = valid[:, None] & (d[None, :] < D)
+    scale = tl.load(kvs_ptr + row[:, None] * (D // 16) + d[None, :] // 16, mask=ok, other=0x38)
+    return codes * e4m3_decode(scale), valid
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, swa_ptr, swas_ptr, mask_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    T, H, W, N, K, qk_scale, tiles_per_split,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    bt = tl.program_id(0).to(tl.int64)
+    b = bt // T
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    d = tl.arange(0, DP)
+    h_ok = h < H
+    q = tl.load(q_ptr + (bt * H + h[:, None]) * D + d[None, :], mask=h_ok[:, None] & (d[None, :] < D), other=0.0)
+    q = (q.to(tl.float32) * qk_scale).to(tl.float32 if DOT_F32 else tl.bfloat16)  # log2 units: exp2 below
+    ring_tiles = tl.cdiv(W, BLOCK_N)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, ring_tiles + tl.cdiv(K, BLOCK_N))
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, DP), tl.float32)
+    for tile in range(first, last):
+        if tile < ring_tiles:
+            kv, valid = _ring_tile(swa_ptr, swas_ptr, mask_ptr, b, bt, W, tile, BLOCK_N, D, DP)
+        else:
+            kv, valid = _entry_tile(kv_ptr, kvs_ptr, idx_ptr, b, bt, N, K, tile - ring_tiles, BLOCK_N, D, DP)
+        kv = kv.to(tl.float32 if DOT_F32 else tl.bfloat16)  # exact: ≤ 6 significant bits
+        s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 away from −inf − −inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        denom = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
+        out = acc * (tl.exp2(m_i - m_f) / denom)[:, None]
+        out_ptrs = out_ptr + (bt * H + h[:, None]) * D + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d[None, :] < D))
+    else:
+        part = (bt * SPLITS + split) * H + h
+        tl.store(pm_ptr + part, m_i, mask=h_ok)
+        tl.store(pl_ptr + part, l_i, mask=h_ok)
+        tl.store(po_ptr + part[:, None] * DP + d[None, :], acc, mask=h_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    sink_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, H,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    bt = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, DP)
+    m_f = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    sink = m_f
+    for split in range(SPLITS):
+        m_f = tl.maximum(m_f, tl.load(pm_ptr + (bt * SPLITS + split) * H + h, mask=h_ok, other=float("-inf")))
+    denom = tl.exp2(sink - m_f)
+    acc = tl.zeros((BLOCK_H, DP), tl.float32)
+    for split in range(SPLITS):
+        part = (bt * SPLITS + split) * H + h
+        weight = tl.exp2(tl.load(pm_ptr + part, mask=h_ok, other=float("-inf")) - m_f)
+        denom += tl.load(pl_ptr + part, mask=h_ok, other=0.0) * weight
+        acc += tl.load(po_ptr + part[:, None] * DP + d[None, :], mask=h_ok[:, None], other=0.0) * weight[:, None]
+    out_ptrs = out_ptr + (bt * H + h[:, None]) * D + d[None, :]
+    tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d[None, :] < D))
+
+
+def _splits(programs: int, tiles: int) -> int:
+    """Key-range splits per (query, head group) so that about two programs per multiprocessor run."""
+    if not torch.cuda.is_available():
+        return min(2, tiles)
+    target = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, min(tiles, triton.cdiv(target, programs)))
+
+
+def sparse_attention_triton(
+    q: Tensor,
+    swa_data: Tensor,
+    swa_scale: Tensor,
+    swa_mask: Tensor,
+    kv_data: Tensor,
+    kv_scale: Tensor,
+    idx: Tensor,
+    sink: Tensor,
+    softmax_scale: float,
+    splits: int | None = None,
+) -> Tensor:
+    """`splits` overrides the number of key-range splits (tests use it to reach both output paths)."""
+    B, T, H, D = q.shape
+    W, N, K = swa_data.shape[1], kv_data.shape[1], idx.shape[2]
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    DP = triton.next_power_of_2(D)
+    block_h, block_n = 16, 16 if interpreting() else 32
+    head_groups = triton.cdiv(H, block_h)
+    tiles = max(1, triton.cdiv(W, block_n) + triton.cdiv(K, block_n))
+    n_splits = max(1, min(splits or _splits(B * T * head_groups, tiles), tiles))
+    tiles_per_split = triton.cdiv(tiles, n_splits)
+    n_splits = triton.cdiv(tiles, tiles_per_split)
+    partial_o = torch.empty((B * T, n_splits, H, DP) if n_splits > 1 else (0,), device=q.device)
+    partial_m = torch.empty((B * T, n_splits, H) if n_splits > 1 else (0,), device=q.device)
+    partial_l = torch.empty_like(partial_m)
+    args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), swa_mask.contiguous())
+    args += (kv_data.contiguous(), kv_scale.contiguous(), idx.to(torch.int32).contiguous(), sink.contiguous())
+    _sparse_attention_kernel[(B * T, head_groups, n_splits)](
+        *args, out, partial_o, partial_m, partial_l, T, H, W, N, K, softmax_scale * LOG2E, tiles_per_split,
+        D, DP, block_h, block_n, n_splits, interpreting(), num_warps=8,
+    )  # fmt: skip
+    if n_splits > 1:
+        _combine_kernel[(B * T, head_groups)](sink, partial_o, partial_m, partial_l, out, H, D, DP, block_h, n_splits)
+    return out

@@ -1,0 +1,150 @@
+"""Every Triton kernel against its torch reference, in Triton's CPU interpreter, on fresh random inputs.
+
+Tolerances follow the formats: quantised bytes, candidate masks and top-k indices are exact (top-k up to ties);
+indexer scores and attention differ from the reference only by fp32 summation order (the interpreter dots in
+fp32; the GPU's bf16 dots are checked at real sizes by `bench/kernels.py --check`).
+"""
+
+import pytest
+import torch
+from kernel_cases import attention_case, check_topk, generator, indexer_case, topk_case
+
+from model import kernels, quant
+from model.kernels.sparse_attn import sparse_attention_triton
+from model.kernels.topk import topk_indices_triton
+
+FORMATS = ["kv_fp4", "index_fp4", "swa_fp8"]
+
+
+def quantise(fmt: str, x: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return getattr(kernels, f"quantize_{fmt}")(x, backend=backend)
+
+
+def dequantise(fmt: str, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    return getattr(kernels, f"dequantize_{fmt}")(data, scale, dtype, backend=backend)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    ("shape", "dtype", "magnitude"),
+    [((3, 64), torch.float32, 1.0), ((2, 5, 512), torch.bfloat16, 3.0), ((7, 96), torch.float16, 1e-3),
+     ((1, 32), torch.float32, 1e30), ((4, 128), torch.float32, 1e-30), ((0, 64), torch.float32, 1.0)],
+)  # fmt: skip
+def test_quantise_bytes_are_exact(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, magnitude: float) -> None:
+    x = (torch.randn(shape, generator=generator(shape[-1])) * magnitude).to(dtype)
+    if x.numel():
+        x.view(-1)[0] = 0.0
+    want = quantise(fmt, x, "torch")
+    got = quantise(fmt, x, "triton")
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantise(fmt, *want, out_dtype, "triton"), dequantise(fmt, *want, out_dtype, "torch"))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy warns about the inf block
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantise_ties_saturation_and_specials(fmt: str) -> None:
+    """Blocks made of exact rounding midpoints (ties to even), saturated maxima, zeros and infinities."""
+    g = generator(1)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 17.0, 19.0, 447.0, 448.0, 0.0, -0.0])
+    x = midpoints[torch.randint(0, len(midpoints), (16, 64), generator=g)]
+    x = x * torch.where(torch.rand(16, 64, generator=g) < 0.5, -1.0, 1.0) * 2.0 ** torch.randint(-8, 8, (16, 1))
+    x[3, :32] = 0.0  # an all-zero block: the amax floor decides the scale
+    x[5, 7] = float("inf")  # a non-finite block
+    want = quantise(fmt, x, "torch")
+    got = quantise(fmt, x, "triton")
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+def test_dequantise_bad_scale_shape_is_named() -> None:
+    data, scale = kernels.quantize_kv_fp4(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="scale shape"):
+        kernels.dequantize_kv_fp4(data, scale[:, :1], torch.float32, backend="triton")
+
+
+@pytest.mark.parametrize(
+    ("B", "T", "H", "Di", "S"),
+    [(2, 1, 4, 64, 50), (1, 3, 32, 128, 70), (3, 5, 3, 32, 33), (1, 1, 8, 128, 1), (2, 2, 2, 64, 0)],
+)
+def test_indexer_scores(B: int, T: int, H: int, Di: int, S: int) -> None:
+    case = indexer_case(generator(B * S + T), B, T, H, Di, S)
+    want = kernels.indexer_scores(*case)
+    got = kernels.indexer_scores(*case, backend="triton")
+    assert got.shape == want.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    # per position: Σ_h |w|·|q·K| bounds the magnitude of every partial sum; fp32 reorders errs well under 2^-20 of it
+    q = quant.fp4_dequant_ue8m0(*case[:2])
+    k = quant.fp4_dequant_ue8m0(*case[3:5])
+    bound = torch.einsum("bth,bths->bts", case[2].abs(), torch.einsum("bthd,bsd->bths", q, k).abs()) * 2.0**-20
+    finite = torch.isfinite(want)
+    assert ((got - want).abs()[finite] <= bound[finite] + 1e-30).all()
+
+
+@pytest.mark.parametrize(
+    ("S", "block_size", "topk_blocks"), [(37, 8, 2), (64, 8, 3), (20, 4, 10), (9, 8, 1), (300, 8, 5)]
+)
+def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int) -> None:
+    g = generator(S)
+    scores = torch.randn(2, 3, S, generator=g)
+    n_visible = torch.randint(0, S + 1, (2, 3), generator=g)
+    n_visible[0, 0], n_visible[1, 2] = 0, S
+    want = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks)
+    got = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks, backend="triton")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("R", "L", "k", "dtype", "paths"),
+    [
+        (3, 50, 8, torch.float32, {}),  # one program per row, straight from the scores
+        (4, 300, 16, torch.bfloat16, {}),
+        (2, 7, 16, torch.float32, {}),  # k beyond the row: −1 padding
+        (3, 300, 8, torch.float32, {"direct_max": 64, "groups": 32}),  # group max → threshold → gather → select
+        (5, 1000, 20, torch.float16, {"direct_max": 64, "groups": 128}),
+        (3, 300, 8, torch.bfloat16, {"direct_max": 64, "groups": 16, "capacity": 16}),  # candidate overflow
+    ],
+)
+def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
+    scores, lengths = topk_case(generator(L + k), R, L, dtype)
+    got = topk_indices_triton(scores, k, lengths, **paths)
+    check_topk(scores, lengths, k, got)
+    if dtype == torch.float32:  # no ties among random fp32 scores: the very same indices
+        assert torch.equal(got, kernels.topk_indices(scores, k, lengths))
+
+
+def test_topk_ties_go_to_the_lowest_positions() -> None:
+    scores = torch.zeros(3, 130)
+    scores[1, ::3] = 1.0
+    scores[2, 40:] = float("-inf")
+    for paths in ({}, {"direct_max": 64, "groups": 16, "capacity": 32}):
+        got = topk_indices_triton(scores, 10, None, **paths)
+        assert got[0].tolist() == list(range(10))
+        assert got[1].tolist() == list(range(0, 30, 3))
+        assert got[2].tolist() == list(range(10))
+    assert kernels.topk_indices(scores, 0, backend="triton").shape == (3, 0)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize(
+    ("B", "T", "H", "D", "W", "N", "K"), [(2, 2, 3, 64, 5, 9, 4), (1, 3, 20, 32, 40, 50, 30), (2, 1, 4, 96, 8, 30, 20)]
+)
+def test_sparse_attention(B: int, T: int, H: int, D: int, W: int, N: int, K: int, splits: int) -> None:
+    case = attention_case(generator(W + N), B, T, H, D, W, N, K)
+    want = kernels.sparse_attention(*case)
+    got = sparse_attention_triton(*case, splits=splits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got[0, 0].abs().max() == 0  # the query that sees only its sink
+
+
+def test_sparse_attention_keeps_the_query_dtype() -> None:
+    case = attention_case(generator(5), 1, 1, 16, 64, 8, 16, 8)
+    q = case[0].bfloat16()
+    got = kernels.sparse_attention(q, *case[1:], backend="triton")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, kernels.sparse_attention(q, *case[1:]), rtol=1e-2, atol=1e-2)
+
+
+def test_default_backend_without_gpu() -> None:
+    assert kernels.default_backend() == ("triton" if torch.cuda.is_available() else "torch")
