@@ -1,0 +1,390 @@
+"""The incremental output parser: model text → reasoning, answer, tool calls, stop.
+
+One explicit state machine. Each stage has *branches*, markers that end it; the earliest marker to
+complete wins (ties go to the earlier branch), the text before it gets the stage's action, the marker
+its own, and the next stage starts fresh. A marker cut by a chunk boundary is held back until it
+completes or fails, so the result is the same for any chunking of the same text.
+
+The markers and their precedence are deepseek-recipe's (a byte-level KMP matcher there); this parser
+finds them with `str.find` on the pending text, which gives the same matches. Two details are kept on
+purpose: a marker that absorbs preceding newlines (`\\n*</think>`, `\\n*<｜DSML｜`) does not count a
+newline that directly follows a broken partial marker, and leading newlines are dropped one at a time.
+
+In token mode the template tokens `</think>` and `｜DSML｜` reach the parser as private sentinels, so
+text that merely spells them (made of ordinary tokens) is never taken for a marker.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import NamedTuple
+
+import msgspec
+
+from recipe.options import ParsingOptions
+
+
+class Stage(enum.IntEnum):
+    CONTENT = 0
+    JSON = 1
+    MATCHED_JSON = 2
+    TOOL_CALLS = 3
+    TOOL_NAME = 4
+    TOOL_ARGS = 5
+    PARAM_NAME = 6
+    PARAM_TYPE = 7
+    PARAM_VALUE = 8
+    REASONING = 9
+    FINISHED = 10
+
+
+class Out(enum.IntEnum):
+    """What the parser reports: text kinds (coalesced), tool-call boundaries, a matched stop sequence."""
+
+    REASONING = 0
+    CONTENT = 1
+    TOOL_START = 2
+    ARGS = 3
+    TOOL_END = 4
+    STOP = 5
+
+
+class _Match(enum.IntEnum):
+    STRING = 0
+    NEWLINES = 1  # `\n*` + string
+    LEADING = 2  # one newline at the very start of a stage
+
+
+class _Act(enum.IntEnum):
+    SKIP = 0
+    RAW = 1
+    SPACE = 2
+    REASONING = 3
+    NAME = 4
+    ARGS_RAW = 5
+    ARGS_STRING = 6
+    LABEL = 7
+    JSON_LABEL = 8
+    TOOL_BEGIN = 9
+    TOOL_NAME_END = 10
+    ARGS_END = 11
+    STOP = 12
+
+
+class _Branch(NamedTuple):
+    match: _Match
+    pattern: str
+    stage: Stage
+    flag: bool  # the next stage's flag: leading (content, reasoning, arguments) or string (parameter value)
+    act: _Act
+    label: str = ""
+
+
+class Markers(NamedTuple):
+    """The spellings the parser looks for: literal text, or sentinels in token mode."""
+
+    think_end: str = "</think>"
+    dsml: str = "｜DSML｜"
+
+
+TEXT_MARKERS = Markers()
+JSON_BEGIN_LABELS = ("```json\n", "```\n")
+JSON_END_LABEL = "\n```"
+
+_escape_json = msgspec.json.encode
+
+
+def _partial(text: str, pattern: str) -> int:
+    """Length of the longest proper prefix of `pattern` that `text` ends with."""
+    first = pattern[0]
+    index = text.find(first, max(0, len(text) - len(pattern) + 1))
+    while index >= 0:
+        if pattern.startswith(text[index:]):
+            return len(text) - index
+        index = text.find(first, index + 1)
+    return 0
+
+
+class _Stage(NamedTuple):
+    branches: tuple[_Branch, ...]
+    unmatched: _Act
+    trigger: re.Pattern[str]  # characters that can start a marker (or a newline run before one)
+
+
+class Parser:
+    """Feed text chunks, get `(Out, text)` items; `finish()` flushes what is held back.
+
+    After a matched stop sequence `stopped` is True and the parser ignores further text; after the
+    tool-calls block closes, later text is discarded too (`closed`).
+    """
+
+    def __init__(
+        self,
+        options: ParsingOptions,
+        markers: Markers = TEXT_MARKERS,
+        restore: dict[str, str] | None = None,
+        *,
+        track: bool = False,
+    ) -> None:
+        self.options = options
+        self.markers = markers
+        self._restore = restore or {}
+        # With `track`, `spans` lists the input ranges (offsets into all text fed) of reasoning and answer
+        # text each feed emitted, so logprobs can follow the tokens they belong to.
+        self.track = track
+        self.spans: list[tuple[Out, int, int]] = []
+        self.fed = 0
+        self._stages: dict[tuple[Stage, bool], _Stage] = {}
+        self.stop_sequence: str | None = None
+        self.tool_calls = 0
+        self._out: list[tuple[Out, str]] = []
+        self._held = ""
+        self._context = ""  # text flushed earlier in this stage (its tail decides a newline quirk)
+        self._name: list[str] = []
+        self._spaced = False
+        self._base = 0
+        if options.starts_in_tool_calls:
+            self._enter(Stage.TOOL_CALLS, False)
+        elif options.thinking_stage == "reasoning_start":
+            self._enter(Stage.REASONING, True)
+        elif options.thinking_stage == "reasoning_continuation":
+            self._enter(Stage.REASONING, False)
+        elif options.thinking_stage == "content_continuation":
+            self._enter(Stage.CONTENT, False)
+        else:
+            self._enter(Stage.CONTENT, True)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_sequence is not None
+
+    @property
+    def closed(self) -> bool:
+        return self.stage is Stage.FINISHED
+
+    @property
+    def resolved(self) -> int:
+        """How much of the text fed so far is decided (the rest is held back as a possible marker)."""
+        return self.fed - len(self._held)
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.stage is Stage.REASONING
+
+    def feed(self, chunk: str) -> list[tuple[Out, str]]:
+        self._out = []
+        self.spans = []
+        self._base = self.fed - len(self._held)
+        self.fed += len(chunk)
+        if self.stage is not Stage.FINISHED:
+            text = self._held + chunk if self._held else chunk
+            self._held = ""
+            self._scan(text)
+        return self._out
+
+    def finish(self) -> list[tuple[Out, str]]:
+        self._out = []
+        self.spans = []
+        if self._held:
+            self._base = self.fed - len(self._held)
+            self._unmatched(self._held, 0)
+            self._held = ""
+        return self._out
+
+    # -- stages -----------------------------------------------------------------------------------------
+
+    def _enter(self, stage: Stage, flag: bool) -> None:
+        self.stage, self.flag = stage, flag
+        self.fresh = flag and stage in (Stage.CONTENT, Stage.REASONING)
+        self._context = ""
+        self._spaced = False
+        spec = self._stages.get((stage, flag))
+        if spec is None:
+            spec = self._stages[(stage, flag)] = self._build(stage, flag)
+        self._spec = spec
+
+    def _build(self, stage: Stage, flag: bool) -> _Stage:
+        opts, m = self.options, self.markers
+        dsml_begin = _Branch(_Match.NEWLINES, "<" + m.dsml, Stage.TOOL_CALLS, False, _Act.SKIP)
+        dsml_end = "</" + m.dsml
+        stops = [_Branch(_Match.STRING, s, Stage.FINISHED, False, _Act.STOP) for s in opts.stop_sequences if s]
+        branches: list[_Branch] = []
+        if stage is Stage.CONTENT:
+            if opts.parse_json_output:
+                branches += [_Branch(_Match.STRING, label, Stage.JSON, False, _Act.SKIP) for label in JSON_BEGIN_LABELS]
+                branches += [_Branch(_Match.STRING, c, Stage.JSON, False, _Act.JSON_LABEL, c) for c in "{["]
+            else:
+                branches += stops
+            if opts.parse_tool_calls:
+                branches.append(dsml_begin)
+            if flag:
+                branches.append(_Branch(_Match.LEADING, "\n", Stage.CONTENT, True, _Act.SKIP))
+            branches.append(_Branch(_Match.STRING, m.think_end, Stage.CONTENT, False, _Act.SKIP))
+            unmatched = _Act.SPACE if opts.parse_json_output else _Act.RAW
+        elif stage is Stage.JSON:
+            branches += [*stops, _Branch(_Match.STRING, JSON_END_LABEL, Stage.MATCHED_JSON, False, _Act.SKIP)]
+            unmatched = _Act.RAW
+        elif stage is Stage.MATCHED_JSON:
+            if opts.parse_tool_calls:
+                branches.append(dsml_begin)
+            unmatched = _Act.SPACE
+        elif stage is Stage.TOOL_CALLS:
+            branches.append(_Branch(_Match.STRING, 'invoke name="', Stage.TOOL_NAME, False, _Act.TOOL_BEGIN))
+            for block in ("tool_calls", " calls"):
+                branches.append(_Branch(_Match.STRING, f"{dsml_end}{block}>", Stage.FINISHED, False, _Act.SKIP))
+            unmatched = _Act.SKIP
+        elif stage is Stage.TOOL_NAME:
+            branches.append(_Branch(_Match.STRING, '"', Stage.TOOL_ARGS, True, _Act.TOOL_NAME_END))
+            unmatched = _Act.NAME
+        elif stage is Stage.TOOL_ARGS:
+            label, end = ('{"', "{}") if flag else (', "', "}")
+            branches.append(_Branch(_Match.STRING, 'parameter name="', Stage.PARAM_NAME, False, _Act.LABEL, label))
+            branches.append(_Branch(_Match.STRING, dsml_end, Stage.TOOL_CALLS, False, _Act.ARGS_END, end))
+            unmatched = _Act.SKIP
+        elif stage is Stage.PARAM_NAME:
+            branches.append(_Branch(_Match.STRING, '"', Stage.PARAM_TYPE, False, _Act.LABEL, '": '))
+            unmatched = _Act.ARGS_RAW
+        elif stage is Stage.PARAM_TYPE:
+            branches.append(_Branch(_Match.STRING, 'true">', Stage.PARAM_VALUE, True, _Act.LABEL, '"'))
+            branches.append(_Branch(_Match.STRING, 'false">', Stage.PARAM_VALUE, False, _Act.SKIP))
+            unmatched = _Act.SKIP
+        elif stage is Stage.PARAM_VALUE:
+            act = _Act.LABEL if flag else _Act.SKIP
+            branches.append(_Branch(_Match.STRING, dsml_end, Stage.TOOL_ARGS, False, act, '"'))
+            unmatched = _Act.ARGS_STRING if flag else _Act.ARGS_RAW
+        elif stage is Stage.REASONING:
+            if opts.parse_tool_calls:
+                branches.append(dsml_begin)
+            if flag:
+                branches.append(_Branch(_Match.LEADING, "\n", Stage.REASONING, True, _Act.SKIP))
+            branches.append(_Branch(_Match.NEWLINES, m.think_end, Stage.CONTENT, True, _Act.SKIP))
+            unmatched = _Act.REASONING
+        else:
+            unmatched = _Act.SKIP
+        starts = {b.pattern[0] for b in branches} | {"\n" for b in branches if b.match is not _Match.STRING}
+        trigger = re.compile("[" + "".join(re.escape(c) for c in sorted(starts)) + "]" if starts else "(?!)")
+        return _Stage(tuple(branches), unmatched, trigger)
+
+    # -- matching ---------------------------------------------------------------------------------------
+
+    def _scan(self, text: str) -> None:
+        pos, size = 0, len(text)
+        while pos < size:
+            spec = self._spec
+            hit = spec.trigger.search(text, pos)
+            if hit is None:
+                self.fresh = False
+                self._unmatched(text[pos:], pos)
+                return
+            if hit.start() > pos:
+                self.fresh = False
+                self._unmatched(text[pos : hit.start()], pos)
+                pos = hit.start()
+            best: _Branch | None = None
+            best_start = best_end = size + 1
+            for branch in spec.branches:
+                if branch.match is _Match.LEADING:
+                    if not self.fresh or text[pos] != "\n":
+                        continue
+                    start, end = pos, pos + 1
+                else:
+                    start = text.find(branch.pattern, pos)
+                    if start < 0:
+                        continue
+                    end = start + len(branch.pattern)
+                    if branch.match is _Match.NEWLINES:
+                        start = self._newlines_before(text, pos, start, branch.pattern)
+                if end < best_end:
+                    best, best_start, best_end = branch, start, end
+            if best is None:
+                break
+            self._unmatched(text[pos:best_start], pos)
+            self._matched(best, text[best_start:best_end])
+            self._enter(best.stage, best.flag)
+            pos = best_end
+            if self.stage is Stage.FINISHED:
+                return
+        if pos >= size:
+            return
+        rest = text[pos:]
+        hold = max(self._holding(rest, branch) for branch in self._spec.branches)
+        self.fresh = False
+        if hold < len(rest):
+            self._unmatched(rest[: len(rest) - hold], pos)
+        self._held = rest[len(rest) - hold :]
+
+    def _newlines_before(self, text: str, pos: int, start: int, pattern: str) -> int:
+        """Where a `\\n*pattern` match begins: the newlines right before `start` (within this stage),
+        less the first one if it followed a partial `pattern` (the matcher had not reset yet)."""
+        run = start
+        while run > pos and text[run - 1] == "\n":
+            run -= 1
+        if run < start and _partial(self._context + text[pos:run], pattern):
+            run += 1
+        return run
+
+    def _holding(self, rest: str, branch: _Branch) -> int:
+        """How much of `rest`'s tail may still become `branch`'s marker."""
+        if branch.match is _Match.LEADING:
+            return 0
+        held = _partial(rest, branch.pattern)
+        if branch.match is _Match.NEWLINES:
+            end = len(rest) - held
+            held += end - self._newlines_before(rest, 0, end, branch.pattern)
+        return held
+
+    # -- output -----------------------------------------------------------------------------------------
+
+    def _emit(self, kind: Out, text: str) -> None:
+        if self._restore:
+            for sentinel, spelling in self._restore.items():
+                if sentinel in text:
+                    text = text.replace(sentinel, spelling)
+        out = self._out
+        if out and out[-1][0] is kind and kind is not Out.TOOL_START and kind is not Out.TOOL_END:
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+
+    def _unmatched(self, text: str, at: int) -> None:
+        """Emit `text` (found at `at` in the scanned text) with the stage's action."""
+        if not text:
+            return
+        context = self._context + text
+        self._context = context[-32:]
+        act = self._spec.unmatched
+        if act is _Act.RAW:
+            self._emit(Out.CONTENT, text)
+        elif act is _Act.REASONING:
+            self._emit(Out.REASONING, text)
+        elif act is _Act.ARGS_RAW:
+            self._emit(Out.ARGS, text)
+        elif act is _Act.ARGS_STRING:
+            self._emit(Out.ARGS, _escape_json(text)[1:-1].decode())
+        elif act is _Act.NAME:
+            self._name.append(text)
+        elif act is _Act.SPACE and not self._spaced:
+            self._spaced = True
+            self._emit(Out.CONTENT, " ")
+        if self.track and act in (_Act.RAW, _Act.REASONING, _Act.SPACE):
+            start = self._base + at
+            self.spans.append((Out.REASONING if act is _Act.REASONING else Out.CONTENT, start, start + len(text)))
+
+    def _matched(self, branch: _Branch, text: str) -> None:
+        act = branch.act
+        if act is _Act.LABEL:
+            self._emit(Out.ARGS, branch.label)
+        elif act is _Act.JSON_LABEL:
+            self._emit(Out.CONTENT, branch.label)
+        elif act is _Act.TOOL_BEGIN:
+            self._name = []
+        elif act is _Act.TOOL_NAME_END:
+            self.tool_calls += 1
+            self._emit(Out.TOOL_START, "".join(self._name))
+        elif act is _Act.ARGS_END:
+            self._emit(Out.ARGS, branch.label)
+            self._emit(Out.TOOL_END, "")
+        elif act is _Act.STOP:
+            self.stop_sequence = text
+            self._emit(Out.STOP, text)
