@@ -248,39 +248,41 @@ class KubernetesDiscovery:
         self._log_changes(changed)
         return listing["metadata"]["resourceVersion"]
 
-    def _run(self, resource_version: str) -> None:
-        from kubernetes import watch
+    def _run(self, resource_version: str | None) -> None:
+        """Watch from `resource_version`; when the watch ends, list again (after a pause if it failed)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
-        backoff = 1.0
-        while not self._stop.is_set():
+        pause = 0.0
+        while not self._stop.wait(pause):
             try:
-                self._watch = watch.Watch()
-                for event in self._watch.stream(
-                    self._api.list_namespaced_endpoint_slice,
-                    self.namespace,
-                    label_selector=self._selector,
-                    resource_version=resource_version,
-                    timeout_seconds=self._watch_timeout_s,
-                    allow_watch_bookmarks=True,
-                ):
-                    with self._lock:
-                        changed = self._table.apply(event["type"], event["raw_object"])
-                    self._log_changes(changed)
-                    backoff = 1.0
-                if not self._stop.is_set():
-                    resource_version = self._list()  # the watch ended (timeout): re-list, nothing is missed
-            except (ApiException, HTTPError, OSError, ValueError) as exc:
-                # 410 Gone (history compacted), API server restarts, network: re-list after a pause.
-                log.warning("endpointslice_watch_failed", error=str(exc), retry_in_s=backoff)
-                if self._stop.wait(backoff):
-                    return
-                backoff = min(backoff * 2, 30.0)
-                try:
+                if resource_version is None:
                     resource_version = self._list()
-                except (ApiException, HTTPError, OSError, ValueError) as relist:
-                    log.warning("endpointslice_list_failed", error=str(relist))
+                self._watch_from(resource_version)
+                resource_version, pause = None, 0.0  # the server ended the watch: list again, nothing is missed
+            except (ApiException, HTTPError, OSError, ValueError) as exc:
+                resource_version = None
+                # 410 Gone (the history was compacted) is cured by a fresh list at once; an API server restarting
+                # or network trouble by backing off.
+                gone = isinstance(exc, ApiException) and exc.status == 410
+                pause = 0.0 if gone else min(max(pause * 2, 1.0), 30.0)
+                log.warning("endpointslice_watch_failed", error=str(exc), retry_in_s=pause)
+
+    def _watch_from(self, resource_version: str) -> None:
+        from kubernetes import watch
+
+        self._watch = watch.Watch()
+        for event in self._watch.stream(
+            self._api.list_namespaced_endpoint_slice,
+            self.namespace,
+            label_selector=self._selector,
+            resource_version=resource_version,
+            timeout_seconds=self._watch_timeout_s,
+            allow_watch_bookmarks=True,
+        ):
+            with self._lock:
+                changed = self._table.apply(event["type"], event["raw_object"])
+            self._log_changes(changed)
 
     def _log_changes(self, roles: set[Role]) -> None:
         for role in sorted(roles):
