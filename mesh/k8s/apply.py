@@ -19,7 +19,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from mesh.k8s import ClusterError, ManifestError
-from mesh.k8s.kustomize import CLUSTER_SCOPED
+from mesh.k8s.kustomize import CLUSTER_SCOPED, mappings
 
 FIELD_MANAGER = "v41mesh"
 _FIRST = ("Namespace", "NetworkPolicy")
@@ -73,19 +73,14 @@ def required_secrets(calls: Iterable[ApplyCall]) -> list[SecretRef]:
 
 
 def _secret_names(obj: Any) -> Iterator[str]:
-    if isinstance(obj, Mapping):
+    for m in mappings(obj):
         for key in ("secretKeyRef", "secretRef"):
-            ref = obj.get(key)
+            ref = m.get(key)
             if isinstance(ref, Mapping) and not ref.get("optional", False):
                 yield ref["name"]
-        secret = obj.get("secret")
+        secret = m.get("secret")
         if isinstance(secret, Mapping) and "secretName" in secret and not secret.get("optional", False):
             yield secret["secretName"]
-        for value in obj.values():
-            yield from _secret_names(value)
-    elif isinstance(obj, list):
-        for value in obj:
-            yield from _secret_names(value)
 
 
 def _resource(client: DynamicClient, call: ApplyCall) -> Any:

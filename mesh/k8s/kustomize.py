@@ -298,16 +298,20 @@ def _config_map_refs(obj: Any) -> Iterator[dict[str, Any]]:
             yield from (s["configMap"] for s in sources if "name" in s.get("configMap", {}))
 
 
-def _pod_specs(obj: Any) -> Iterator[dict[str, Any]]:
-    """Pod specs anywhere in an object (Pod, Deployment, StatefulSet, Job, CronJob ...)."""
+def mappings(obj: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping inside a nested object, outermost first."""
     if isinstance(obj, dict):
-        if isinstance(obj.get("containers"), list):
-            yield obj
+        yield obj
         for value in obj.values():
-            yield from _pod_specs(value)
+            yield from mappings(value)
     elif isinstance(obj, list):
         for value in obj:
-            yield from _pod_specs(value)
+            yield from mappings(value)
+
+
+def _pod_specs(obj: Any) -> Iterator[dict[str, Any]]:
+    """Pod specs anywhere in an object (Pod, Deployment, StatefulSet, Job, CronJob ...)."""
+    return (m for m in mappings(obj) if isinstance(m.get("containers"), list))
 
 
 # --- transformers ---
