@@ -4,8 +4,10 @@ Everything is integer arithmetic on fp32 bit patterns (plus one exact fp32 round
 same bytes as the torch reference on the GPU and in the CPU interpreter alike, without relying on fp8 casts.
 """
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -98,3 +100,11 @@ def e2m1_decode(code):
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (where low-precision tl.dot is unreliable: kernels dot in fp32)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def multiprocessors() -> int:
+    """Streaming multiprocessors of the current GPU (1 without one: the interpreter runs programs one by one)."""
+    if not torch.cuda.is_available():
+        return 1
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import e2m1_decode, e4m3_decode, interpreting, ue8m0_decode
+from model.kernels.formats import e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
 
 LOG2E = math.log2(math.e)
@@ -78,7 +78,8 @@ def _entry_tile(kv_ptr, kvs_ptr, idx_ptr, b, bt, N, K, tile, BLOCK_N: tl.constex
     valid = entry >= 0
     row = b * N + tl.maximum(entry, 0)
     half = tl.arange(0, DP // 2)
-    packed = tl.load(kv_ptr + row[:, None] * (D // 2) + half[None, :], mask=valid[:, None] & (half[None, :] < D // 2))
+    ok_half = valid[:, None] & (half[None, :] < D // 2)
+    packed = tl.load(kv_ptr + row[:, None] * (D // 2) + half[None, :], mask=ok_half, other=0)
     codes = tl.reshape(tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4)), (BLOCK_N, DP))
     d = tl.arange(0, DP)
     ok = valid[:, None] & (d[None, :] < D)
@@ -100,7 +101,7 @@ def _sparse_attention_kernel(
     d = tl.arange(0, DP)
     h_ok = h < H
     q = tl.load(q_ptr + (bt * H + h[:, None]) * D + d[None, :], mask=h_ok[:, None] & (d[None, :] < D), other=0.0)
-    q = (q.to(tl.float32) * qk_scale).to(tl.float32 if DOT_F32 else tl.bfloat16)  # log2 units: exp2 below
+    q = q.to(tl.float32 if DOT_F32 else tl.bfloat16)  # exact for a bf16 q; the scale is applied in fp32 below
     ring_tiles = tl.cdiv(W, BLOCK_N)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, ring_tiles + tl.cdiv(K, BLOCK_N))
@@ -113,7 +114,7 @@ def _sparse_attention_kernel(
         else:
             kv, valid = _entry_tile(kv_ptr, kvs_ptr, idx_ptr, b, bt, N, K, tile - ring_tiles, BLOCK_N, D, DP)
         kv = kv.to(tl.float32 if DOT_F32 else tl.bfloat16)  # exact: ≤ 6 significant bits
-        s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)), float("-inf"))
+        s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * qk_scale, float("-inf"))  # log2 units: exp2 below
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp2 away from −inf − −inf
         alpha = tl.exp2(m_i - m_safe)
@@ -161,10 +162,7 @@ def _combine_kernel(
 
 def _splits(programs: int, tiles: int) -> int:
     """Key-range splits per (query, head group) so that about two programs per multiprocessor run."""
-    if not torch.cuda.is_available():
-        return min(2, tiles)
-    target = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    return max(1, min(tiles, triton.cdiv(target, programs)))
+    return max(1, min(tiles, triton.cdiv(2 * multiprocessors(), programs)))
 
 
 def sparse_attention_triton(

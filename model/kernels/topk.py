@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import interpreting
+from model.kernels.formats import interpreting, multiprocessors
 
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
@@ -207,8 +207,8 @@ def _low_bit(dtype: torch.dtype) -> int:
 
 
 def _programs_per_row(rows: int, tiles: int) -> int:
-    target = 4 * torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 4
-    return max(1, min(tiles, triton.cdiv(target, rows)))
+    """Programs per row for the two streaming passes: about four per multiprocessor in all."""
+    return max(1, min(tiles, triton.cdiv(4 * multiprocessors(), rows)))
 
 
 def topk_indices_triton(
@@ -231,10 +231,10 @@ def topk_indices_triton(
     lengths = lengths.to(torch.int32).contiguous()
     KP = triton.next_power_of_2(k)
     low_bit, pos_bits = _low_bit(scores.dtype), max(1, (L - 1).bit_length())
-    tile = 64 if interpreting() else _SELECT_TILE
+    tile = 256 if interpreting() else _SELECT_TILE
     if scores.shape[1] <= direct_max:
         none = torch.empty(0, device=device, dtype=torch.uint32)
-        _select_kernel[(R,)](x, lengths, none, none, none, out, L, 0, k, pos_bits, True, low_bit, tile, KP)
+        _select_kernel[(R,)](x, lengths, none, none, none, out, L, 0, k, pos_bits, True, low_bit, tile, KP, num_warps=8)
         return out
     G = groups or max(1024, triton.next_power_of_2(4 * k))
     C = capacity or 8 * KP
@@ -247,5 +247,5 @@ def topk_indices_triton(
     _group_max_kernel[(R, P)](x, lengths, part, L, P, G)
     _threshold_kernel[(R,)](part, threshold, P, k, G, low_bit)
     _gather_kernel[(R, P)](x, lengths, threshold, count, ckey, cpos, L, P, C, G)
-    _select_kernel[(R,)](x, lengths, count, ckey, cpos, out, L, C, k, pos_bits, False, low_bit, tile, KP)
+    _select_kernel[(R,)](x, lengths, count, ckey, cpos, out, L, C, k, pos_bits, False, low_bit, tile, KP, num_warps=8)
     return out

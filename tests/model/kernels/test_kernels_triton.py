@@ -115,7 +115,7 @@ def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[st
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
-    scores = torch.zeros(3, 130)
+    scores = torch.zeros(3, 130, dtype=torch.bfloat16)
     scores[1, ::3] = 1.0
     scores[2, 40:] = float("-inf")
     for paths in ({}, {"direct_max": 64, "groups": 16, "capacity": 32}):
