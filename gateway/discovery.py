@@ -36,6 +36,10 @@ SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/
 log = get_logger("gateway")
 
 
+class DiscoveryError(RuntimeError):
+    """Discovery cannot start; the message says what is missing."""
+
+
 class Replica(msgspec.Struct, frozen=True, order=True):
     """One replica the router may send work to."""
 
@@ -226,10 +230,18 @@ class KubernetesDiscovery:
     def start(self) -> None:
         """List once here (an RBAC or connection problem fails the gateway's start-up), then watch in a thread."""
         from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         if self._api is None:
-            self._api = client.DiscoveryV1Api()
-        resource_version = self._list()
+            self._api = client.DiscoveryV1Api()  # the configuration make_discovery loaded in-cluster
+        try:
+            resource_version = self._list()
+        except (ApiException, HTTPError, OSError) as exc:
+            raise DiscoveryError(
+                f"cannot list EndpointSlices in namespace {self.namespace!r}: {exc}; the gateway's ServiceAccount "
+                "needs get/list/watch on discovery.k8s.io endpointslices (Role gateway-discovery, k8s/base)"
+            ) from None
         threading.Thread(target=self._run, args=(resource_version,), name="endpointslice-watch", daemon=True).start()
 
     def close(self) -> None:

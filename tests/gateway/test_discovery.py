@@ -16,6 +16,7 @@ import kubernetes
 import pytest
 
 from gateway.discovery import (
+    DiscoveryError,
     EndpointTable,
     KubernetesDiscovery,
     Replica,
@@ -153,8 +154,9 @@ def test_kubernetes_discovery_outside_a_cluster_falls_back_to_static(monkeypatch
 
 
 class _ApiStandIn(BaseHTTPRequestHandler):
-    """Serves GET .../endpointslices: listings from `lists`, watch streams from `watches` (one per watch request;
-    a "PAUSE" entry holds the stream until `proceed` is set; once they run out, a watch stays open until `release`)."""
+    """Serves GET .../endpointslices: listings (or a Status with its `code`) from `lists`, watch streams from
+    `watches` (one per watch request; a "PAUSE" entry holds the stream until `proceed` is set; once they run out, a
+    watch stays open until `release`)."""
 
     lists: list[dict[str, Any]]
     watches: list[list[dict[str, Any]]]
@@ -169,10 +171,11 @@ class _ApiStandIn(BaseHTTPRequestHandler):
         type(self).requests.append(query)
         assert urlparse(self.path).path == "/apis/discovery.k8s.io/v1/namespaces/v41mesh/endpointslices"
         assert query["labelSelector"] == ["kubernetes.io/service-name in (decode,prefill)"]
-        self.send_response(200)
+        listing = type(self).lists.pop(0) if query.get("watch") != ["true"] else None
+        self.send_response(listing.get("code", 200) if listing else 200)
         self.send_header("Content-Type", "application/json")
-        if query.get("watch") != ["true"]:
-            body = json.dumps(type(self).lists.pop(0)).encode()
+        if listing is not None:
+            body = json.dumps(listing).encode()
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -247,3 +250,15 @@ def test_list_then_watch_then_relist_after_410_gone(api_stand_in: type[_ApiStand
         assert [q for q in api_stand_in.requests if q.get("watch") == ["true"]][1]["resourceVersion"] == ["300"]
     finally:
         discovery.close()
+
+
+def test_a_forbidden_first_listing_fails_start_with_what_to_grant(api_stand_in: type[_ApiStandIn]) -> None:
+    forbidden = (
+        'endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:v41mesh:default" cannot list '
+        'resource "endpointslices"'
+    )
+    api_stand_in.lists = [{"kind": "Status", "code": 403, "reason": "Forbidden", "message": forbidden}]
+    config = kubernetes.client.Configuration(host=api_stand_in.url)  # type: ignore[attr-defined]
+    api = kubernetes.client.DiscoveryV1Api(kubernetes.client.ApiClient(config))
+    with pytest.raises(DiscoveryError, match=r"cannot list EndpointSlices in namespace 'v41mesh': \(403\)"):
+        KubernetesDiscovery("v41mesh", api=api).start()
