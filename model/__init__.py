@@ -1,0 +1,48 @@
+"""A faithful DeepSeek-V4.1-Flash in PyTorch: config and presets, modules, packed KV layouts, the serving split.
+
+Imports only torch, numpy, safetensors, tqdm, tokenizers and the standard library (DESIGN §2). See docs/model.md.
+"""
+
+from model.config import PRESETS, ModelArgs, preset
+from model.dspark import Draft
+from model.kv import LAYOUT_VERSION, EncoderState, GlobalKVBlock, PackedEntries, global_kv_bytes_per_token
+from model.sampling import SamplingParams, sample, speculative_accept
+from model.serving import DecodeBatch, Past, PrefillOutput, SequenceExport, VerifyResult
+from model.transformer import Transformer
+from model.weights import (
+    build_model,
+    checkpoint_fingerprint,
+    init_weights,
+    load_checkpoint,
+    load_weights,
+    model_fingerprint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "PRESETS",
+    "DecodeBatch",
+    "Draft",
+    "EncoderState",
+    "GlobalKVBlock",
+    "ModelArgs",
+    "PackedEntries",
+    "Past",
+    "PrefillOutput",
+    "SamplingParams",
+    "SequenceExport",
+    "Transformer",
+    "VerifyResult",
+    "build_model",
+    "checkpoint_fingerprint",
+    "global_kv_bytes_per_token",
+    "init_weights",
+    "load_checkpoint",
+    "load_weights",
+    "model_fingerprint",
+    "preset",
+    "sample",
+    "save_checkpoint",
+    "speculative_accept",
+]

@@ -1,0 +1,200 @@
+"""Attention of every layer: own q, own FP8 SWA window, shared CSA2 compressed KV (reference §2.3–2.5).
+
+    c^Q = q_norm(W_qa x)             q = RoPE(W_qb c^Q)          (no per-head q norm in V4.1)
+    k = v = FP8(RoPE(kv_norm(W_kv x)))                           (one latent, the layer's own window entry)
+    o = Σᵢ pᵢ vᵢ,  pᵢ = exp(sᵢ) / (Σⱼ exp(sⱼ) + exp(sink_h))      over [window ‖ selected compressed entries]
+    out = W_ob · concat_g(W_oa,g · RoPE⁻¹(o)_g)                  (grouped low-rank output)
+
+Full layers also own the compressor and indexer keys (they write the shared compressed KV); index sources (Full,
+Reindex) select Top-K; Reuse layers attend with their index source's indices over their KV source's entries.
+Every layer keeps its own window, but the compressed entries that also lie inside the window are attended as well
+(the reference does not exclude them: they are different vectors).
+
+Two forms of the same math: `forward` (whole sequences, fake-quantised floats, dense masked attention,
+differentiable — training and the oracle) and `forward_step` (a `Step` over the packed cache, through
+`model.kernels`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from model import kernels, quant
+from model.cache import Step
+from model.compressor import Compressor
+from model.config import ModelArgs
+from model.indexer import Indexer, Selection, backend, kernel_float
+from model.linear import Linear, RMSNorm, param_dtype
+from model.rope import Rope
+
+
+class SharedEntries(Selection):
+    """Dense-path cross-layer slots: Top-K and candidate pool, plus each owner's fake-quantised entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv: dict[int, Tensor] = {}  # owner → main KV values [B, N, D]
+        self.index_k: dict[int, tuple[Tensor, Tensor]] = {}  # owner → packed indexer K (data, scale)
+
+
+def dense_attention(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor, softmax_scale: float) -> Tensor:
+    """q [B, T, H, D] over key sets [(keys = values [B, S, D], mask [B, T, S]), …] → o [B, T, H, D].
+
+    One softmax over every allowed key of every set and the per-head sink, which joins the denominator only.
+    """
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q = q.to(compute)
+    logits = [
+        (torch.einsum("bthd,bsd->bhts", q, keys.to(compute)) * softmax_scale).masked_fill(~mask.unsqueeze(1), -math.inf)
+        for keys, mask in parts
+    ]
+    B, H, T, _ = logits[0].shape
+    logits.append(sink.to(compute).view(1, H, 1, 1).expand(B, H, T, 1))
+    p = torch.cat(logits, dim=-1).softmax(-1).split([k.shape[1] for k, _ in parts] + [1], dim=-1)
+    return sum(torch.einsum("bhts,bsd->bthd", pk, keys.to(compute)) for pk, (keys, _) in zip(p, parts, strict=False))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, projection_only: bool = False, dtype: torch.dtype | None = None):
+        """`projection_only`: the layer-L/2 stub of an encoder-only model (compressor + indexer keys only)."""
+        super().__init__()
+        self.args, self.layer, self.role = args, layer, args.role(layer)
+        H, D, C = args.num_attention_heads, args.head_dim, args.hidden_size
+        G, R = args.o_groups, args.o_lora_rank
+        self.rope = Rope(args, self.role.yarn)
+        self.softmax_scale = 1.0 / math.sqrt(D)
+        if not projection_only:
+            fp8 = "fp8" if args.quantization_config else "bf16"
+            self.wq_a = Linear(C, args.q_lora_rank, fp8, dtype)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps, dtype)
+            self.wq_b = Linear(args.q_lora_rank, H * D, fp8, dtype)
+            self.wkv = Linear(C, D, fp8, dtype)
+            self.kv_norm = RMSNorm(D, args.rms_norm_eps, dtype)
+            self.wo_a = Linear(H * D // G, G * R, "bf16", dtype)  # block-diagonal: [G·R, H·D/G] viewed [G, R, H·D/G]
+            self.wo_b = Linear(G * R, C, fp8, dtype)
+            self.attn_sink = nn.Parameter(torch.zeros(H, dtype=param_dtype("fp32", dtype or torch.get_default_dtype())))
+        if self.role.owns_kv:
+            self.compressor = Compressor(args, layer, dtype)
+        queries = self.role.owns_index_query and not projection_only
+        if queries or self.role.owns_kv:
+            self.indexer = Indexer(args, self.role, queries, dtype)
+
+    # --------------------------------------------------------------------------------------------- pieces
+    def query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(q latent c^Q [B, T, q_lora], rotated q [B, T, H, D])."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
+        return qr, self.rope.rotate(q, positions)
+
+    def window_kv(self, x: Tensor, positions: Tensor) -> Tensor:
+        """This layer's rotated K=V latent [B, T, D] (before the FP8 cast)."""
+        return self.rope.rotate(self.kv_norm(self.wkv(x)), positions)
+
+    def entry_latents(self, latent: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+        """Pre-RoPE latents [B, G, D] of entries first.. → (rotated main KV, rotated indexer K), entry j at j·m."""
+        positions = (first.unsqueeze(1) + torch.arange(latent.shape[1], device=latent.device)) * self.role.ratio
+        return self.rope.rotate(latent, positions), self.rope.rotate(self.indexer.keys(latent), positions)
+
+    def index_queries(self, x: Tensor, qr: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Packed FP4 indexer queries (data, scale) [B, T, H, ·] and fp32 head weights [B, T, H]."""
+        q, w = self.indexer.queries(x, qr)
+        q_data, q_scale = kernels.quantize_index_fp4(self.rope.rotate(q, positions), backend=backend(q))
+        return q_data, q_scale, w.float()
+
+    def project_out(self, o: Tensor, positions: Tensor) -> Tensor:
+        """RoPE⁻¹ on o's rope dims, then the grouped low-rank output projection."""
+        a = self.args
+        o = self.rope.rotate(o, positions, inverse=True).to(self.wo_a.weight.dtype)
+        o = o.flatten(-2).unflatten(-1, (a.o_groups, -1))
+        wo_a = self.wo_a.weight.view(a.o_groups, a.o_lora_rank, -1)
+        return self.wo_b(torch.einsum("btgd,grd->btgr", o, wo_a).flatten(-2))
+
+    # ------------------------------------------------------------------------------------------ dense path
+    def forward(self, x: Tensor, shared: SharedEntries, window_start: int = 0) -> Tensor:
+        """Whole sequences x [B, T, C] from position 0. `window_start` truncates the window (bounded replay)."""
+        a, role = self.args, self.role
+        B, T = x.shape[:2]
+        positions = torch.arange(T, device=x.device).expand(B, T)
+        qr, q = self.query(x, positions)
+        kv = quant.fake_quant_fp8(self.window_kv(x, positions))
+        i, j = positions[0].unsqueeze(1), positions[0].unsqueeze(0)
+        parts = [(kv, ((j <= i) & (j > i - a.sliding_window) & (j >= window_start)).expand(B, T, T))]
+        if role.ratio:
+            if role.owns_kv:
+                self.dense_entries(x, shared)
+            n_visible = torch.div(positions + 1, role.ratio, rounding_mode="floor")
+            if role.owns_index_query:
+                k_data, k_scale = shared.index_k[role.kv_source]
+                q_data, q_scale, w = self.index_queries(x, qr, positions)
+                scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=backend(x))
+                shared.select(a, role, scores, n_visible)
+            comp = shared.kv[role.kv_source]
+            idx = shared.topk[role.index_source].long()
+            chosen = torch.zeros(B, T, comp.shape[1] + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(2, torch.where(idx < 0, comp.shape[1], idx), True)  # −1 lands in a dropped column
+            parts.append((comp, chosen[..., :-1]))
+        o = dense_attention(q, parts, self.attn_sink, self.softmax_scale)
+        return self.project_out(o, positions)
+
+    def dense_entries(self, x: Tensor, shared: SharedEntries) -> None:
+        """Owner: fake-quantised main KV values and packed indexer K of every complete group."""
+        latent = self.compressor(x)
+        first = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+        kv, k = self.entry_latents(latent, first)
+        shared.kv[self.layer] = quant.fake_quant_fp4_e4m3(kv)
+        shared.index_k[self.layer] = kernels.quantize_index_fp4(k, backend=backend(k))
+
+    # ----------------------------------------------------------------------------------------- packed path
+    def forward_step(self, x: Tensor, step: Step) -> Tensor:
+        """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
+        a, role, be = self.args, self.role, backend(x)
+        positions = step.positions
+        qr, q = self.query(x, positions)
+        swa_data, swa_scale = kernels.quantize_swa_fp8(self.window_kv(x, positions), backend=be)
+        swa_data, swa_scale, swa_mask = step.window(self.layer, swa_data, swa_scale)
+        compressed = None
+        if role.ratio:
+            if role.owns_kv and not step.replay:
+                self.write_entries(x, step)
+            n_visible = step.n_visible(role.ratio)
+            kv_data, kv_scale, k_data, k_scale = step.cache.entries[role.kv_source].view(
+                step.rows, int(n_visible.max())
+            )
+            if role.owns_index_query:
+                q_data, q_scale, w = self.index_queries(x, qr, positions)
+                scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)
+                step.selection.select(a, role, scores, n_visible)
+            compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])
+        return self.attend_packed(q, positions, (swa_data, swa_scale, swa_mask), compressed)
+
+    def attend_packed(
+        self,
+        q: Tensor,
+        positions: Tensor,
+        window: tuple[Tensor, Tensor, Tensor],
+        compressed: tuple[Tensor, Tensor, Tensor] | None,
+    ) -> Tensor:
+        """Sparse attention over [window keys (data, scale, mask) ‖ selected compressed entries (data, scale, idx)]."""
+        B, T, D = q.shape[0], q.shape[1], self.args.head_dim
+        if compressed is None:  # SWA-only layer: no compressed entries, no indices
+            compressed = (
+                q.new_zeros(B, 0, D // 2, dtype=torch.uint8),
+                q.new_zeros(B, 0, D // 16, dtype=torch.uint8),
+                torch.full((B, T, 0), -1, dtype=torch.int32, device=q.device),
+            )
+        kv_data, kv_scale, idx = compressed
+        sink = self.attn_sink.float()
+        qk = kernel_float(q)
+        o = kernels.sparse_attention(qk, *window, kv_data, kv_scale, idx, sink, self.softmax_scale, backend=backend(q))
+        return self.project_out(o.to(q.dtype), positions)
+
+    def write_entries(self, x: Tensor, step: Step) -> None:
+        """Owner: compress this step's complete groups and write their packed entries ahead into the cache."""
+        latent, first, count = self.compressor.forward_step(x, step)
+        kv, k = self.entry_latents(latent, torch.tensor(first, device=x.device))
+        be = backend(x)
+        packed = (*kernels.quantize_kv_fp4(kv, backend=be), *kernels.quantize_index_fp4(k, backend=be))
+        step.cache.entries[self.layer].write(step.rows, first, count, packed)

@@ -1,0 +1,62 @@
+"""One transformer layer: (Engram) → attention site → FFN site, joined by Single-Pass mHC (reference §2.8, §4.2).
+
+a_pre, a_post, a_comb = mixes(hc_attn, X)
+X ← hc_expand(attn(attn_norm(collapse(X, pre_prev))), X, a_post, a_comb)     pre_prev: previous FFN site's pre
+f_pre, f_post, f_comb = mixes(hc_ffn, X)
+X ← hc_expand(ffn(ffn_norm(collapse(X, a_pre))), X, f_post, f_comb)          → hands f_pre to the next layer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from model.attention import Attention
+from model.config import ModelArgs
+from model.engram import Engram
+from model.linear import RMSNorm, param_dtype
+from model.mhc import hc_collapse, hc_expand, hc_mixes, hc_split_sinkhorn
+from model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, projection_only: bool = False, dtype: torch.dtype | None = None):
+        """`projection_only`: layer L/2 in an encoder-only model keeps just attn_norm and its KV projections."""
+        super().__init__()
+        self.args, self.layer = args, layer
+        C, n = args.hidden_size, args.hc_mult
+        self.attn_norm = RMSNorm(C, args.rms_norm_eps, dtype)
+        self.attn = Attention(args, layer, projection_only, dtype)
+        if projection_only:
+            return
+        self.ffn_norm = RMSNorm(C, args.rms_norm_eps, dtype)
+        self.ffn = MoE(args, dspark=layer >= args.num_hidden_layers, dtype=dtype)
+        fp32 = param_dtype("fp32", dtype or torch.get_default_dtype())
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty((2 + n) * n, n * C, dtype=fp32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=fp32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=fp32)))
+        if args.role(layer).engram:
+            self.engram = Engram(args, layer, dtype)
+
+    def mixes(self, site: str, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a = self.args
+        m = hc_mixes(X, getattr(self, f"hc_{site}_fn"), a.rms_norm_eps)
+        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
+        return hc_split_sinkhorn(m, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps)
+
+    def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
+        return self.attn_norm(hc_collapse(X, pre))
+
+    def forward(self, X: Tensor, pre: Tensor, attend: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+        """X [B, T, n, C], pre [B, T, n] (the previous FFN site's input mix) → (X, this FFN site's pre-mix).
+
+        `attend` runs this layer's attention on the collapsed, normed input (dense or packed-cache form).
+        """
+        a_pre, a_post, a_comb = self.mixes("attn", X)
+        X = hc_expand(attend(self.attention_input(X, pre)), X, a_post, a_comb)
+        f_pre, f_post, f_comb = self.mixes("ffn", X)
+        X = hc_expand(self.ffn(self.ffn_norm(hc_collapse(X, a_pre))), X, f_post, f_comb)
+        return X, f_pre

@@ -1,0 +1,294 @@
+"""Packed inference state of a batch of sequences, and one forward step over it.
+
+`KVCache` holds, for up to `capacity` sequences in rows 0..n−1 (rows compacted on removal, so a step reads plain
+leading views and never gathers):
+
+- an FP8 SWA ring per attention layer: `sliding_window` slots, slot = position mod W, E4M3 bytes + UE8M0 scale
+  bytes + the position each slot holds (−1 = empty; a ring rebuilt by bounded replay starts empty);
+- per KV-source (Full owner) layer, its compressed entries as packed FP4 (main KV: E2M1 + E4M3 scale per 16;
+  indexer K: E2M1 + UE8M0 scale per 32), entry j at index j, grown by doubling;
+- per m>1 compressor, the pending partial group (kv and gate logits of the pos mod m tokens since the last group);
+- H^{L/2} rows (the hc stream entering layer L/2 and its pre-mix) of the last W positions — the decoder's bounded
+  replay input — and the last n−1 token ids (Engram look-back).
+
+A `Step` runs T new positions of every active row. Layers read committed state plus the step's own new entries and
+*stage* their writes; `Step.commit(keep)` then keeps the first keep[b] positions of row b (verification drops
+rejected drafts). Compressed entries are written ahead into their buffers (a query sees them through its
+visibility count, so entries of dropped positions are simply overwritten later); rings, pending groups, H rows and
+history are written only on commit, since a ring write would overwrite slots that earlier queries still read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from model.config import ModelArgs
+from model.indexer import Selection
+
+
+def _grow(t: Tensor, dim: int, size: int) -> Tensor:
+    """t with dimension `dim` enlarged (zero-filled) to at least `size`, doubling to amortise copies."""
+    if t.shape[dim] >= size:
+        return t
+    new = max(size, 2 * t.shape[dim], 1)
+    shape = list(t.shape)
+    shape[dim] = new
+    out = t.new_zeros(shape) if t.dtype != torch.int64 else t.new_full(shape, -1)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+@dataclass
+class Ring:
+    """FP8 sliding-window ring of one layer for every row."""
+
+    data: Tensor  # uint8 [S, W, D]
+    scale: Tensor  # uint8 [S, W, D/32]
+    pos: Tensor  # int64 [S, W], −1 = empty
+
+    def window(self, rows: slice, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
+        """Keys = [committed ring ‖ this step's T entries] with mask[b, t, k]: key k lies in query t's window."""
+        W = self.data.shape[1]
+        kpos = torch.cat((self.pos[rows], new_pos), dim=1)
+        data = torch.cat((self.data[rows], new_data), dim=1)
+        scale = torch.cat((self.scale[rows], new_scale), dim=1)
+        k, q = kpos.unsqueeze(1), new_pos.unsqueeze(2)
+        return data, scale, (k >= 0) & (k <= q) & (k > q - W)
+
+    def commit(self, rows: slice, data: Tensor, scale: Tensor, pos: Tensor, keep: Tensor) -> None:
+        """Write the last ≤ W kept positions of each row into their slots (pos mod W)."""
+        b, t = _kept(keep, pos.shape[1], self.data.shape[1])
+        slots = pos[b, t] % self.data.shape[1]
+        b_cache = b + rows.start
+        self.data[b_cache, slots] = data[b, t]
+        self.scale[b_cache, slots] = scale[b, t]
+        self.pos[b_cache, slots] = pos[b, t]
+
+
+def _kept(keep: Tensor, T: int, W: int) -> tuple[Tensor, Tensor]:
+    """(row, column) of the last ≤ W of the first keep[b] columns of each row: the ring writes of a commit."""
+    t = torch.arange(T, device=keep.device)
+    return torch.nonzero((t < keep.unsqueeze(1)) & (t >= keep.unsqueeze(1) - W), as_tuple=True)
+
+
+@dataclass
+class Entries:
+    """Compressed entries of one KV-source layer: main KV and indexer K, packed."""
+
+    kv_data: Tensor  # uint8 [S, N, D/2]
+    kv_scale: Tensor  # uint8 [S, N, D/16]
+    k_data: Tensor  # uint8 [S, N, Di/2]
+    k_scale: Tensor  # uint8 [S, N, Di/32]
+
+    FIELDS = ("kv_data", "kv_scale", "k_data", "k_scale")
+
+    def reserve(self, n: int) -> None:
+        for name in self.FIELDS:
+            setattr(self, name, _grow(getattr(self, name), 1, n))
+
+    def write(self, rows: slice, first: list[int], count: list[int], packed: tuple[Tensor, ...]) -> None:
+        """Step row b takes packed[...][b, :count[b]] at entries first[b]…"""
+        self.reserve(max((f + c for f, c in zip(first, count, strict=True)), default=0))
+        for b, (f, c) in enumerate(zip(first, count, strict=True)):
+            if c:
+                for name, value in zip(self.FIELDS, packed, strict=True):
+                    getattr(self, name)[rows.start + b, f : f + c] = value[b, :c]
+
+    def view(self, rows: slice, n: int) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, name)[rows, :n] for name in self.FIELDS)
+
+
+@dataclass
+class Pending:
+    """The open group of an m>1 compressor: kv and gate logits of the (pos mod m) tokens since the last entry."""
+
+    kv: Tensor  # [S, m−1, D]
+    score: Tensor  # [S, m−1, D]
+
+
+class KVCache:
+    """Inference state of up to `capacity` sequences; rows 0..n_rows−1 are active."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        ring_layers: Iterable[int],
+        source_layers: Iterable[int],
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        capacity: int = 1,
+    ) -> None:
+        self.args, self.device, self.dtype = args, torch.device(device), dtype
+        S, W, D, Di = capacity, args.sliding_window, args.head_dim, args.index_head_dim
+        u8 = {"dtype": torch.uint8, "device": self.device}
+        self.rings = {
+            layer: Ring(
+                torch.zeros(S, W, D, **u8),
+                torch.zeros(S, W, D // 32, **u8),
+                torch.full((S, W), -1, dtype=torch.int64, device=self.device),
+            )
+            for layer in ring_layers
+        }
+        self.entries = {
+            layer: Entries(
+                torch.zeros(S, 0, D // 2, **u8),
+                torch.zeros(S, 0, D // 16, **u8),
+                torch.zeros(S, 0, Di // 2, **u8),
+                torch.zeros(S, 0, Di // 32, **u8),
+            )
+            for layer in source_layers
+        }
+        ratios = {layer: args.compress_ratios[layer] for layer in self.entries}
+        wide = {"dtype": torch.promote_types(dtype, torch.float32), "device": self.device}  # gated compressors are fp32
+        self.pending = {
+            layer: Pending(torch.zeros(S, m - 1, D, **wide), torch.zeros(S, m - 1, D, **wide))
+            for layer, m in ratios.items()
+            if m > 1
+        }
+        hc, C, h = args.hc_mult, args.hidden_size, args.engram_max_ngram_size - 1
+        self.hidden = torch.zeros(S, W, hc, C, dtype=dtype, device=self.device)  # H^{L/2}, slot = pos mod W
+        self.hidden_pre = torch.zeros(S, W, hc, dtype=dtype, device=self.device)
+        self.history = torch.full((S, h), -1, dtype=torch.int64, device=self.device)
+        self.pos: list[int] = []  # committed positions per active row
+
+    # ------------------------------------------------------------------------------------------------ rows
+    @property
+    def n_rows(self) -> int:
+        return len(self.pos)
+
+    @property
+    def capacity(self) -> int:
+        return self.history.shape[0]
+
+    def _row_tensors(self) -> list[tuple[object, str]]:
+        owners: list[tuple[object, str]] = [(self, "hidden"), (self, "hidden_pre"), (self, "history")]
+        for ring in self.rings.values():
+            owners += [(ring, "data"), (ring, "scale"), (ring, "pos")]
+        for entries in self.entries.values():
+            owners += [(entries, name) for name in Entries.FIELDS]
+        for pending in self.pending.values():
+            owners += [(pending, "kv"), (pending, "score")]
+        return owners
+
+    def add_row(self) -> int:
+        """A fresh empty row (position 0); grows the capacity by doubling when full."""
+        row = self.n_rows
+        if row == self.capacity:
+            for owner, name in self._row_tensors():
+                setattr(owner, name, _grow(getattr(owner, name), 0, row + 1))
+        for owner, name in self._row_tensors():
+            t = getattr(owner, name)
+            t[row] = -1 if t.dtype == torch.int64 else 0
+        self.pos.append(0)
+        return row
+
+    def remove_row(self, row: int) -> None:
+        """Drop a row; the last row moves into its place (callers track the new order)."""
+        last = self.n_rows - 1
+        if row != last:
+            for owner, name in self._row_tensors():
+                t = getattr(owner, name)
+                t[row] = t[last]
+            self.pos[row] = self.pos[last]
+        self.pos.pop()
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def step(
+        self,
+        tokens: Tensor | None,
+        rows: slice | None = None,
+        positions: Tensor | None = None,
+        replay: bool = False,
+        history: Tensor | None = None,
+    ) -> Step:
+        """A forward over tokens [B, T] of cache rows `rows` (all active rows by default) at their next positions.
+
+        A bounded replay (`replay`) runs at explicit `positions` whose global entries are cached already: owners
+        write no entries, positions and history do not advance; SWA rings (and H rows) are rebuilt. Its `history`
+        is the Engram look-back before the first replayed token (the decoder replay has no tokens at all: it
+        starts from H^{L/2}).
+        """
+        rows = slice(0, self.n_rows) if rows is None else rows
+        if positions is None:
+            start = torch.tensor(self.pos[rows], dtype=torch.int64, device=self.device)
+            positions = start.unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device)
+        return Step(self, rows, tokens, positions, replay, self.history[rows] if history is None else history)
+
+
+@dataclass
+class Step:
+    """One forward over positions [B, T]: cross-layer slots (Top-K, candidate pool) and staged writes."""
+
+    cache: KVCache
+    rows: slice  # cache rows of the step's rows 0..B−1
+    tokens: Tensor | None  # [B, T]
+    positions: Tensor  # int64 [B, T]
+    replay: bool
+    history: Tensor  # int64 [B, n−1] token ids before the step (Engram look-back)
+    selection: Selection = field(default_factory=Selection)  # Top-K per index source, candidate pool
+    rings: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer → staged (data, scale) [B, T, ·]
+    groups: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer → (kv, score, n_open)
+    hidden: tuple[Tensor, Tensor] | None = None  # staged H^{L/2} rows (X [B, T, n, C], pre [B, T, n])
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def start(self) -> list[int]:
+        return self.positions[:, 0].tolist()
+
+    def n_visible(self, ratio: int) -> Tensor:
+        """[B, T] compressed entries visible to each query: entry j once j < ⌊(t+1)/m⌋."""
+        return torch.div(self.positions + 1, ratio, rounding_mode="floor")
+
+    def window(self, layer: int, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Stage this step's ring entries of a layer; return its attention keys and window mask."""
+        self.rings[layer] = (data, scale)
+        return self.cache.rings[layer].window(self.rows, data, scale, self.positions)
+
+    def commit(self, keep: list[int] | None = None) -> None:
+        """Keep the first keep[b] positions of row b (all by default) and advance the rows' positions."""
+        cache, B, T = self.cache, self.batch, self.length
+        keep = [T] * B if keep is None else keep
+        keep_t = torch.tensor(keep, dtype=torch.int64, device=cache.device)
+        for layer, (data, scale) in self.rings.items():
+            cache.rings[layer].commit(self.rows, data, scale, self.positions, keep_t)
+        for layer, (kv, score, n_open) in self.groups.items():
+            self._commit_group(layer, kv, score, n_open, keep)
+        if self.hidden is not None:
+            self._commit_hidden(keep_t)
+        if not self.replay:
+            h = cache.history.shape[1]
+            for b, k in enumerate(keep):
+                r = self.rows.start + b
+                seen = torch.cat((cache.history[r], self.tokens[b, :k]))
+                cache.history[r] = seen[seen.shape[0] - h :]
+                cache.pos[r] = int(self.positions[b, 0]) + k
+
+    def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: list[int], keep: list[int]) -> None:
+        """New open group = the kept tokens after the last complete group (kv/score are group-aligned)."""
+        m = self.cache.args.compress_ratios[layer]
+        pending = self.cache.pending[layer]
+        for b, (o, k) in enumerate(zip(n_open, keep, strict=True)):
+            end = o + k
+            lo = end // m * m
+            pending.kv[self.rows.start + b, : end - lo] = kv[b, lo:end]
+            pending.score[self.rows.start + b, : end - lo] = score[b, lo:end]
+
+    def _commit_hidden(self, keep: Tensor) -> None:
+        X, pre = self.hidden
+        W = self.cache.args.sliding_window
+        b, t = _kept(keep, self.length, W)
+        slots = self.positions[b, t] % W
+        self.cache.hidden[b + self.rows.start, slots] = X[b, t]
+        self.cache.hidden_pre[b + self.rows.start, slots] = pre[b, t]

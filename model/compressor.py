@@ -1,0 +1,68 @@
+"""CSA2 compressor of a KV-source (Full) layer: one latent entry per m tokens (reference §2.4).
+
+    m = 2 (encoder owners):  entry j over tokens {2j, 2j+1}:  Cⱼ = RMSNorm(Σₜ softmaxₜ(Zₜ) ⊙ (W_KV xₜ)),  Z = W_Z x
+    m = 1 (decoder owner):   Cₜ = RMSNorm(W_KV xₜ)   — CED: layer L/2's input is the encoder output H^{L/2}
+
+Non-overlapping, no positional bias (V4.1 dropped V4's overlap and APE). The latent is returned pre-RoPE: the
+indexer key is projected from it; the caller rotates it at position j·m and quantises it to FP4.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from model.cache import Step
+from model.config import ModelArgs
+from model.linear import Linear, RMSNorm
+
+
+class Compressor(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.layer, self.ratio = layer, args.compress_ratios[layer]
+        # Gated m=2 compressors keep fp32 weights (reference); the m=1 projection is a plain bf16 linear.
+        fmt = "fp32" if self.ratio > 1 else "bf16"
+        self.wkv = Linear(args.hidden_size, args.head_dim, fmt, dtype)
+        if self.ratio > 1:
+            self.wgate = Linear(args.hidden_size, args.head_dim, "fp32", dtype)
+        self.norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
+
+    def pool(self, kv: Tensor, score: Tensor) -> Tensor:
+        """kv, score [..., G, m, D] → pre-RoPE latents [..., G, D]: per-channel softmax over the m tokens."""
+        return self.norm((kv * score.softmax(dim=-2)).sum(-2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Whole sequences from position 0: x [B, T, C] → latents [B, ⌊T/m⌋, D] of the complete groups."""
+        m = self.ratio
+        kv = self.wkv(x)
+        if m == 1:
+            return self.norm(kv)
+        G = x.shape[1] // m
+        groups = (x.shape[0], G, m, kv.shape[-1])
+        return self.pool(kv[:, : G * m].reshape(groups), self.wgate(x)[:, : G * m].reshape(groups))
+
+    def forward_step(self, x: Tensor, step: Step) -> tuple[Tensor, list[int], list[int]]:
+        """Latents completed by this step: (latents [B, G, D], first entry index per row, count per row).
+
+        An m>1 group may straddle steps: the open group's tokens are prepended (group-aligned per row) and the
+        step stages the aligned kv/gate sequence so that commit can keep the new open group.
+        """
+        m, start = self.ratio, step.start
+        kv = self.wkv(x)
+        if m == 1:
+            return self.norm(kv), start, [step.length] * step.batch
+        score = self.wgate(x)
+        pending = step.cache.pending[self.layer]
+        n_open = [s % m for s in start]
+        L = -(-(m - 1 + step.length) // m) * m
+        aligned_kv = kv.new_zeros(step.batch, L, kv.shape[-1])
+        aligned_score = score.new_zeros(step.batch, L, kv.shape[-1])
+        for b, o in enumerate(n_open):
+            r = step.rows.start + b
+            aligned_kv[b, :o], aligned_score[b, :o] = pending.kv[r, :o], pending.score[r, :o]
+            aligned_kv[b, o : o + step.length], aligned_score[b, o : o + step.length] = kv[b], score[b]
+        step.groups[self.layer] = (aligned_kv, aligned_score, n_open)
+        groups = (step.batch, L // m, m, kv.shape[-1])
+        latents = self.pool(aligned_kv.view(groups), aligned_score.view(groups))
+        return latents, [s // m for s in start], [(o + step.length) // m for o in n_open]

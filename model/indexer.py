@@ -1,0 +1,127 @@
+"""Lightning indexer and the two-level (hierarchical) selection of CSA2 (reference §2.5).
+
+    Owner keys (Full layers):  Kᴵ = k_norm(W_k · latent_preRoPE), RoPE at the entry position, FP4 (UE8M0 / 32)
+    Queries (index sources):   qᴵ = W_qb · c^Q (the attention's q latent), RoPE, FP4;  w = W_w x · (Dᵢ·Hᵢ)^-½
+    Score:                     I[t, s] = Σₕ w[t, h] · ReLU(qᴵ[t, h] · Kᴵ[s]),  −∞ for s ≥ ⌊(t+1)/m⌋
+    Level 1 (candidate source, layer L/2): block score = max over candidate_block_size positions, keep the top
+        candidate_topk_blocks blocks (the block of the newest visible position pinned) → the candidate pool.
+    Level 2 (Reindex layers after it): I ← −∞ outside the pool, then their own top-k.
+    Top-k = min(index_topk, visible) positions sorted by position, −1 padded.
+
+Owner keys come from the owner's own key cache on every step. The reference's decode path instead scores against
+whichever indexer K was published last when no new group completed (§2.5 "known quirk"); we take the recommended
+HF/vLLM/MLX behaviour.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from model import kernels
+from model.config import LayerRole, ModelArgs
+from model.linear import Linear, RMSNorm
+
+
+def backend(t: Tensor) -> str:
+    """The kernel backend for tensors on t's device: Triton on a GPU, the torch reference elsewhere."""
+    return kernels.default_backend() if t.is_cuda else "torch"
+
+
+def kernel_float(t: Tensor) -> Tensor:
+    """The kernels take fp32/bf16/fp16 activations: a float64 model (exactness tests) hands them fp32."""
+    return t.float() if t.dtype == torch.float64 else t
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: ModelArgs, role: LayerRole, queries: bool, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        H, Di = args.index_n_heads, args.index_head_dim
+        fp8 = "fp8" if args.quantization_config else "bf16"
+        self.n_heads, self.head_dim = H, Di
+        if queries:
+            self.wq_b = Linear(args.q_lora_rank, H * Di, fp8, dtype)
+            self.weights_proj = Linear(args.hidden_size, H, "bf16", dtype)
+        if role.owns_kv:
+            self.wk = Linear(args.head_dim, Di, "bf16", dtype)
+            self.k_norm = RMSNorm(Di, args.rms_norm_eps, dtype)
+
+    def keys(self, latent: Tensor) -> Tensor:
+        """Pre-RoPE indexer keys [..., Dᵢ] of pre-RoPE compressed latents [..., D]."""
+        return self.k_norm(self.wk(latent))
+
+    def queries(self, x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor]:
+        """(pre-RoPE queries [B, T, H, Dᵢ], head weights [B, T, H] fp32) from the input x and the q latent qr."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        w = self.weights_proj(x).to(torch.promote_types(x.dtype, torch.float32))
+        return q, w * (1.0 / math.sqrt(self.head_dim * self.n_heads))
+
+
+def dense_scores(q: Tensor, w: Tensor, k: Tensor, n_visible: Tensor) -> Tensor:
+    """I [B, T, S] from fake-quantised q [B, T, H, Dᵢ], weights [B, T, H], keys [B, S, Dᵢ] (differentiable)."""
+    compute = w.dtype
+    dots = torch.einsum("bthd,bsd->bths", q.to(compute), k.to(compute)).relu()
+    scores = (dots * w.unsqueeze(-1)).sum(2)
+    hidden = torch.arange(k.shape[1], device=k.device) >= n_visible.unsqueeze(-1)
+    return scores.masked_fill(hidden, float("-inf"))
+
+
+def stable_topk(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor:
+    """kernels.topk_indices with ties broken toward the lower position, whatever the row length.
+
+    ReLU makes many scores exactly equal (all heads ≤ 0 → 0), and which tied positions a top-k keeps is otherwise
+    an accident of the implementation and of the row length, so a chunked prefill would select differently from a
+    one-shot one. The kernel finds the threshold (the k-th value); the kept set is every position above it plus the
+    lowest-positioned ties, selected by a second kernel call over exactly that set.
+    """
+    idx = kernels.topk_indices(scores, k, lengths, backend=backend(scores))
+    picked = idx >= 0
+    chosen = scores.gather(-1, idx.long().clamp_min(0)).masked_fill(~picked, math.inf)
+    threshold = chosen.amin(-1, keepdim=True)
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    valid = scores > -math.inf
+    if lengths is not None:
+        valid &= positions < lengths.unsqueeze(-1)
+    above = valid & (scores > threshold)
+    ties = valid & (scores == threshold)
+    need = picked.sum(-1, keepdim=True) - above.sum(-1, keepdim=True)
+    keep = above | (ties & (ties.cumsum(-1) <= need))
+    return kernels.topk_indices(keep.float().masked_fill(~keep, -math.inf), k, lengths, backend=backend(scores))
+
+
+def candidate_pool(scores: Tensor, n_visible: Tensor, block_size: int, topk_blocks: int) -> Tensor:
+    """Level-1 pool bool [B, T, S]: block max over block_size positions, the newest visible block pinned, the top
+    topk_blocks blocks (ties to the lower block, as in stable_topk), −∞ picks dropped."""
+    S = scores.shape[-1]
+    visible = torch.arange(S, device=scores.device) < n_visible.unsqueeze(-1)
+    padded = torch.nn.functional.pad(scores.masked_fill(~visible, -math.inf), (0, -S % block_size), value=-math.inf)
+    blocks = padded.unflatten(-1, (-1, block_size)).amax(-1)
+    newest = torch.div(n_visible - 1, block_size, rounding_mode="floor").clamp_min(0).unsqueeze(-1)
+    pinned = (n_visible.unsqueeze(-1) > 0) & (torch.arange(blocks.shape[-1], device=scores.device) == newest)
+    blocks = blocks.masked_fill(pinned, math.inf)
+    B, T, n_blocks = blocks.shape
+    picked = stable_topk(blocks.reshape(B * T, n_blocks), topk_blocks, None).view(B, T, -1).long()
+    kept = torch.zeros(B, T, n_blocks + 1, dtype=torch.bool, device=scores.device)
+    kept.scatter_(-1, torch.where(picked >= 0, picked, n_blocks), True)
+    return kept[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :S] & visible
+
+
+class Selection:
+    """The cross-layer slots of one forward: Top-K per index source and the candidate pool (SharedAttentionRuntime)."""
+
+    def __init__(self) -> None:
+        self.topk: dict[int, Tensor] = {}
+        self.candidates: Tensor | None = None
+
+    def select(self, args: ModelArgs, role: LayerRole, scores: Tensor, n_visible: Tensor) -> Tensor:
+        """Candidate pool (level 1) or restriction to it (level 2), then top-k; publishes and returns [B, T, K]."""
+        if role.candidate_source:
+            self.candidates = candidate_pool(scores, n_visible, args.candidate_block_size, args.candidate_topk_blocks)
+        elif role.uses_candidates:
+            scores = scores.masked_fill(~self.candidates, -math.inf)
+        B, T, S = scores.shape
+        idx = stable_topk(scores.reshape(B * T, S), args.index_topk, n_visible.reshape(-1))
+        self.topk[role.layer_id] = idx.view(B, T, -1)
+        return self.topk[role.layer_id]

@@ -1,0 +1,79 @@
+"""Token sampling and lossless speculative acceptance (DSpark verification, reference §4.4).
+
+Greedy decoding is the temperature-0 case of the same rule: its "distribution" is one-hot on the arg-max (ties to
+the lower id), so speculative verification with one-hot target and draft distributions accepts a draft exactly when
+it is the target's arg-max and otherwise emits that arg-max — plain greedy decoding, token for token.
+
+Acceptance (Leviathan et al. / Chen et al.): accept draft dₖ with probability min(1, p(dₖ)/q(dₖ)); at the first
+rejection emit a sample of norm(max(0, p − q)); when all ℓ drafts pass, emit a bonus sample of p_{ℓ+1}. The emitted
+tokens are distributed exactly as sampling the target autoregressively.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling: temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+
+    temperature: Tensor  # [B]
+    top_k: Tensor  # [B] int
+    top_p: Tensor  # [B]
+
+    @classmethod
+    def uniform(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
+        return cls(torch.full((batch,), temperature), torch.full((batch,), top_k), torch.full((batch,), top_p))
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
+        logits = logits.float()
+        shape = (-1,) + (1,) * (logits.dim() - 1)
+        t = self.temperature.to(logits.device).view(shape)
+        greedy = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        scaled = logits / t.clamp_min(1e-6)
+        k = self.top_k.to(logits.device).view(shape)
+        if bool((k > 0).any()):
+            k = k.clamp(0, logits.shape[-1]).expand(*scaled.shape[:-1], 1)
+            kth = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp_min(0))
+            scaled = torch.where((k > 0) & (scaled < kth), -torch.inf, scaled)
+        probs = scaled.softmax(-1)
+        p = self.top_p.to(logits.device).view(shape)
+        if bool((p < 1).any()):
+            sorted_probs, order = probs.sort(-1, descending=True)
+            outside = sorted_probs.cumsum(-1) - sorted_probs >= p  # keep the smallest prefix reaching top_p
+            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+            probs = probs / probs.sum(-1, keepdim=True)
+        return torch.where(t > 0, probs, greedy)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """probs [B, V] → token ids [B] (a one-hot row always gives its token)."""
+    return torch.multinomial(probs.float(), 1, generator=generator).squeeze(-1)
+
+
+def speculative_accept(
+    target: Tensor, draft: Tensor, drafts: Tensor, lengths: Tensor, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Lossless verification of drafts [B, K] (row b uses the first lengths[b]).
+
+    target [B, K+1, V]: target distribution of the position after the anchor and after each draft; draft [B, K, V]:
+    the distribution each draft was sampled from. Returns (accepted count [B], the token emitted after them [B]).
+    """
+    B, K = drafts.shape
+    p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    u = torch.rand(B, K, generator=generator, device=target.device)
+    ok = (u * q_d < p_d) & (torch.arange(K, device=target.device) < lengths.unsqueeze(1))
+    n = ok.long().cumprod(-1).sum(-1)  # leading accepted drafts
+    rows = torch.arange(B, device=target.device)
+    p_next = target[rows, n]
+    residual = (p_next - draft[rows, n.clamp(max=K - 1)]).clamp_min(0) if K else p_next
+    rejected = (n < lengths).unsqueeze(-1)
+    fallback = residual.sum(-1, keepdim=True) <= 0  # only when p = q up to rounding
+    dist = torch.where(rejected & ~fallback, residual, p_next)
+    return n, sample(dist / dist.sum(-1, keepdim=True), generator)

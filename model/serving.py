@@ -1,0 +1,316 @@
+"""The service split over packed caches: prefill (encoder half), bounded replay, decode, DSpark draft and verify.
+
+Semantics (DESIGN §3–4, reference §7.1). A *cold run* of a token sequence is: the encoder over every token with
+exact SWA windows, layer L/2's global KV projected from H^{L/2} for every token, then the decoder's **bounded
+replay** over the last W = sliding_window tokens from H^{L/2}, each decoder window truncated at the replay start
+(a query at i sees [max(s, i−W+1), i]). Decoder SWA state is never stored; it is always rebuilt this way, so:
+
+- `encode_prefill(tokens, past)` with past = (cached blocks of a prefix, the encoder state at the prefix end)
+  equals `encode_prefill(tokens)`: the encoder state is exact, and the uncached suffix continues it.
+- Without the encoder state (SWA record expired), the encoder rings are rebuilt by an encoder bounded replay of
+  the W tokens before the prefix end — the approximate path the paper accepts (results depend on the hit position).
+- `DecodeBatch.join(blocks, state)` restores a sequence and runs the decoder bounded replay (→ first logits);
+  `decode_step` / `verify` then advance every layer exactly, and `DecodeBatch.leave` exports the new complete blocks
+  and the end-of-sequence encoder state, so a next turn with that record equals a cold run of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from model.cache import KVCache, Step
+from model.dspark import Draft, absorb
+from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
+from model.mhc import hc_collapse, identity_pre
+from model.sampling import SamplingParams, sample, speculative_accept
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from model.transformer import Transformer
+
+
+@dataclass
+class Past:
+    """What the cache holds for a prefix: its complete global KV blocks and, if still pooled, its encoder state."""
+
+    blocks: list[GlobalKVBlock]
+    encoder_state: EncoderState | None = None
+
+
+@dataclass
+class PrefillOutput:
+    blocks: list[GlobalKVBlock]  # new complete blocks (indices from len(past.blocks))
+    encoder_state: EncoderState  # the handoff record at the end of the tokens
+    cached_tokens: int  # prefix tokens whose global KV came from the cache
+    swa_restored: bool  # the encoder rings came from past.encoder_state (exact)
+    bounded_replay: bool  # the encoder rings were rebuilt by bounded replay (approximate)
+
+
+@dataclass
+class SequenceExport:
+    """What a finished sequence writes back: new complete blocks and its end-of-sequence encoder state."""
+
+    blocks: list[GlobalKVBlock]
+    encoder_state: EncoderState
+
+
+@dataclass
+class VerifyResult:
+    accepted: Tensor  # int64 [B] drafts accepted per sequence
+    tokens: list[list[int]]  # per sequence: the accepted drafts + one corrected or bonus token (the next input)
+    logits: Tensor  # fp32 [B, 1+γ, V] target logits; emitted token j of a row was drawn from logits[:, j]
+
+
+def _history(tokens: Tensor, end: int, n: int) -> Tensor:
+    """The n token ids before position `end` (−1 before the sequence start) → [1, n]."""
+    before = tokens[max(0, end - n) : end]
+    pad = torch.full((n - before.shape[0],), -1, dtype=torch.int64, device=tokens.device)
+    return torch.cat((pad, before)).unsqueeze(0)
+
+
+# -------------------------------------------------------------------------------------------------- prefill
+def encode_chunk(model: Transformer, step: Step) -> None:
+    """Encoder layers over a step, H^{L/2} staged, and layer L/2's global KV projected from it."""
+    L2 = model.args.n_encoder_layers
+    X, pre = model.embed_stream(step.tokens)
+    X, pre = model.step_layers(step, X, pre, range(L2))
+    step.hidden = (X, pre)
+    if not step.replay:
+        projection = model.layers[L2]
+        projection.attn.write_entries(projection.attention_input(X, pre), step)
+
+
+def encode_prefill(
+    model: Transformer, tokens: Tensor | Sequence[int], past: Past | None, chunk_tokens: int = 512, progress=False
+) -> PrefillOutput:
+    """Run the encoder half over `tokens` (the whole sequence; `past` covers a prefix of it)."""
+    tokens = model.check_tokens(tokens).flatten()
+    N, Bt = tokens.shape[0], model.args.kv_block_tokens
+    if N == 0:
+        raise ValueError("encode_prefill needs at least one token")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    cache = model.new_cache(encoder_only=True)
+    row = cache.add_row()
+    replayed = False
+    with torch.no_grad():
+        if past is not None:
+            restore(cache, row, past.blocks, past.encoder_state)
+            start = cache.pos[row]
+            if start > N:
+                raise ValueError(f"the cached prefix covers {start} tokens but the sequence has only {N}")
+            if past.encoder_state is not None:
+                expected = _history(tokens, start, cache.history.shape[1])[0]
+                if not torch.equal(past.encoder_state.history.to(tokens.device), expected):
+                    raise ValueError("the encoder state does not belong to this token sequence (look-back ids differ)")
+            elif start > 0:
+                bounded_replay(model, cache, row, "encoder", tokens)
+                replayed = True
+        start = cache.pos[row]
+        chunks = range(start, N, chunk_tokens)
+        for a in tqdm(chunks, desc="prefill", unit="chunk", disable=not progress):
+            step = cache.step(tokens[None, a : a + chunk_tokens])
+            encode_chunk(model, step)
+            step.commit()
+    first = len(past.blocks) if past is not None else 0
+    return PrefillOutput(
+        blocks=export_blocks(cache, row, first, N // Bt, model.fingerprint),
+        encoder_state=export_state(cache, row, model.fingerprint),
+        cached_tokens=first * Bt if past is None or past.encoder_state is None else past.encoder_state.position,
+        swa_restored=past is not None and past.encoder_state is not None,
+        bounded_replay=replayed,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- replay
+def bounded_replay(model: Transformer, cache: KVCache, row: int, side: str, tokens: Tensor | None = None):
+    """Rebuild one row's SWA rings from its last W positions, each window truncated at the replay start.
+
+    `encoder`: recompute tokens [h−W, h) through the encoder (global KV stays the cached one); needs `tokens`.
+    `decoder`: run layers L/2..L−1 from the stored H^{L/2} rows, filling the decoder and DSpark rings; returns the
+    next-token logits [V] of the last position.
+    """
+    a = model.args
+    n, W, L2 = cache.pos[row], a.sliding_window, a.n_encoder_layers
+    s = max(0, n - W)
+    positions = torch.arange(s, n, device=cache.device).unsqueeze(0)
+    rows = slice(row, row + 1)
+    if side == "encoder":
+        if tokens is None:
+            raise ValueError("the encoder bounded replay needs the token ids")
+        h = cache.history.shape[1]
+        step = cache.step(tokens[None, s:n], rows, positions, replay=True, history=_history(tokens, s, h))
+        with torch.no_grad():
+            encode_chunk(model, step)
+        step.commit()
+        cache.history[row] = _history(tokens, n, h)[0]
+        return None
+    if side != "decoder":
+        raise ValueError(f"bounded_replay side must be 'encoder' or 'decoder', got {side!r}")
+    if n == 0:
+        raise ValueError("nothing to replay: the sequence is empty")
+    step = cache.step(None, rows, positions, replay=True)
+    X, pre = cache.hidden[row, positions[0] % W].unsqueeze(0), cache.hidden_pre[row, positions[0] % W].unsqueeze(0)
+    with torch.no_grad():
+        taps: list[Tensor] = []
+        X, pre = model.step_layers(step, X, pre, range(L2, a.num_hidden_layers), taps)
+        absorb(model.mtp, step, taps)
+        logits = model.logits(X[:, -1:], pre[:, -1:])
+    step.commit()
+    return logits[0, -1]
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+class DecodeBatch:
+    """Sequences decoded together by the full model (continuous batching: they join and leave between steps).
+
+    Rows of `seq_ids` order every batched argument and result; a leave moves the last row into the freed one.
+    """
+
+    def __init__(self, model: Transformer, capacity: int = 8) -> None:
+        if model.part != "full":
+            raise ValueError("decoding needs the full model (part='full')")
+        self.model, self.cache = model, model.new_cache(capacity)
+        self.seq_ids: list[int] = []
+        self._written: list[int] = []  # per row: complete blocks the cache service already holds
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def positions(self) -> list[int]:
+        return list(self.cache.pos)
+
+    def join(self, blocks: list[GlobalKVBlock], state: EncoderState) -> tuple[int, Tensor]:
+        """Restore a prefilled sequence, replay the decoder over its last W positions → (seq id, next logits [V])."""
+        if state.position == 0:
+            raise ValueError("cannot decode after an empty prompt")
+        row = self.cache.add_row()
+        try:
+            restore(self.cache, row, blocks, state)
+            logits = bounded_replay(self.model, self.cache, row, "decoder")
+        except Exception:
+            self.cache.remove_row(row)
+            raise
+        seq_id, self._next = self._next, self._next + 1
+        self.seq_ids.append(seq_id)
+        self._written.append(len(blocks))
+        return seq_id, logits
+
+    def leave(self, seq_id: int) -> SequenceExport:
+        """Remove a sequence; return its new complete blocks and its end-of-sequence encoder state."""
+        row = self.row(seq_id)
+        fp, Bt = self.model.fingerprint, self.model.args.kv_block_tokens
+        export = SequenceExport(
+            export_blocks(self.cache, row, self._written[row], self.cache.pos[row] // Bt, fp),
+            export_state(self.cache, row, fp),
+        )
+        self.cache.remove_row(row)
+        for lst in (self.seq_ids, self._written):
+            lst[row] = lst[-1]
+            lst.pop()
+        return export
+
+    def row(self, seq_id: int) -> int:
+        try:
+            return self.seq_ids.index(seq_id)
+        except ValueError:
+            raise KeyError(f"sequence {seq_id} is not in this batch") from None
+
+
+def _batch_tokens(model: Transformer, batch: DecodeBatch, tokens, T: int | None = None) -> Tensor:
+    tokens = model.check_tokens(tokens)
+    tokens = tokens.view(len(batch), -1) if tokens.numel() else tokens
+    if len(batch) == 0 or tokens.shape[0] != len(batch) or (T is not None and tokens.shape[1] != T):
+        raise ValueError(
+            f"expected {T or 1} token(s) for each of the {len(batch)} sequences, got {tuple(tokens.shape)}"
+        )
+    return tokens
+
+
+def forward_full(model: Transformer, step: Step) -> Tensor:
+    """Every layer over a step (H^{L/2} and DSpark rings staged) → fp32 logits [B, T, V]."""
+    a = model.args
+    X, pre = model.embed_stream(step.tokens)
+    X, pre = model.step_layers(step, X, pre, range(a.n_encoder_layers))
+    step.hidden = (X, pre)
+    taps: list[Tensor] = []
+    X, pre = model.step_layers(step, X, pre, range(a.n_encoder_layers, a.num_hidden_layers), taps)
+    absorb(model.mtp, step, taps)
+    return model.logits(X, pre)
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, batch: DecodeBatch, tokens) -> Tensor:
+    """Process one pending token per sequence; returns the next-token logits [B, V] (sampling is the caller's)."""
+    step = batch.cache.step(_batch_tokens(model, batch, tokens, 1))
+    logits = forward_full(model, step)
+    step.commit()
+    return logits[:, -1]
+
+
+@torch.no_grad()
+def dspark_draft(model: Transformer, batch: DecodeBatch, tokens, sampling: SamplingParams, generator=None) -> Draft:
+    """γ drafts per sequence after its pending token y (not yet committed): one forward of the DSpark blocks over
+    [y, noise…] at positions p+1…, then the Markov chain left to right."""
+    a = model.args
+    y = _batch_tokens(model, batch, tokens, 1)[:, 0]
+    B, g = y.shape[0], a.dspark_block_size
+    ids = torch.cat((y.unsqueeze(1), torch.full((B, g - 1), a.dspark_noise_token_id, device=y.device)), dim=1)
+    positions = torch.tensor(batch.cache.pos, device=y.device).unsqueeze(1) + torch.arange(g, device=y.device)
+    X, pre = model.embed_stream(ids)
+    for block in model.mtp:
+        X, pre = block(X, pre, lambda x, block=block: block.block_attention(x, batch.cache, positions))
+    last = model.mtp[-1]
+    x = hc_collapse(X, pre)
+    base = model.head(last.norm(x)).float()
+    tokens_out, probs, confidence, prev = [], [], [], y
+    for k in range(g):
+        e = last.markov_head.embed(prev)
+        q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
+        confidence.append(torch.sigmoid(last.confidence_head.proj(torch.cat((x[:, k], e.to(x.dtype)), -1)).float()))
+        prev = sample(q, generator)
+        tokens_out.append(prev)
+        probs.append(q)
+    return Draft(torch.stack(tokens_out, 1), torch.stack(probs, 1), torch.cat(confidence, -1))
+
+
+@torch.no_grad()
+def verify(
+    model: Transformer,
+    batch: DecodeBatch,
+    tokens,
+    draft: Draft,
+    sampling: SamplingParams,
+    lengths: Tensor | None = None,
+    generator=None,
+) -> VerifyResult:
+    """Target forward over [y, drafts] of every sequence, lossless acceptance, commit of y + accepted drafts.
+
+    `lengths` [B] (≤ γ, default γ) lets the engine verify fewer drafts per row, e.g. cut where the running product
+    of confidences drops. The returned tokens of a row are its accepted drafts plus the next pending token.
+    """
+    y = _batch_tokens(model, batch, tokens, 1)
+    B, g = draft.tokens.shape
+    lengths = torch.full((B,), g, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).cpu()
+    if len(batch) != B or bool(((lengths < 0) | (lengths > g)).any()):
+        raise ValueError(
+            f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(batch)}"
+        )
+    step = batch.cache.step(torch.cat((y, draft.tokens.to(y.device)), dim=1))
+    logits = forward_full(model, step)
+    device = logits.device
+    target, proposal = sampling.probs(logits), draft.probs.to(device)
+    accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths.to(device), generator)
+    step.commit((accepted + 1).tolist())
+    emitted = [[*draft.tokens[b, : int(accepted[b])].tolist(), int(nxt[b])] for b in range(B)]
+    return VerifyResult(accepted.cpu(), emitted, logits)
+
+
+__all__ = ["DecodeBatch", "Past", "PrefillOutput", "SequenceExport", "VerifyResult", "identity_pre"]

@@ -1,0 +1,193 @@
+"""DeepSeek-V4.1-Flash: embedding → 40 layers (CED encoder 0..19, decoder 20..39) → norm → head, plus DSpark.
+
+    X⁰ = embed(tokens) copied to hc_mult streams, pre = one-hot
+    for layer l:  (Engram)  →  Block (attention site, FFN site; Single-Pass mHC)
+    logits = head(norm(collapse(X^L, pre_L)))        (no learned hc_head in V4.1: the last FFN site's pre-mix)
+
+`part="encoder"` builds only what a prefill machine holds: the embedding, layers 0..L/2−1 (with their Engram) and
+layer L/2's attn_norm + compressor + indexer keys (the decoder's global KV is projected from H^{L/2}). `part="full"`
+adds the decoder, the head and the DSpark blocks.
+
+`forward` is the dense, differentiable form over whole sequences (training, and the oracle of the tests). The
+serving split — `encode_prefill`, `bounded_replay`, `decode_step`, `dspark_draft`, `verify` — runs the same modules
+over packed caches (model.serving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from model import serving
+from model.attention import SharedEntries
+from model.block import Block
+from model.cache import KVCache, Step
+from model.config import ModelArgs
+from model.dspark import Draft, DSparkBlock
+from model.engram import NgramHash
+from model.linear import Linear, RMSNorm
+from model.mhc import hc_collapse, identity_pre
+from model.sampling import SamplingParams
+from model.serving import DecodeBatch, Past, PrefillOutput, VerifyResult
+
+Part = Literal["full", "encoder"]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, part: Part = "full", dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not args.is_v41:
+            raise ValueError(f"model_type {args.model_type!r} is an accounting-only preset; it cannot be built")
+        if part not in ("full", "encoder"):
+            raise ValueError(f"part must be 'full' or 'encoder', got {part!r}")
+        self.args, self.part = args, part
+        L, L2, C = args.num_hidden_layers, args.n_encoder_layers, args.hidden_size
+        self.embed = nn.Embedding(args.vocab_size, C, dtype=dtype)
+        self.layers = nn.ModuleList(Block(args, i, dtype=dtype) for i in range(L if part == "full" else L2))
+        if part == "encoder":
+            self.layers.append(Block(args, L2, projection_only=True, dtype=dtype))
+        else:
+            self.norm = RMSNorm(C, args.rms_norm_eps, dtype)
+            self.head = Linear(C, args.vocab_size, "bf16", dtype)
+            self.mtp = nn.ModuleList(DSparkBlock(args, s, dtype) for s in range(args.num_nextn_predict_layers))
+        self._ngram: list[NgramHash] = []  # built on first use (needs the tokenizer; not needed on `meta`)
+        # Identifies config + weights in prefix-cache keys; set by model.weights (seed or checkpoint), b"" = unknown.
+        self.fingerprint = b""
+
+    # ---------------------------------------------------------------------------------------------- pieces
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def ngram(self) -> NgramHash:
+        if not self._ngram:
+            self._ngram.append(NgramHash(self.args).to(self.device))
+        return self._ngram[0]
+
+    def check_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
+        """int64 tensor of token ids; ValueError naming the first id outside the vocabulary."""
+        t = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
+        bad = (t < 0) | (t >= self.args.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(f"token id {int(t[bad][0])} is outside the vocabulary [0, {self.args.vocab_size})")
+        return t
+
+    def embed_stream(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens [B, T] → (X [B, T, n, C] with the embedding in every copy, one-hot pre-mix [B, T, n])."""
+        x = self.embed(tokens)
+        n = self.args.hc_mult
+        return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]), identity_pre(tokens.shape, n, x.dtype, x.device)
+
+    def engram_rows(self, tokens: Tensor, history: Tensor) -> dict[int, Tensor]:
+        return {layer: self.ngram.rows(layer, tokens, history) for layer in self.args.engram_layer_ids}
+
+    def logits(self, X: Tensor, pre: Tensor) -> Tensor:
+        """fp32 logits of the final stream (collapsed with the last FFN site's pre-mix)."""
+        return self.head(self.norm(hc_collapse(X, pre))).float()
+
+    def run_layers(
+        self,
+        layers: Iterable[int],
+        X: Tensor,
+        pre: Tensor,
+        attend: callable,
+        rows: dict[int, Tensor] | None = None,
+        taps: list[Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Layers in order; `attend(block, x)` runs a block's attention; collects DSpark taps when asked."""
+        for i in layers:
+            block = self.layers[i]
+            if hasattr(block, "engram"):
+                X = block.engram(X, rows[i])
+            if taps is not None and self.args.role(i).dspark_tap:
+                taps.append(X.mean(-2))  # hc-mean of the stream entering the target layer
+            X, pre = block(X, pre, lambda x, block=block: attend(block, x))
+        return X, pre
+
+    # ------------------------------------------------------------------------------------------ dense path
+    def forward(self, tokens: Tensor, replay_start: int = 0, return_taps: bool = False):
+        """Dense forward of whole sequences tokens [B, T] from position 0 → fp32 logits [B, T, V].
+
+        `replay_start` s truncates every decoder layer's window at s (a query at i sees [max(s, i−W+1), i]): the
+        cold-run semantics of the serving path, where decode rebuilds decoder windows by a bounded replay of the
+        last W tokens. With `return_taps`, also the DSpark target features [B, T, n_targets·C].
+        """
+        if self.part != "full":
+            raise ValueError("the dense forward needs the full model (part='full')")
+        tokens = self.check_tokens(tokens)
+        X, pre = self.embed_stream(tokens)
+        history = torch.full((tokens.shape[0], self.ngram.history_len), -1, dtype=torch.int64, device=self.device)
+        shared, L2, taps = SharedEntries(), self.args.n_encoder_layers, []
+
+        def attend(block: Block, x: Tensor) -> Tensor:
+            return block.attn(x, shared, replay_start if block.layer >= L2 else 0)
+
+        X, pre = self.run_layers(range(len(self.layers)), X, pre, attend, self.engram_rows(tokens, history), taps)
+        logits = self.logits(X, pre)
+        return (logits, torch.cat(taps, -1)) if return_taps else logits
+
+    # ----------------------------------------------------------------------------------------- packed path
+    def new_cache(self, capacity: int = 1, encoder_only: bool = False) -> KVCache:
+        """An empty packed cache: encoder rings and sources up to layer L/2 (prefill), or every ring incl. DSpark."""
+        a = self.args
+        L2 = a.n_encoder_layers
+        full = self.part == "full" and not encoder_only
+        rings = range(a.n_layers_total) if full else range(L2)
+        sources = [s for s in a.kv_source_layer_ids if full or s <= L2]
+        return KVCache(a, rings, sources, device=self.device, dtype=self.dtype, capacity=capacity)
+
+    def step_layers(self, step: Step, X: Tensor, pre: Tensor, layers: Iterable[int], taps=None):
+        """Run layers over a Step of the packed cache."""
+        layers = list(layers)
+        needs_rows = any(self.args.role(i).engram for i in layers)
+        rows = self.engram_rows(step.tokens, step.history) if needs_rows else None
+        return self.run_layers(layers, X, pre, lambda block, x: block.attn.forward_step(x, step), rows, taps)
+
+    # ------------------------------------------------------------------------------------ the serving split
+    def encode_prefill(
+        self,
+        tokens: Tensor | Sequence[int],
+        past: Past | None = None,
+        *,
+        chunk_tokens: int = 512,
+        progress: bool = False,
+    ) -> PrefillOutput:
+        """Encoder half over a sequence: new global KV blocks + the handoff encoder state (model.serving)."""
+        return serving.encode_prefill(self, tokens, past, chunk_tokens=chunk_tokens, progress=progress)
+
+    def bounded_replay(self, cache: KVCache, row: int, side: str, tokens: Tensor | None = None) -> Tensor | None:
+        """Rebuild a row's SWA rings from its last W positions (model.serving)."""
+        return serving.bounded_replay(self, cache, row, side, tokens)
+
+    def new_decode_batch(self, capacity: int = 8) -> DecodeBatch:
+        return serving.DecodeBatch(self, capacity)
+
+    def decode_step(self, batch: DecodeBatch, tokens: Tensor | Sequence[int]) -> Tensor:
+        """One token per sequence of the batch → next-token logits [B, V] (model.serving)."""
+        return serving.decode_step(self, batch, tokens)
+
+    def dspark_draft(
+        self, batch: DecodeBatch, tokens: Tensor | Sequence[int], sampling: SamplingParams, generator=None
+    ) -> Draft:
+        """γ drafts per sequence after the pending tokens (model.serving)."""
+        return serving.dspark_draft(self, batch, tokens, sampling, generator)
+
+    def verify(
+        self,
+        batch: DecodeBatch,
+        tokens: Tensor | Sequence[int],
+        draft: Draft,
+        sampling: SamplingParams,
+        lengths: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> VerifyResult:
+        """Lossless verification of the drafts; commits the accepted tokens (model.serving)."""
+        return serving.verify(self, batch, tokens, draft, sampling, lengths, generator)
