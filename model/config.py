@@ -436,7 +436,8 @@ TINY = ModelArgs(
     kv_block_tokens=16,
 )
 
-# GPU-sized: released head_dim / index dims / window, 12 layers (6 encoder), embeddings are about half the weights.
+# GPU-sized (~0.29 B parameters): released head_dim, index dims and window; 12 layers (6 encoder); the embedding,
+# head and Markov head are more than half of it.
 SMALL = ModelArgs(
     hidden_size=512,
     num_hidden_layers=12,
@@ -455,8 +456,8 @@ SMALL = ModelArgs(
     num_experts_per_tok=2,
     moe_intermediate_size=384,
     engram_layer_ids=(1, 4),
-    engram_num_embeddings=(240726, 241922),
-    engram_vocab_size=20000,
+    engram_num_embeddings=(96708, 98016),
+    engram_vocab_size=8000,
     engram_n_heads=4,
     engram_head_dim=64,
     dspark_target_layer_ids=(9, 10, 11),
