@@ -210,11 +210,12 @@ def render(r: Report) -> str:
     ]
     for key in ("total", "backbone", "engram", "dspark", "decode_active", "prefill_active"):
         lines.append(f"  {key:<15} {_fmt_params(getattr(r, f'params_{key}'))}")
-    lines += ["", f"single-token decode FLOPs ({r.flop_weighting})",
-              f"  {'context':>9} {'matmul':>10} {'attention':>10} {'indexer':>10} {'raw':>10} {'weighted':>10} {'vs 4K':>7}"]  # fmt: skip
+    columns = ("matmul", "attention", "indexer", "raw", "weighted")
+    header = " ".join(f"{c:>10}" for c in columns)
+    lines += ["", f"single-token decode FLOPs ({r.flop_weighting})", f"  {'context':>9} {header} {'vs 4K':>7}"]
     base = r.decode_flops[CONTEXTS[0]]["weighted"]
     for n, f in r.decode_flops.items():
-        g = [f"{f[k] / 1e9:>9.3f}G" for k in ("matmul", "attention", "indexer", "raw", "weighted")]
+        g = [f"{f[k] / 1e9:>9.3f}G" for k in columns]
         lines.append(f"  {n:>9,} {' '.join(g)} {f['weighted'] / base:>6.2f}x")
     return "\n".join(lines)
 
