@@ -4,6 +4,9 @@ The official encoder serialises tool schemas and non-string tool arguments with 
 so the prompt has `", "` / `": "` separators, unescaped non-ASCII and Python float spelling
 (`1e-05`, `1e+16`, `100.0`). Integers outside the 64-bit range are read as floats first, as the
 reference's JSON reader does (`1e+20` for `100000000000000000000`).
+
+V4 prompts spell small floats differently (deepseek-recipe's V4 encoder): decimals down to 1e-5
+(`0.00001`) and unpadded exponents below that (`1e-7`, not `1e-07`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,43 @@ _LONG_INTEGER = re.compile(rb"\d{19}")
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
-def dumps(value: Any) -> str:
-    """Python-style JSON text of a decoded JSON value."""
-    return _encode(value)
+def dumps(value: Any, *, v4: bool = False) -> str:
+    """Python-style JSON text of a decoded JSON value (`v4`: with V4's small-float spelling)."""
+    if not v4:
+        return _encode(value)
+    spellings: dict[str, str] = {}
+    text = _encode(_mark_v4_floats(value, spellings))
+    for mark, spelling in spellings.items():
+        text = text.replace(f'"{mark}"', spelling)
+    return text
+
+
+def _v4_float(value: float) -> str | None:
+    """V4's spelling of `value` where it differs from Python's (exponents -5 to -9), else None."""
+    text = repr(value)
+    mantissa, _, exponent = text.partition("e-0")
+    if not exponent:
+        return None
+    if exponent != "5":
+        return f"{mantissa}e-{exponent}"
+    sign, digits = ("-", mantissa[1:]) if mantissa.startswith("-") else ("", mantissa)
+    return f"{sign}0.0000{digits.replace('.', '')}"
+
+
+def _mark_v4_floats(value: Any, spellings: dict[str, str]) -> Any:
+    """`value` with each float V4 spells differently replaced by a unique placeholder string."""
+    if isinstance(value, float):
+        spelling = _v4_float(value)
+        if spelling is None:
+            return value
+        mark = f"\ufdef{len(spellings)}\ufdef"  # a noncharacter: never in real text
+        spellings[mark] = spelling
+        return mark
+    if isinstance(value, dict):
+        return {key: _mark_v4_floats(item, spellings) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_mark_v4_floats(item, spellings) for item in value]
+    return value
 
 
 def has_long_integers(raw: bytes) -> bool:

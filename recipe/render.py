@@ -101,6 +101,7 @@ class _Renderer:
         self.tokens = tokens
         self.history = history
         self.out = _Pieces()
+        self._user_text = False  # V4: whether the user messages merged so far have text
 
     def render(self) -> _Pieces:
         conv, tok, out = self.conv, self.tokens, self.out
@@ -124,16 +125,7 @@ class _Renderer:
                 if index == 0:
                     out.extend(head_extras)
             elif isinstance(message, User | ToolResult):
-                if isinstance(previous, User | ToolResult):
-                    out.plain("\n\n")
-                else:
-                    out.token(tok.user)
-                if isinstance(message, ToolResult):
-                    out.plain("<tool_result>")
-                    self._content(message.content)
-                    out.plain("</tool_result>")
-                else:
-                    self._content(message.content)
+                self._user(message, previous)
             elif isinstance(message, LatestReminder):
                 out.token(tok.latest_reminder)
                 out.plain(message.content)
@@ -143,6 +135,27 @@ class _Renderer:
         if not self.history and not (isinstance(previous, Assistant) and previous.prefix):
             self._generation_header()
         return out
+
+    def _user(self, message: User | ToolResult, previous: Message | None) -> None:
+        """A user message or tool result; consecutive ones share one user turn, joined by a blank line.
+        V4 first merges consecutive user messages, joining only the non-empty ones."""
+        out = self.out
+        joined = isinstance(previous, User | ToolResult)
+        merged = joined and self.version is ModelVersion.V4 and isinstance(previous, User) and isinstance(message, User)
+        if not joined:
+            out.token(self.tokens.user)
+        mark = len(out.texts)
+        if isinstance(message, ToolResult):
+            out.plain("<tool_result>")
+            self._content(message.content)
+            out.plain("</tool_result>")
+        else:
+            self._content(message.content)
+        has_text = len(out.texts) > mark
+        if joined and (not merged or (self._user_text and has_text)):
+            out.texts.insert(mark, "\n\n")
+            out.special = [i + 1 if i >= mark else i for i in out.special]
+        self._user_text = (merged and self._user_text) or has_text
 
     def _first_kept_reasoning(self, messages: list[Message]) -> int:
         """Index from which assistant turns keep their reasoning (len(messages): none do)."""
@@ -164,7 +177,8 @@ class _Renderer:
         conv, extras = self.conv, []
         if conv.uses_tools:
             extras += tools_head(self.version, self.tokens)
-            extras.append(("\n".join(_schema_line(tool) for tool in conv.tools), False))
+            v4 = self.version is ModelVersion.V4
+            extras.append(("\n".join(_schema_line(tool, v4) for tool in conv.tools), False))
             extras.append((TOOLS_TAIL, False))
         fmt = conv.response_format
         if fmt is not None and fmt.type != "regex":
@@ -172,7 +186,7 @@ class _Renderer:
                 extras.append((V4_JSON_OBJECT_FORMAT, False))
             else:
                 schema = {"type": "json_object"} if fmt.type == "json_object" else fmt.schema
-                extras.append((SCHEMA_FORMAT_HEAD + pyjson.dumps(schema), False))
+                extras.append((SCHEMA_FORMAT_HEAD + pyjson.dumps(schema, v4=self.version is ModelVersion.V4), False))
         return extras
 
     def _content(self, content: Content) -> None:
@@ -220,8 +234,11 @@ class _Renderer:
                 out.plain("\n")
             out.plain("<")
             out.token(dsml)
-            out.plain(f'{version.invoke_tag} name="{call.name}">\n')
-            for number, (key, value) in enumerate(_call_arguments(call).items()):
+            out.plain(f'{version.invoke_tag} name="{call.name}">')
+            arguments = _call_arguments(call)
+            # An empty call: V4.1 keeps an empty parameter line, V4 does not.
+            out.plain("\n" if arguments or version is ModelVersion.V4 else "\n\n")
+            for number, (key, value) in enumerate(arguments.items()):
                 if number:
                     out.plain("\n")
                 out.plain("<")
@@ -229,10 +246,11 @@ class _Renderer:
                 if isinstance(value, str):
                     out.plain(f'{version.parameter_tag} name="{key}" string="true">{value}</')
                 else:
-                    out.plain(f'{version.parameter_tag} name="{key}" string="false">{pyjson.dumps(value)}</')
+                    text = pyjson.dumps(value, v4=version is ModelVersion.V4)
+                    out.plain(f'{version.parameter_tag} name="{key}" string="false">{text}</')
                 out.token(dsml)
                 out.plain(version.parameter_tag + ">")
-            out.plain("\n</")
+            out.plain("\n</" if arguments else "</")
             out.token(dsml)
             out.plain(version.invoke_tag + ">")
         out.plain("\n</")
@@ -250,10 +268,9 @@ class _Renderer:
 
 
 def _normalize(messages: list[Message], version: ModelVersion) -> list[Message]:
-    """V4 gathers every system message at the top; tool results follow the order of the calls."""
+    """V4 gathers the system messages at the top; tool results follow the order of the calls."""
     if version is ModelVersion.V4 and any(isinstance(m, System) for m in messages):
-        systems = [_v4_text(m.content) for m in messages if isinstance(m, System)]
-        head = "\n\n".join(text for text in systems if text)
+        head = "\n\n".join(text for m in messages if isinstance(m, System) and (text := _v4_text(m.content)))
         messages = [System(head), *(m for m in messages if not isinstance(m, System))]
     else:
         messages = list(messages)
@@ -289,8 +306,9 @@ def _order_tool_results(messages: list[Message]) -> None:
                 messages[slot] = result
 
 
-def _schema_line(tool: Tool) -> str:
-    return pyjson.dumps({"name": tool.name, "description": tool.description or "", "parameters": tool.parameters})
+def _schema_line(tool: Tool, v4: bool) -> str:
+    line = {"name": tool.name, "description": tool.description or "", "parameters": tool.parameters}
+    return pyjson.dumps(line, v4=v4)
 
 
 def _call_arguments(call: ToolCall) -> dict:

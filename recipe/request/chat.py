@@ -220,16 +220,18 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     if not request.messages:
         raise RecipeError("Empty input messages", param="messages")
     messages = [_message(m, i) for i, m in enumerate(request.messages)]
+    # Chat Completions drops empty system messages (deepseek-recipe does; they say nothing).
+    messages = [m for m in messages if not (isinstance(m, System) and m.content == "")]
     common.check_prefix(messages)
     common.check_tool_results(messages)
 
-    thinking = options.default_thinking
+    # An explicit thinking switch wins over `reasoning_effort: "none"`.
+    effort = request.reasoning_effort
     if request.thinking is not None:
         thinking = request.thinking.type != "disabled"
-    effort = request.reasoning_effort
-    if effort == "none":
-        thinking = False
-    elif isinstance(effort, int) and not 1 <= effort <= 100:
+    else:
+        thinking = options.default_thinking and effort != "none"
+    if isinstance(effort, int) and not 1 <= effort <= 100:
         raise RecipeError("Invalid reasoning_effort value, the valid range is [1, 100]", param="reasoning_effort")
     tools = [
         common.tool(

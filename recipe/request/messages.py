@@ -193,8 +193,10 @@ def _user(message: InputMessage, index: int, ctx: common.Context) -> list[Messag
             raise RecipeError(f"{param}.{number}: a user message cannot hold this block", param=f"{param}.{number}")
         else:
             rest.append(block)
-    if rest or not out:
-        out.append(User(_parts(rest, param)))
+    # Each block is a user message of its own (V4 then joins only the non-empty ones).
+    out += [User(_parts([block], param)) for block in rest]
+    if not out:
+        out.append(User(""))
     return out
 
 
@@ -223,8 +225,8 @@ def _assistant(message: InputMessage, index: int, ctx: common.Context) -> Assist
             texts.append(block.text)
         else:
             raise RecipeError(f"{param}.{number}: an assistant message cannot hold this block", param=param)
-    turn.content = "\n\n".join(texts)
-    turn.reasoning = "\n\n".join(thoughts) if thoughts else None
+    turn.content = "\n\n".join(text for text in texts if text)
+    turn.reasoning = "\n\n".join(thought for thought in thoughts if thought) if thoughts else None
     return turn
 
 
@@ -264,6 +266,8 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         system = request.system
         messages.append(System(system if isinstance(system, str) else "\n\n".join(b.text for b in system)))
     for index, message in enumerate(request.messages):
+        if isinstance(message.content, list) and not message.content:
+            raise RecipeError(f"messages.{index}: all messages must have non-empty content", param=f"messages.{index}")
         if message.role == "user":
             messages += _user(message, index, ctx)
         elif message.role == "assistant":

@@ -30,6 +30,7 @@ from recipe.errors import RecipeError
 from recipe.options import ConversionOptions, ConvertedRequest
 from recipe.request import common
 from recipe.request.chat import EFFORTS, Effort
+from recipe.tokens import ModelVersion
 
 UNSUPPORTED_DOCUMENT = "[Unsupported Document]"
 WEB_SEARCH_TYPES = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
@@ -110,7 +111,7 @@ class Reasoning(msgspec.Struct):
     summary: str | None = None
 
 
-class TextFormat(msgspec.Struct):
+class TextFormat(msgspec.Struct, omit_defaults=True):
     type: Literal["text", "json_object", "json_schema"]
     schema: Any = None
     name: str | None = None
@@ -175,7 +176,8 @@ def _parts(content: str | list[Part], param: str) -> Content:
 class _Turns:
     """Builds the message list, folding consecutive assistant-side items into one Assistant turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: ModelVersion) -> None:
+        self.version = version
         self.messages: list[Message] = []
         self.turn: Assistant | None = None
 
@@ -200,7 +202,9 @@ class _Turns:
                 return
             self.close()
             content = _parts(message.content, f"{param}.content")
-            self.messages.append(User(content) if message.role == "user" else System(content))
+            # deepseek-recipe reads a developer message as a system message for V4.1, a user one for V4.
+            as_user = message.role == "user" or (message.role == "developer" and self.version is ModelVersion.V4)
+            self.messages.append(User(content) if as_user else System(content))
         elif kind == "reasoning":
             reasoning = _item(item, ReasoningItem, param)
             turn = self.assistant(new_if=self.turn is not None and bool(self.turn.content or self.turn.tool_calls))
@@ -208,7 +212,7 @@ class _Turns:
             turn.reasoning = text if turn.reasoning is None else f"{turn.reasoning}\n{text}"
         elif kind == "function_call":
             call = _item(item, FunctionCallItem, param)
-            name = f"{call.namespace}::{call.name}" if call.namespace else call.name
+            name = namespaced(call.namespace, call.name, self.version) if call.namespace else call.name
             self.assistant(new_if=False).tool_calls.append(ToolCall(call.call_id, name, call.arguments))
         elif kind == "custom_tool_call":
             custom = _item(item, CustomToolCallItem, param)
@@ -258,7 +262,12 @@ def _function_echo(function: FunctionTool) -> dict[str, Any]:
     }
 
 
-def _tools(declared: list[dict[str, Any]], ctx: common.Context) -> _Tools:
+def namespaced(namespace: str, name: str, version: ModelVersion) -> str:
+    """The name a namespaced function has in the prompt (`ns::f` for V4.1, `ns__f` for V4)."""
+    return f"{namespace}{'::' if version is ModelVersion.V41 else '__'}{name}"
+
+
+def _tools(declared: list[dict[str, Any]], ctx: common.Context, version: ModelVersion) -> _Tools:
     out = _Tools()
     for index, entry in enumerate(declared):
         kind, param = entry.get("type"), f"tools[{index}]"
@@ -269,9 +278,9 @@ def _tools(declared: list[dict[str, Any]], ctx: common.Context) -> _Tools:
         elif kind == "namespace":
             namespace = _item(entry, NamespaceTool, param)
             for function in namespace.tools:
-                name = f"{namespace.name}::{function.name}"
+                name = namespaced(namespace.name, function.name, version)
                 description = function.description or ""
-                if namespace.description:
+                if namespace.description and version is ModelVersion.V41:
                     description = f"{namespace.description}\n{description}"
                 inner = common.tool(function.name, description, function.parameters, function.strict, ctx, param)
                 out.tools.append(Tool(name, inner.description, inner.parameters, inner.strict))
@@ -312,8 +321,8 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         )
     if not request.input and request.instructions is None:
         raise RecipeError("Either input or instructions must be provided", param="input")
-    turns = _Turns()
-    if request.instructions is not None:
+    turns = _Turns(version)
+    if request.instructions:
         turns.messages.append(System(request.instructions))
     if isinstance(request.input, str):
         turns.messages.append(User(request.input))
@@ -328,7 +337,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     thinking = options.default_thinking if effort is None else effort != "none"
     if isinstance(effort, int) and not 1 <= effort <= 100:
         raise RecipeError("Invalid reasoning.effort value, the valid range is [1, 100]", param="reasoning.effort")
-    tools = _tools(request.tools or [], ctx)
+    tools = _tools(request.tools or [], ctx, version)
     fmt = request.text.format if request.text else None
     response_format = None
     if fmt is not None and fmt.type == "json_object":

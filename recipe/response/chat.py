@@ -147,7 +147,7 @@ class ChatWriter(Writer):
                 for i, (call_id, name, args) in enumerate(self.calls)
             ]
         logprobs = None
-        if self.request.sampling.logprobs:
+        if self.content_logprobs or self.reasoning_logprobs:
             logprobs = {"content": self.content_logprobs}
             if self.thinking:
                 logprobs["reasoning_content"] = self.reasoning_logprobs

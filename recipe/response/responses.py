@@ -233,7 +233,8 @@ class ResponsesWriter(Writer):
         return []
 
     def tool_end(self) -> list[Event]:
-        return self._close("completed")
+        # The call stays open until the next item or the end: a truncated response marks it incomplete.
+        return []
 
     def finish(self, reason: Finish, stop_sequence: str | None, usage: Usage) -> list[Event]:
         self.usage = usage

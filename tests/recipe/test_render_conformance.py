@@ -1,0 +1,51 @@
+"""Random requests of the three APIs render byte-identical prompts and identical token ids as deepseek-recipe."""
+
+from __future__ import annotations
+
+import pytest
+import recipe_oracle as oracle
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from recipe_strategies import REQUESTS
+
+from recipe import APIS, RecipeError, Tokenizer, convert, render
+from recipe.tokens import RECIPE_IMAGE_TOKEN, SpecialTokens
+
+
+def _expect_same(api: str, body: dict, image_token: str | None = None) -> None:
+    kwargs = {"image_token": image_token} if image_token else {}
+    try:
+        expected = oracle.prompt(api, body, **kwargs)
+    except oracle.Rejected:
+        with pytest.raises(RecipeError) as rejected:
+            convert(api, body)
+        assert 400 <= rejected.value.status < 500
+        return
+    converted = convert(api, body)
+    tokens = SpecialTokens(image=image_token) if image_token else None
+    assert render(converted.conversation, converted.version, tokens=tokens).text == expected
+
+
+@pytest.mark.parametrize("api", APIS)
+@given(data=st.data())
+def test_prompt_text_matches_reference(api: str, data: st.DataObject) -> None:
+    _expect_same(api, data.draw(REQUESTS[api]()))
+
+
+@given(body=REQUESTS["chat.completions"]())
+@settings(max_examples=20)
+def test_recipe_image_spelling_matches_reference(body: dict) -> None:
+    _expect_same("chat.completions", body, image_token=RECIPE_IMAGE_TOKEN)
+
+
+@pytest.mark.parametrize("api", APIS)
+@given(data=st.data())
+@settings(max_examples=25)
+def test_token_ids_match_reference(api: str, data: st.DataObject, tokenizer: Tokenizer, tokenizer_json: str) -> None:
+    body = data.draw(REQUESTS[api]())
+    try:
+        expected = oracle.token_ids(api, body, tokenizer_json)
+    except oracle.Rejected:
+        return
+    converted = convert(api, body)
+    assert render(converted.conversation, converted.version, tokenizer).token_ids == expected
