@@ -187,6 +187,15 @@ class KVCache:
         self.pos.append(0)
         return row
 
+    def copy_row(self, src: int) -> int:
+        """A new row holding a copy of row `src` (a fork: n samples or beams of one prompt share its prefill)."""
+        row = self.add_row()
+        for owner, name in self._row_tensors():
+            t = getattr(owner, name)
+            t[row] = t[src]
+        self.pos[row] = self.pos[src]
+        return row
+
     def remove_row(self, row: int) -> None:
         """Drop a row; the last row moves into its place (callers track the new order)."""
         last = self.n_rows - 1

@@ -77,6 +77,8 @@ def stable_topk(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor:
     lowest-positioned ties, selected by a second kernel call over exactly that set.
     """
     idx = kernels.topk_indices(scores, k, lengths, backend=backend(scores))
+    if scores.shape[-1] == 0:  # nothing visible yet (first tokens of an m=2 layer)
+        return idx
     picked = idx >= 0
     chosen = scores.gather(-1, idx.long().clamp_min(0)).masked_fill(~picked, math.inf)
     threshold = chosen.amin(-1, keepdim=True)

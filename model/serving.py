@@ -203,6 +203,15 @@ class DecodeBatch:
         self._written.append(len(blocks))
         return seq_id, logits
 
+    def fork(self, seq_id: int) -> int:
+        """A new sequence continuing from a copy of `seq_id`'s state (e.g. n samples of one prompt)."""
+        row = self.row(seq_id)
+        self.cache.copy_row(row)
+        new, self._next = self._next, self._next + 1
+        self.seq_ids.append(new)
+        self._written.append(self._written[row])
+        return new
+
     def leave(self, seq_id: int) -> SequenceExport:
         """Remove a sequence; return its new complete blocks and its end-of-sequence encoder state."""
         row = self.row(seq_id)

@@ -207,7 +207,7 @@ def _low_bit(dtype: torch.dtype) -> int:
 
 
 def _programs_per_row(rows: int, tiles: int) -> int:
-    """Programs per row for the two streaming passes: about four per multiprocessor in all."""
+    """Programs per row for a streaming pass: about four per multiprocessor in all."""
     return max(1, min(tiles, triton.cdiv(4 * multiprocessors(), rows)))
 
 
@@ -238,14 +238,17 @@ def topk_indices_triton(
         return out
     G = groups or max(1024, triton.next_power_of_2(4 * k))
     C = capacity or 8 * KP
-    P = _programs_per_row(R, triton.cdiv(L, G))
+    tiles = triton.cdiv(L, G)
+    # the group-max pass writes P·G partial maxima per row that one program then reads: keep them ≤ L/8
+    P = min(_programs_per_row(R, tiles), max(1, tiles // 8))
+    P_gather = _programs_per_row(R, tiles)
     part = torch.empty((R, P, G), dtype=torch.uint32, device=device)
     threshold = torch.empty(R, dtype=torch.uint32, device=device)
     count = torch.zeros(R, dtype=torch.int32, device=device)
     ckey = torch.empty((R, C), dtype=torch.uint32, device=device)
     cpos = torch.empty((R, C), dtype=torch.int32, device=device)
-    _group_max_kernel[(R, P)](x, lengths, part, L, P, G)
-    _threshold_kernel[(R,)](part, threshold, P, k, G, low_bit)
-    _gather_kernel[(R, P)](x, lengths, threshold, count, ckey, cpos, L, P, C, G)
+    _group_max_kernel[(R, P)](x, lengths, part, L, P, G, num_warps=8)
+    _threshold_kernel[(R,)](part, threshold, P, k, G, low_bit, num_warps=8)
+    _gather_kernel[(R, P_gather)](x, lengths, threshold, count, ckey, cpos, L, P_gather, C, G, num_warps=8)
     _select_kernel[(R,)](x, lengths, count, ckey, cpos, out, L, C, k, pos_bits, False, low_bit, tile, KP, num_warps=8)
     return out

@@ -1,0 +1,52 @@
+"""Shared fixtures of the model tests: the tiny preset in float64, fresh random inputs with a printed seed.
+
+float64 makes the equivalence tests exact up to the quantisers: a reduction-order difference of one fp64 ulp almost
+never moves an FP8/FP4 code, so two paths that must agree produce the same packed bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from model import ModelArgs, Transformer, build_model, preset
+
+# Tiny tensors: one thread per xdist worker is much faster than two threads fighting over two cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_args() -> ModelArgs:
+    return preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_args: ModelArgs) -> Transformer:
+    return build_model(tiny_args, seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tiny_args: ModelArgs) -> Transformer:
+    return build_model(tiny_args, part="encoder", seed=0, dtype=torch.float64)
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test (MODEL_TEST_SEED pins it); printed, so a failure shows how to reproduce it."""
+    value = int(os.environ.get("MODEL_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"MODEL_TEST_SEED={value}")
+    return value
+
+
+@pytest.fixture
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def tokens(gen: torch.Generator, tiny_args: ModelArgs):
+    """tokens(n) → n fresh random token ids."""
+    return lambda n: torch.randint(0, tiny_args.vocab_size, (n,), generator=gen)

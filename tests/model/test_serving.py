@@ -1,0 +1,185 @@
+"""The serving split on `tiny` (float64) against itself and against the dense forward, with fresh random inputs.
+
+Chunked = one-shot prefill; encoder-only = full model; prefill + decoder bounded replay + decode steps = the dense
+forward with decoder windows truncated at the replay start (the cold-run semantics) and ≠ the untruncated forward
+(KL measured); a warm second turn = a cold run; a batch = its sequences alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import DecodeBatch, Past, PrefillOutput, Transformer
+from model.kv import EncoderState, GlobalKVBlock
+
+
+def packed_parts(state: EncoderState) -> list[torch.Tensor]:
+    return [state.ring_data, state.ring_scale, *(t for e in state.tail.values() for t in e.tensors())]
+
+
+def assert_same_state(a: EncoderState, b: EncoderState) -> None:
+    """Packed parts byte-equal; float parts equal up to fp64 reduction order."""
+    assert a.position == b.position and a.ring_start == b.ring_start
+    for x, y in zip(packed_parts(a), packed_parts(b), strict=True):
+        assert torch.equal(x, y)
+    torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a.hidden_pre, b.hidden_pre, rtol=1e-12, atol=1e-12)
+    assert torch.equal(a.history, b.history)
+    for layer, (kv, score) in a.pending.items():
+        torch.testing.assert_close(kv, b.pending[layer][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(score, b.pending[layer][1], rtol=1e-12, atol=1e-12)
+
+
+def assert_same_blocks(a: list[GlobalKVBlock], b: list[GlobalKVBlock]) -> None:
+    assert [x.index for x in a] == [y.index for y in b]
+    assert all(x.to_bytes() == y.to_bytes() for x, y in zip(a, b, strict=True))
+
+
+def greedy(model: Transformer, out: PrefillOutput, blocks: list[GlobalKVBlock], steps: int):
+    """Greedy continuation after a prefill → (tokens, per-step logits, the finished sequence's export)."""
+    batch = model.new_decode_batch()
+    seq, logits = batch.join(blocks, out.encoder_state)
+    tokens, all_logits = [], [logits]
+    for _ in range(steps):
+        tokens.append(int(all_logits[-1].argmax()))
+        all_logits.append(model.decode_step(batch, [tokens[-1]])[0])
+    return tokens, torch.stack(all_logits), batch.leave(seq)
+
+
+def test_chunked_prefill_equals_one_shot(tiny, tokens, gen):
+    ids = tokens(53)
+    one_shot = tiny.encode_prefill(ids, chunk_tokens=1000)
+    chunk = int(torch.randint(1, 20, (1,), generator=gen))
+    chunked = tiny.encode_prefill(ids, chunk_tokens=chunk)
+    assert_same_blocks(one_shot.blocks, chunked.blocks)
+    assert_same_state(one_shot.encoder_state, chunked.encoder_state)
+    assert [b.index for b in one_shot.blocks] == list(range(53 // tiny.args.kv_block_tokens))
+
+
+def test_encoder_part_equals_full_model(tiny, tiny_encoder, tokens):
+    assert not any(name.startswith(("head", "mtp", "norm")) for name, _ in tiny_encoder.named_parameters())
+    assert tiny_encoder.fingerprint == tiny.fingerprint
+    ids = tokens(37)
+    a, b = tiny.encode_prefill(ids, chunk_tokens=16), tiny_encoder.encode_prefill(ids, chunk_tokens=16)
+    assert_same_blocks(a.blocks, b.blocks)
+    assert a.encoder_state.to_bytes() == b.encoder_state.to_bytes()
+
+
+@pytest.mark.parametrize("prompt", [6, 41])  # within one window (exact), and longer than it (bounded replay)
+def test_prefill_replay_decode_equals_dense_forward(tiny, tokens, prompt):
+    W, steps = tiny.args.sliding_window, 4
+    ids = tokens(prompt + steps)
+    out = tiny.encode_prefill(ids[:prompt], chunk_tokens=16)
+    batch = tiny.new_decode_batch()
+    _, first = batch.join(out.blocks, out.encoder_state)
+    packed = [first] + [tiny.decode_step(batch, ids[prompt + i : prompt + i + 1])[0] for i in range(steps - 1)]
+    packed = torch.stack(packed)
+    with torch.no_grad():
+        truncated = tiny(ids[None, : prompt + steps - 1], replay_start=max(0, prompt - W))[0, prompt - 1 :]
+        exact = tiny(ids[None, : prompt + steps - 1])[0, prompt - 1 :]
+    torch.testing.assert_close(packed, truncated, rtol=1e-6, atol=1e-6)
+    kl = (exact.log_softmax(-1).exp() * (exact.log_softmax(-1) - truncated.log_softmax(-1))).sum(-1)
+    print(f"bounded-replay KL(exact || replayed) per step: {kl.tolist()}")
+    if prompt <= W:
+        assert float(kl.abs().max()) < 1e-9  # the replay covered the whole prompt: nothing truncated
+    else:
+        assert float(kl[0]) > 1e-6  # the truncated decoder windows do change the first token's distribution
+
+
+def test_second_turn_with_record_equals_cold_run(tiny, tokens):
+    ids = tokens(45)
+    turn1 = tiny.encode_prefill(ids[:29], chunk_tokens=16)
+    generated, _, export = greedy(tiny, turn1, turn1.blocks, 6)
+    sequence = torch.cat((ids[:29], torch.tensor(generated), ids[29:]))
+    past = Past(turn1.blocks + export.blocks, export.encoder_state)
+    assert export.encoder_state.position == 35
+    warm = tiny.encode_prefill(sequence, past)
+    cold = tiny.encode_prefill(sequence)
+    assert warm.swa_restored and not warm.bounded_replay and warm.cached_tokens == 35
+    assert_same_blocks(past.blocks + warm.blocks, cold.blocks)
+    assert_same_state(warm.encoder_state, cold.encoder_state)
+    warm_tokens, warm_logits, _ = greedy(tiny, warm, past.blocks + warm.blocks, 5)
+    cold_tokens, cold_logits, _ = greedy(tiny, cold, cold.blocks, 5)
+    assert warm_tokens == cold_tokens
+    torch.testing.assert_close(warm_logits, cold_logits, rtol=1e-9, atol=1e-9)
+
+
+def test_missing_record_is_repaired_by_encoder_replay(tiny, tokens):
+    Bt, W = tiny.args.kv_block_tokens, tiny.args.sliding_window
+    ids = tokens(3 * Bt + 5)
+    cold = tiny.encode_prefill(ids)
+    hit = cold.blocks[:2]
+    replayed = tiny.encode_prefill(ids, Past(hit))
+    assert replayed.bounded_replay and not replayed.swa_restored and replayed.cached_tokens == 2 * Bt
+    assert_same_blocks(hit + replayed.blocks[:0], cold.blocks[:2])
+    # The replay rebuilds the rings from the W tokens before the hit: they start there, not at 0.
+    assert replayed.encoder_state.ring_start == cold.encoder_state.ring_start
+    logits = []
+    for out, blocks in ((cold, cold.blocks), (replayed, hit + replayed.blocks)):
+        _, first = tiny.new_decode_batch().join(blocks, out.encoder_state)
+        logits.append(first.log_softmax(-1))
+    kl = float((logits[0].exp() * (logits[0] - logits[1])).sum())
+    print(f"encoder bounded replay at a {2 * Bt}-token hit (W={W}): KL(cold || replayed) = {kl:.3e}")
+    assert 0 < kl < 1.0
+
+
+def test_batch_of_different_lengths_equals_each_alone(tiny, tokens, gen):
+    lengths = [int(n) for n in torch.randint(3, 40, (3,), generator=gen)]
+    prompts = [tokens(n) for n in lengths]
+    outs = [tiny.encode_prefill(p, chunk_tokens=16) for p in prompts]
+    steps = 4
+    feeds = [tokens(steps) for _ in prompts]
+
+    def alone(i: int) -> torch.Tensor:
+        batch = tiny.new_decode_batch()
+        _, first = batch.join(outs[i].blocks, outs[i].encoder_state)
+        return torch.stack([first] + [tiny.decode_step(batch, feeds[i][t : t + 1])[0] for t in range(steps)])
+
+    batch = tiny.new_decode_batch(capacity=1)  # grows as sequences join
+    owner: dict[int, int] = {}  # sequence id → prompt index
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
+
+    def join(i: int) -> None:
+        seq, first = batch.join(outs[i].blocks, outs[i].encoder_state)
+        owner[seq] = i
+        got[i].append(first)
+
+    join(0)
+    join(1)
+    for t in range(2 * steps):
+        if t == 1:
+            join(2)  # a sequence joins between steps
+        rows = [owner[s] for s in batch.seq_ids]
+        logits = tiny.decode_step(batch, [int(feeds[i][len(got[i]) - 1]) for i in rows])
+        for row, i in enumerate(rows):
+            got[i].append(logits[row])
+        for s in list(batch.seq_ids):
+            if len(got[owner[s]]) == steps + 1:
+                batch.leave(s)  # … and leaves when done: the last row moves into its place
+        if not len(batch):
+            break
+    for i in range(3):
+        torch.testing.assert_close(torch.stack(got[i]), alone(i), rtol=1e-9, atol=1e-9)
+
+
+def test_bad_requests_are_value_errors(tiny, tokens):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tiny.encode_prefill([1, 2, tiny.args.vocab_size])
+    with pytest.raises(ValueError, match="at least one token"):
+        tiny.encode_prefill([])
+    ids = tokens(20)
+    out = tiny.encode_prefill(ids)
+    with pytest.raises(ValueError, match="does not belong to this token sequence"):
+        tiny.encode_prefill(torch.cat((tokens(20), tokens(3))), Past(out.blocks, out.encoder_state))
+    with pytest.raises(ValueError, match="needs 1 preceding blocks"):
+        tiny.encode_prefill(ids, Past([], out.encoder_state))
+    with pytest.raises(ValueError, match="covers 16 tokens"):
+        tiny.encode_prefill(ids[:10], Past(out.blocks))
+    batch = tiny.new_decode_batch()
+    batch.join(out.blocks, out.encoder_state)
+    with pytest.raises(ValueError, match="for each of the 1 sequences"):
+        tiny.decode_step(batch, [1, 2])
+    with pytest.raises(KeyError):
+        batch.leave(99)
+    assert isinstance(batch, DecodeBatch) and len(batch) == 1  # nothing changed by the rejected calls
