@@ -66,7 +66,7 @@ def e4m3_decode(bits):
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m · 2^-9
     magnitude = tl.where((exponent == 15) & (mantissa == 7), float("nan"), magnitude)
-    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+    return (magnitude.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)  # keeps −0
 
 
 @triton.jit

@@ -38,8 +38,9 @@ def test_quantise_bytes_are_exact(fmt: str, shape: tuple[int, ...], dtype: torch
     got = quantise(fmt, x, "triton")
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
-    for out_dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(dequantise(fmt, *want, out_dtype, "triton"), dequantise(fmt, *want, out_dtype, "torch"))
+    for out_dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):  # bit for bit: −0 too
+        got_values = dequantise(fmt, *want, out_dtype, "triton").view(bits)
+        assert torch.equal(got_values, dequantise(fmt, *want, out_dtype, "torch").view(bits))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy warns about the inf block
