@@ -126,6 +126,13 @@ class Checks:
     def __init__(self) -> None:
         self.failures: list[str] = []
 
+    def run(self, check: Callable[..., None], *args: object) -> None:
+        """One check; an exception (a kernel that fails to compile, say) is a failure, not the end of the run."""
+        try:
+            check(self, *args)
+        except Exception as error:  # report and go on: one GPU call should bring back every result
+            self.report(f"{check.__name__}{args}", False, f"raised {error!r}"[:2000])
+
     def report(self, name: str, ok: bool, detail: str) -> None:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
         if not ok:
@@ -232,19 +239,16 @@ def run_checks(tiny: bool) -> list[str]:
     print("checks (Triton against the torch references)", flush=True)
     c = Checks()
     if tiny:
-        check_quantisers(c, 16)
-        check_indexer(c, 2, 3, 100)
-        check_candidates(c, 1, 2, 200, 4)
-        check_topk(c, [(3, 300, 8)])
-        check_attention(c, 1, 2, 100)
+        plan = [(check_quantisers, 16), (check_indexer, 2, 3, 100), (check_candidates, 1, 2, 200, 4),
+                (check_topk, [(3, 300, 8)]), (check_attention, 1, 2, 100)]  # fmt: skip
     else:
-        check_quantisers(c, 1 << 16)
-        check_indexer(c, 8, 1, 70_001)
-        check_indexer(c, 1, 300, 20_000)
-        check_candidates(c, 4, 2, 200_003, 2048)
-        check_topk(c, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048), (64, 131_072, 512)])
-        check_attention(c, 4, 2, 50_000)
-        check_attention(c, 2, 1, 1_000_000)
+        plan = [(check_quantisers, 1 << 16), (check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
+                (check_candidates, 4, 2, 200_003, 2048),
+                (check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
+                              (64, 131_072, 512)]),
+                (check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)]  # fmt: skip
+    for check, *args in plan:
+        c.run(check, *args)
     return c.failures
 
 
@@ -309,20 +313,26 @@ def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
     copy_bytes = 1 << 20 if tiny else 2 * GiB
     copy = copy_bandwidth(copy_bytes)
     print(f"device-to-device copy: {copy / 1e12:.2f} TB/s (read + write, {copy_bytes / GiB:.2f} GiB)", flush=True)
-    rows: list[Row] = []
-    rows += bench_quantisers(64 if tiny else 1 << 20)
+    plan: list[tuple[Callable[..., Row | list[Row]], tuple]] = [(bench_quantisers, (64 if tiny else 1 << 20,))]
     for B, T, S in [(2, 1, 256)] if tiny else [(64, 1, 65_536), (8, 1, 1_048_576), (1, 1024, 65_536)]:
-        rows.append(bench_indexer(B, T, S))
-    rows.append(bench_candidates(*((2, 4096) if tiny else (64, 1_048_576))))
+        plan.append((bench_indexer, (B, T, S)))
+    plan.append((bench_candidates, (2, 4096) if tiny else (64, 1_048_576)))
     lengths = [512, 2048] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]
-    for R in [1, 6] if tiny else [1, 6, 256]:
-        for L in lengths:
-            rows.append(bench_topk(R, L, 16 if tiny else 512))
+    plan += [(bench_topk, (R, L, 16 if tiny else 512)) for R in ([1, 6] if tiny else [1, 6, 256]) for L in lengths]
     contexts = [256, 1024] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]
-    for B in [1, 2] if tiny else [1, 64, 256]:
-        for ctx in contexts:
-            rows.append(bench_attention(B, ctx, 1 << 20 if tiny else 40 * GiB))
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    plan += [(bench_attention, (B, ctx, 1 << 20 if tiny else 40 * GiB)) for B in ([1, 2] if tiny else [1, 64, 256])
+             for ctx in contexts]  # fmt: skip
+    rows: list[Row] = []
+    for bench, args in plan:
+        try:
+            result = bench(*args)
+        except Exception as error:  # keep going: report what ran
+            print(f"  {bench.__name__}{args} raised {error!r}"[:2000], flush=True)
+            continue
+        rows += result if isinstance(result, list) else [result]
+        print(f"  {bench.__name__}{args} done", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print_table(rows, copy)
     result = {"environment": environment(), "copy_bandwidth_Bps": copy,
               "rows": [asdict(r) | {"bandwidth_Bps": r.bandwidth()} for r in rows]}  # fmt: skip
