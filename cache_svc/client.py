@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -44,6 +44,8 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# The sync stub otherwise starts a thread per server-streaming call (GetBlocks, GetRecord): 3-4x slower.
+SYNC_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 # Codes meaning "this replica cannot answer now": reads treat its keys as misses.
 DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -156,9 +158,8 @@ class CacheClient:
         self.ring = HashRing(_addresses(addresses))
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
-        self._channels = {
-            a: grpc.insecure_channel(a, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS) for a in self.ring.nodes
-        }
+        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS + SYNC_OPTIONS
+        self._channels = {a: grpc.insecure_channel(a, options=options) for a in self.ring.nodes}
         self._stubs = {a: cache_pb2_grpc.KvCacheStub(c) for a, c in self._channels.items()}
 
     def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
@@ -166,22 +167,29 @@ class CacheClient:
 
         Raises CacheError (with `.committed`) if any replica refused or could not be reached."""
         blocks = list(blocks)
-        calls = {
-            address: self._stubs[address].PutBlocks.future(
-                _put_requests([blocks[i] for i in positions], self.chunk_bytes), timeout=self.timeout_s
-            )
-            for address, positions in self.ring.split([k for k, _ in blocks]).items()
+        shards = self.ring.split([k for k, _ in blocks])
+        answers = {
+            address: self._start_put(address, [blocks[i] for i in positions], fan_out=len(shards) > 1)
+            for address, positions in shards.items()
         }
         committed: set[bytes] = set()
         failure: tuple[str, grpc.RpcError] | None = None
-        for address, call in calls.items():
+        for address, answer in answers.items():
             try:
-                committed.update(call.result().committed)
+                committed.update(answer().committed)
             except grpc.RpcError as exc:
                 failure = failure or (address, exc)
         if failure is not None:
             raise _error(failure[1], failure[0], _ordered(blocks, committed))
         return _ordered(blocks, committed)
+
+    def _start_put(self, address: str, blocks: list[Block], *, fan_out: bool) -> Callable[[], pb.PutBlocksResponse]:
+        """Start a put; returns what waits for its answer. One replica: a plain blocking call (cheaper)."""
+        method = self._stubs[address].PutBlocks
+        requests = _put_requests(blocks, self.chunk_bytes)
+        if not fan_out:
+            return lambda: method(requests, timeout=self.timeout_s)
+        return method.future(requests, timeout=self.timeout_s).result
 
     def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Payloads in key order; None for a key that is missing, corrupt, or on a replica that is down."""

@@ -69,10 +69,10 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             async for message in self._within_lease(request_iterator):
                 if committed:
                     raise InvalidArgumentError("message after commit: commit must be set on the last message only")
-                for s in message.slices:
-                    _block_key(s.key)
-                    stage(len(s.data))
-                    _add(staged, s.key, s.total_bytes, s.offset, s.data)
+                slices = message.slices
+                stage(sum(len(s.data) for s in slices))
+                for s in slices:
+                    _add(staged, _block_key(s.key), s.total_bytes, s.offset, s.data)
                 committed = message.commit
             if not committed:
                 raise InvalidArgumentError("stream ended without commit; its staged blocks were discarded")
@@ -205,19 +205,14 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
 
     async def _within_lease(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """The stream's messages, until the put lease (counted from the first message) runs out."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._cfg.put_lease_s
-        iterator = aiter(messages)
-        while True:
-            try:
-                message = await asyncio.wait_for(anext(iterator), max(deadline - loop.time(), 0))
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise LeaseExpiredError(
-                    f"put not committed within its {self._cfg.put_lease_s:g} s lease; staged data was discarded"
-                ) from None
-            yield message
+        try:
+            async with asyncio.timeout(self._cfg.put_lease_s):
+                async for message in messages:
+                    yield message
+        except TimeoutError:
+            raise LeaseExpiredError(
+                f"put not committed within its {self._cfg.put_lease_s:g} s lease; staged data was discarded"
+            ) from None
 
 
 class _Stage:

@@ -48,10 +48,10 @@ def pack(payloads: Iterable[tuple[T, bytes]], chunk_bytes: int = CHUNK_BYTES) ->
 class _Partial:
     __slots__ = ("parts", "received", "total")
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, first: bytes) -> None:
         self.total = total
-        self.received = 0
-        self.parts: list[bytes] = []
+        self.received = len(first)
+        self.parts = [first]
 
 
 class Assembler(Generic[T]):
@@ -63,31 +63,33 @@ class Assembler(Generic[T]):
         self._partials: dict[T, _Partial] = {}
 
     def add(self, ident: T, total: int, offset: int, data: bytes) -> None:
-        label = f"{self._name} {_label(ident)}"
         partial = self._partials.get(ident)
         if partial is None:
             if offset != 0:
-                raise SliceError(f"{label}: slice at offset {offset} before its first slice")
-            if total == 0:
-                raise SliceError(f"{label} is empty (total_bytes 0)")
-            if total > self._max_total:
-                raise SliceError(f"{label} declares {total} bytes; the limit is {self._max_total}")
-            partial = self._partials[ident] = _Partial(total)
-        elif offset == 0:
-            raise SliceError(f"{label} appears twice")
-        elif total not in (0, partial.total):
-            raise SliceError(f"{label}: a slice declares {total} bytes, the first one {partial.total}")
+                raise SliceError(f"{self._label(ident)}: slice at offset {offset} before its first slice")
+            if not 0 < total <= self._max_total:
+                problem = "is empty (total_bytes 0)" if total == 0 else f"declares {total} bytes"
+                limit = "" if total == 0 else f"; the limit is {self._max_total}"
+                raise SliceError(f"{self._label(ident)} {problem}{limit}")
+            if len(data) > total:
+                raise SliceError(f"{self._label(ident)}: slices exceed the declared {total} bytes")
+            self._partials[ident] = _Partial(total, data)
+            return
+        if offset == 0:
+            raise SliceError(f"{self._label(ident)} appears twice")
+        if total not in (0, partial.total):
+            raise SliceError(f"{self._label(ident)}: a slice declares {total} bytes, the first one {partial.total}")
         if offset != partial.received:
-            raise SliceError(f"{label}: slice at offset {offset}, expected {partial.received}")
+            raise SliceError(f"{self._label(ident)}: slice at offset {offset}, expected {partial.received}")
         if partial.received + len(data) > partial.total:
-            raise SliceError(f"{label}: slices exceed the declared {partial.total} bytes")
+            raise SliceError(f"{self._label(ident)}: slices exceed the declared {partial.total} bytes")
         partial.parts.append(data)
         partial.received += len(data)
 
     def incomplete(self) -> list[str]:
         """One line per payload still missing bytes."""
         return [
-            f"{self._name} {_label(i)}: {p.received} of {p.total} bytes"
+            f"{self._label(i)}: {p.received} of {p.total} bytes"
             for i, p in self._partials.items()
             if p.received < p.total
         ]
@@ -100,6 +102,5 @@ class Assembler(Generic[T]):
             if p.received == p.total
         ]
 
-
-def _label(ident: Hashable) -> str:
-    return ident.hex() if isinstance(ident, bytes) else f"#{ident}"
+    def _label(self, ident: Hashable) -> str:
+        return f"{self._name} {ident.hex() if isinstance(ident, bytes) else f'#{ident}'}"
