@@ -198,7 +198,8 @@ class _Turns:
             if message.role == "assistant":
                 turn = self.assistant(new_if=self.turn is not None and bool(self.turn.tool_calls))
                 text = text_of(_parts(message.content, f"{param}.content"))
-                turn.content = f"{turn.content}\n\n{text}" if turn.content else text
+                if text:
+                    turn.content = f"{turn.content}\n\n{text}" if turn.content else text
                 return
             self.close()
             content = _parts(message.content, f"{param}.content")

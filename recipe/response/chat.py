@@ -148,8 +148,10 @@ class ChatWriter(Writer):
             ]
         logprobs = None
         if self.content_logprobs or self.reasoning_logprobs:
-            logprobs = {"content": self.content_logprobs}
-            if self.thinking:
+            logprobs = {}
+            if self.content_logprobs:
+                logprobs["content"] = self.content_logprobs
+            if self.reasoning_logprobs:
                 logprobs["reasoning_content"] = self.reasoning_logprobs
         return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": self.finish_reason}
 

@@ -27,12 +27,6 @@ def tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_json(tokenizer: Tokenizer) -> str:
-    """The same patched tokenizer.json, for the reference."""
-    return tokenizer.hf.to_str()
-
-
-@pytest.fixture(scope="session")
 def recipe_tokenizer() -> Tokenizer:
     """The tokenizer with deepseek-recipe's image spelling (`<｜image｜>`)."""
     return load_tokenizer(image_token=RECIPE_IMAGE_TOKEN)

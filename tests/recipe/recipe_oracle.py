@@ -6,11 +6,13 @@ ids, timestamps and signatures are random or clock-dependent, so they are replac
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 import deepseek_recipe as dr
 
+from recipe import Tokenizer
 from recipe.tokens import OFFICIAL_IMAGE_TOKEN
 
 REQUESTS = {
@@ -31,7 +33,7 @@ FINISH = {
 VOLATILE = {"id", "call_id", "created", "created_at", "completed_at", "item_id", "encrypted_content", "signature"}
 
 
-class Rejected(Exception):
+class RejectedError(Exception):
     """The reference rejected the request."""
 
 
@@ -54,7 +56,7 @@ def convert(api: str, body: dict[str, Any], image_token: str = OFFICIAL_IMAGE_TO
     try:
         return REQUESTS[api](_raw(body)).convert(_options(image_token))
     except (dr.ConversionError, ValueError) as error:
-        raise Rejected(str(error)) from None
+        raise RejectedError(str(error)) from None
 
 
 def prompt(api: str, body: dict[str, Any], image_token: str = OFFICIAL_IMAGE_TOKEN) -> str:
@@ -71,6 +73,16 @@ def token_ids(
 
 
 _TOKENIZERS: dict[int, Any] = {}
+
+
+def tokenizer_json(tokenizer: Tokenizer) -> str:
+    """Our (patched) tokenizer as tokenizer.json text, to load the very same vocabulary into the reference."""
+    return _json_of(id(tokenizer), tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _json_of(key: int, tokenizer: Tokenizer) -> str:
+    return tokenizer.hf.to_str()
 
 
 def _tokenizer(tokenizer_json: str) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from typing import Any
 
 from hypothesis import strategies as st
@@ -428,6 +429,8 @@ def parse_requests(draw: st.DrawFn, api: str) -> dict[str, Any]:
             body["tool_choice"] = "required" if required else "auto"
         if json_mode:
             body["text"] = {"format": {"type": "json_object"}}
+        if draw(st.booleans()):
+            body["top_logprobs"] = 2
     else:
         body = {"model": model, "max_tokens": 100, "messages": [{"role": "user", "content": "q"}]}
         body["thinking"] = {"type": "enabled" if thinking else "disabled"}
@@ -437,3 +440,8 @@ def parse_requests(draw: st.DrawFn, api: str) -> dict[str, Any]:
         if stops:
             body["stop_sequences"] = stops
     return body
+
+
+def scaled(examples: int) -> int:
+    """A per-test example count, ten times larger under HYPOTHESIS_PROFILE=deep."""
+    return examples * (10 if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else 1)

@@ -6,7 +6,7 @@ import pytest
 import recipe_oracle as oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from recipe_strategies import REQUESTS
+from recipe_strategies import REQUESTS, scaled
 
 from recipe import APIS, RecipeError, Tokenizer, convert, render
 from recipe.tokens import RECIPE_IMAGE_TOKEN, SpecialTokens
@@ -16,7 +16,7 @@ def _expect_same(api: str, body: dict, image_token: str | None = None) -> None:
     kwargs = {"image_token": image_token} if image_token else {}
     try:
         expected = oracle.prompt(api, body, **kwargs)
-    except oracle.Rejected:
+    except oracle.RejectedError:
         with pytest.raises(RecipeError) as rejected:
             convert(api, body)
         assert 400 <= rejected.value.status < 500
@@ -33,19 +33,19 @@ def test_prompt_text_matches_reference(api: str, data: st.DataObject) -> None:
 
 
 @given(body=REQUESTS["chat.completions"]())
-@settings(max_examples=20)
+@settings(max_examples=scaled(20))
 def test_recipe_image_spelling_matches_reference(body: dict) -> None:
     _expect_same("chat.completions", body, image_token=RECIPE_IMAGE_TOKEN)
 
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
-@settings(max_examples=25)
-def test_token_ids_match_reference(api: str, data: st.DataObject, tokenizer: Tokenizer, tokenizer_json: str) -> None:
+@settings(max_examples=scaled(25))
+def test_token_ids_match_reference(api: str, data: st.DataObject, tokenizer: Tokenizer) -> None:
     body = data.draw(REQUESTS[api]())
     try:
-        expected = oracle.token_ids(api, body, tokenizer_json)
-    except oracle.Rejected:
+        expected = oracle.token_ids(api, body, oracle.tokenizer_json(tokenizer))
+    except oracle.RejectedError:
         return
     converted = convert(api, body)
     assert render(converted.conversation, converted.version, tokenizer).token_ids == expected
