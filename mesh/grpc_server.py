@@ -25,6 +25,14 @@ CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
+# For channels to mesh peers: a restarted peer is reached again within a second or two, not after gRPC's default
+# 2-minute reconnect backoff.
+PEER_CHANNEL_OPTIONS = (
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 Registrar = Callable[[Any, grpc.aio.Server], None]
 

@@ -1,0 +1,271 @@
+"""One generation through the mesh: prefill, then a decode stream, with every failure handled where it happens.
+
+    prefill (encoder half, writes blocks + handoff record)        decode (replay, batch, DSpark)
+    ─ a replica down or overloaded → the next replica               ─ before the first message: down, overloaded or
+    ─ all down, or the cache down  → decode prefills the prompt       handoff lost → the next replica, with the
+      itself from token ids (no reuse; counted as a fallback)         prompt's token ids
+    ─ the prompt is invalid        → 400                            ─ after it: the stream ends with the API's error
+
+Every call has a deadline: a Prefill `prefill_timeout_s`, the whole decode stream `request_timeout_s`, and each
+decode message must come within `token_timeout_s` of the previous one, so a frozen replica cannot hang a client.
+`stop()` cancels the decode stream and sends Abort, so the replica frees the sequence at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import grpc
+import msgspec
+
+from gateway.affinity import AffinityKey
+from gateway.errors import GatewayError, Kind
+from gateway.metrics import GatewayMetrics
+from gateway.replicas import CacheHealth, ReplicaState
+from gateway.router import Router
+from mesh.logging import get_logger
+from proto.decode.v1 import decode_pb2
+from proto.prefill.v1 import prefill_pb2
+
+ABORT_TIMEOUT_S = 2.0
+# Codes after which a replica is routed around for a while: it is gone, frozen or failing.
+DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
+
+log = get_logger("gateway")
+
+
+class Settings(msgspec.Struct, frozen=True):
+    """The part of the gateway's configuration a generation follows."""
+
+    retries: int
+    prefill_fallback: bool
+    prefill_timeout_s: float
+    token_timeout_s: float
+    request_timeout_s: float
+    handoff_lease_s: float
+
+
+class Backends:
+    """What every generation shares: the router, the cache's health, metrics, and background aborts."""
+
+    def __init__(self, settings: Settings, router: Router, cache: CacheHealth, metrics: GatewayMetrics) -> None:
+        self.settings = settings
+        self.router = router
+        self.cache = cache
+        self.metrics = metrics
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` detached from the request (it must outlive a cancelled one); failures are logged."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background_call_failed", error=repr(task.exception()))
+
+    async def drain(self) -> None:
+        """Wait for the aborts already sent."""
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """What one generation starts from."""
+
+    request_id: str
+    token_ids: list[int]
+    salt: bytes
+    affinity: AffinityKey
+
+
+def _describe(exc: grpc.aio.AioRpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"
+
+
+class Generation:
+    """Prefill + decode for one prompt. `open()` runs until the first decode message; `messages()` yields the
+    decode stream (that first message included) and raises GatewayError(BACKEND_FAILED) if it breaks."""
+
+    def __init__(self, backends: Backends, prompt: Prompt, request: decode_pb2.GenerateRequest) -> None:
+        self.backends = backends
+        self.prompt = prompt
+        self.request = request  # sampling, stop ids, budget; the prompt and ids are set per attempt
+        self.prompt_tokens = len(prompt.token_ids)
+        self.cached_tokens = 0
+        self.fallback: str | None = None
+        self.replica: ReplicaState | None = None
+        self._call: Any = None
+        self._first: decode_pb2.GenerateResponse | None = None
+        self._deadline = time.monotonic() + backends.settings.request_timeout_s
+
+    async def open(self) -> None:
+        handle = await self._prefill()
+        self._first = await self._open_decode(handle)
+
+    async def messages(self) -> AsyncIterator[decode_pb2.GenerateResponse]:
+        assert self._first is not None, "open() first"
+        message = self._first
+        while True:
+            yield message
+            if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
+                self._call = None
+                return
+            message = await self._next()
+
+    def stop(self, reason: str) -> None:
+        """Cancel the decode stream and abort the sequence on its replica (idempotent; nothing once finished)."""
+        call, self._call = self._call, None
+        if call is None or call.done():
+            return
+        call.cancel()
+        self.backends.metrics.cancellations.labels(reason).inc()
+        self._abort(self.replica, reason)
+
+    # -- prefill -------------------------------------------------------------------------------------------
+
+    async def _prefill(self) -> bytes | None:
+        """The handoff handle, or None when decode must prefill from the token ids (a fallback)."""
+        b, s = self.backends, self.backends.settings
+        if b.cache.down:
+            return self._fall_back("cache_unavailable", "no cache shard answers its health check")
+        tried: set[str] = set()
+        last = "no prefill replica is available"
+        for _ in range(1 + s.retries):
+            state = b.router.pick("prefill", self.prompt.affinity, tried)
+            if state is None:
+                break
+            tried.add(state.name)
+            request = prefill_pb2.PrefillRequest(
+                request_id=self.prompt.request_id,
+                token_ids=self.prompt.token_ids,
+                cache_salt=self.prompt.salt,
+                handoff_lease_s=s.handoff_lease_s,
+            )
+            try:
+                answer = await state.stub.Prefill(request, timeout=s.prefill_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                code, last = exc.code(), f"prefill replica {state.name}: {_describe(exc)}"
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise GatewayError(Kind.BAD_REQUEST, f"The prompt was refused: {exc.details()}") from None
+                if code == grpc.StatusCode.FAILED_PRECONDITION:  # its cache is unreachable: so is everyone's
+                    return self._fall_back("prefill_cache_unavailable", last)
+                if code in DOWN:
+                    b.router.pools["prefill"].failed(state)
+                b.metrics.retries.labels("prefill", code.name.lower()).inc()
+                log.warning("prefill_failed", request_id=self.prompt.request_id, error=last)
+                continue
+            b.router.served("prefill", self.prompt.affinity, state)
+            self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens
+            if answer.bounded_replay:
+                b.metrics.bounded_replays.inc()
+            return bytes(answer.handle)
+        if not s.prefill_fallback:
+            raise GatewayError(Kind.UNAVAILABLE, f"No prefill replica could serve the request ({last}).")
+        return self._fall_back("prefill_unavailable", last)
+
+    def _fall_back(self, reason: str, why: str) -> None:
+        self.fallback = reason
+        self.backends.metrics.fallbacks.labels(reason).inc()
+        log.warning("prefill_fallback", request_id=self.prompt.request_id, reason=reason, why=why)
+
+    # -- decode --------------------------------------------------------------------------------------------
+
+    async def _open_decode(self, handle: bytes | None) -> decode_pb2.GenerateResponse:
+        """Start the decode stream and wait for its first message, moving to another replica on failure."""
+        b, s = self.backends, self.backends.settings
+        tried: set[str] = set()
+        last, overloaded = "no decode replica is available", False
+        for _ in range(1 + s.retries):
+            state = b.router.pick("decode", self.prompt.affinity, tried)
+            if state is None:
+                break
+            tried.add(state.name)
+            remaining = max(0.0, self._deadline - time.monotonic())
+            call = state.stub.Generate(self._decode_request(handle), timeout=remaining)
+            try:
+                first = await asyncio.wait_for(call.read(), s.token_timeout_s)
+            except asyncio.CancelledError:  # the client left while we waited
+                call.cancel()
+                self._abort(state, "client_disconnect")
+                raise
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise GatewayError(Kind.BAD_REQUEST, f"The request was refused: {exc.details()}") from None
+                reason, last = code.name.lower(), f"decode replica {state.name}: {_describe(exc)}"
+                if code == grpc.StatusCode.NOT_FOUND and handle is not None:
+                    # The handoff record expired or was consumed by a replica that died: not this replica's fault.
+                    tried.discard(state.name)
+                    handle = self._fall_back("handoff_lost", last)
+                elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded = True
+                elif code in DOWN:
+                    b.router.pools["decode"].failed(state)
+            except TimeoutError:
+                call.cancel()
+                self._abort(state, "first_token_timeout")
+                b.router.pools["decode"].failed(state)
+                reason = "first_token_timeout"
+                last = f"decode replica {state.name} sent nothing for {s.token_timeout_s:g} s"
+            else:
+                if first is not grpc.aio.EOF:
+                    self._call, self.replica = call, state
+                    b.router.served("decode", self.prompt.affinity, state)
+                    return first
+                reason, last = "no_message", f"decode replica {state.name} ended the stream without a message"
+            b.metrics.retries.labels("decode", reason).inc()
+            log.warning("decode_failed", request_id=self.prompt.request_id, error=last)
+        if overloaded:
+            raise GatewayError(Kind.OVERLOADED, f"Every decode replica is full ({last}).", retry_after_s=1)
+        raise GatewayError(Kind.UNAVAILABLE, f"No decode replica could serve the request ({last}).")
+
+    def _decode_request(self, handle: bytes | None) -> decode_pb2.GenerateRequest:
+        request = decode_pb2.GenerateRequest()
+        request.CopyFrom(self.request)
+        request.request_id = self.prompt.request_id
+        request.cache_salt = self.prompt.salt
+        request.prompt_tokens = self.prompt_tokens
+        if handle is not None:
+            request.handle = handle
+            request.cached_tokens = self.cached_tokens
+        else:
+            request.token_ids.ids.extend(self.prompt.token_ids)
+            request.cached_tokens = self.cached_tokens = 0
+        return request
+
+    async def _next(self) -> decode_pb2.GenerateResponse:
+        """The next decode message; GatewayError(BACKEND_FAILED) when the stream breaks, stalls or ends early."""
+        state, s = self.replica, self.backends.settings
+        assert state is not None
+        try:
+            message = await asyncio.wait_for(self._call.read(), s.token_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._call = None
+            if exc.code() in DOWN:
+                self.backends.router.pools["decode"].failed(state)
+            raise GatewayError(
+                Kind.BACKEND_FAILED, f"The decode replica {state.name} failed mid-generation ({_describe(exc)})."
+            ) from None
+        except TimeoutError:
+            self.stop("token_timeout")
+            self.backends.router.pools["decode"].failed(state)
+            raise GatewayError(
+                Kind.BACKEND_FAILED, f"The decode replica {state.name} sent nothing for {s.token_timeout_s:g} s."
+            ) from None
+        if message is grpc.aio.EOF:
+            self._call = None
+            raise GatewayError(Kind.BACKEND_FAILED, f"The decode replica {state.name} ended the stream early.")
+        return message
+
+    def _abort(self, state: ReplicaState | None, reason: str) -> None:
+        if state is None:
+            return
+        request_id = self.prompt.request_id
+        log.info("decode_abort", request_id=request_id, replica=state.name, reason=reason)
+        abort: Callable[..., Any] = state.stub.Abort
+        self.backends.spawn(abort(decode_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S))

@@ -1,0 +1,115 @@
+"""An API request made ready for the mesh: converted by the recipe, rendered to token ids, its output budget
+resolved against the model's context, its cache salt and conversation key computed. Everything wrong with a
+request is found here, before it takes an admission slot."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from gateway.affinity import AffinityKey
+from gateway.errors import GatewayError, Kind
+from mesh.block_keys import block_keys
+from recipe import Api, ConversionOptions, ConvertedRequest, ModelVersion, RecipeError, Tokenizer, convert, render
+
+MAX_SALT_CHARS = 256
+
+
+class Model(msgspec.Struct, frozen=True):
+    """What requests need to know about the served model (from prefill's GetModelInfo)."""
+
+    fingerprint: bytes
+    block_tokens: int
+    layout_version: int
+    max_context: int
+
+    @property
+    def system_fingerprint(self) -> str:
+        return "fp_" + self.fingerprint.hex()[:16]
+
+
+class Job(msgspec.Struct, frozen=True):
+    """One request, ready to generate.
+
+    request: the recipe's conversion (sampling, parsing options, the API's response settings).
+    token_ids: the rendered prompt.
+    max_tokens: the output budget sent to decode.
+    salt: the block-key salt (the request's `cache_salt`; random when prefix reuse is off).
+    affinity: the conversation key the router uses.
+    """
+
+    request_id: str
+    request: ConvertedRequest
+    token_ids: list[int]
+    max_tokens: int
+    salt: bytes
+    affinity: AffinityKey
+
+    @property
+    def api(self) -> Api:
+        return self.request.api
+
+
+class _Extras(msgspec.Struct):
+    """Request fields the recipe does not read. `cache_salt` isolates a tenant's prefix cache (as in vLLM)."""
+
+    cache_salt: str | None = None
+
+
+class Codec:
+    """Turns API request bodies into jobs for the served model."""
+
+    def __init__(self, tokenizer: Tokenizer, *, model_name: str, max_output_tokens: int, prefix_reuse: bool) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_output_tokens = max_output_tokens
+        self.prefix_reuse = prefix_reuse
+        aliases = {model_name: ModelVersion.V41} if model_name != ModelVersion.V41.value else {}
+        if max_output_tokens:
+            self.options = ConversionOptions(
+                model_aliases=aliases, thinking_max_tokens=max_output_tokens, non_thinking_max_tokens=max_output_tokens
+            )
+        else:
+            self.options = ConversionOptions(model_aliases=aliases)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests may use: the served name and the official name of its encoding."""
+        return tuple(dict.fromkeys((self.model_name, ModelVersion.V41.value)))
+
+    def job(self, api: Api, body: bytes, model: Model, *, request_id: str, session: str | None) -> Job:
+        """The job of one request body; GatewayError (400) naming what is wrong with it."""
+        try:
+            request = convert(api, body, self.options)
+            if request.version is not ModelVersion.V41:
+                raise RecipeError(
+                    f"The model {request.model} is not served here; use {self.model_name}.", param="model"
+                )
+            token_ids = render(request.conversation, request.version, self.tokenizer).token_ids or []
+            max_tokens = request.resolve_max_tokens(len(token_ids), model.max_context)
+        except RecipeError as error:
+            raise GatewayError.from_recipe(error) from None
+        if self.max_output_tokens:
+            max_tokens = min(max_tokens, self.max_output_tokens)
+        salt = self._salt(body)
+        keys = block_keys(
+            token_ids,
+            block_tokens=model.block_tokens,
+            fingerprint=model.fingerprint,
+            salt=salt,
+            layout_version=model.layout_version,
+        )
+        return Job(request_id, request, token_ids, max_tokens, salt, AffinityKey(session, tuple(keys)))
+
+    def _salt(self, body: bytes) -> bytes:
+        if not self.prefix_reuse:
+            return os.urandom(16)
+        try:
+            salt = msgspec.json.decode(body, type=_Extras).cache_salt or ""
+        except msgspec.ValidationError as exc:
+            raise GatewayError(Kind.BAD_REQUEST, f"Invalid request: {exc}", param="cache_salt") from None
+        if len(salt) > MAX_SALT_CHARS:
+            message = f"cache_salt is longer than {MAX_SALT_CHARS} characters"
+            raise GatewayError(Kind.BAD_REQUEST, message, param="cache_salt")
+        return salt.encode()

@@ -1,0 +1,252 @@
+"""A job's response: one generation per choice, their decode messages turned into the API's events by the
+recipe's stream processor (detokenise → parse → per-API events), the choices merged in arrival order.
+
+A stop sequence ends a choice inside the parser: its decode stream is stopped (cancel + Abort) at once. A decode
+failure mid-stream ends the response with the API's error event (streaming) or a 503 (complete response). A
+response closed before its end (client gone) stops every generation still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from gateway.errors import GatewayError, Kind
+from gateway.generation import Backends, Generation, Prompt
+from gateway.job import Job, Model
+from mesh.logging import get_logger
+from proto.decode.v1 import decode_pb2
+from recipe import Event, MultiChoiceProcessor, StreamProcessor, Tokenizer, Usage
+
+FINISH_REASONS = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
+
+log = get_logger("gateway")
+
+
+def decode_request(job: Job, choice: int) -> decode_pb2.GenerateRequest:
+    """The decode settings of one choice (its own seed, so seeded choices differ from each other)."""
+    s = job.request.sampling
+    sampling = decode_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or 0)
+    if s.seed is not None:
+        sampling.seed = s.seed + choice
+    return decode_pb2.GenerateRequest(
+        sampling=sampling,
+        stop_token_ids=job.request.stop_token_ids,
+        max_tokens=job.max_tokens,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs if s.logprobs else 0,
+    )
+
+
+class Choices:
+    """The stream processors of a response, one per choice, behind one interface."""
+
+    def __init__(self, job: Job, tokenizer: Tokenizer) -> None:
+        request = job.request
+        self._multi = None
+        if request.sampling.n > 1:
+            self._multi = MultiChoiceProcessor(request, tokenizer=tokenizer)
+            self.each: Sequence[StreamProcessor] = self._multi.choices
+        else:
+            self.each = [StreamProcessor(request, tokenizer=tokenizer)]
+
+    def start(self, prompt_tokens: int, cached_tokens: int, fingerprint: str) -> list[Event]:
+        return (self._multi or self.each[0]).start(prompt_tokens, cached_tokens, fingerprint)
+
+    def push(self, choice: int, message: decode_pb2.GenerateResponse) -> list[Event]:
+        logprobs = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in message.logprobs] or None
+        if self._multi is not None:
+            return self._multi.push_tokens(choice, message.token_ids, logprobs)
+        return self.each[0].push_tokens(message.token_ids, logprobs)
+
+    def finish(self, choice: int, reason: str, usage: Usage) -> list[Event]:
+        if self._multi is not None:
+            return self._multi.finish(choice, reason, usage)  # type: ignore[arg-type]
+        return self.each[0].finish(reason, usage)  # type: ignore[arg-type]
+
+    def fail(self, message: str) -> list[Event]:
+        return (self._multi or self.each[0]).fail(message)
+
+    @property
+    def finished(self) -> bool:
+        return all(p.finished for p in self.each)
+
+    def response(self) -> dict:
+        return (self._multi or self.each[0]).response()
+
+
+class Reply:
+    """The response to one job. `open()` (errors raise: nothing was sent yet), then `events()` or `body()`,
+    then `close()` (always: it stops what still runs and records the request)."""
+
+    def __init__(self, job: Job, backends: Backends, tokenizer: Tokenizer, model: Model, arrived: float) -> None:
+        self.job = job
+        self.backends = backends
+        self.model = model
+        self.arrived = arrived
+        n = job.request.sampling.n
+        rid = job.request_id
+        self.generations = [
+            Generation(
+                backends,
+                Prompt(rid if n == 1 else f"{rid}-{i}", job.token_ids, job.salt, job.affinity),
+                decode_request(job, i),
+            )
+            for i in range(n)
+        ]
+        self.choices = Choices(job, tokenizer)
+        self.failure: GatewayError | None = None
+        self.first_token_at: float | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def open(self) -> None:
+        """Prefill and start decoding every choice, up to each one's first message."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for generation in self.generations:
+                    group.create_task(generation.open())
+        except BaseExceptionGroup as group_error:
+            first = next((e for e in group_error.exceptions if isinstance(e, GatewayError)), None)
+            if first is None:
+                raise
+            self.failure = first
+            raise first from None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The response's events, in order (when not streaming: none; `body()` has the response)."""
+        first = self.generations[0]
+        for event in self.choices.start(first.prompt_tokens, first.cached_tokens, self.model.system_fingerprint):
+            yield event
+        last_message_at = [self.arrived] * len(self.generations)
+        async for choice, message in self._merged():
+            if isinstance(message, GatewayError):
+                self.failure = message
+                self._stop_all("choice_failed")
+                for event in self.choices.fail(message.message):
+                    yield event
+                return
+            now = time.monotonic()
+            metrics = self.backends.metrics
+            if message.token_ids:
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                    metrics.ttft.labels(self.job.api).observe(now - self.arrived)
+                else:
+                    metrics.itl.labels(self.job.api).observe(now - last_message_at[choice])
+                last_message_at[choice] = now
+            events = self.choices.push(choice, message)
+            if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
+                events += self._finish(choice, message)
+            elif self.choices.each[choice].finished:  # a stop sequence ended it inside the parser
+                self._stop(choice, "stop_sequence")
+            for event in events:
+                yield event
+            if self.choices.finished:
+                return
+
+    async def body(self) -> dict:
+        """The complete response; GatewayError (503) if a generation failed."""
+        async for _ in self.events():
+            pass
+        if self.failure is not None:
+            raise GatewayError(Kind.UNAVAILABLE, self.failure.message)
+        return self.choices.response()
+
+    def close(self) -> str:
+        """Stop what still runs, record the request once; returns its outcome (ok, error or cancelled)."""
+        if self.failure is not None:
+            outcome = "error"
+        elif self.choices.finished:
+            outcome = "ok"
+        else:
+            outcome = "cancelled"
+        if self._closed:
+            return outcome
+        self._closed = True
+        self._stop_all("client_disconnect")
+        self._record(outcome)
+        return outcome
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _finish(self, choice: int, message: decode_pb2.GenerateResponse) -> list[Event]:
+        u = message.usage
+        metrics = self.backends.metrics
+        metrics.draft_proposed.inc(u.draft_tokens_proposed)
+        metrics.draft_accepted.inc(u.draft_tokens_accepted)
+        if u.bounded_replay:
+            metrics.bounded_replays.inc()
+        reason = FINISH_REASONS.get(message.finish_reason)
+        if reason is None:  # aborted by the replica itself (draining, out of memory)
+            self.failure = GatewayError(Kind.BACKEND_FAILED, "The decode replica aborted the generation.")
+            self._stop_all("choice_failed")
+            return self.choices.fail(self.failure.message)
+        generation = self.generations[choice]
+        prompt = u.prompt_tokens or generation.prompt_tokens
+        return self.choices.finish(choice, reason, Usage(prompt, u.cached_tokens, u.completion_tokens))
+
+    async def _merged(self) -> AsyncIterator[tuple[int, decode_pb2.GenerateResponse | GatewayError]]:
+        """(choice, message) from every generation as they arrive; a broken stream yields its GatewayError."""
+        if len(self.generations) == 1:
+            try:
+                async for message in self.generations[0].messages():
+                    yield 0, message
+            except GatewayError as error:
+                yield 0, error
+            return
+        queue: asyncio.Queue[tuple[int, decode_pb2.GenerateResponse | GatewayError | None]] = asyncio.Queue()
+
+        async def pump(choice: int, generation: Generation) -> None:
+            try:
+                async for message in generation.messages():
+                    queue.put_nowait((choice, message))
+            except GatewayError as error:
+                queue.put_nowait((choice, error))
+            queue.put_nowait((choice, None))
+
+        self._pumps = [asyncio.get_running_loop().create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+        running = len(self._pumps)
+        while running:
+            choice, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif not self.choices.each[choice].finished:
+                yield choice, item
+
+    def _stop(self, choice: int, reason: str) -> None:
+        self.generations[choice].stop(reason)
+        if self._pumps:
+            self._pumps[choice].cancel()
+
+    def _stop_all(self, reason: str) -> None:
+        for choice in range(len(self.generations)):
+            self._stop(choice, reason)
+
+    def _record(self, outcome: str) -> None:
+        metrics, job = self.backends.metrics, self.job
+        first = self.generations[0]
+        duration = time.monotonic() - self.arrived
+        metrics.requests.labels(job.api, outcome).inc()
+        metrics.duration.labels(job.api).observe(duration)
+        if outcome == "error" and self.failure is not None:
+            metrics.errors.labels(self.failure.kind.label).inc()
+        completion = sum(p.usage.completion_tokens for p in self.choices.each)
+        if first.replica is not None:
+            metrics.tokens(first.prompt_tokens, first.cached_tokens, completion)
+        log.info(
+            "request",
+            request_id=job.request_id,
+            api=job.api,
+            stream=job.request.stream,
+            outcome=outcome,
+            prompt_tokens=first.prompt_tokens,
+            cached_tokens=first.cached_tokens,
+            completion_tokens=completion,
+            ttft_s=None if self.first_token_at is None else round(self.first_token_at - self.arrived, 4),
+            duration_s=round(duration, 4),
+            decode=[g.replica.name if g.replica else None for g in self.generations],
+            fallback=first.fallback,
+            error=None if self.failure is None else self.failure.message,
+        )

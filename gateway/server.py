@@ -1,0 +1,189 @@
+"""One gateway process: the HTTP server (uvicorn) and the gRPC server on one event loop, the replica and cache
+pollers, and a graceful stop.
+
+Stop (SIGTERM): /health turns 503 and gRPC health NOT_SERVING at once (load balancers stop sending), new requests
+get 503, in-flight responses get `grace_s` to finish; what is still running then is cancelled, which aborts its
+decode sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from gateway.admission import Admission
+from gateway.affinity import AffinityTable
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.discovery import ROLES, Discovery, make_discovery
+from gateway.errors import GatewayError
+from gateway.generation import Backends, Settings
+from gateway.grpc_api import SERVICE_NAME, GatewayService
+from gateway.job import Codec
+from gateway.metrics import GatewayMetrics
+from gateway.replicas import CacheHealth, ReplicaPool
+from gateway.router import Router
+from gateway.service import Gateway
+from mesh.grpc_server import GrpcServer
+from mesh.logging import get_logger
+from mesh.metrics import new_registry
+from proto.gateway.v1 import gateway_pb2_grpc
+from recipe import load_tokenizer
+
+log = get_logger("gateway")
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway stops both servers together."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class GatewayServer:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.registry = new_registry()
+        self.metrics = GatewayMetrics(self.registry)
+        self.port = 0
+        self.grpc_port = 0
+        self.gateway: Gateway | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._discovery: Discovery | None = None
+        self._pools: dict[str, ReplicaPool] = {}
+        self._cache: CacheHealth | None = None
+        self._http: _HttpServer | None = None
+        self._grpc: GrpcServer | None = None
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        self._discovery = make_discovery(cfg.discovery, prefill=cfg.prefill, decode=cfg.decode, namespace=cfg.namespace)
+        self._discovery.start()
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or None)
+        self._pools = {role: ReplicaPool(role, self._discovery, self.metrics, cfg.inhibit_s) for role in ROLES}
+        router = Router(self._pools, AffinityTable(cfg.affinity_entries), cfg.affinity_slack)  # type: ignore[arg-type]
+        self._cache = CacheHealth(list(cfg.cache), self.metrics)
+        settings = Settings(
+            retries=cfg.retries,
+            prefill_fallback=cfg.prefill_fallback,
+            prefill_timeout_s=cfg.prefill_timeout_s,
+            token_timeout_s=cfg.token_timeout_s,
+            request_timeout_s=cfg.request_timeout_s,
+            handoff_lease_s=cfg.handoff_lease_s,
+        )
+        admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s, self._admission_changed)
+        codec = Codec(
+            tokenizer, model_name=cfg.model_name, max_output_tokens=cfg.max_output_tokens, prefix_reuse=cfg.prefix_reuse
+        )
+        self.gateway = Gateway(
+            codec,
+            Backends(settings, router, self._cache, self.metrics),
+            admission,
+            self.metrics,
+            api_key=cfg.api_key,
+            max_body_bytes=cfg.max_body_bytes,
+        )
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+        sock = _listen(cfg.host, cfg.port)
+        self.port = sock.getsockname()[1]
+        app = create_app(self.gateway, self.registry, self.readiness)
+        config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(cfg.grace_s)
+        )
+        self._http = _HttpServer(config)
+        self._serving = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]))
+        while not self._http.started:
+            await asyncio.sleep(0.01)
+
+        self._grpc = GrpcServer(
+            [(gateway_pb2_grpc.add_GatewayServicer_to_server, GatewayService(self.gateway), SERVICE_NAME)],
+            cfg.host,
+            cfg.grpc_port,
+        )
+        self.grpc_port = self._grpc.port
+        await self._grpc.start()
+        log.info("serving", host=cfg.host, port=self.port, grpc_port=self.grpc_port)
+
+    def readiness(self) -> dict[str, Any]:
+        """/health: ready once the model is known (a prefill replica answered) and until draining starts."""
+        gateway = self.gateway
+        assert gateway is not None
+        if gateway.draining:
+            status = "draining"
+        elif not gateway.model_known:
+            status = "waiting for a prefill replica to describe the model"
+        else:
+            status = "ok"
+        up = {role: sum(1 for s in pool.states() if s.up) for role, pool in self._pools.items()}
+        return {
+            "ready": status == "ok",
+            "status": status,
+            "replicas_up": up,
+            "cache_shards_up": self._cache.shards_up if self._cache else None,
+            "queued": gateway.admission.queued,
+            "inflight": gateway.admission.inflight,
+        }
+
+    async def stop(self, grace_s: float) -> None:
+        gateway = self.gateway
+        if gateway is not None:
+            gateway.admission.draining = True
+        log.info("draining", grace_s=grace_s)
+        if self._http is not None:
+            self._http.config.timeout_graceful_shutdown = int(grace_s)
+            self._http.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        if self._serving is not None:
+            await self._serving  # uvicorn lets open responses finish, then cancels what is left
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if gateway is not None:
+            await gateway.backends.drain()
+        await asyncio.gather(*(pool.close() for pool in self._pools.values()))
+        if self._cache is not None:
+            await self._cache.close()
+        if self._discovery is not None:
+            self._discovery.close()
+        log.info("stopped")
+
+    async def _poll(self) -> None:
+        """Replica loads, cache health and (until known) the model, every `load_interval_s`."""
+        assert self._cache is not None
+        while True:
+            polls = [pool.poll() for pool in self._pools.values()]
+            await asyncio.gather(*polls, self._cache.poll(), self._learn_model())
+            await asyncio.sleep(self.cfg.load_interval_s)
+
+    async def _learn_model(self) -> None:
+        assert self.gateway is not None
+        if not self.gateway.model_known:
+            with contextlib.suppress(GatewayError):
+                await self.gateway.model()
+
+    def _admission_changed(self, queued: int, inflight: int) -> None:
+        self.metrics.queue_depth.set(queued)
+        self.metrics.inflight.set(inflight)

@@ -1,0 +1,150 @@
+"""What the HTTP and gRPC faces share: authorise, size-check, prepare, admit and open a request.
+
+    key check (401) → body size (413) → recipe conversion + render (400) → admission slot (429) → prefill + first
+    decode message (503 / 429) → a `Reply` the face streams or completes
+
+Nothing is sent to the client before the first decode message, so every failure up to there is a clean HTTP
+status (or gRPC code) with the API's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import Mapping
+
+import grpc
+
+from gateway.admission import Admission, Ticket
+from gateway.errors import GatewayError, Kind
+from gateway.generation import Backends
+from gateway.job import Codec, Job, Model
+from gateway.metrics import GatewayMetrics
+from gateway.reply import Reply
+from mesh.logging import get_logger
+from proto.prefill.v1 import prefill_pb2
+from recipe import Api
+
+MODEL_INFO_TIMEOUT_S = 2.0
+MAX_REQUEST_ID_CHARS = 128
+
+log = get_logger("gateway")
+
+
+def request_id(given: str | None) -> str:
+    """The client's request id if it is a sane one, else a new one."""
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable():
+        return given
+    return "req_" + uuid.uuid4().hex
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a request carries: OpenAI's `Authorization: Bearer`, Anthropic's `x-api-key`."""
+    auth = headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return headers.get("x-api-key")
+
+
+class Gateway:
+    def __init__(
+        self,
+        codec: Codec,
+        backends: Backends,
+        admission: Admission,
+        metrics: GatewayMetrics,
+        *,
+        api_key: str,
+        max_body_bytes: int,
+    ) -> None:
+        self.codec = codec
+        self.backends = backends
+        self.admission = admission
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self._api_key = api_key.encode()
+        self._model: Model | None = None
+        self._model_lock = asyncio.Lock()
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    @property
+    def api_key_required(self) -> bool:
+        return bool(self._api_key)
+
+    @property
+    def model_known(self) -> bool:
+        return self._model is not None
+
+    def authorize(self, presented: str | None) -> None:
+        if self._api_key and not (presented and hmac.compare_digest(presented.encode(), self._api_key)):
+            why = "No API key was provided" if not presented else "The API key is not valid"
+            raise GatewayError(Kind.UNAUTHORIZED, f"{why}. Send it as `Authorization: Bearer <key>` or `x-api-key`.")
+
+    def check_size(self, size: int) -> None:
+        if size > self.max_body_bytes:
+            raise GatewayError(
+                Kind.TOO_LARGE, f"The request body has {size} bytes; the limit is {self.max_body_bytes} bytes."
+            )
+
+    async def model(self) -> Model:
+        """The served model's block-key parameters and context, asked of a prefill replica once."""
+        if self._model is None:
+            async with self._model_lock:
+                if self._model is None:
+                    self._model = await self._fetch_model()
+        return self._model
+
+    async def _fetch_model(self) -> Model:
+        errors = []
+        for state in self.backends.router.pools["prefill"].states():
+            try:
+                info = await state.stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                errors.append(f"{state.name}: {exc.code().name}")
+                continue
+            model = Model(bytes(info.fingerprint), info.kv_block_tokens, info.layout_version, info.max_context)
+            log.info("model_info", model=info.model, fingerprint=model.fingerprint.hex(), max_context=model.max_context,
+                     block_tokens=model.block_tokens, vocab_size=info.vocab_size)  # fmt: skip
+            return model
+        raise GatewayError(
+            Kind.UNAVAILABLE,
+            f"The model is not known yet: no prefill replica answered GetModelInfo ({'; '.join(errors) or 'none'}).",
+        )
+
+    async def open(
+        self, api: Api, body: bytes, *, api_key: str | None, request_id: str, session: str | None
+    ) -> tuple[Reply, Ticket]:
+        """An opened reply and the admission slot it holds (release both with `close`); GatewayError if refused."""
+        arrived = time.monotonic()
+        try:
+            self.authorize(api_key)
+            self.check_size(len(body))
+            model = await self.model()
+            job: Job = await asyncio.to_thread(self.codec.job, api, body, model, request_id=request_id, session=session)
+            ticket = await self.admission.enter()
+        except GatewayError as error:
+            self.refused(api, error)
+            raise
+        reply = Reply(job, self.backends, self.codec.tokenizer, model, arrived)
+        try:
+            await reply.open()
+        except BaseException:
+            self.close(reply, ticket)
+            raise
+        return reply, ticket
+
+    def refused(self, api: Api, error: GatewayError) -> None:
+        """Count a request turned away before it had a reply."""
+        self.metrics.errors.labels(error.kind.label).inc()
+        self.metrics.requests.labels(api, "error").inc()
+        log.info("request_refused", api=api, kind=error.kind.label, error=error.message)
+
+    @staticmethod
+    def close(reply: Reply, ticket: Ticket) -> None:
+        reply.close()
+        ticket.release()
