@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-_RNE_MAGIC = 8388608.0  # 2^23: adding and subtracting it rounds a float in [0, 2^22) to an integer, ties to even
+E2M1_MAX = tl.constexpr(6.0)
+E4M3_MAX = tl.constexpr(448.0)
+RNE_MAGIC = tl.constexpr(8388608.0)  # 2^23: adding and subtracting it rounds a float in [0, 2^22) to an integer (RNE)
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def e4m3_encode(x):
     rounded = (mbits + 0x7FFFF + ((mbits >> 20) & 1)) >> 20
     normal = rounded - (120 << 3)
     # subnormal range: code = RNE(|x| / 2^-9), which runs 0..8 (8 is the smallest normal, 2^-6)
-    subnormal = ((magnitude * 512.0 + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
+    subnormal = ((magnitude * 512.0 + RNE_MAGIC) - RNE_MAGIC).to(tl.int32)
     code = tl.where(magnitude < 0.015625, subnormal, normal)
     code = tl.where(x != x, 0x7F, code)
     return code.to(tl.uint8) | sign

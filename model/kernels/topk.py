@@ -85,7 +85,7 @@ def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
     """Bitwise radix search: the largest T with #(keys ≥ T) ≥ k (k ≥ 1); keys below bit LOW_BIT are all zero."""
     threshold = tl.zeros((), dtype=tl.uint32)
     step = tl.full((), 1 << 31, tl.uint32)
-    for _ in range(32 - LOW_BIT):
+    for _bit in range(32 - LOW_BIT):
         trial = threshold | step
         threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
         step = step >> 1
@@ -158,7 +158,7 @@ def _select_kernel(
     kk = tl.minimum(k, selectable)
     threshold = tl.zeros((), dtype=tl.uint32)
     step = tl.full((), 1 << 31, tl.uint32)
-    for _ in range(32 - LOW_BIT):
+    for _bit in range(32 - LOW_BIT):
         trial = threshold | step
         count = 0
         for start in range(0, n, TILE):

@@ -20,7 +20,8 @@ def packed_parts(state: EncoderState) -> list[torch.Tensor]:
 
 def assert_same_state(a: EncoderState, b: EncoderState) -> None:
     """Packed parts byte-equal; float parts equal up to fp64 reduction order."""
-    assert a.position == b.position and a.ring_start == b.ring_start
+    assert a.position == b.position
+    assert a.ring_start == b.ring_start
     for x, y in zip(packed_parts(a), packed_parts(b), strict=True):
         assert torch.equal(x, y)
     torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-12, atol=1e-12)
@@ -96,7 +97,9 @@ def test_second_turn_with_record_equals_cold_run(tiny, tokens):
     assert export.encoder_state.position == 35
     warm = tiny.encode_prefill(sequence, past)
     cold = tiny.encode_prefill(sequence)
-    assert warm.swa_restored and not warm.bounded_replay and warm.cached_tokens == 35
+    assert warm.swa_restored
+    assert not warm.bounded_replay
+    assert warm.cached_tokens == 35
     assert_same_blocks(past.blocks + warm.blocks, cold.blocks)
     assert_same_state(warm.encoder_state, cold.encoder_state)
     warm_tokens, warm_logits, _ = greedy(tiny, warm, past.blocks + warm.blocks, 5)
@@ -111,7 +114,9 @@ def test_missing_record_is_repaired_by_encoder_replay(tiny, tokens):
     cold = tiny.encode_prefill(ids)
     hit = cold.blocks[:2]
     replayed = tiny.encode_prefill(ids, Past(hit))
-    assert replayed.bounded_replay and not replayed.swa_restored and replayed.cached_tokens == 2 * Bt
+    assert replayed.bounded_replay
+    assert not replayed.swa_restored
+    assert replayed.cached_tokens == 2 * Bt
     assert_same_blocks(hit + replayed.blocks[:0], cold.blocks[:2])
     # The replay rebuilds the rings from the W tokens before the hit: they start there, not at 0.
     assert replayed.encoder_state.ring_start == cold.encoder_state.ring_start
@@ -182,4 +187,5 @@ def test_bad_requests_are_value_errors(tiny, tokens):
         tiny.decode_step(batch, [1, 2])
     with pytest.raises(KeyError):
         batch.leave(99)
-    assert isinstance(batch, DecodeBatch) and len(batch) == 1  # nothing changed by the rejected calls
+    assert isinstance(batch, DecodeBatch)
+    assert len(batch) == 1
