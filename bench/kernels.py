@@ -48,10 +48,10 @@ def median_ms(fn: Callable[[], object]) -> float:
         fn()
         return (time.perf_counter() - start) * 1e3
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
     except Exception:  # an op that cannot be captured (host sync inside): plain event timing
         torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 def copy_bandwidth(nbytes: int) -> float:
@@ -131,7 +131,7 @@ class Checks:
         try:
             check(self, *args)
         except Exception as error:  # report and go on: one GPU call should bring back every result
-            self.report(f"{check.__name__}{args}", False, f"raised {error!r}"[:2000])
+            self.report(f"{check.__name__}{args}", False, f"raised {type(error).__name__}: {error}"[-3000:])
 
     def report(self, name: str, ok: bool, detail: str) -> None:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
@@ -327,7 +327,7 @@ def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
         try:
             result = bench(*args)
         except Exception as error:  # keep going: report what ran
-            print(f"  {bench.__name__}{args} raised {error!r}"[:2000], flush=True)
+            print(f"  {bench.__name__}{args} raised {type(error).__name__}: {error}"[-3000:], flush=True)
             continue
         rows += result if isinstance(result, list) else [result]
         print(f"  {bench.__name__}{args} done", flush=True)
