@@ -131,7 +131,8 @@ class Checks:
         try:
             check(self, *args)
         except Exception as error:  # report and go on: one GPU call should bring back every result
-            self.report(f"{check.__name__}{args}", False, f"raised {type(error).__name__}: {error}"[-3000:])
+            detail = f"raised {type(error).__name__}: {error} (cause: {error.__cause__!r})"
+            self.report(f"{check.__name__}{args}", False, detail[-3000:])
 
     def report(self, name: str, ok: bool, detail: str) -> None:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
@@ -327,7 +328,8 @@ def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
         try:
             result = bench(*args)
         except Exception as error:  # keep going: report what ran
-            print(f"  {bench.__name__}{args} raised {type(error).__name__}: {error}"[-3000:], flush=True)
+            detail = f"raised {type(error).__name__}: {error} (cause: {error.__cause__!r})"
+            print(f"  {bench.__name__}{args} {detail[-3000:]}", flush=True)
             continue
         rows += result if isinstance(result, list) else [result]
         print(f"  {bench.__name__}{args} done", flush=True)
