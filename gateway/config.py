@@ -38,7 +38,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_fallback: when no prefill replica can serve, decode prefills the prompt itself (no reuse)
     retries: further replicas tried after a replica fails before its first token
     prefill_timeout_s: deadline of one Prefill call
-    token_timeout_s: the longest wait for the next decode message before the stream is declared dead
+    stall_timeout_s: the longest wait for the next decode message before the stream is declared dead
     request_timeout_s: deadline of a whole generation
     handoff_lease_s: how long a handoff record waits for its decode (0: the prefill's default)
     load_interval_s: how often every replica's load (GetLoad) and the cache's health are polled
@@ -69,7 +69,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_fallback: bool = True
     retries: NonNegative = 2
     prefill_timeout_s: Seconds = 120.0
-    token_timeout_s: Seconds = 60.0
+    stall_timeout_s: Seconds = 60.0
     request_timeout_s: Seconds = 1800.0
     handoff_lease_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     load_interval_s: Seconds = 0.5

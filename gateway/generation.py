@@ -7,7 +7,7 @@
     ─ the prompt is invalid        → 400                            ─ after it: the stream ends with the API's error
 
 Every call has a deadline: a Prefill `prefill_timeout_s`, the whole decode stream `request_timeout_s`, and each
-decode message must come within `token_timeout_s` of the previous one, so a frozen replica cannot hang a client.
+decode message must come within `stall_timeout_s` of the previous one, so a frozen replica cannot hang a client.
 `stop()` cancels the decode stream and sends Abort, so the replica frees the sequence at once.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
@@ -43,7 +43,7 @@ class Settings(msgspec.Struct, frozen=True):
     retries: int
     prefill_fallback: bool
     prefill_timeout_s: float
-    token_timeout_s: float
+    stall_timeout_s: float
     request_timeout_s: float
     handoff_lease_s: float
 
@@ -111,16 +111,18 @@ class Generation:
         assert self._first is not None, "open() first"
         message = self._first
         while True:
+            final = message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED
+            if final:
+                self._call = None  # finished: nothing to stop any more
             yield message
-            if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
-                self._call = None
+            if final or self._call is None:
                 return
             message = await self._next()
 
     def stop(self, reason: str) -> None:
         """Cancel the decode stream and abort the sequence on its replica (idempotent; nothing once finished)."""
         call, self._call = self._call, None
-        if call is None or call.done():
+        if call is None:  # finished, failed, or never started
             return
         call.cancel()
         self.backends.metrics.cancellations.labels(reason).inc()
@@ -188,7 +190,7 @@ class Generation:
             remaining = max(0.0, self._deadline - time.monotonic())
             call = state.stub.Generate(self._decode_request(handle), timeout=remaining)
             try:
-                first = await asyncio.wait_for(call.read(), s.token_timeout_s)
+                first = await asyncio.wait_for(call.read(), s.stall_timeout_s)
             except asyncio.CancelledError:  # the client left while we waited
                 call.cancel()
                 self._abort(state, "client_disconnect")
@@ -211,7 +213,7 @@ class Generation:
                 self._abort(state, "first_token_timeout")
                 b.router.pools["decode"].failed(state)
                 reason = "first_token_timeout"
-                last = f"decode replica {state.name} sent nothing for {s.token_timeout_s:g} s"
+                last = f"decode replica {state.name} sent nothing for {s.stall_timeout_s:g} s"
             else:
                 if first is not grpc.aio.EOF:
                     self._call, self.replica = call, state
@@ -243,7 +245,7 @@ class Generation:
         state, s = self.replica, self.backends.settings
         assert state is not None
         try:
-            message = await asyncio.wait_for(self._call.read(), s.token_timeout_s)
+            message = await asyncio.wait_for(self._call.read(), s.stall_timeout_s)
         except grpc.aio.AioRpcError as exc:
             self._call = None
             if exc.code() in DOWN:
@@ -252,10 +254,10 @@ class Generation:
                 Kind.BACKEND_FAILED, f"The decode replica {state.name} failed mid-generation ({_describe(exc)})."
             ) from None
         except TimeoutError:
-            self.stop("token_timeout")
+            self.stop("stalled")
             self.backends.router.pools["decode"].failed(state)
             raise GatewayError(
-                Kind.BACKEND_FAILED, f"The decode replica {state.name} sent nothing for {s.token_timeout_s:g} s."
+                Kind.BACKEND_FAILED, f"The decode replica {state.name} sent nothing for {s.stall_timeout_s:g} s."
             ) from None
         if message is grpc.aio.EOF:
             self._call = None
@@ -267,5 +269,8 @@ class Generation:
             return
         request_id = self.prompt.request_id
         log.info("decode_abort", request_id=request_id, replica=state.name, reason=reason)
-        abort: Callable[..., Any] = state.stub.Abort
-        self.backends.spawn(abort(decode_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S))
+        self.backends.spawn(_send_abort(state, request_id))
+
+
+async def _send_abort(state: ReplicaState, request_id: str) -> None:
+    await state.stub.Abort(decode_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)

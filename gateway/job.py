@@ -51,6 +51,14 @@ class Job(msgspec.Struct, frozen=True):
         return self.request.api
 
 
+class Rendered(msgspec.Struct, frozen=True):
+    """A request converted and rendered: what it asks, its prompt's token ids, its block-key salt."""
+
+    request: ConvertedRequest
+    token_ids: list[int]
+    salt: bytes
+
+
 class _Extras(msgspec.Struct):
     """Request fields the recipe does not read. `cache_salt` isolates a tenant's prefix cache (as in vLLM)."""
 
@@ -78,8 +86,8 @@ class Codec:
         """The names requests may use: the served name and the official name of its encoding."""
         return tuple(dict.fromkeys((self.model_name, ModelVersion.V41.value)))
 
-    def job(self, api: Api, body: bytes, model: Model, *, request_id: str, session: str | None) -> Job:
-        """The job of one request body; GatewayError (400) naming what is wrong with it."""
+    def render(self, api: Api, body: bytes) -> Rendered:
+        """Convert and render one request body; GatewayError (400) naming what is wrong with it."""
         try:
             request = convert(api, body, self.options)
             if request.version is not ModelVersion.V41:
@@ -87,20 +95,27 @@ class Codec:
                     f"The model {request.model} is not served here; use {self.model_name}.", param="model"
                 )
             token_ids = render(request.conversation, request.version, self.tokenizer).token_ids or []
+        except RecipeError as error:
+            raise GatewayError.from_recipe(error) from None
+        return Rendered(request, token_ids, self._salt(body))
+
+    def job(self, rendered: Rendered, model: Model, *, request_id: str, session: str | None) -> Job:
+        """The job: the output budget resolved against the model's context (400 if the prompt leaves no room)."""
+        request, token_ids = rendered.request, rendered.token_ids
+        try:
             max_tokens = request.resolve_max_tokens(len(token_ids), model.max_context)
         except RecipeError as error:
             raise GatewayError.from_recipe(error) from None
         if self.max_output_tokens:
             max_tokens = min(max_tokens, self.max_output_tokens)
-        salt = self._salt(body)
         keys = block_keys(
             token_ids,
             block_tokens=model.block_tokens,
             fingerprint=model.fingerprint,
-            salt=salt,
+            salt=rendered.salt,
             layout_version=model.layout_version,
         )
-        return Job(request_id, request, token_ids, max_tokens, salt, AffinityKey(session, tuple(keys)))
+        return Job(request_id, request, token_ids, max_tokens, rendered.salt, AffinityKey(session, tuple(keys)))
 
     def _salt(self, body: bytes) -> bytes:
         if not self.prefix_reuse:

@@ -87,7 +87,7 @@ class GatewayServer:
             retries=cfg.retries,
             prefill_fallback=cfg.prefill_fallback,
             prefill_timeout_s=cfg.prefill_timeout_s,
-            token_timeout_s=cfg.token_timeout_s,
+            stall_timeout_s=cfg.stall_timeout_s,
             request_timeout_s=cfg.request_timeout_s,
             handoff_lease_s=cfg.handoff_lease_s,
         )

@@ -20,7 +20,7 @@ import grpc
 from gateway.admission import Admission, Ticket
 from gateway.errors import GatewayError, Kind
 from gateway.generation import Backends
-from gateway.job import Codec, Job, Model
+from gateway.job import Codec, Model
 from gateway.metrics import GatewayMetrics
 from gateway.reply import Reply
 from mesh.logging import get_logger
@@ -124,8 +124,9 @@ class Gateway:
         try:
             self.authorize(api_key)
             self.check_size(len(body))
+            rendered = await asyncio.to_thread(self.codec.render, api, body)
             model = await self.model()
-            job: Job = await asyncio.to_thread(self.codec.job, api, body, model, request_id=request_id, session=session)
+            job = self.codec.job(rendered, model, request_id=request_id, session=session)
             ticket = await self.admission.enter()
         except GatewayError as error:
             self.refused(api, error)

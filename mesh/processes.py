@@ -1,0 +1,278 @@
+"""The local mesh as child processes: a cache, prefill and decode replicas and a gateway on loopback ports.
+
+`Mesh` starts them (each `python -m <package> serve ...`, logging to DATA_DIR/logs/<name>.log), waits until every
+one answers its health check (gRPC health for the services, GET /health for the gateway), and stops them in
+reverse order of dependence: the gateway drains first, the cache last. Children run in their own session (a Ctrl-C
+reaches only the parent, which stops them in order) and, on Linux, get SIGTERM if the parent dies without stopping
+them, so no child outlives its mesh. DATA_DIR/mesh.json describes the running mesh (addresses, pids, logs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+import msgspec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+HEALTH_TIMEOUT_S = 1.0
+POLL_INTERVAL_S = 0.2
+PR_SET_PDEATHSIG = 1
+
+
+class MeshError(RuntimeError):
+    """The mesh cannot start (or keep running); the message says which child and shows its last log lines."""
+
+
+class MeshSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What to run. `*_args` are extra flags for every process of that role."""
+
+    model: str
+    data_dir: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    api_key: str = ""
+    cache_args: Sequence[str] = ()
+    prefill_args: Sequence[str] = ()
+    decode_args: Sequence[str] = ()
+    gateway_args: Sequence[str] = ()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux), so a killed mesh leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def grpc_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S
+            )
+        except grpc.RpcError:
+            return False
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Child:
+    """One process of the mesh."""
+
+    def __init__(self, name: str, argv: list[str], address: str, healthy: Callable[[], bool], log: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.address = address
+        self.healthy = healthy
+        self.log = log
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def spawn(self, env: dict[str, str]) -> None:
+        with self.log.open("ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(self.argv)}\n".encode())
+            out.flush()
+            self.process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def terminate(self) -> None:
+        if self.running():
+            assert self.process is not None
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Exit status after at most `timeout_s`; a child still running then is killed (status None)."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+class Mesh:
+    """A local mesh: `start()`, use `base_url`, `stop()` (or `with Mesh(spec) as mesh:`)."""
+
+    def __init__(self, spec: MeshSpec, on_event: Callable[[str], None] = lambda line: None) -> None:
+        self.spec = spec
+        self.on_event = on_event
+        self.data_dir = Path(spec.data_dir).expanduser().resolve()
+        self.logs = self.data_dir / "logs"
+        host = spec.host
+        py = [sys.executable, "-m"]
+        cache_address = f"{host}:{free_port(host)}"
+        self.children: list[Child] = [
+            Child(
+                "cache",
+                [*py, "cache_svc", "serve", "--host", host, "--port", cache_address.rsplit(":", 1)[1],
+                 "--data-dir", str(self.data_dir / "cache"), *spec.cache_args],
+                cache_address,
+                lambda a=cache_address: grpc_serving(a),
+                self.logs / "cache.log",
+            )
+        ]  # fmt: skip
+        workers: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, count, extra in (
+            ("prefill", spec.prefill_replicas, spec.prefill_args),
+            ("decode", spec.decode_replicas, spec.decode_args),
+        ):
+            for index in range(count):
+                address = f"{host}:{free_port(host)}"
+                workers[role].append(address)
+                argv = [*py, f"{role}_svc", "serve", "--host", host, "--port", address.rsplit(":", 1)[1],
+                        "--metrics-port", "0", "--model", spec.model, "--cache", cache_address, *extra]  # fmt: skip
+                name = f"{role}-{index}"
+                self.children.append(
+                    Child(name, argv, address, lambda a=address: grpc_serving(a), self.logs / f"{name}.log")
+                )
+        port = spec.port or free_port(host)
+        self.base_url = f"http://{host}:{port}"
+        self.grpc_address = f"{host}:{free_port(host)}"
+        argv = [*py, "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
+                self.grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
+                "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
+        url = self.base_url
+        self.children.append(Child("gateway", argv, url, lambda: http_ready(url), self.logs / "gateway.log"))
+        self._env = self._environment()
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.spec.api_key:
+            env["GATEWAY_API_KEY"] = self.spec.api_key
+        # One torch process per replica on a shared machine: split the cores instead of oversubscribing them.
+        torch_processes = self.spec.prefill_replicas + self.spec.decode_replicas
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // torch_processes)))
+        return env
+
+    def child(self, name: str) -> Child:
+        for child in self.children:
+            if child.name == name:
+                return child
+        raise KeyError(f"no child named {name!r}; children: {', '.join(c.name for c in self.children)}")
+
+    def start(self, timeout_s: float = 600.0, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Start every child and wait until all are healthy; on failure (or `cancelled()`) stop them all and raise
+        MeshError."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        for child in self.children:
+            child.spawn(self._env)
+        try:
+            self._wait_healthy(self.children, started, timeout_s, cancelled)
+        except BaseException:
+            self.stop()
+            raise
+        self.write_state()
+
+    def restart(self, name: str, timeout_s: float = 600.0) -> Child:
+        """Start `name` again (after stopping it if it still runs) and wait until it is healthy."""
+        child = self.child(name)
+        child.terminate()
+        child.wait(10.0)
+        child.restarts += 1
+        started = time.monotonic()
+        child.spawn(self._env)
+        self._wait_healthy([child], started, timeout_s)
+        self.write_state()
+        return child
+
+    def dead(self) -> list[Child]:
+        """Children that exited on their own."""
+        return [c for c in self.children if c.process is not None and not c.running()]
+
+    def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM in order (gateway, then prefill and decode, then the cache), SIGKILL after `timeout_s`."""
+        codes: dict[str, int | None] = {}
+        for group in (["gateway"], ["prefill", "decode"], ["cache"]):
+            members = [c for c in self.children if c.name.split("-")[0] in group]
+            for child in members:
+                child.terminate()
+            for child in members:
+                codes[child.name] = child.wait(timeout_s)
+        return codes
+
+    def write_state(self) -> None:
+        state = {
+            "base_url": self.base_url,
+            "grpc": self.grpc_address,
+            "model": self.spec.model,
+            "children": {c.name: {"pid": c.pid, "address": c.address, "log": str(c.log)} for c in self.children},
+        }
+        (self.data_dir / "mesh.json").write_text(json.dumps(state, indent=2) + "\n")
+
+    def _wait_healthy(
+        self, children: list[Child], started: float, timeout_s: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> None:
+        pending = list(children)
+        while pending:
+            if cancelled():
+                raise MeshError("start-up interrupted")
+            for child in list(pending):
+                if not child.running():
+                    code = child.process.returncode if child.process else None
+                    raise MeshError(
+                        f"{child.name} exited with status {code} while starting; {child.log}:\n{child.tail()}"
+                    )
+                if child.healthy():
+                    pending.remove(child)
+                    self.on_event(f"{child.name:<10} ready after {time.monotonic() - started:5.1f} s   {child.address}")
+            if pending and time.monotonic() - started > timeout_s:
+                names = ", ".join(c.name for c in pending)
+                raise MeshError(f"{names} not healthy after {timeout_s:g} s; {pending[0].log}:\n{pending[0].tail()}")
+            if pending:
+                time.sleep(POLL_INTERVAL_S)
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,123 @@
+"""`python -m mesh up`: the whole mesh on this machine (cache, prefill, decode, gateway as separate processes on
+loopback), healthy before the base URL is printed, stopped cleanly on Ctrl-C / SIGTERM.
+
+A child that dies is restarted (up to `--max-restarts` times); after that the whole mesh stops and the command
+exits 1, showing the child's last log lines.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from mesh.config import config_dict, load_config
+from mesh.processes import Mesh, MeshError, MeshSpec
+
+# The model `make up` serves. Switch to the embedded trained checkpoint once it exists.
+DEFAULT_MODEL = "tiny"
+DEFAULT_DATA_DIR = "~/.cache/v41mesh"
+ENV_PREFIX = "MESH"
+WATCH_INTERVAL_S = 0.5
+
+Count = Annotated[int, msgspec.Meta(ge=1, le=64)]
+
+
+class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Run the mesh locally: cache, prefill, decode and gateway on loopback.
+
+    model: tiny, small, or a checkpoint directory (prefill and decode load it)
+    port: the gateway's HTTP port (0 picks a free one)
+    data_dir: the cache's SSD tier, logs and mesh.json live here (kept between runs: prefixes stay cached)
+    prefill_replicas: prefill processes
+    decode_replicas: decode processes
+    api_key: require this key from API clients
+    cache_args: extra flags for the cache, as one shell-quoted string
+    prefill_args: extra flags for every prefill replica
+    decode_args: extra flags for every decode replica (e.g. "--no-speculation")
+    gateway_args: extra flags for the gateway
+    startup_timeout_s: how long the processes may take to become healthy
+    max_restarts: automatic restarts of a child that dies before the mesh gives up
+    """
+
+    model: str = DEFAULT_MODEL
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    data_dir: str = DEFAULT_DATA_DIR
+    prefill_replicas: Count = 1
+    decode_replicas: Count = 1
+    api_key: str = ""
+    cache_args: str = ""
+    prefill_args: str = ""
+    decode_args: str = ""
+    gateway_args: str = ""
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+
+
+def spec_of(cfg: UpConfig) -> MeshSpec:
+    return MeshSpec(
+        model=cfg.model,
+        data_dir=Path(cfg.data_dir).expanduser(),
+        port=cfg.port,
+        prefill_replicas=cfg.prefill_replicas,
+        decode_replicas=cfg.decode_replicas,
+        api_key=cfg.api_key,
+        cache_args=shlex.split(cfg.cache_args),
+        prefill_args=shlex.split(cfg.prefill_args),
+        decode_args=shlex.split(cfg.decode_args),
+        gateway_args=shlex.split(cfg.gateway_args),
+    )
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def watch(mesh: Mesh, stop: threading.Event, max_restarts: int) -> int:
+    """Restart children that die until `stop` is set; 1 when one died too often."""
+    while not stop.wait(WATCH_INTERVAL_S):
+        for child in mesh.dead():
+            code = child.process.returncode if child.process else None
+            if child.restarts >= max_restarts:
+                say(f"{child.name} exited with status {code} after {child.restarts} restarts; stopping the mesh")
+                say(child.tail())
+                return 1
+            say(f"{child.name} exited with status {code}; restarting it ({child.restarts + 1}/{max_restarts})")
+            try:
+                mesh.restart(child.name)
+            except MeshError as exc:
+                say(str(exc))
+                return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_config(UpConfig, argv, env_prefix=ENV_PREFIX, prog="python -m mesh up")
+    say(f"v41mesh up: {config_dict(cfg)}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    mesh = Mesh(spec_of(cfg), on_event=lambda line: say("  " + line))
+    say(f"starting {', '.join(c.name for c in mesh.children)} (model {cfg.model}; logs in {mesh.logs})")
+    try:
+        mesh.start(cfg.startup_timeout_s, cancelled=stop.is_set)
+    except MeshError as exc:
+        say(f"the mesh could not start: {exc}")
+        return 1
+    say(f"\nv41mesh is up: {mesh.base_url}/v1   (gRPC gateway.v1.Gateway at {mesh.grpc_address})")
+    say(f"  try: python -m mesh demo --base-url {mesh.base_url}\n  Ctrl-C stops it.")
+    print(mesh.base_url, flush=True)
+    status = watch(mesh, stop, cfg.max_restarts)
+    say("stopping the mesh ...")
+    codes = mesh.stop()
+    say("stopped: " + ", ".join(f"{name} {'killed' if code is None else code}" for name, code in codes.items()))
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
