@@ -1,7 +1,7 @@
 """One typed configuration for the model, with the released `config.json` field names (reference §2.1).
 
 `ModelArgs` is what DeepSeek's `inference/model.py` calls ModelArgs, but its fields are spelled as in the released
-`config.json` (`hidden_size`, not `dim`), so a released config file loads without a translation table. Four presets:
+`config.json` (`hidden_size`, not `dim`), so a released config file loads without a translation table. Five presets:
 
 | preset      | what                                                                                       |
 |-------------|--------------------------------------------------------------------------------------------|
@@ -9,6 +9,7 @@
 | `v4-flash`  | the V4-Flash baseline, only what accounting needs (CSA m=4 + HCA m=128, 584-byte FP8 KV)   |
 | `tiny`      | every mode present at a size the CPU test-suite runs in seconds                           |
 | `small`     | a GPU-sized model (~0.25 B parameters, embeddings dominate) for benchmarks and training    |
+| `demo`      | the trained demo checkpoint's shape (hidden 64, ≤ 48 MB stored; model/checkpoints/v41-demo) |
 
 `layer_roles` derives each layer's CSA2 mode (SWA-only / Full / Reindex / Reuse, reference §2.2) from the sharing
 lists, exactly as the reference does: `kv_source = max(kv source ≤ layer)`, `index_source = max(index source ≤
@@ -468,7 +469,49 @@ SMALL = ModelArgs(
     rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=65536),
 )
 
-PRESETS: dict[str, ModelArgs] = {"v41-flash": V41_FLASH, "v4-flash": V4_FLASH, "tiny": TINY, "small": SMALL}
+# The trained demo checkpoint (model/checkpoints/v41-demo, train/): every mode of TINY at hidden 64, so that the
+# released bf16 embedding and head (2 × 129,280 × 64) plus FP8/FP4 layers and DSpark fit in 48 MB. index_topk and
+# the candidate pool cover 1,024 positions: at the demo's lengths Top-K keeps every visible entry.
+DEMO = ModelArgs(
+    hidden_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    q_lora_rank=64,
+    o_lora_rank=64,
+    o_groups=2,
+    compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0),
+    kv_source_layer_ids=(2, 4),
+    index_source_layer_ids=(2, 4, 6),
+    candidate_source_layer_id=4,
+    candidate_topk_blocks=128,
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=1024,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    engram_layer_ids=(1, 3),
+    engram_num_embeddings=(24064, 24336),
+    engram_vocab_size=4000,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=4,
+    dspark_num_experts_per_tok=2,
+    max_position_embeddings=16384,
+    rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=65536),
+)
+
+PRESETS: dict[str, ModelArgs] = {
+    "v41-flash": V41_FLASH,
+    "v4-flash": V4_FLASH,
+    "tiny": TINY,
+    "small": SMALL,
+    "demo": DEMO,
+}
 
 
 def preset(name: str) -> ModelArgs:
