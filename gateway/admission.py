@@ -24,13 +24,13 @@ class Ticket:
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._started = time.monotonic()
+        self._started = admission.clock()
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._admission.finished(time.monotonic() - self._started)
+            self._admission.finished(self._admission.clock() - self._started)
 
 
 class Admission:
@@ -42,6 +42,7 @@ class Admission:
         max_queue: int,
         queue_timeout_s: float,
         on_change: Callable[[int, int], None] = lambda queued, inflight: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_inflight = max_inflight
         self.max_queue = max_queue
@@ -51,6 +52,7 @@ class Admission:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._mean_duration_s = 1.0
         self._on_change = on_change
+        self.clock = clock
 
     @property
     def queued(self) -> int:
@@ -94,6 +96,7 @@ class Admission:
         return Ticket(self)
 
     def finished(self, duration_s: float) -> None:
+        """A ticket was released after `duration_s`: its slot goes to the next waiter."""
         self._mean_duration_s += EWMA_WEIGHT * (duration_s - self._mean_duration_s)
         self._hand_on()
         self._changed()

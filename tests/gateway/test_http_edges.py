@@ -1,0 +1,161 @@
+"""The gateway's own answers, with no model behind it: keys, sizes, shapes, health, metrics, models, gRPC codes.
+
+The real `openai` and `anthropic` SDKs must recognise every error (their exception types are keyed on status and
+body shape); a gRPC caller gets INVALID_ARGUMENT naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import grpc
+import httpx
+import openai
+import pytest
+from conftest import API_KEY, InProcessGateway
+
+from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+MODEL = "DeepSeek-V4.1-Flash"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+MESSAGES = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def openai_client(gw: InProcessGateway, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def anthropic_client(gw: InProcessGateway, key: str = API_KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.base_url, api_key=key, max_retries=0)
+
+
+def assert_openai_error(body: object, status_type: str = "invalid_request_error") -> dict:
+    assert isinstance(body, dict)
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == status_type
+    return error
+
+
+def assert_anthropic_error(body: object, error_type: str) -> dict:
+    assert isinstance(body, dict)
+    assert body["type"] == "error"
+    assert body["error"]["type"] == error_type
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_api_key_is_required_in_each_apis_own_way(lone_gateway: InProcessGateway) -> None:
+    with pytest.raises(openai.AuthenticationError) as denied:
+        openai_client(lone_gateway, "wrong").chat.completions.create(**CHAT)
+    assert denied.value.status_code == 401
+    assert "not valid" in denied.value.message
+    with pytest.raises(anthropic.AuthenticationError) as denied_a:
+        anthropic_client(lone_gateway, "wrong").messages.create(**MESSAGES)
+    assert_anthropic_error(denied_a.value.body, "authentication_error")
+    raw = httpx.post(lone_gateway.base_url + "/v1/responses", json={"model": MODEL, "input": "hi"})
+    assert raw.status_code == 401
+    assert raw.headers["x-request-id"]
+    assert_openai_error(raw.json())
+
+
+def test_health_and_metrics_need_no_key_models_do(lone_gateway: InProcessGateway) -> None:
+    health = httpx.get(lone_gateway.base_url + "/health")
+    assert health.status_code == 503  # no prefill replica has described the model
+    assert health.json()["ready"] is False
+    assert health.json()["replicas_up"] == {"prefill": 0, "decode": 0}
+    metrics = httpx.get(lone_gateway.base_url + "/metrics")
+    assert metrics.status_code == 200
+    assert "v41mesh_gateway_queue_depth 0.0" in metrics.text
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(lone_gateway, "wrong").models.list()
+    assert [m.id for m in openai_client(lone_gateway).models.list().data] == [MODEL]
+    assert [m.id for m in anthropic_client(lone_gateway).models.list().data] == [MODEL]
+
+
+def test_bodies_over_the_limit_are_413(lone_gateway: InProcessGateway) -> None:
+    huge = "x" * 5000
+    with pytest.raises(openai.APIStatusError) as too_large:
+        openai_client(lone_gateway).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": huge}], max_tokens=4
+        )
+    assert too_large.value.status_code == 413
+    assert "limit is 4096 bytes" in too_large.value.message
+    with pytest.raises(anthropic.APIStatusError) as too_large_a:
+        anthropic_client(lone_gateway).messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": huge}]
+        )
+    assert too_large_a.value.status_code == 413
+    assert_anthropic_error(too_large_a.value.body, "request_too_large")
+
+
+def test_bad_input_is_400_even_without_a_model(lone_gateway: InProcessGateway) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        openai_client(lone_gateway).chat.completions.create(model=MODEL, messages=[], temperature=9)
+    assert bad.value.status_code == 400
+    raw = httpx.post(lone_gateway.base_url + "/v1/messages", content=b"{not json", headers={"x-api-key": API_KEY})
+    assert raw.status_code == 400
+    assert "JSON" in assert_anthropic_error(raw.json(), "invalid_request_error")["message"]
+
+
+def test_no_backend_is_a_503_with_a_clear_message(lone_gateway: InProcessGateway) -> None:
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        openai_client(lone_gateway).chat.completions.create(**CHAT)
+    assert unavailable.value.status_code == 503
+    assert "no prefill replica answered" in unavailable.value.message
+    with pytest.raises(anthropic.APIStatusError) as unavailable_a:
+        anthropic_client(lone_gateway).messages.create(**MESSAGES)
+    assert unavailable_a.value.status_code == 503
+
+
+def test_unknown_paths_and_methods_answer_in_the_api_shape(lone_gateway: InProcessGateway) -> None:
+    missing = httpx.get(lone_gateway.base_url + "/v1/nothing")
+    assert missing.status_code == 404
+    assert_openai_error(missing.json())
+    wrong_method = httpx.get(lone_gateway.base_url + "/v1/messages")
+    assert wrong_method.status_code == 405
+    assert_anthropic_error(wrong_method.json(), "invalid_request_error")
+
+
+def test_openapi_document_describes_the_three_endpoints(lone_gateway: InProcessGateway) -> None:
+    document = httpx.get(lone_gateway.base_url + "/openapi.json").json()
+    assert document["openapi"].startswith("3.1")
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        operation = document["paths"][path]["post"]
+        schema_name = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        properties = document["components"]["schemas"][schema_name]["properties"]
+        assert properties["model"]["enum"] == [MODEL]
+        assert "cache_salt" in properties
+        assert {"400", "401", "413", "429", "503"} <= set(operation["responses"])
+        assert operation["security"]  # the key is required here
+    assert set(document["components"]["securitySchemes"]) == {"bearer", "apiKey"}
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code", "needle"),
+    [
+        ({"api": 0, "body": json.dumps(CHAT).encode(), "api_key": API_KEY}, "INVALID_ARGUMENT", "api must be one of"),
+        ({"api": 7, "body": json.dumps(CHAT).encode(), "api_key": API_KEY}, "INVALID_ARGUMENT", "got 7"),
+        ({"api": 1, "body": b"\xff\x00", "api_key": API_KEY}, "INVALID_ARGUMENT", "JSON"),
+        ({"api": 1, "body": json.dumps({**CHAT, "max_tokens": -1}).encode(), "api_key": API_KEY}, "INVALID_ARGUMENT",
+         "max_tokens"),
+        ({"api": 3, "body": json.dumps({**MESSAGES, "top_p": 3}).encode(), "api_key": API_KEY}, "INVALID_ARGUMENT",
+         "top_p"),
+        ({"api": 2, "body": b"x" * 5000, "api_key": API_KEY}, "INVALID_ARGUMENT", "limit is 4096 bytes"),
+        ({"api": 1, "body": json.dumps(CHAT).encode(), "api_key": "wrong"}, "UNAUTHENTICATED", "not valid"),
+    ],
+)  # fmt: skip
+def test_grpc_malformed_and_out_of_range_requests(
+    lone_gateway: InProcessGateway, request_fields: dict, code: str, needle: str
+) -> None:
+    with grpc.insecure_channel(lone_gateway.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stub.Generate(gateway_pb2.GenerateRequest(**request_fields), timeout=10))
+    assert failed.value.code().name == code
+    assert needle in failed.value.details()
+    if code == "INVALID_ARGUMENT" and request_fields["api"] in (1, 2, 3):
+        trailers = dict(failed.value.trailing_metadata())
+        assert json.loads(trailers["error-body"])  # the API's own error body rides along

@@ -1,0 +1,140 @@
+"""Routing: least load, bounded conversation affinity (session header or prompt prefix), replicas routed around."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from gateway.affinity import AffinityKey, AffinityTable, session_of
+from gateway.discovery import StaticDiscovery
+from gateway.metrics import GatewayMetrics
+from gateway.replicas import ReplicaPool, ReplicaState
+from gateway.router import Router
+from mesh.metrics import new_registry
+from mesh.processes import free_port
+
+A, B, C = "127.0.0.1:7101", "127.0.0.1:7102", "127.0.0.1:7103"
+
+
+def with_router(
+    check: Callable[[Router, dict[str, ReplicaState]], Awaitable[None]], *, slack: float = 1.0, capacity: int = 100
+) -> None:
+    async def scenario() -> None:
+        discovery = StaticDiscovery([A, B], [A, B, C])
+        metrics = GatewayMetrics(new_registry())
+        pools = {role: ReplicaPool(role, discovery, metrics, inhibit_s=60.0) for role in ("prefill", "decode")}
+        router = Router(pools, AffinityTable(capacity), slack)  # type: ignore[arg-type]
+        states = {s.name: s for s in pools["decode"].states()}
+        try:
+            await check(router, states)
+        finally:
+            await asyncio.gather(*(p.close() for p in pools.values()))
+
+    asyncio.run(scenario())
+
+
+def key(*blocks: bytes, session: str | None = None) -> AffinityKey:
+    return AffinityKey(session, tuple(blocks))
+
+
+def test_least_loaded_wins_and_ties_rotate() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        states[A].reported, states[B].reported, states[C].reported = 3, 1, 2
+        assert router.pick("decode", key(b"x")).name == B
+        for s in states.values():
+            s.reported, s.sent_since_poll = 0, 0
+        picked = [router.pick("decode", key(bytes([i]))).name for i in range(6)]
+        assert sorted(picked) == sorted([A, B, C] * 2)  # a burst between polls spreads evenly
+
+    with_router(check)
+
+
+def test_load_is_per_batch_slot() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        states[A].reported, states[A].capacity = 8, 16  # half full
+        states[B].reported, states[B].capacity = 2, 2  # full
+        states[C].reported, states[C].capacity = 6, 8
+        assert router.pick("decode", key(b"x")).name == A
+
+    with_router(check, slack=0.0)
+
+
+def test_a_conversation_returns_to_its_replica_by_prefix() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        states[A].reported = 1
+        first_turn = key(b"system", b"turn-1")
+        chosen = router.pick("decode", first_turn)
+        router.served("decode", first_turn, chosen)
+        for name, state in states.items():
+            state.reported = 1.0 if name == chosen.name else 0.0  # its replica is now a little busier
+            state.sent_since_poll = 0
+        second_turn = key(b"system", b"turn-1", b"turn-2")  # extends the first prompt
+        assert router.pick("decode", second_turn).name == chosen.name
+        other = key(b"unrelated")
+        assert router.pick("decode", other).name != chosen.name
+
+    with_router(check)
+
+
+def test_affinity_yields_to_load_beyond_the_slack() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        conversation = key(b"p", session="s-1")
+        router.served("decode", conversation, states[A])
+        states[A].reported, states[B].reported, states[C].reported = 3, 1, 1
+        assert router.pick("decode", conversation).name != A  # 3 > 1 + 1
+        for s in states.values():
+            s.sent_since_poll = 0
+        states[A].reported = 2
+        assert router.pick("decode", conversation).name == A  # 2 <= 1 + 1
+
+    with_router(check)
+
+
+def test_session_header_outranks_the_prefix() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        router.served("decode", key(b"p"), states[B])
+        router.served("decode", key(session="agent-7"), states[C])
+        assert router.pick("decode", key(b"p", session="agent-7")).name == C
+        assert session_of({"x-claude-code-session-id": "abc"}) == "abc"
+        assert session_of({"content-type": "application/json"}) is None
+
+    with_router(check, slack=10.0)
+
+
+def test_failed_draining_and_down_replicas_get_no_work() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        router.pools["decode"].failed(states[A])
+        states[B].draining = True
+        assert router.pick("decode", key(b"x")).name == C
+        states[C].up = False
+        assert router.pick("decode", key(b"x")) is None
+        assert router.pick("prefill", key(b"x"), exclude={A}).name == B
+
+    with_router(check)
+
+
+def test_a_poll_marks_an_unreachable_replica_down() -> None:
+    async def scenario() -> None:
+        dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+        pool = ReplicaPool("decode", StaticDiscovery([dead], [dead]), GatewayMetrics(new_registry()), inhibit_s=5.0)
+        (state,) = pool.states()
+        assert state.up is None
+        assert state.routable(0.0)
+        await pool.poll()
+        assert state.up is False
+        assert pool.routable(set()) == []
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_affinity_table_is_bounded_and_forgets_departed_replicas() -> None:
+    table = AffinityTable(capacity=3)
+    table.remember("decode", key(b"1", b"2"), "r1")
+    table.remember("decode", key(b"3", b"4"), "r2")  # evicts b"1"
+    assert table.lookup("decode", key(b"1")) is None
+    assert table.lookup("decode", key(b"2", b"9")) == "r1"
+    assert table.lookup("decode", key(b"3", b"4")) == "r2"  # the deepest block wins
+    assert table.lookup("prefill", key(b"3")) is None  # per role
+    table.forget("decode", "r2")
+    assert table.lookup("decode", key(b"3", b"4")) is None
