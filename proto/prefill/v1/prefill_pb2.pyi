@@ -34,6 +34,22 @@ class PrefillResponse(_message.Message):
     prefill_seconds: float
     def __init__(self, handle: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., swa_restored: _Optional[bool] = ..., bounded_replay: _Optional[bool] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
+class Handoff(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "encoder_state", "cached_tokens", "swa_restored", "bounded_replay")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_STATE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWA_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    BOUNDED_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    encoder_state: bytes
+    cached_tokens: int
+    swa_restored: bool
+    bounded_replay: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., encoder_state: _Optional[bytes] = ..., cached_tokens: _Optional[int] = ..., swa_restored: _Optional[bool] = ..., bounded_replay: _Optional[bool] = ...) -> None: ...
+
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -1,0 +1,314 @@
+"""The decode engine: continuous batching on one thread that owns the model.
+
+    loop:  take aborts ─▶ admit waiting sequences (≤ max_batch running) ─▶ one step of each lane ─▶ deliver tokens
+
+- **Admit**: restore the prompt into its lane's `DecodeBatch` (a handoff's blocks + encoder state, or a local prefill
+  on top of a cached prefix), which runs the decoder's bounded replay and gives the first token's logits.
+- **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
+  per step). A request that turns speculation off, and a seeded sampled request, decode in the plain lane: there every
+  row samples from its own generator, whereas draft + verify draw from one generator for the whole lane.
+- **Deliver**: tokens go to the sequence's outbox at once (the stream sends them); a stop token or the output budget
+  finishes it. A finished sequence leaves its batch, and its new blocks + end-of-sequence SWA record are handed to
+  `write_back` (asynchronous: the final message never waits for the cache).
+- **Abort** (the RPC, a cancelled stream, the replica stopping) frees the sequence between two steps.
+
+The RPC side talks to the thread through `register` / `submit` / `abort` (thread-safe); outputs flow back through
+each sequence's `Outbox`. A failing step fails the sequences of its lane only; the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+from torch import Tensor
+
+from decode_svc.metrics import DecodeMetrics
+from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
+from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
+from decode_svc.speculation import draft_lengths, trim
+from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
+from prefill_svc.kvstore import encode_with_past
+from prefill_svc.runtime import RequestError
+from proto.decode.v1 import decode_pb2
+
+# (sequence, the token ids its blocks and state cover, new complete blocks, end-of-sequence state or None)
+WriteBack = Callable[[Sequence, list[int], list[GlobalKVBlock], EncoderState | None], None]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_batch: int
+    max_queue: int
+    speculation: bool
+    max_draft: int
+    draft_threshold: float
+    chunk_tokens: int
+
+
+class Engine:
+    def __init__(
+        self, model: Transformer, settings: EngineSettings, metrics: DecodeMetrics, log: Any, write_back: WriteBack
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.max_draft = min(settings.max_draft, model.args.dspark_block_size)
+        self.metrics = metrics
+        self.log = log
+        self.write_back = write_back
+        self.batches: dict[Lane, DecodeBatch] = {lane: model.new_decode_batch() for lane in Lane}
+        self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
+        self._generator = torch.Generator(device=model.device).manual_seed(secrets.randbits(63))
+        # Shared with the RPC side, under the condition's lock:
+        self._cond = threading.Condition(threading.RLock())
+        self._registry: dict[str, Sequence] = {}  # live sequences by request id
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: list[Sequence] = []
+        self._running = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+
+    # ---------------------------------------------------------------------------------------- the RPC side
+    @property
+    def waiting(self) -> int:
+        return len(self._registry) - self._running
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def register(self, seq: Sequence) -> None:
+        """Take a slot in the queue (RESOURCE_EXHAUSTED when full) before the prompt is restored."""
+        with self._cond:
+            if seq.request_id in self._registry:
+                raise RequestError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"a generation with request_id {seq.request_id!r} is already running here",
+                    "duplicate",
+                )
+            if self.waiting >= self.settings.max_queue:
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.waiting} sequences are already waiting on this decode replica",
+                    "overloaded",
+                )
+            self._registry[seq.request_id] = seq
+            self._gauges()
+
+    def submit(self, seq: Sequence) -> None:
+        """Hand a registered sequence, its prompt ready, to the engine thread."""
+        with self._cond:
+            seq.submitted = True
+            self._inbox.append(seq)
+            self._cond.notify()
+
+    def release(self, seq: Sequence, reason: str) -> None:
+        """Its RPC ended: a sequence never submitted leaves the queue; one still live is aborted (its caller left)."""
+        with self._cond:
+            if not seq.submitted:
+                if seq.live:
+                    self._unregister(seq, State.ABORTED)
+                return
+        if seq.live:
+            self.abort(seq.request_id, reason)
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        """Ask the engine to end a live sequence at its next step boundary; False if there is none."""
+        with self._cond:
+            seq = self._registry.get(request_id)
+            if seq is None or seq.abort_reason:
+                return seq is not None
+            seq.abort_reason = reason
+            self._aborts.append(seq)
+            self._cond.notify()
+            return True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End every sequence still here (FINISH_REASON_ABORT) and stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ------------------------------------------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._aborts and not self._running and not self._inbox:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                aborts, self._aborts = self._aborts, []
+                arrivals = []
+                while self._inbox and self._running + len(arrivals) < self.settings.max_batch:
+                    arrivals.append(self._inbox.popleft())
+            for seq in aborts:
+                self._abort(seq)
+            for seq in arrivals:
+                self._admit(seq)
+            for lane in Lane:
+                if len(self.batches[lane]):
+                    self._step(lane)
+        with self._cond:
+            left = [*self._inbox, *(s for lane in Lane for s in self.rows[lane].values())]
+            self._inbox.clear()
+        for seq in left:
+            seq.abort_reason = seq.abort_reason or "shutdown"
+            self._abort(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        if seq.abort_reason:
+            self._abort(seq)
+            return
+        params = seq.params
+        plain = not (self.settings.speculation and params.speculate) or (
+            not params.sampling.greedy and params.sampling.seed is not None
+        )
+        lane = Lane.PLAIN if plain else Lane.SPECULATIVE
+        try:
+            blocks, state = self._restore(seq)
+            seq.seq_id, logits = self.batches[lane].join(blocks, state)
+        except Exception as exc:  # a corrupt or mismatched record, or out of memory: this sequence only
+            self.log.exception("restore_failed", request_id=seq.request_id)
+            self._fail([seq], f"decode could not restore the prompt: {exc}")
+            return
+        seq.lane, seq.state = lane, State.RUNNING
+        seq.generator = new_generator(params.sampling, self.model.device)
+        self.rows[lane][seq.seq_id] = seq
+        with self._cond:
+            self._running += 1
+            self._gauges()
+        logits = logits.unsqueeze(0)
+        self._deliver(seq, sample_rows(batch_sampling([seq]).probs(logits), [seq]), logits)
+
+    def _restore(self, seq: Sequence) -> tuple[list[GlobalKVBlock], EncoderState]:
+        """The blocks and encoder state a sequence joins its batch with; a token-ids prompt is prefilled here."""
+        prompt = seq.prompt
+        assert prompt is not None
+        if prompt.state is not None and prompt.blocks is not None:
+            return prompt.blocks, prompt.state
+        out = encode_with_past(self.model, prompt.token_ids, prompt.past, self.settings.chunk_tokens)
+        prompt.cached_tokens, prompt.bounded_replay = out.cached_tokens, out.bounded_replay
+        self.metrics.local_prefills.labels(prompt.local_prefill).inc()
+        if out.bounded_replay:
+            self.metrics.bounded_replays.inc()
+        self.write_back(seq, prompt.token_ids, out.blocks, None)  # what a prefill replica would have written
+        cached = prompt.past.blocks if prompt.past is not None else []
+        return cached + out.blocks, out.encoder_state
+
+    def _step(self, lane: Lane) -> None:
+        batch = self.batches[lane]
+        rows = [self.rows[lane][seq_id] for seq_id in batch.seq_ids]
+        pending = [seq.output[-1] for seq in rows]  # sampled, not yet run through the model
+        started = time.monotonic()
+        try:
+            if lane is Lane.PLAIN:
+                emitted, logits = self._plain_step(batch, rows, pending)
+            else:
+                emitted, logits = self._speculative_step(batch, rows, pending)
+        except Exception as exc:
+            self.log.exception("step_failed", lane=lane.value, batch=len(rows))
+            self._fail(rows, f"the decode engine failed: {exc}")
+            self.batches[lane], self.rows[lane] = self.model.new_decode_batch(), {}
+            return
+        self.metrics.step.labels(lane.value).observe(time.monotonic() - started)
+        self.metrics.batch_size.labels(lane.value).observe(len(rows))
+        for b, seq in enumerate(rows):
+            self._deliver(seq, emitted[b], logits[b])
+
+    def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
+        logits = self.model.decode_step(batch, pending)
+        tokens = sample_rows(batch_sampling(rows).probs(logits), rows)
+        return [[t] for t in tokens], logits.unsqueeze(1)
+
+    def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
+        sampling = batch_sampling(rows)
+        draft = self.model.dspark_draft(batch, pending, sampling, self._generator)
+        budgets = [seq.limit - len(seq.output) for seq in rows]
+        stops = [seq.params.stop_token_ids for seq in rows]
+        lengths = draft_lengths(draft, self.settings.draft_threshold, self.max_draft, budgets, stops)
+        draft = trim(draft, int(lengths.max()))
+        result = self.model.verify(batch, pending, draft, sampling, lengths, self._generator)
+        for seq, proposed, accepted in zip(rows, lengths.tolist(), result.accepted.tolist(), strict=True):
+            seq.draft_proposed += proposed
+            seq.draft_accepted += accepted
+        m = self.metrics
+        m.draft_proposed.inc(int(lengths.sum()))
+        m.draft_accepted.inc(int(result.accepted.sum()))
+        m.speculative_steps.inc(len(rows))
+        return result.tokens, result.logits
+
+    def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
+        """Emit a step's tokens up to a stop token or the budget; finish the sequence there."""
+        out: list[int] = []
+        reason = None
+        for token in tokens:
+            out.append(token)
+            if token in seq.params.stop_token_ids:
+                reason = decode_pb2.FINISH_REASON_STOP
+                break
+            if len(seq.output) + len(out) >= seq.limit:
+                reason = decode_pb2.FINISH_REASON_LENGTH
+                break
+        seq.output += out
+        p = seq.params
+        logprobs = token_logprobs(logits, out, p.top_logprobs) if p.logprobs else None
+        self.metrics.tokens.inc(len(out))
+        seq.outbox.put(Delta(out, logprobs))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: decode_pb2.FinishReason.ValueType) -> None:
+        export = self._leave(seq, State.FINISHED)
+        assert seq.prompt is not None
+        # Verification committed the prompt and the emitted tokens, but for the last one unless it was a draft.
+        covered = (seq.prompt.token_ids + seq.output)[: export.encoder_state.position]
+        self.write_back(seq, covered, export.blocks, export.encoder_state)
+        seq.outbox.put(End(reason, seq.usage()))
+
+    def _abort(self, seq: Sequence) -> None:
+        if not seq.live:
+            return
+        if seq.state is State.RUNNING:
+            self._leave(seq, State.ABORTED)
+        else:
+            self._unregister(seq, State.ABORTED)
+        self.metrics.aborts.labels(seq.abort_reason).inc()
+        self.log.info("aborted", request_id=seq.request_id, reason=seq.abort_reason, tokens=len(seq.output))
+        seq.outbox.put(End(decode_pb2.FINISH_REASON_ABORT, seq.usage()))
+
+    def _fail(self, rows: list[Sequence], message: str) -> None:
+        for seq in rows:
+            self._unregister(seq, State.FAILED)
+            seq.outbox.put(Failure(message))
+
+    def _leave(self, seq: Sequence, state: State):
+        assert seq.lane is not None
+        export = self.batches[seq.lane].leave(seq.seq_id)
+        del self.rows[seq.lane][seq.seq_id]
+        self._unregister(seq, state)
+        return export
+
+    def _unregister(self, seq: Sequence, state: State) -> None:
+        with self._cond:  # re-entrant: `release` holds it already
+            if seq.state is State.RUNNING:
+                self._running -= 1
+            if self._registry.get(seq.request_id) is seq:
+                del self._registry[seq.request_id]
+            seq.state = state
+            self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.queue_depth.set(self.waiting)
+        self.metrics.running.set(self._running)

@@ -1,0 +1,41 @@
+"""Prometheus metrics of one decode replica (names `v41mesh_decode_*`; the HPA scales on the queue depth).
+
+Mean DSpark accepted length per verify (bonus token included) = (draft_accepted_tokens + speculative_row_steps) /
+speculative_row_steps; acceptance rate = draft_accepted_tokens / draft_proposed_tokens.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mesh.metrics import LATENCY_BUCKETS
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "v41mesh_decode_"
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(p + name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(p + name, doc, labels, buckets=buckets, registry=registry)
+
+        self.queue_depth = Gauge(p + "queue_depth", "Sequences waiting for a batch slot", registry=registry)
+        self.running = Gauge(p + "running", "Sequences in the running batch", registry=registry)
+        self.requests = counter("requests", "Generate RPCs by outcome", ("outcome",))
+        self.tokens = counter("tokens", "Tokens generated (decode tokens/s = its rate)")
+        self.ttft = histogram("ttft_seconds", "Generate arrival → first token sent", LATENCY_BUCKETS)
+        self.itl = histogram("itl_seconds", "Gap between successive token messages of a stream", LATENCY_BUCKETS)
+        self.step = histogram("step_seconds", "One engine step of a lane", LATENCY_BUCKETS, ("lane",))
+        self.batch_size = histogram("batch_size", "Sequences in a lane's step", BATCH_BUCKETS, ("lane",))
+        self.bounded_replays = counter("bounded_replays", "Prompts whose encoder rings came from a bounded replay")
+        self.local_prefills = counter("local_prefills", "Prompts decode prefilled itself", ("reason",))
+        self.draft_proposed = counter("draft_proposed_tokens", "DSpark drafts verified")
+        self.draft_accepted = counter("draft_accepted_tokens", "DSpark drafts accepted")
+        self.speculative_steps = counter("speculative_row_steps", "Sequence-steps decoded by draft + verify")
+        self.aborts = counter("aborts", "Generations ended before their end", ("reason",))
+        self.writebacks = counter("writebacks", "Write-backs to the cache by outcome", ("outcome",))
+        self.writeback_seconds = histogram("writeback_seconds", "Blocks + SWA record write-back", LATENCY_BUCKETS)

@@ -1,0 +1,153 @@
+"""One generation inside the decode engine: its validated request, what its prompt restores from, its state, and the
+outbox its gRPC stream reads.
+
+    WAITING ──admit──▶ RUNNING ──stop token / max_tokens──▶ FINISHED
+       │                  │
+       └──────────────────┴──Abort, client gone, replica stopping──▶ ABORTED      (engine error ──▶ FAILED)
+
+Every transition happens on the engine thread (`Engine`), except that a sequence never submitted (its prompt could
+not be restored, its caller left first) simply leaves the registry. The outbox carries what the stream sends: token
+deltas, then one `End`, or a `Failure`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from model import EncoderState, GlobalKVBlock, Past
+from proto.decode.v1 import decode_pb2
+
+TopLogprobs = list[tuple[int, float]]
+TokenLogprob = tuple[float, TopLogprobs]
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # registered: its prompt is being restored, or it waits for a batch slot
+    RUNNING = "running"  # in a lane of the batch
+    FINISHED = "finished"  # a stop token or max_tokens; its state is being written back
+    ABORTED = "aborted"  # Abort, its caller gone, or the replica stopping
+    FAILED = "failed"  # the engine failed while running it
+
+
+class Lane(enum.Enum):
+    """Sequences decoded by DSpark draft + verify, and those decoded one token per step."""
+
+    SPECULATIVE = "speculative"
+    PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float  # 0 = greedy
+    top_p: float  # 1 = off
+    top_k: int  # 0 = off
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Params:
+    """A validated GenerateRequest, minus its prompt."""
+
+    request_id: str
+    sampling: Sampling
+    stop_token_ids: frozenset[int]
+    max_tokens: int  # 0 = up to the model's context
+    logprobs: bool
+    top_logprobs: int
+    speculate: bool
+    salt: bytes
+
+
+@dataclass
+class Prompt:
+    """What the engine restores a sequence from: a prefill's handoff (`blocks` + `state`), or token ids it prefills
+    itself on top of a cached prefix (`past`)."""
+
+    token_ids: list[int]
+    blocks: list[GlobalKVBlock] | None = None
+    state: EncoderState | None = None
+    past: Past | None = None
+    cached_tokens: int = 0
+    bounded_replay: bool = False
+    local_prefill: str = ""  # why decode prefills it itself ("" = it comes from a handoff)
+
+
+@dataclass
+class Delta:
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class End:
+    reason: decode_pb2.FinishReason.ValueType
+    usage: decode_pb2.Usage
+
+
+@dataclass
+class Failure:
+    message: str
+
+
+class Outbox:
+    """Engine thread → the RPC's event loop. `get()` waits for the next items and takes every one queued."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Delta | End | Failure] = asyncio.Queue()
+
+    def put(self, item: Delta | End | Failure) -> None:
+        """Thread-safe; dropped when the loop is gone (the server stopped)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> list[Delta | End | Failure]:
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
+
+
+@dataclass(eq=False)
+class Sequence:
+    params: Params
+    outbox: Outbox
+    prompt: Prompt | None = None
+    state: State = State.WAITING
+    lane: Lane | None = None
+    seq_id: int = -1  # its id in its lane's DecodeBatch
+    generator: torch.Generator | None = None
+    limit: int = 0  # most tokens it may emit (its max_tokens, or what the context leaves)
+    output: list[int] = field(default_factory=list)
+    submitted: bool = False  # handed to the engine thread
+    abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.params.request_id
+
+    @property
+    def live(self) -> bool:
+        return self.state in (State.WAITING, State.RUNNING)
+
+    def usage(self) -> decode_pb2.Usage:
+        prompt = self.prompt or Prompt([])
+        return decode_pb2.Usage(
+            prompt_tokens=len(prompt.token_ids),
+            cached_tokens=prompt.cached_tokens,
+            completion_tokens=len(self.output),
+            draft_tokens_proposed=self.draft_proposed,
+            draft_tokens_accepted=self.draft_accepted,
+            bounded_replay=prompt.bounded_replay,
+        )

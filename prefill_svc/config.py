@@ -1,0 +1,56 @@
+"""The prefill service's one typed configuration (flags and PREFILL_SVC_* environment variables)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+ENV_PREFIX = "PREFILL_SVC"
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill service: the encoder half over prompts, global KV blocks and handoff records into cache_svc.
+
+    host: address to listen on
+    port: gRPC port (0 picks a free port, logged at start)
+    metrics_port: Prometheus /metrics port (0 disables it)
+    metrics_host: address of the metrics endpoint
+    model: a preset (tiny, small) or a checkpoint directory
+    seed: weight seed of a preset model (the same seed on every prefill and decode replica)
+    device: auto, cpu, cuda or cuda:N
+    dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, float64, bfloat16 or float16
+    threads: torch CPU threads (0 = torch's default)
+    cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
+    cache_timeout_s: deadline of every cache RPC
+    cache_retry_s: after the cache failed a handoff write, answer FAILED_PRECONDITION this long without trying
+    chunk_tokens: prompt tokens per encoder forward (bounds activation memory on long prompts)
+    max_queue: prompts waiting for the encoder at once; more are refused with RESOURCE_EXHAUSTED
+    handoff_lease_s: how long a handoff record waits for a decode when the request does not say
+    max_handoff_lease_s: longest lease a request may ask for
+    grace_s: seconds in-flight prefills get to finish after SIGTERM
+    log_level: debug, info, warning or error
+    """
+
+    host: str = "127.0.0.1"
+    port: Port = 7002
+    metrics_port: Port = 9102
+    metrics_host: str = "0.0.0.0"
+    model: str = "tiny"
+    seed: int = 0
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cache: Annotated[list[str], msgspec.Meta(min_length=1)]
+    cache_timeout_s: PositiveFloat = 5.0
+    cache_retry_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    chunk_tokens: Positive = 512
+    max_queue: Positive = 64
+    handoff_lease_s: PositiveFloat = 30.0
+    max_handoff_lease_s: PositiveFloat = 300.0
+    grace_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"

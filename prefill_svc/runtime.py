@@ -1,0 +1,127 @@
+"""What a model-serving process needs around the model: loading it from a `--model` spec, and checking a prompt.
+
+Public: decode_svc uses this module too (both services load a part of the same model and validate prompts the same
+way). The spec is a preset name (`tiny`, `small`: weights initialised deterministically from `seed`) or a checkpoint
+directory (config.json + safetensors shards).
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import torch
+
+from model import SamplingParams, Transformer, build_model, load_checkpoint, preset
+from model.transformer import Part
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` = the GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` = bfloat16 on a GPU, float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_model(spec: str, part: Part, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> Transformer:
+    """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode."""
+    where = resolve_device(device)
+    precision = resolve_dtype(dtype, where)
+    progress = sys.stderr.isatty()  # a bar on a terminal; JSON log lines stay clean in a container
+    if Path(spec).is_dir():
+        model = load_checkpoint(spec, part, device=where, dtype=precision, progress=progress)
+    else:
+        model = build_model(preset(spec), part, seed=seed, device=where, dtype=precision)
+    return model.eval()
+
+
+def warm_up(model: Transformer) -> None:
+    """One tiny pass through every path a request takes, before the replica reports SERVING: first calls build lazy
+    state (the Engram hash tables, kernel and allocator caches), and the first user should not pay for it."""
+    out = model.encode_prefill([0])
+    if model.part != "full":
+        return
+    batch = model.new_decode_batch()
+    batch.join(out.blocks, out.encoder_state)
+    greedy = SamplingParams.uniform(1)
+    model.verify(batch, [0], model.dspark_draft(batch, [0], greedy), greedy)
+    model.decode_step(batch, [0])
+
+
+def prompt_error(token_ids: Sequence[int], model: Transformer, *, room: int = 1) -> str | None:
+    """Why a prompt cannot be served (None if it can): empty, an id outside the vocabulary, or too long to leave
+    `room` positions for the output inside the model's context."""
+    if not token_ids:
+        return "token_ids is empty"
+    vocab = model.args.vocab_size
+    for i, token in enumerate(token_ids):
+        if token >= vocab:
+            return f"token_ids[{i}] = {token} is outside the vocabulary [0, {vocab})"
+    limit = max_context(model) - room
+    if len(token_ids) > limit:
+        return f"the prompt has {len(token_ids)} tokens; at most {limit} fit the model's context of {limit + room}"
+    return None
+
+
+def max_context(model: Transformer) -> int:
+    return model.args.max_position_embeddings
+
+
+# ------------------------------------------------------------------------------------------------------ requests
+MAX_REQUEST_ID_CHARS = 256
+MAX_SALT_BYTES = 1024
+
+
+class RequestError(Exception):
+    """A request the service will not serve: the gRPC status, a message naming what is wrong, a metrics label."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.outcome = outcome
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, "invalid")
+
+
+def request_id_of(field: str, context: grpc.aio.ServicerContext) -> str:
+    """The request id of an RPC: the message field, else the `x-request-id` metadata, else a fresh one."""
+    if field:
+        return field
+    metadata = dict(context.invocation_metadata() or ())
+    return str(metadata.get("x-request-id") or uuid.uuid4().hex)
+
+
+def check_common(request_id: str, salt: bytes) -> None:
+    """The fields every mesh request carries."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+    if len(salt) > MAX_SALT_BYTES:
+        raise invalid(f"cache_salt has {len(salt)} bytes; at most {MAX_SALT_BYTES} are allowed")
+
+
+def model_summary(model: Transformer) -> dict[str, object]:
+    """What the start-up log says about the loaded model."""
+    return {
+        "part": model.part,
+        "fingerprint": model.fingerprint.hex(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_block_tokens": model.args.kv_block_tokens,
+        "max_context": max_context(model),
+    }

@@ -1,0 +1,190 @@
+"""prefill.v1.Prefill: the encoder half over a prompt, on top of whatever prefix the cache holds.
+
+    validate → block keys → cache: hit blocks + the SWA record of the hit prefix → encoder over the suffix (chunked,
+    one encoder thread) → cache: new full blocks + the handoff record (leased) → handle
+
+Stateless between requests: any replica serves any prompt. Failure semantics (docs/services.md):
+- bad input → INVALID_ARGUMENT naming the field; queue full → RESOURCE_EXHAUSTED; draining → UNAVAILABLE;
+- the cache cannot take the handoff (unreachable, or its pool full of leases) → FAILED_PRECONDITION: the gateway
+  then sends the token ids to decode, which prefills itself. After an unreachable cache the replica answers so at
+  once for `cache_retry_s` instead of running the encoder for nothing;
+- new blocks the cache refuses (SSD full, a shard down) are counted and logged, never fatal: decode recomputes
+  what it cannot fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from cache_svc.client import DOWN, CacheError
+from mesh.logging import bind_request
+from model import LAYOUT_VERSION, Past, PrefillOutput, Transformer
+from prefill_svc.config import PrefillConfig
+from prefill_svc.encoder_queue import EncoderQueue
+from prefill_svc.kvstore import KVStore, encode_with_past
+from prefill_svc.metrics import PrefillMetrics
+from prefill_svc.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
+from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(
+        self, cfg: PrefillConfig, model: Transformer, store: KVStore, metrics: PrefillMetrics, logger: Any
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.store = store
+        self.metrics = metrics
+        self.log = logger
+        self.queue = EncoderQueue(cfg.max_queue, metrics)
+        self.draining = False
+        self._cache_down_until = 0.0
+
+    # ------------------------------------------------------------------------------------------------ RPCs
+    async def Prefill(  # noqa: N802
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        request_id = request_id_of(request.request_id, context)
+        with bind_request(request_id=request_id):
+            started = time.monotonic()
+            try:
+                response = await self._prefill(request, request_id)
+            except RequestError as error:
+                self.metrics.requests.labels(error.outcome).inc()
+                self.log.info("prefill_refused", code=error.code.name, error=error.message)
+                await context.abort(error.code, error.message)
+            except asyncio.CancelledError:
+                self.metrics.requests.labels("cancelled").inc()
+                self.log.info("prefill_cancelled")
+                raise
+            except Exception as exc:
+                self.metrics.requests.labels("error").inc()
+                self.log.exception("prefill_failed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {exc}")
+            else:
+                response.prefill_seconds = time.monotonic() - started
+                self.metrics.requests.labels("ok").inc()
+                return response
+
+    async def GetLoad(self, request: prefill_pb2.GetLoadRequest, context: grpc.aio.ServicerContext) -> prefill_pb2.Load:  # noqa: N802
+        q = self.queue
+        return prefill_pb2.Load(
+            queue_depth=q.depth, running=q.running, pending_tokens=q.pending_tokens, draining=self.draining
+        )
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: prefill_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.ModelInfo:
+        a = self.model.args
+        return prefill_pb2.ModelInfo(
+            model=Path(self.cfg.model).name,
+            fingerprint=self.model.fingerprint,
+            kv_block_tokens=a.kv_block_tokens,
+            layout_version=LAYOUT_VERSION,
+            vocab_size=a.vocab_size,
+            max_context=max_context(self.model),
+            sliding_window=a.sliding_window,
+        )
+
+    # ------------------------------------------------------------------------------------------ the prefill
+    async def _prefill(self, request: prefill_pb2.PrefillRequest, request_id: str) -> prefill_pb2.PrefillResponse:
+        tokens, salt = list(request.token_ids), bytes(request.cache_salt)
+        lease = self._check(request, request_id, tokens)
+        keys = self.store.keys(tokens, salt)
+        past = await self.store.find_past(tokens, salt, keys)
+        out = await self.queue.run(lambda: self._encode(tokens, past), len(tokens))
+        first = len(past.blocks) if past is not None else 0
+        handoff = prefill_pb2.Handoff(
+            token_ids=tokens,
+            cache_salt=salt,
+            encoder_state=await asyncio.to_thread(out.encoder_state.to_bytes),
+            cached_tokens=out.cached_tokens,
+            swa_restored=out.swa_restored,
+            bounded_replay=out.bounded_replay,
+        )
+        _, handle = await asyncio.gather(
+            self._write_blocks(keys[first : first + len(out.blocks)], out), self._write_handoff(handoff, lease)
+        )
+        self.log.info(
+            "prefill",
+            prompt_tokens=len(tokens),
+            cached_tokens=out.cached_tokens,
+            swa_restored=out.swa_restored,
+            bounded_replay=out.bounded_replay,
+            new_blocks=len(out.blocks),
+        )
+        return prefill_pb2.PrefillResponse(
+            handle=handle,
+            prompt_tokens=len(tokens),
+            cached_tokens=out.cached_tokens,
+            swa_restored=out.swa_restored,
+            bounded_replay=out.bounded_replay,
+        )
+
+    def _check(self, request: prefill_pb2.PrefillRequest, request_id: str, tokens: list[int]) -> float:
+        """Refuse what cannot be served (cheapest checks first); returns the handoff lease."""
+        check_common(request_id, request.cache_salt)
+        error = prompt_error(tokens, self.model)
+        if error is not None:
+            raise invalid(error)
+        lease = request.handoff_lease_s
+        if not math.isfinite(lease) or lease < 0:
+            raise invalid(f"handoff_lease_s must be a finite number ≥ 0, got {lease}")
+        if lease > self.cfg.max_handoff_lease_s:
+            raise invalid(f"handoff_lease_s {lease:g} exceeds this replica's maximum {self.cfg.max_handoff_lease_s:g}")
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "this prefill replica is draining", "draining")
+        if time.monotonic() < self._cache_down_until:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION, "the cache is unreachable (recently failed)", "cache_unavailable"
+            )
+        if self.queue.full():
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.queue.depth} prompts are already waiting on this prefill replica",
+                "overloaded",
+            )
+        return lease or self.cfg.handoff_lease_s
+
+    def _encode(self, tokens: list[int], past: Past | None) -> PrefillOutput:
+        """On the encoder thread."""
+        started = time.monotonic()
+        out = encode_with_past(self.model, tokens, past, self.cfg.chunk_tokens)
+        computed = len(tokens) - out.cached_tokens
+        m = self.metrics
+        m.seconds.observe(time.monotonic() - started)
+        m.prompt_tokens.inc(len(tokens))
+        m.tokens.inc(computed)
+        m.batch_tokens.observe(computed)
+        m.cache_hit_tokens.inc(out.cached_tokens)
+        if out.swa_restored:
+            m.swa_restored.inc()
+        if out.bounded_replay:
+            m.bounded_replays.inc()
+        return out
+
+    async def _write_blocks(self, keys: list[bytes], out: PrefillOutput) -> None:
+        try:
+            await self.store.put_blocks(keys, out.blocks)
+        except CacheError as exc:
+            self.metrics.cache_errors.labels("put_blocks").inc()
+            self.log.warning("cache_write_failed", op="put_blocks", code=exc.code.name, error=str(exc))
+
+    async def _write_handoff(self, handoff: prefill_pb2.Handoff, lease: float) -> bytes:
+        try:
+            return await self.store.put_handoff(handoff, lease)
+        except CacheError as exc:
+            self.metrics.cache_errors.labels("put_handoff").inc()
+            if exc.code in DOWN:
+                self._cache_down_until = time.monotonic() + self.cfg.cache_retry_s
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the cache cannot take the handoff record ({exc}); send the prompt's token ids to decode instead",
+                "cache_unavailable",
+            ) from None
