@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 
 from model import kernels, quant
-from model.kernels import topk
+from model.kernels import indexer, sparse_attn, topk
 
 GiB = 1 << 30
 
@@ -55,8 +55,8 @@ def median_ms(fn: Callable[[], object]) -> float:
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=DEVICE)
+    """Device-to-device copy of fp32 (16-byte vector accesses), bytes read + written per second."""
+    src = torch.randn(nbytes // 4, device=DEVICE)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
     return 2 * nbytes / (ms * 1e-3)
@@ -302,12 +302,31 @@ def bench_attention(B: int, context: int, dense_budget: int) -> Row:
     peer = median_ms(lambda: kernels.sparse_attention(*case, backend="torch"))
     row = Row("sparse_attention", f"B={B} ctx={context} H=64 D=512 W=128 K=512", ours, "torch reference", peer,
               B * (W * 528 + K * 288 + 2 * H * D * 2))  # fmt: skip
-    dense_bytes = B * context * 64 * 128 * 2 * 2
-    if dense_bytes <= dense_budget:  # dense SDPA decode, 64 heads × 128 dims, bf16 K/V over the whole context
+    # dense SDPA decode, 64 heads × 128 dims, bf16 K = V over the whole context (kept under 2^31 elements per
+    # tensor: torch's SDPA kernels index with 32-bit offsets and fault beyond, seen at 1 M tokens on the H200)
+    dense_elements = B * context * 64 * 128
+    if dense_elements * 2 <= dense_budget and dense_elements < 2**31:
         q = randn(B, 64, 1, 128, dtype=torch.bfloat16)
         kv = randn(B, 64, context, 128, dtype=torch.bfloat16)
         row.extra["dense_sdpa_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, kv, kv))
     return row
+
+
+def bench_tuning(tiny: bool) -> list[Row]:
+    """Launch shapes of the indexer and attention kernels, side by side (the defaults come from this table)."""
+    rows = []
+    B, S = (2, 256) if tiny else (64, 65_536)
+    case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
+    for block_s, warps in [(64, 4), (128, 4), (128, 8), (256, 8)]:
+        ms = median_ms(lambda b=block_s, w=warps: indexer.indexer_scores_triton(*case, block_s=b, num_warps=w))
+        rows.append(Row("tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", ms, "", None,
+                        B * S * 68))  # fmt: skip
+    for B in [1, 64]:
+        case = attention_inputs(B, 1, 64, 512, 128, 4096 if tiny else 65_536, 512, ragged=False)
+        for block_n in (16, 32, 64):
+            ms = median_ms(lambda b=block_n, c=case: sparse_attn.sparse_attention_triton(*c, block_n=b))
+            rows.append(Row("tune attention", f"B={B} block_n={block_n}", ms, "", None, B * (128 * 528 + 512 * 288)))
+    return rows
 
 
 def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
@@ -323,6 +342,7 @@ def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
     contexts = [256, 1024] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]
     plan += [(bench_attention, (B, ctx, 1 << 20 if tiny else 40 * GiB)) for B in ([1, 2] if tiny else [1, 64, 256])
              for ctx in contexts]  # fmt: skip
+    plan.append((bench_tuning, (tiny,)))
     rows: list[Row] = []
     for bench, args in plan:
         try:

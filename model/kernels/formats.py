@@ -73,9 +73,13 @@ def e4m3_decode(bits):
 def e2m1_encode(q):
     """Scaled fp32 → E2M1 code (uint8 0..15): saturate to ±6, nearest, ties to the even code, sign kept."""
     a = tl.minimum(tl.abs(q), E2M1_MAX)
-    # midpoints between neighbouring magnitudes; at 0.25, 1.25, 2.5 and 5 the even code is below (strict), else above
-    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-    code += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    bits = a.to(tl.int32, bitcast=True)
+    # [1, 6]: round the fp32 mantissa to 1 bit (ties to even); exponent|mantissa then counts codes from 1.0 = code 2
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    # [0, 1): steps of 0.5, so the code is 2a rounded to an integer (ties to even: 0.25 → 0, 0.75 → 2)
+    small = ((a * 2.0 + RNE_MAGIC) - RNE_MAGIC).to(tl.int32)
+    code = tl.where(a < 1.0, small, normal)
+    code = tl.where(q != q, 0, code)  # NaN → ±0, as the torch reference's comparisons give
     sign = (q.to(tl.int32, bitcast=True) >> 28) & 0x8
     return (code | sign).to(tl.uint8)
 

@@ -75,8 +75,16 @@ def _indexer_kernel(
 
 
 def indexer_scores_triton(
-    q_data: Tensor, q_scale: Tensor, weights: Tensor, k_data: Tensor, k_scale: Tensor, n_visible: Tensor
+    q_data: Tensor,
+    q_scale: Tensor,
+    weights: Tensor,
+    k_data: Tensor,
+    k_scale: Tensor,
+    n_visible: Tensor,
+    block_s: int | None = None,
+    num_warps: int = 4,
 ) -> Tensor:
+    """`block_s` (positions per program) and `num_warps` override the launch shape (bench/kernels.py tunes them)."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
     out = torch.empty((B, T, S), dtype=torch.float32, device=q_data.device)
@@ -86,10 +94,10 @@ def indexer_scores_triton(
     # rows = queries × heads: tl.dot needs ≥ 16; prefill tiles share each K tile among up to 64 rows
     rows_wanted = 16 if T == 1 else 64
     block_t = max(min(max(1, rows_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
-    block_s = 32 if interpreting() else 128
+    block_s = block_s or (32 if interpreting() else 128)
     grid = (triton.cdiv(S, block_s), triton.cdiv(T, block_t), B)
     _indexer_kernel[grid](
         q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data.contiguous(), k_scale.contiguous(),
-        n_visible.contiguous(), out, T, H, S, 2 * half, HP, block_t, block_s, interpreting(),
+        n_visible.contiguous(), out, T, H, S, 2 * half, HP, block_t, block_s, interpreting(), num_warps=num_warps,
     )  # fmt: skip
     return out

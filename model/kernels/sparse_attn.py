@@ -176,15 +176,17 @@ def sparse_attention_triton(
     sink: Tensor,
     softmax_scale: float,
     splits: int | None = None,
+    block_n: int | None = None,
 ) -> Tensor:
-    """`splits` overrides the number of key-range splits (tests use it to reach both output paths)."""
+    """`splits` (key-range splits; tests use it to reach both output paths) and `block_n` (keys per tile) override
+    the launch shape."""
     B, T, H, D = q.shape
     W, N, K = swa_data.shape[1], kv_data.shape[1], idx.shape[2]
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
     DP = triton.next_power_of_2(D)
-    block_h, block_n = 16, 16 if interpreting() else 32
+    block_h, block_n = 16, block_n or (16 if interpreting() else 32)
     head_groups = triton.cdiv(H, block_h)
     tiles = max(1, triton.cdiv(W, block_n) + triton.cdiv(K, block_n))
     n_splits = max(1, min(splits or _splits(B * T * head_groups, tiles), tiles))

@@ -49,6 +49,7 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 
 _DIRECT_MAX = 4096  # rows this short are selected in one pass of one program
 _SELECT_TILE = 4096  # items the select kernel holds per step
+_CHUNK = 8192  # scores per step of a streaming pass (16–32 KiB in flight per program)
 
 
 @triton.jit
@@ -68,15 +69,15 @@ def _row_keys(x_row, length, start, TILE: tl.constexpr):
 
 
 @triton.jit
-def _group_max_kernel(x_ptr, len_ptr, part_ptr, L, P, G: tl.constexpr):
-    """part[r, p, g] = max key over positions ≡ g (mod G) of the tiles p, p + P, … of row r."""
+def _group_max_kernel(x_ptr, len_ptr, part_ptr, L, P, G: tl.constexpr, U: tl.constexpr):
+    """part[r, p, g] = max key over positions ≡ g (mod G) of the chunks p, p + P, … (U·G positions each) of row r."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     length = tl.minimum(tl.load(len_ptr + r), L)
     running = tl.zeros((G,), dtype=tl.uint32)
-    for tile in range(p, tl.cdiv(length, G), P):
-        key, _ = _row_keys(x_ptr + r * L, length, tile * G, G)
-        running = tl.maximum(running, key)
+    for chunk in range(p, tl.cdiv(length, U * G), P):  # U tiles per step: more bytes in flight per program
+        key, _pos = _row_keys(x_ptr + r * L, length, chunk * U * G, U * G)
+        running = tl.maximum(running, tl.max(tl.reshape(key, (U, G)), axis=0))
     tl.store(part_ptr + (r * P + p) * G + tl.arange(0, G), running)
 
 
@@ -106,14 +107,14 @@ def _threshold_kernel(part_ptr, thr_ptr, P, k, G: tl.constexpr, LOW_BIT: tl.cons
 
 
 @triton.jit
-def _gather_kernel(x_ptr, len_ptr, thr_ptr, count_ptr, ckey_ptr, cpos_ptr, L, P, C, G: tl.constexpr):
+def _gather_kernel(x_ptr, len_ptr, thr_ptr, count_ptr, ckey_ptr, cpos_ptr, L, P, C, CHUNK: tl.constexpr):
     """Append every (key, position) of row r with key ≥ thr[r] to the row's candidate buffer (slots < C kept)."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     length = tl.minimum(tl.load(len_ptr + r), L)
     threshold = tl.load(thr_ptr + r)
-    for tile in range(p, tl.cdiv(length, G), P):
-        key, pos = _row_keys(x_ptr + r * L, length, tile * G, G)
+    for chunk in range(p, tl.cdiv(length, CHUNK), P):
+        key, pos = _row_keys(x_ptr + r * L, length, chunk * CHUNK, CHUNK)
         passed = key >= threshold
         n = tl.sum(passed.to(tl.int32), axis=0)
         if n > 0:
@@ -153,7 +154,7 @@ def _select_kernel(
     # how many can be chosen, then the k-th largest key T (all passes below stream the items in tiles)
     selectable = 0
     for start in range(0, n, TILE):
-        key, _ = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
         selectable += tl.sum((key > 0).to(tl.int32), axis=0)
     kk = tl.minimum(k, selectable)
     threshold = tl.zeros((), dtype=tl.uint32)
@@ -162,7 +163,7 @@ def _select_kernel(
         trial = threshold | step
         count = 0
         for start in range(0, n, TILE):
-            key, _ = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
             count += tl.sum((key >= trial).to(tl.int32), axis=0)
         threshold = tl.where(count >= kk, trial, threshold)
         step = step >> 1
@@ -171,7 +172,7 @@ def _select_kernel(
     above = 0
     equal = 0
     for start in range(0, n, TILE):
-        key, _ = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
         above += tl.sum((key > threshold).to(tl.int32), axis=0)
         equal += tl.sum((key == threshold).to(tl.int32), axis=0)
     missing = kk - above
@@ -206,9 +207,9 @@ def _low_bit(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
-def _programs_per_row(rows: int, tiles: int) -> int:
-    """Programs per row for a streaming pass: about four per multiprocessor in all."""
-    return max(1, min(tiles, triton.cdiv(4 * multiprocessors(), rows)))
+def _programs_per_row(rows: int, chunks: int) -> int:
+    """Programs per row for a streaming pass: about eight per multiprocessor in all."""
+    return max(1, min(chunks, triton.cdiv(8 * multiprocessors(), rows)))
 
 
 def topk_indices_triton(
@@ -232,23 +233,25 @@ def topk_indices_triton(
     KP = triton.next_power_of_2(k)
     low_bit, pos_bits = _low_bit(scores.dtype), max(1, (L - 1).bit_length())
     tile = 256 if interpreting() else _SELECT_TILE
+    count = torch.zeros(R, dtype=torch.int32, device=device)
     if scores.shape[1] <= direct_max:
-        none = torch.empty(0, device=device, dtype=torch.uint32)
-        _select_kernel[(R,)](x, lengths, none, none, none, out, L, 0, k, pos_bits, True, low_bit, tile, KP, num_warps=8)
+        no_keys, no_positions = torch.empty(0, dtype=torch.uint32, device=device), count[:0]
+        _select_kernel[(R,)](x, lengths, count, no_keys, no_positions, out, L, 0, k, pos_bits, True, low_bit, tile, KP,
+                             num_warps=8)  # fmt: skip
         return out
     G = groups or max(1024, triton.next_power_of_2(4 * k))
     C = capacity or 8 * KP
-    tiles = triton.cdiv(L, G)
+    U = max(1, (64 if interpreting() else _CHUNK) // G)
+    chunks = triton.cdiv(L, U * G)
     # the group-max pass writes P·G partial maxima per row that one program then reads: keep them ≤ L/8
-    P = min(_programs_per_row(R, tiles), max(1, tiles // 8))
-    P_gather = _programs_per_row(R, tiles)
+    P = min(_programs_per_row(R, chunks), max(1, L // (8 * G)))
+    P_gather = _programs_per_row(R, chunks)
     part = torch.empty((R, P, G), dtype=torch.uint32, device=device)
     threshold = torch.empty(R, dtype=torch.uint32, device=device)
-    count = torch.zeros(R, dtype=torch.int32, device=device)
     ckey = torch.empty((R, C), dtype=torch.uint32, device=device)
     cpos = torch.empty((R, C), dtype=torch.int32, device=device)
-    _group_max_kernel[(R, P)](x, lengths, part, L, P, G, num_warps=8)
+    _group_max_kernel[(R, P)](x, lengths, part, L, P, G, U, num_warps=8)
     _threshold_kernel[(R,)](part, threshold, P, k, G, low_bit, num_warps=8)
-    _gather_kernel[(R, P_gather)](x, lengths, threshold, count, ckey, cpos, L, P_gather, C, G, num_warps=8)
+    _gather_kernel[(R, P_gather)](x, lengths, threshold, count, ckey, cpos, L, P_gather, C, U * G, num_warps=8)
     _select_kernel[(R,)](x, lengths, count, ckey, cpos, out, L, C, k, pos_bits, False, low_bit, tile, KP, num_warps=8)
     return out
