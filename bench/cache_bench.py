@@ -478,6 +478,9 @@ def replay(trace: list[dict[str, Any]], work: Path, policy: str, capacity_blocks
     from cache_svc.client import CacheError
     from cache_svc.config import CacheConfig, resolve_defaults
     from cache_svc.server import CacheServer
+    from mesh.logging import configure_logging
+
+    configure_logging("cache_svc", level="error")  # refusals are expected here by the thousand
 
     entry = REPLAY_PAYLOAD + 36
     clock_now = [trace[0]["timestamp"] / 1000]

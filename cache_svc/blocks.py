@@ -162,7 +162,7 @@ class BlockStore:
 
         try:
             await asyncio.shield(self._writer.commit(todo, now, apply))
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             self._logger.error("commit_failed", error=str(exc), blocks=len(todo))
             raise StorageError(f"the SSD tier failed to write: {exc}") from exc
 
@@ -251,7 +251,7 @@ class BlockStore:
         if keep:
             try:
                 await asyncio.shield(self._writer.copy(victim, keep, apply))
-            except OSError as exc:
+            except (OSError, RuntimeError) as exc:
                 self._logger.error("compaction_failed", segment=victim.id, error=str(exc))
                 raise StorageError(f"the SSD tier failed to write during compaction: {exc}") from exc
         self._log.delete(victim)

@@ -22,6 +22,7 @@ RPC carries a deadline (`timeout_s`); nothing waits longer. Payloads travel in s
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
@@ -63,10 +64,6 @@ class CacheError(Exception):
         self.address = address
         self.details = message
         self.committed = list(committed)
-
-
-def _addresses(addresses: str | Sequence[str]) -> list[str]:
-    return [addresses] if isinstance(addresses, str) else list(addresses)
 
 
 def _error(exc: grpc.RpcError, address: str, committed: Sequence[bytes] = ()) -> CacheError:
@@ -149,18 +146,33 @@ def _down(exc: grpc.RpcError, address: str, method: str) -> bool:
     return False
 
 
-class CacheClient:
+class _Replicas:
+    """The replica ring and one channel per replica, shared by the blocking and the asyncio client."""
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        channel: Callable[[str], Any],
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.ring = HashRing([addresses] if isinstance(addresses, str) else list(addresses))
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._channels = {address: channel(address) for address in self.ring.nodes}
+        self._stubs = {address: cache_pb2_grpc.KvCacheStub(c) for address, c in self._channels.items()}
+
+
+class CacheClient(_Replicas):
     """Blocking client; safe to share between threads."""
 
     def __init__(
         self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
     ) -> None:
-        self.ring = HashRing(_addresses(addresses))
-        self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
         options = CHANNEL_OPTIONS + RECONNECT_OPTIONS + SYNC_OPTIONS
-        self._channels = {a: grpc.insecure_channel(a, options=options) for a in self.ring.nodes}
-        self._stubs = {a: cache_pb2_grpc.KvCacheStub(c) for a, c in self._channels.items()}
+        channel = functools.partial(grpc.insecure_channel, options=options)
+        super().__init__(addresses, channel, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
 
     def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
         """Commit blocks on their replicas; returns the committed keys in input order.
@@ -288,19 +300,14 @@ class CacheClient:
         self.close()
 
 
-class AsyncCacheClient:
+class AsyncCacheClient(_Replicas):
     """asyncio client with the same methods as `CacheClient`, as coroutines."""
 
     def __init__(
         self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
     ) -> None:
-        self.ring = HashRing(_addresses(addresses))
-        self.timeout_s = timeout_s
-        self.chunk_bytes = chunk_bytes
-        self._channels = {
-            a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS) for a in self.ring.nodes
-        }
-        self._stubs = {a: cache_pb2_grpc.KvCacheStub(c) for a, c in self._channels.items()}
+        channel = functools.partial(grpc.aio.insecure_channel, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        super().__init__(addresses, channel, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
 
     async def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
         blocks = list(blocks)

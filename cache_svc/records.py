@@ -50,12 +50,15 @@ class RecordPool:
         return len(self._lru) + len(self._leased)
 
     def put(self, key: bytes, payload: bytes, ttl_s: float, lease_s: float) -> float:
-        """Store (or replace) a record; returns the lifetime granted in seconds."""
+        """Store (or replace) a record; returns the lifetime granted in seconds. A refused put changes nothing."""
         lifetime = min(ttl_s or self.max_ttl_s, self.max_ttl_s)
         if lease_s > 0:
             lifetime = min(lifetime, lease_s)
+        self._check_room(key, len(payload))
         self._drop(key)
-        self._make_room(len(payload))
+        while self.bytes + len(payload) > self.capacity:
+            self._lru.pop_oldest()
+            self._counters.record_evictions += 1
         record = Record(payload, self._clock() + lifetime, leased=lease_s > 0)
         if record.leased:
             self._leased[key] = record
@@ -90,20 +93,20 @@ class RecordPool:
         self._counters.record_expiries += expired
         return expired
 
-    def _make_room(self, size: int) -> None:
+    def _check_room(self, key: bytes, size: int) -> None:
+        """Refuse unless expired and unleased records (and the record being replaced) make room for `size`."""
         if size > self.capacity:
             self._counters.refusals_records += 1
             raise ResourceExhaustedError(
                 f"record of {size} bytes exceeds the record pool capacity of {self.capacity} bytes"
             )
         self.expire_due()
-        while self.bytes + size > self.capacity and len(self._lru):
-            self._lru.pop_oldest()
-            self._counters.record_evictions += 1
-        if self.bytes + size > self.capacity:
+        old = self._leased.get(key)
+        pinned = self._leased_bytes - (len(old.payload) if old is not None else 0)
+        if pinned + size > self.capacity:
             self._counters.refusals_records += 1
             raise ResourceExhaustedError(
-                f"record pool full: {self.bytes} of {self.capacity} bytes held by leased records, {size} more requested"
+                f"record pool full: {pinned} of {self.capacity} bytes held by leased records, {size} more requested"
             )
 
     def _current(self, key: bytes) -> Record | None:

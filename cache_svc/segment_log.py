@@ -23,8 +23,8 @@ from cache_svc.segment import Entry
 IOV_MAX = 1024  # buffers per pwritev call (Linux limit)
 
 
-class DataDirInUseError(RuntimeError):
-    pass
+class DataDirInUseError(OSError):
+    """Another process holds the data directory's lock."""
 
 
 class SegmentFile:
@@ -172,7 +172,8 @@ class SegmentLog:
             # Leave the file as it was before this group, so recovery and the next group see a clean end.
             os.ftruncate(seg.fd, seg.size)
             raise
-        assert offset == end
+        if offset != end:
+            raise RuntimeError(f"segment {seg.id}: wrote up to {offset}, expected {end}")
 
     def roll_if_full(self) -> SegmentFile | None:
         """Seal the active segment once it is full: write its index file and start the next one."""

@@ -23,7 +23,7 @@ from cache_svc.errors import InvalidArgumentError, LeaseExpiredError, NotFoundEr
 from cache_svc.records import RecordPool
 from cache_svc.segment import KEY_BYTES
 from cache_svc.slices import Assembler, SliceError, pack
-from cache_svc.stats import Counters, Histograms
+from cache_svc.stats import Counters, Histograms, tier_stats
 from mesh.grpc_server import CHUNK_BYTES
 from mesh.logging import bind_request
 from proto.cache.v1 import cache_pb2 as pb
@@ -50,7 +50,7 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
         self._counters = counters
         self._histograms = histograms
         self._logger = logger
-        self._staged = 0
+        self._staging = _Staging(cfg.max_staged_bytes, counters)
 
     # --- RPCs -------------------------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
     async def PutBlocks(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.PutBlocksRequest], context: grpc.aio.ServicerContext
     ) -> pb.PutBlocksResponse:
-        async with self._rpc("PutBlocks", context), self._staging() as stage:
+        async with self._rpc("PutBlocks", context), self._put() as stage:
             staged: Assembler[bytes] = Assembler(self._cfg.max_block_bytes)
             committed = False
             async for message in self._within_lease(request_iterator):
@@ -99,7 +99,7 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
     async def PutRecord(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.PutRecordRequest], context: grpc.aio.ServicerContext
     ) -> pb.PutRecordResponse:
-        async with self._rpc("PutRecord", context), self._staging() as stage:
+        async with self._rpc("PutRecord", context), self._put() as stage:
             staged: Assembler[bytes] = Assembler(self._records.capacity, name="record")
             header: pb.PutRecordRequest | None = None
             received = 0
@@ -141,33 +141,12 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
         c, store, records = self._counters, self._store, self._records
         segments, dead = store.segment_stats()
         return pb.StatsResponse(
-            dram=pb.TierStats(
-                entries=len(store.dram),
-                bytes=store.dram.bytes,
-                capacity_bytes=self._cfg.dram_bytes,
-                hits=c.dram_hits,
-                misses=c.dram_misses,
-                evictions=c.dram_evictions,
-            ),
-            ssd=pb.TierStats(
-                entries=len(store),
-                bytes=store.ssd_bytes,
-                capacity_bytes=store.ssd_capacity,
-                hits=c.ssd_hits,
-                misses=c.ssd_misses,
-                evictions=c.ssd_evictions,
-            ),
-            records=pb.TierStats(
-                entries=len(records),
-                bytes=records.bytes,
-                capacity_bytes=records.capacity,
-                hits=c.record_hits,
-                misses=c.record_misses,
-                evictions=c.record_evictions,
-            ),
+            dram=tier_stats(c, "dram", entries=len(store.dram), held=store.dram.bytes, capacity=self._cfg.dram_bytes),
+            ssd=tier_stats(c, "ssd", entries=len(store), held=store.ssd_bytes, capacity=store.ssd_capacity),
+            records=tier_stats(c, "record", entries=len(records), held=records.bytes, capacity=records.capacity),
             segments=segments,
             dead_bytes=dead,
-            staged_bytes=self._staged,
+            staged_bytes=self._staging.held,
             refusals=c.refusals_ssd + c.refusals_records + c.refusals_staging,
             corrupt_blocks=c.corrupt_blocks,
             record_expiries=c.record_expiries,
@@ -189,18 +168,23 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             except StatusError as fault:
                 self._logger.info("rpc_failed", code=fault.code.name, detail=str(fault))
                 await context.abort(fault.code, str(fault))
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                self._logger.exception("rpc_crashed")
+                await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the server; see its log")
             finally:
                 self._histograms.rpc_seconds.labels(method).observe(time.perf_counter() - start)
 
     @contextlib.asynccontextmanager
-    async def _staging(self) -> AsyncIterator[_Stage]:
+    async def _put(self) -> AsyncIterator[_Put]:
         """Account the bytes a put holds before commit; a put that does not reach `done()` counts as aborted."""
-        stage = _Stage(self)
+        put = _Put(self._staging)
         try:
-            yield stage
+            yield put
         finally:
-            self._staged -= stage.bytes
-            if not stage.finished:
+            self._staging.held -= put.bytes
+            if not put.finished:
                 self._counters.aborted_puts += 1
 
     async def _within_lease(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -215,21 +199,33 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             ) from None
 
 
-class _Stage:
-    def __init__(self, service: KvCacheService) -> None:
-        self._service = service
+class _Staging:
+    """Bytes held by puts not yet committed, bounded by --max-staged-bytes."""
+
+    def __init__(self, limit: int, counters: Counters) -> None:
+        self.limit = limit
+        self.held = 0
+        self._counters = counters
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            self._counters.refusals_staging += 1
+            raise ResourceExhaustedError(
+                f"staging full: {self.held} bytes of uncommitted puts are held (--max-staged-bytes {self.limit})"
+            )
+        self.held += n
+
+
+class _Put:
+    """One put stream's share of the staging budget, and whether it got as far as storing its data."""
+
+    def __init__(self, staging: _Staging) -> None:
+        self._staging = staging
         self.bytes = 0
         self.finished = False
 
     def __call__(self, n: int) -> None:
-        service = self._service
-        if service._staged + n > service._cfg.max_staged_bytes:
-            service._counters.refusals_staging += 1
-            raise ResourceExhaustedError(
-                f"staging full: {service._staged} bytes of uncommitted puts are held "
-                f"(--max-staged-bytes {service._cfg.max_staged_bytes})"
-            )
-        service._staged += n
+        self._staging.take(n)
         self.bytes += n
 
     def done(self) -> None:

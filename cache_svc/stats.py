@@ -63,6 +63,17 @@ class Histograms:
         )
 
 
+# (family, name, help, TierStats field) of the per-tier metrics.
+TIER_METRICS = (
+    (CounterMetricFamily, "cache_hits", "Reads served, per tier", "hits"),
+    (CounterMetricFamily, "cache_misses", "Reads not served, per tier", "misses"),
+    (CounterMetricFamily, "cache_evictions", "Entries dropped for space, per tier", "evictions"),
+    (GaugeMetricFamily, "cache_entries", "Entries held, per tier", "entries"),
+    (GaugeMetricFamily, "cache_bytes", "Bytes held, per tier", "bytes"),
+    (GaugeMetricFamily, "cache_capacity_bytes", "Capacity, per tier", "capacity_bytes"),
+)
+
+
 class StatsCollector(Collector):
     """Prometheus view of `snapshot()` (the Stats RPC's answer) and the raw counters."""
 
@@ -73,30 +84,11 @@ class StatsCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s, c = self._snapshot(), self._counters
         tiers = {"dram": s.dram, "ssd": s.ssd, "records": s.records}
-        yield _labelled(
-            CounterMetricFamily, "cache_hits", "Reads served, per tier", {t: v.hits for t, v in tiers.items()}
-        )
-        yield _labelled(
-            CounterMetricFamily, "cache_misses", "Reads not served, per tier", {t: v.misses for t, v in tiers.items()}
-        )
-        yield _labelled(
-            CounterMetricFamily,
-            "cache_evictions",
-            "Entries dropped for space, per tier",
-            {t: v.evictions for t, v in tiers.items()},
-        )
-        yield _labelled(
-            GaugeMetricFamily, "cache_entries", "Entries held, per tier", {t: v.entries for t, v in tiers.items()}
-        )
-        yield _labelled(
-            GaugeMetricFamily, "cache_bytes", "Bytes held, per tier", {t: v.bytes for t, v in tiers.items()}
-        )
-        yield _labelled(
-            GaugeMetricFamily,
-            "cache_capacity_bytes",
-            "Capacity, per tier",
-            {t: v.capacity_bytes for t, v in tiers.items()},
-        )
+        for family, name, help_, field in TIER_METRICS:
+            metric = family(name, help_, labels=["tier"])
+            for tier, stats in tiers.items():
+                metric.add_metric([tier], getattr(stats, field))
+            yield metric
         refusals = CounterMetricFamily("cache_refusals", "Writes refused with RESOURCE_EXHAUSTED", labels=["reason"])
         refusals.add_metric(["ssd_full"], c.refusals_ssd)
         refusals.add_metric(["record_pool_full"], c.refusals_records)
@@ -120,8 +112,13 @@ class StatsCollector(Collector):
             yield GaugeMetricFamily(name, help_, value=value)
 
 
-def _labelled(family: type, name: str, help_: str, values: dict[str, int]) -> CounterMetricFamily | GaugeMetricFamily:
-    metric = family(name, help_, labels=["tier"])
-    for tier, value in values.items():
-        metric.add_metric([tier], value)
-    return metric
+def tier_stats(counters: Counters, name: str, *, entries: int, held: int, capacity: int) -> cache_pb2.TierStats:
+    """One tier's answer: what it holds, and its `<name>_hits`, `<name>_misses` and `<name>_evictions` counters."""
+    return cache_pb2.TierStats(
+        entries=entries,
+        bytes=held,
+        capacity_bytes=capacity,
+        hits=getattr(counters, f"{name}_hits"),
+        misses=getattr(counters, f"{name}_misses"),
+        evictions=getattr(counters, f"{name}_evictions"),
+    )

@@ -95,7 +95,7 @@ class Writer:
         try:
             placed = self._log.append([(c.blocks, c.committed_at) for c in commits])
             self._log.roll_if_full()
-        except OSError as exc:
+        except Exception as exc:  # never leave a caller waiting: every failure goes back to its commits
             for c in commits:
                 self._finish(c, None, exc)
             return
@@ -120,7 +120,7 @@ class Writer:
                     moved += self._append_copies(pending)
                     pending, pending_bytes = [], 0
             moved += self._append_copies(pending)
-        except OSError as exc:
+        except Exception as exc:
             self._finish(job, None, exc)
             return
         self._finish(job, moved, None)

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import grpc
+import msgspec
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from mesh.config import config_dict, load_config
+from mesh.logging import configure_logging
 
 # Large payloads are streamed in chunks of at most 1 MiB; the limit leaves room for framing fields.
 CHUNK_BYTES = 1 << 20
@@ -96,3 +101,38 @@ async def run_until_signal(server: Servable, *, grace_s: float, on_stop: Callabl
         result = on_stop()
         if asyncio.iscoroutine(result):
             await result
+
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+
+def serve_main(
+    argv: Sequence[str] | None,
+    *,
+    service: str,
+    config: type[C],
+    env_prefix: str,
+    make_server: Callable[[C], Servable],
+    resolve: Callable[[C], C] | None = None,
+) -> int:
+    """The `python -m <service> serve [flags]` command every service shares.
+
+    Builds the typed configuration from flags and `<env_prefix>_*` variables (`resolve` may fill in automatic
+    values), logs it, serves until SIGTERM/SIGINT and drains for `cfg.grace_s`. Exit status: 0 after a
+    graceful stop, 2 for a usage or configuration error, 1 when the server cannot start (address in use, data
+    directory locked, a bad value found only at start)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "serve":
+        print(f"usage: python -m {service} serve [options]   (serve --help lists them)", file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    cfg = load_config(config, args[1:], env_prefix=env_prefix, prog=f"python -m {service} serve")
+    if resolve is not None:
+        cfg = resolve(cfg)
+    logger = configure_logging(service, level=getattr(cfg, "log_level", "info"))
+    logger.info("config", **config_dict(cfg))
+    try:
+        asyncio.run(run_until_signal(make_server(cfg), grace_s=getattr(cfg, "grace_s", 30.0)))
+    except (OSError, ValueError) as exc:
+        logger.error("cannot_start", error=str(exc))
+        return 1
+    return 0

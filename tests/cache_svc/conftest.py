@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 from cache_helpers import FakeClock
 
+from cache_svc.client import CacheClient
 from cache_svc.config import CacheConfig, resolve_defaults
 from cache_svc.server import CacheServer
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 30
+RPC_TIMEOUT_S = 60  # generous deadlines: a loaded CI machine must not turn a check into DEADLINE_EXCEEDED
 
 
 class InProcess:
@@ -41,6 +43,9 @@ class InProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.server.port}"
+
+    def client(self, **options: Any) -> CacheClient:
+        return CacheClient(self.address, **{"timeout_s": RPC_TIMEOUT_S, **options})
 
     def call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
@@ -118,6 +123,9 @@ class Subprocess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def client(self, **options: Any) -> CacheClient:
+        return CacheClient(self.address, **{"timeout_s": RPC_TIMEOUT_S, **options})
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

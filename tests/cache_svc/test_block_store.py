@@ -28,7 +28,7 @@ def test_put_get_lookup_round_trip(start_server: Any) -> None:
     server = start_server()
     sizes = [1, 4096, BLOCK, 3 << 20]  # a 3 MiB block travels as several 1 MiB slices
     blocks = [(key_of(i), payload_of(key_of(i), s)) for i, s in enumerate(sizes)]
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.put_blocks(blocks) == [k for k, _ in blocks]
         keys = [k for k, _ in blocks]
         assert client.get_blocks([*keys, key_of(99)]) == [p for _, p in blocks] + [None]
@@ -44,7 +44,7 @@ def test_put_get_lookup_round_trip(start_server: Any) -> None:
 def test_dram_tier_is_lru(start_server: Any) -> None:
     server = start_server(dram_bytes=3 * BLOCK)
     a, b, c, d = _blocks(0, 4)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         client.put_blocks([a, b, c])
         client.get_blocks([a[0]])  # a is now the most recently used; b the least
         client.put_blocks([d])  # evicts b from DRAM (not from SSD)
@@ -67,7 +67,7 @@ def test_flipped_byte_is_a_miss_and_the_block_is_dropped(start_server: Any, tmp_
     options = {"dram_bytes": 0, "segment_bytes": BLOCK if sealed else 64 << 20}
     server = start_server(data_dir=data, **options)
     blocks = _blocks(0, 3)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         for block in blocks:
             client.put_blocks([block])
     server.stop()
@@ -78,7 +78,7 @@ def test_flipped_byte_is_a_miss_and_the_block_is_dropped(start_server: Any, tmp_
 
     server = start_server(data_dir=data, **options)
     keys = [k for k, _ in blocks]
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.get_blocks(keys) == [blocks[0][1], None, blocks[2][1]]
         assert client.lookup(keys) == 1  # dropped from the index, not just skipped
         assert client.get_blocks(keys[1:2]) == [None]
@@ -90,7 +90,7 @@ def test_restart_keeps_every_block_and_rebuilds_lost_index_files(start_server: A
     data = tmp_path / "data"
     server = start_server(data_dir=data, segment_bytes=4 * BLOCK)
     blocks = _blocks(0, 40)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         for i in range(0, 40, 4):
             client.put_blocks(blocks[i : i + 4])
     server.stop()
@@ -100,7 +100,7 @@ def test_restart_keeps_every_block_and_rebuilds_lost_index_files(start_server: A
     indexes[1].write_bytes(b"not an index")
 
     server = start_server(data_dir=data, segment_bytes=4 * BLOCK)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.lookup([k for k, _ in blocks]) == 40
         assert client.get_blocks([k for k, _ in blocks]) == [p for _, p in blocks]
     assert fmt.read_index(data, int(indexes[0].stem)) is not None
@@ -111,7 +111,7 @@ def test_capacity_policy_evicts_expired_first_then_refuses(start_server: Any, tm
     # 1 MiB tier in 64 KiB segments: room for about 16 blocks of 57 KB.
     server = start_server(clock=clock, ssd_bytes=1 << 20, segment_bytes=64 << 10, retention_hours=72)
     old = _blocks(0, 8)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         client.put_blocks(old)
         clock.advance(71 * HOUR)
         young = _blocks(100, 6)
@@ -142,7 +142,7 @@ def test_expired_blocks_stay_readable_until_space_is_needed(start_server: Any) -
     clock = FakeClock()
     server = start_server(clock=clock, retention_hours=1)
     blocks = _blocks(0, 4)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         client.put_blocks(blocks)
         clock.advance(10 * HOUR)
         assert client.get_blocks([k for k, _ in blocks]) == [p for _, p in blocks]
@@ -157,7 +157,7 @@ def test_compaction_reclaims_dead_space(start_server: Any, tmp_path: Path) -> No
     data = tmp_path / "data"
     server = start_server(data_dir=data, dram_bytes=0, segment_bytes=2 * BLOCK)
     blocks = _blocks(0, 6)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         for i in range(0, 6, 2):
             client.put_blocks(blocks[i : i + 2])
     server.stop()
@@ -168,7 +168,7 @@ def test_compaction_reclaims_dead_space(start_server: Any, tmp_path: Path) -> No
     first_segment.write_bytes(bytes(raw))
 
     server = start_server(data_dir=data, dram_bytes=0, segment_bytes=2 * BLOCK)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.get_blocks([k for k, _ in blocks]) == [None, None] + [p for _, p in blocks[2:]]
         stats = _stats(client)
     server.stop()

@@ -14,8 +14,6 @@ from cache_helpers import key_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cache_svc.client import CacheClient
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,7 +38,7 @@ def test_config_from_env_and_flags_is_printed_at_start(spawn: Any, tmp_path: Pat
     assert config["record_ttl_s"] == 30.0  # the flag wins over the env
     assert config["data_dir"] == str(tmp_path / "data")
     assert config["ssd_bytes"] > 0  # 0 = automatic, resolved before printing
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.put_record(b"r", b"x", ttl_s=3600) == 30
 
 
@@ -80,7 +78,7 @@ def test_health_reflection_and_metrics(spawn: Any, tmp_path: Path) -> None:
         names = {s.name for s in answer.list_services_response.service}
         assert {"cache.v1.KvCache", "grpc.health.v1.Health"} <= names
 
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         client.put_blocks([(key_of(1), b"x" * 1000)])
         client.get_blocks([key_of(1), key_of(2)])
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text

@@ -40,7 +40,7 @@ class Load:
 
     def _run(self, address: str, worker: int) -> None:
         n = worker * 1_000_000
-        with CacheClient(address, timeout_s=10) as client:
+        with CacheClient(address, timeout_s=60) as client:
             while True:
                 batch = [_block(n + i) for i in range(BATCH)]
                 n += BATCH
@@ -86,7 +86,7 @@ def _wait_staged(client: CacheClient) -> None:
 
 
 def _check_recovered(address: str, load: Load, uncommitted: bytes) -> None:
-    with CacheClient(address, timeout_s=30) as client:
+    with CacheClient(address, timeout_s=60) as client:
         assert client.get_blocks(load.acked) == [load.sent[k] for k in load.acked]
         in_flight = [k for k in load.sent if k not in set(load.acked)]
         for key, payload in zip(in_flight, client.get_blocks(in_flight), strict=True):
@@ -100,7 +100,7 @@ def test_kill_9_mid_stream_loses_no_acknowledged_block(spawn: Any, tmp_path: Pat
     uncommitted = key_of(-1 & 0xFFFF_FFFF)
     let_go = _hold_uncommitted_put(server.address, uncommitted)
     try:
-        with CacheClient(server.address) as client:
+        with server.client() as client:
             _wait_staged(client)
         load = Load(server.address, target=400)
         assert load.reached.wait(60)
@@ -120,7 +120,7 @@ def test_sigterm_finishes_in_flight_commits_and_exits_0(spawn: Any, tmp_path: Pa
     server = spawn(data, "--grace-s", "10")
     uncommitted = key_of(-2 & 0xFFFF_FFFF)
     let_go = _hold_uncommitted_put(server.address, uncommitted)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         _wait_staged(client)
     load = Load(server.address, target=200)
     assert load.reached.wait(60)

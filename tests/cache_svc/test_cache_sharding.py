@@ -21,7 +21,7 @@ def test_one_replica_down_then_back_with_its_data(spawn: Any, tmp_path: Path) ->
     keys = [k for k, _ in blocks]
     records = {f"swa/{i}".encode(): f"state {i}".encode() * 100 for i in range(30)}
 
-    with CacheClient(addresses, timeout_s=2) as client:
+    with CacheClient(addresses, timeout_s=20) as client:
         assert client.put_blocks(blocks) == keys
         for key, payload in records.items():
             client.put_record(key, payload, ttl_s=300)
@@ -51,7 +51,7 @@ def test_one_replica_down_then_back_with_its_data(spawn: Any, tmp_path: Path) ->
             client.put_record(down_record, b"x", ttl_s=10)
 
     replicas[1] = spawn(tmp_path / "replica-1", port=down.port)
-    with CacheClient(addresses, timeout_s=2) as client:
+    with CacheClient(addresses, timeout_s=20) as client:
         assert client.get_blocks(keys) == [p for _, p in blocks]
         assert client.lookup(keys) == N
         assert client.get_record(down_record) is None  # records are volatile: gone with the process
@@ -64,7 +64,7 @@ def test_async_client_same_contract(spawn: Any, tmp_path: Path) -> None:
     async def scenario() -> None:
         blocks = [(key_of(n), payload_of(key_of(n), 70_000)) for n in range(40)]
         keys = [k for k, _ in blocks]
-        async with AsyncCacheClient(up.address, chunk_bytes=50_000) as client:
+        async with AsyncCacheClient(up.address, timeout_s=60, chunk_bytes=50_000) as client:
             assert await client.put_blocks(blocks) == keys
             assert await client.get_blocks([*keys, key_of(999)]) == [p for _, p in blocks] + [None]
             assert await client.lookup([*keys[:5], key_of(999), keys[6]]) == 5
@@ -74,7 +74,7 @@ def test_async_client_same_contract(spawn: Any, tmp_path: Path) -> None:
             assert await client.get_record(b"handoff") is None
             assert (await client.stats())[up.address]["ssd"]["entries"] == 40
 
-        async with AsyncCacheClient([up.address, gone], timeout_s=2) as client:
+        async with AsyncCacheClient([up.address, gone], timeout_s=20) as client:
             owner = {k: client.ring.node(k) for k in keys}
             found = await client.get_blocks(keys)
             assert found == [None if owner[k] == gone else p for k, p in blocks]

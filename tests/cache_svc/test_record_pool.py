@@ -19,7 +19,7 @@ def _stats(client: CacheClient) -> dict[str, Any]:
 def test_records_expire_on_time(start_server: Any) -> None:
     clock = FakeClock()
     server = start_server(clock=clock, record_ttl_s=300)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.put_record(b"swa/seq-1", b"ring" * 1000, ttl_s=120) == 120
         assert client.put_record(b"swa/seq-2", b"other", ttl_s=0) == 300  # 0: the server's default
         assert client.put_record(b"swa/seq-3", b"capped", ttl_s=3600) == 300  # capped at --record-ttl-s
@@ -41,7 +41,7 @@ def test_records_expire_on_time(start_server: Any) -> None:
 def test_handoff_lease_is_consumed_once_or_expires_with_the_lease(start_server: Any) -> None:
     clock = FakeClock()
     server = start_server(clock=clock)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         assert client.put_record(b"handoff/a", b"state-a", ttl_s=60, lease_s=10) == 10
         assert client.get_record(b"handoff/a") == b"state-a"  # a peek leaves it in place
         assert client.get_record(b"handoff/a", consume=True) == b"state-a"
@@ -56,7 +56,7 @@ def test_handoff_lease_is_consumed_once_or_expires_with_the_lease(start_server: 
 def test_lru_eviction_spares_leased_records_and_refuses_when_they_fill_the_pool(start_server: Any) -> None:
     clock = FakeClock()
     server = start_server(clock=clock, record_bytes=1000)
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         client.put_record(b"swa/1", b"a" * 300, ttl_s=60)
         client.put_record(b"swa/2", b"b" * 300, ttl_s=60)
         client.put_record(b"handoff/1", b"h" * 300, ttl_s=60, lease_s=30)
@@ -75,10 +75,13 @@ def test_lru_eviction_spares_leased_records_and_refuses_when_they_fill_the_pool(
         with pytest.raises(CacheError) as too_big:
             client.put_record(b"huge", b"x" * 1001, ttl_s=60)
         assert too_big.value.code.name == "INVALID_ARGUMENT"
+        with pytest.raises(CacheError):  # replacing handoff/1 by 600 B does not fit beside the other two
+            client.put_record(b"handoff/1", b"z" * 600, ttl_s=60, lease_s=30)
         assert all(client.get_record(k) is not None for k in (b"handoff/1", b"handoff/2", b"handoff/3"))
+        assert client.get_record(b"handoff/1") == b"h" * 300  # a refused replace changes nothing
         stats = _stats(client)
     assert stats["records"]["evictions"] == 3
-    assert stats["refusals"] == 1
+    assert stats["refusals"] == 2  # handoff/4 and the replace; the over-size one is INVALID_ARGUMENT
 
 
 def test_large_records_stream_in_slices_and_never_reach_disk(start_server: Any, tmp_path: Path) -> None:
@@ -86,7 +89,7 @@ def test_large_records_stream_in_slices_and_never_reach_disk(start_server: Any, 
     server = start_server(data_dir=data)
     swa_ring = bytes(range(256)) * (2_703_360 // 256)  # 2.58 MiB: the released model's SWA rings per sequence
     marker = b"never-on-disk-" * 4
-    with CacheClient(server.address) as client:
+    with server.client() as client:
         client.put_record(b"seq/ring", swa_ring, ttl_s=300)
         client.put_record(b"seq/marker", marker, ttl_s=300, lease_s=30)
         assert client.get_record(b"seq/ring") == swa_ring
