@@ -244,7 +244,8 @@ class Parser:
             unmatched = _Act.SKIP
         elif stage is Stage.PARAM_NAME:
             branches.append(_Branch(_Match.STRING, '"', Stage.PARAM_TYPE, False, _Act.LABEL, '": '))
-            unmatched = _Act.ARGS_RAW
+            # Escaped, so a name with a newline or backslash still makes valid JSON (deepseek-recipe copies it raw).
+            unmatched = _Act.ARGS_STRING
         elif stage is Stage.PARAM_TYPE:
             branches.append(_Branch(_Match.STRING, 'true">', Stage.PARAM_VALUE, True, _Act.LABEL, '"'))
             branches.append(_Branch(_Match.STRING, 'false">', Stage.PARAM_VALUE, False, _Act.SKIP))

@@ -24,7 +24,8 @@ INCOMPLETE_REASONS = {Finish.LENGTH: "max_output_tokens", Finish.CONTENT_FILTER:
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # The SDK requires `cache_write_tokens`; how much of the prompt the cache stored is not known here.
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,

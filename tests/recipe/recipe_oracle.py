@@ -142,7 +142,7 @@ def normalize(value: Any) -> Any:
         for key, item in value.items():
             if key in VOLATILE and isinstance(item, str | int) and not isinstance(item, bool):
                 out[key] = "<volatile>"
-            elif key in ("completion_tokens_details", "output_tokens_details"):
+            elif key in ("completion_tokens_details", "output_tokens_details", "cache_write_tokens"):
                 continue
             elif key == "model":
                 out[key] = "MODEL"

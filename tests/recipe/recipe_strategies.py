@@ -332,9 +332,9 @@ REQUESTS = {"chat.completions": chat_requests, "responses": responses_requests, 
 
 # -- model outputs --------------------------------------------------------------------------------------
 
-# deepseek-recipe 0.2.0 drops what follows a space in a parameter name (`{"shipping: ...`); names with
-# spaces are checked against the §6 vector instead (test_vectors.py).
-PARAM_NAMES = st.one_of(names, st.sampled_from(["", "a\nb", "日本", "x=y", "q'"]))
+# deepseek-recipe 0.2.0 drops what follows a space in a parameter name (`{"shipping: ...`) and copies
+# names unescaped (a newline breaks the JSON); such names are checked in test_vectors.py instead.
+PARAM_NAMES = st.one_of(names, st.sampled_from(["", "日本", "x=y", "q'"]))
 
 
 @st.composite
