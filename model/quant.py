@@ -111,9 +111,16 @@ def e2m1_encode(q: Tensor) -> Tensor:
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:
-    """E2M1 codes (uint8 0..15) → fp32 values."""
+    """E2M1 codes (uint8 0..15) → fp32 values.
+
+    Arithmetic instead of a lookup in E2M1_VALUES, so no host table is copied to the device (nor into a CUDA
+    graph): the magnitude bits become exponent|mantissa of an fp16 with bias 15 instead of 1 (codes 0–1 land on
+    fp16 subnormals), i.e. the value times 2^-14, exactly.
+    """
     _check_uint8(codes, "e2m1 codes")
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    c = codes.to(torch.int32)
+    half = (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(torch.int16)  # 0x8000 wraps to the int16 sign bit
+    return half.view(torch.float16).float() * 2.0**14
 
 
 def pack_fp4(codes: Tensor) -> Tensor:

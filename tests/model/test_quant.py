@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from model.quant import (
     E2M1_VALUES,
     ceil_pow2,
+    e2m1_decode,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
@@ -55,6 +56,11 @@ def test_e2m1_table() -> None:
     magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     assert E2M1_VALUES.tolist() == magnitudes + [-m for m in magnitudes]
     assert torch.signbit(E2M1_VALUES[8])  # code 8 is −0, not +0
+
+
+def test_e2m1_every_code_decodes_to_the_table() -> None:
+    decoded = e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    assert torch.equal(decoded.view(torch.int32), E2M1_VALUES.view(torch.int32))  # bit for bit: code 8 is −0
 
 
 def test_e2m1_every_code_encodes_to_itself() -> None:
