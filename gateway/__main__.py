@@ -7,33 +7,13 @@ is logged at start (the key masked). SIGTERM or SIGINT drains: /health turns 503
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.server import GatewayServer
-from mesh.config import config_dict, load_config
-from mesh.grpc_server import run_until_signal
-from mesh.logging import configure_logging
-
-USAGE = "usage: python -m gateway serve --prefill ADDRS --decode ADDRS [--cache ADDRS] [options]  (serve --help)"
+from mesh.grpc_server import serve_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "serve":
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cfg = load_config(GatewayConfig, argv[1:], env_prefix=ENV_PREFIX, prog="python -m gateway serve")
-    logger = configure_logging("gateway", level=cfg.log_level)
-    logger.info("config", **config_dict(cfg))
-    try:
-        server = GatewayServer(cfg)
-        asyncio.run(run_until_signal(server, grace_s=cfg.grace_s))
-    except (OSError, ValueError) as exc:
-        logger.error("cannot_start", error=str(exc))
-        return 1
-    return 0
+    return serve_main(argv, service="gateway", config=GatewayConfig, env_prefix=ENV_PREFIX, make_server=GatewayServer)
 
 
 if __name__ == "__main__":

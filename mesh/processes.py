@@ -212,17 +212,19 @@ class Mesh:
             raise
         self.write_state()
 
-    def restart(self, name: str, timeout_s: float = 600.0) -> Child:
-        """Start `name` again (after stopping it if it still runs) and wait until it is healthy."""
-        child = self.child(name)
-        child.terminate()
-        child.wait(10.0)
-        child.restarts += 1
+    def restart(self, *names: str, timeout_s: float = 600.0) -> None:
+        """Start the named children again (stopping any still running) and wait until all are healthy."""
+        children = [self.child(name) for name in names]
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait(10.0)
         started = time.monotonic()
-        child.spawn(self._env)
-        self._wait_healthy([child], started, timeout_s)
+        for child in children:
+            child.restarts += 1
+            child.spawn(self._env)
+        self._wait_healthy(children, started, timeout_s)
         self.write_state()
-        return child
 
     def dead(self) -> list[Child]:
         """Children that exited on their own."""

@@ -1,0 +1,139 @@
+"""The real mesh for the end-to-end tests: started once per test session (per xdist worker) with the `tiny` model,
+as separate processes on loopback (cache, two prefill and two decode replicas, a gateway), through the same
+`mesh.processes.Mesh` that `python -m mesh up` runs. Tests that kill a process restart it before they end, so
+every test finds the whole mesh healthy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import anthropic
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mesh.processes import Mesh, MeshSpec, free_port, http_ready
+from proto.decode.v1 import decode_pb2, decode_pb2_grpc
+from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+MODEL = "DeepSeek-V4.1-Flash"
+START_TIMEOUT_S = 300.0
+WAIT_TIMEOUT_S = 30.0
+# Short deadlines, so a frozen replica is noticed within a test's time.
+GATEWAY_ARGS = ["--stall-timeout-s", "20", "--load-interval-s", "0.25", "--inhibit-s", "2"]
+CACHE_ARGS = ["--ssd-bytes", str(256 << 20), "--dram-bytes", str(64 << 20), "--record-bytes", str(64 << 20)]
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    spec = MeshSpec(
+        model="tiny",
+        data_dir=tmp_path_factory.mktemp("mesh"),
+        prefill_replicas=2,
+        decode_replicas=2,
+        cache_args=CACHE_ARGS,
+        gateway_args=GATEWAY_ARGS,
+    )
+    running = Mesh(spec)
+    running.start(START_TIMEOUT_S)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def oai(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def claude(mesh: Mesh) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of a gateway metric's samples that carry `labels` (0 when there are none yet)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def decode_load(address: str) -> decode_pb2.Load:
+    with grpc.insecure_channel(address) as channel:
+        return decode_pb2_grpc.DecodeStub(channel).GetLoad(decode_pb2.GetLoadRequest(), timeout=5)
+
+
+def model_info(address: str) -> prefill_pb2.ModelInfo:
+    with grpc.insecure_channel(address) as channel:
+        return prefill_pb2_grpc.PrefillStub(channel).GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=5)
+
+
+@contextmanager
+def killed(mesh: Mesh, *names: str) -> Iterator[None]:
+    """The named children are SIGKILLed by the test inside; afterwards they are restarted and healthy again."""
+    try:
+        yield
+    finally:
+        for name in names:
+            child = mesh.child(name)
+            if child.running():
+                child.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+                child.process.wait()  # type: ignore[union-attr]
+        mesh.restart(*names, timeout_s=START_TIMEOUT_S)
+        wait_for(lambda: http_ready(mesh.base_url), "the gateway to see the mesh healthy")
+
+
+def signal_child(mesh: Mesh, name: str, sig: signal.Signals) -> None:
+    os.kill(mesh.child(name).pid, sig)  # type: ignore[arg-type]
+
+
+def start_gateway(mesh: Mesh, log: Path, *flags: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """Another gateway process over the mesh's replicas, with `flags`; returns its base URL once it is ready."""
+    port = free_port()
+    prefill = ",".join(c.address for c in mesh.children if c.name.startswith("prefill"))
+    decode = ",".join(c.address for c in mesh.children if c.name.startswith("decode"))
+    argv = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--grpc-port", "0",
+            "--prefill", prefill, "--decode", decode, "--cache", mesh.child("cache").address, *flags]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: http_ready(url), f"the gateway on port {port} (log: {log})", START_TIMEOUT_S)
+    return url, process
+
+
+@pytest.fixture
+def extra_gateway(mesh: Mesh, tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """`extra_gateway(*flags)` → the base URL of another gateway process over the same replicas."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(*flags: str) -> str:
+        url, process = start_gateway(mesh, tmp_path / f"gateway-{len(processes)}.log", *flags)
+        processes.append(process)
+        return url
+
+    yield start
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(30)

@@ -1,0 +1,195 @@
+"""The three APIs end to end through the real mesh (tiny model, random weights), driven by the real SDKs.
+
+The model's words are noise, so the checks are about the protocol: responses parse, finish reasons follow the
+budget and stop sequences, streamed output equals the complete response (greedy is deterministic), usage is
+reported in each API's own fields, n choices come back as n choices."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import grpc
+import openai
+from conftest import MODEL
+
+from mesh.processes import Mesh
+from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+NO_THINKING = {"thinking": {"type": "disabled"}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def ask(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def streamed_chat(oai: openai.OpenAI, **request: object) -> tuple[dict[int, str], dict[int, str | None], object]:
+    """Content and finish reason per choice, and the usage, of a streamed chat completion."""
+    content: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage = None
+    for chunk in oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **request):  # type: ignore[call-overload]
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    return content, finish, usage
+
+
+def test_chat_complete_and_streamed_agree(oai: openai.OpenAI) -> None:
+    request = {"model": MODEL, "messages": ask("Name three colours."), "max_tokens": 8, "temperature": 0,
+               "extra_body": NO_THINKING}  # fmt: skip
+    complete = oai.chat.completions.create(**request)  # type: ignore[call-overload]
+    (choice,) = complete.choices
+    assert choice.finish_reason == "length"
+    assert complete.usage.completion_tokens == 8
+    assert complete.usage.prompt_tokens > 0
+    assert complete.usage.prompt_tokens_details.cached_tokens >= 0
+    assert complete.system_fingerprint.startswith("fp_")
+    content, finish, usage = streamed_chat(oai, **request)
+    assert content == {0: choice.message.content}
+    assert finish == {0: "length"}
+    assert usage.completion_tokens == 8
+
+
+def test_thinking_on_and_off(oai: openai.OpenAI) -> None:
+    thinking = oai.chat.completions.create(
+        model=MODEL,
+        messages=ask("Think, then answer: 2+2?"),
+        max_tokens=6,
+        extra_body={"thinking": {"type": "enabled"}},
+    )
+    message = thinking.choices[0].message
+    assert isinstance(message.model_extra.get("reasoning_content"), str)
+    assert thinking.usage.completion_tokens_details.reasoning_tokens <= thinking.usage.completion_tokens
+    plain = oai.chat.completions.create(model=MODEL, messages=ask("2+2?"), max_tokens=6, extra_body=NO_THINKING)
+    assert "reasoning_content" not in plain.choices[0].message.model_extra
+
+
+def test_tools_declared_the_response_parses(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    for tool_choice in ("auto", "required"):
+        response = oai.chat.completions.create(
+            model=MODEL, messages=ask("Weather in Paris?"), tools=[WEATHER_TOOL], tool_choice=tool_choice,  # type: ignore[arg-type]
+            max_tokens=12, extra_body=NO_THINKING,
+        )  # fmt: skip
+        choice = response.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        for call in choice.message.tool_calls or []:
+            assert call.type == "function"
+            assert isinstance(call.function.arguments, str)
+    schema = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+    message = claude.messages.create(
+        model=MODEL, max_tokens=12, messages=ask("Weather in Paris?"),  # type: ignore[arg-type]
+        tools=[{"name": "get_weather", "description": "Weather", "input_schema": schema}],
+    )  # fmt: skip
+    assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert all(block.type in ("thinking", "text", "tool_use") for block in message.content)
+
+
+def test_stop_sequences_end_the_answer(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    request = {"model": MODEL, "messages": ask("Count upwards."), "max_tokens": 16, "temperature": 0,
+               "extra_body": NO_THINKING}  # fmt: skip
+    full = oai.chat.completions.create(**request).choices[0].message.content  # type: ignore[call-overload]
+    start = next(i for i in range(1, len(full) - 1) if full[i : i + 2].strip() == full[i : i + 2])
+    stop = full[start : start + 2]
+    cut = oai.chat.completions.create(**request, stop=[stop]).choices[0]  # type: ignore[call-overload]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == full[: full.find(stop)]
+    content, finish, _ = streamed_chat(oai, **request, stop=[stop])
+    assert content == {0: full[: full.find(stop)]}
+    assert finish == {0: "stop"}
+
+    first = claude.messages.create(
+        model=MODEL, max_tokens=16, temperature=0, messages=ask("Count upwards."), thinking={"type": "disabled"}
+    )
+    text = "".join(block.text for block in first.content if block.type == "text")
+    start = next(i for i in range(1, len(text) - 1) if text[i : i + 2].strip() == text[i : i + 2])
+    stopped = claude.messages.create(
+        model=MODEL, max_tokens=16, temperature=0, messages=ask("Count upwards."), thinking={"type": "disabled"},
+        stop_sequences=[text[start : start + 2]],
+    )  # fmt: skip
+    assert stopped.stop_reason == "stop_sequence"
+    assert stopped.stop_sequence == text[start : start + 2]
+
+
+def test_n_choices(oai: openai.OpenAI) -> None:
+    greedy = oai.chat.completions.create(
+        model=MODEL, messages=ask("Hi"), n=3, max_tokens=5, temperature=0, extra_body=NO_THINKING
+    )
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1  # greedy: the same answer three times
+    assert all(c.finish_reason == "length" for c in greedy.choices)
+    assert greedy.usage.completion_tokens == 15
+    sampled = oai.chat.completions.create(
+        model=MODEL, messages=ask("Hi"), n=2, max_tokens=6, temperature=1.0, seed=7, extra_body=NO_THINKING
+    )
+    assert sampled.choices[0].message.content != sampled.choices[1].message.content  # each choice its own seed
+    content, finish, usage = streamed_chat(
+        oai, model=MODEL, messages=ask("Hi"), n=2, max_tokens=5, temperature=0, extra_body=NO_THINKING
+    )
+    assert content == {0: greedy.choices[0].message.content, 1: greedy.choices[0].message.content}
+    assert finish == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 10
+
+
+def test_logprobs(oai: openai.OpenAI) -> None:
+    response = oai.chat.completions.create(
+        model=MODEL, messages=ask("Hi"), max_tokens=4, logprobs=True, top_logprobs=2, extra_body=NO_THINKING
+    )
+    entries = response.choices[0].logprobs.content
+    assert entries
+    for entry in entries:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 2
+
+
+def test_responses_complete_and_streamed_agree(oai: openai.OpenAI) -> None:
+    request = {"model": MODEL, "input": "Say something.", "max_output_tokens": 8, "temperature": 0,
+               "reasoning": {"effort": "none"}}  # fmt: skip
+    complete = oai.responses.create(**request)  # type: ignore[call-overload]
+    assert complete.status == "incomplete"
+    assert complete.incomplete_details.reason == "max_output_tokens"
+    assert complete.usage.output_tokens == 8
+    assert complete.usage.input_tokens_details.cached_tokens >= 0
+    events = list(oai.responses.create(stream=True, **request))  # type: ignore[call-overload]
+    assert events[0].type == "response.created"
+    assert events[-1].type == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == complete.output_text
+
+
+def test_messages_complete_and_streamed_agree(claude: anthropic.Anthropic) -> None:
+    request = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": ask("Say something."),
+               "thinking": {"type": "disabled"}}  # fmt: skip
+    complete = claude.messages.create(**request)  # type: ignore[call-overload]
+    assert complete.stop_reason == "max_tokens"
+    assert complete.usage.output_tokens == 8
+    assert complete.usage.input_tokens > 0
+    assert complete.usage.cache_read_input_tokens >= 0
+    with claude.messages.stream(**request) as stream:  # type: ignore[call-overload]
+        final = stream.get_final_message()
+    assert [b.text for b in final.content] == [b.text for b in complete.content]
+    assert final.stop_reason == "max_tokens"
+
+
+def test_grpc_face_streams_the_same_events(mesh: Mesh, oai: openai.OpenAI) -> None:
+    body = {"model": MODEL, "messages": ask("Hello"), "max_tokens": 6, "temperature": 0, "stream": True,
+            **NO_THINKING}  # fmt: skip
+    with grpc.insecure_channel(mesh.grpc_address) as channel:
+        request = gateway_pb2.GenerateRequest(api=gateway_pb2.API_CHAT_COMPLETIONS, body=json.dumps(body).encode())
+        events = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120))
+    assert events[-1].data == b"[DONE]"
+    chunks = [json.loads(e.data) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    expected = oai.chat.completions.create(
+        model=MODEL, messages=ask("Hello"), max_tokens=6, temperature=0, extra_body=NO_THINKING
+    )
+    assert text == expected.choices[0].message.content
