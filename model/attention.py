@@ -27,7 +27,7 @@ from model.cache import Step
 from model.compressor import Compressor
 from model.config import ModelArgs
 from model.indexer import Indexer, Selection, backend, kernel_float
-from model.linear import Linear, RMSNorm, param_dtype
+from model.linear import Linear, RMSNorm, param_dtype, quantize_input
 from model.rope import Rope
 
 
@@ -84,14 +84,18 @@ class Attention(nn.Module):
 
     # --------------------------------------------------------------------------------------------- pieces
     def query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(q latent c^Q [B, T, q_lora], rotated q [B, T, H, D])."""
-        qr = self.q_norm(self.wq_a(x))
+        """(q latent c^Q [B, T, q_lora], rotated q [B, T, H, D]); x is the FP8-cast input (`quantize_input`)."""
+        qr = self.q_norm(self.wq_a(x, True))
         q = self.wq_b(qr).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
         return qr, self.rope.rotate(q, positions)
 
     def window_kv(self, x: Tensor, positions: Tensor) -> Tensor:
-        """This layer's rotated K=V latent [B, T, D] (before the FP8 cast)."""
-        return self.rope.rotate(self.kv_norm(self.wkv(x)), positions)
+        """This layer's rotated K=V latent [B, T, D] (before the FP8 cast); x is the FP8-cast input."""
+        return self.rope.rotate(self.kv_norm(self.wkv(x, True)), positions)
+
+    def cast_input(self, x: Tensor) -> Tensor:
+        """One FP8 cast of the attention input for wq_a and wkv (both FP8 linears), plain if unquantised."""
+        return quantize_input(x) if self.wq_a.quantized else x
 
     def entry_latents(self, latent: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE latents [B, G, D] of entries first.. → (rotated main KV, rotated indexer K), entry j at j·m."""
@@ -118,8 +122,9 @@ class Attention(nn.Module):
         a, role = self.args, self.role
         B, T = x.shape[:2]
         positions = torch.arange(T, device=x.device).expand(B, T)
-        qr, q = self.query(x, positions)
-        kv = quant.fake_quant_fp8(self.window_kv(x, positions))
+        xq = self.cast_input(x)
+        qr, q = self.query(xq, positions)
+        kv = quant.fake_quant_fp8(self.window_kv(xq, positions))
         i, j = positions[0].unsqueeze(1), positions[0].unsqueeze(0)
         parts = [(kv, ((j <= i) & (j > i - a.sliding_window) & (j >= window_start)).expand(B, T, T))]
         if role.ratio:
@@ -152,8 +157,9 @@ class Attention(nn.Module):
         """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
         a, role, be = self.args, self.role, backend(x)
         positions = step.positions
-        qr, q = self.query(x, positions)
-        swa_data, swa_scale = kernels.quantize_swa_fp8(self.window_kv(x, positions), backend=be)
+        xq = self.cast_input(x)
+        qr, q = self.query(xq, positions)
+        swa_data, swa_scale = kernels.quantize_swa_fp8(self.window_kv(xq, positions), backend=be)
         swa_data, swa_scale, swa_mask = step.window(self.layer, swa_data, swa_scale)
         compressed = None
         if role.ratio:
@@ -167,7 +173,8 @@ class Attention(nn.Module):
                 q_data, q_scale, w = self.index_queries(x, qr, positions)
                 scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)
                 step.selection.select(a, role, scores, n_visible)
-            compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])
+            if kv_data.shape[1]:  # before the first complete group nothing is visible: attend the window only
+                compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])
         return self.attend_packed(q, positions, (swa_data, swa_scale, swa_mask), compressed)
 
     def attend_packed(

@@ -71,8 +71,9 @@ class DSparkBlock(Block):
     def block_attention(self, x: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
         """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
         attn, W = self.attn, self.args.sliding_window
-        _, q = attn.query(x, positions)
-        data, scale = kernels.quantize_swa_fp8(attn.window_kv(x, positions), backend=backend(x))
+        xq = attn.cast_input(x)
+        _, q = attn.query(xq, positions)
+        data, scale = kernels.quantize_swa_fp8(attn.window_kv(xq, positions), backend=backend(x))
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)
@@ -86,5 +87,5 @@ def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
     first = mtp[0]
     main_x = first.main_norm(first.main_proj(torch.cat(taps, dim=-1)))
     for block in mtp:
-        kv = block.attn.window_kv(main_x, step.positions)
+        kv = block.attn.window_kv(block.attn.cast_input(main_x), step.positions)
         step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=backend(kv))

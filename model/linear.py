@@ -41,14 +41,19 @@ class Linear(nn.Module):
     def quantized(self) -> bool:
         return self.fmt in ("fp8", "fp4")
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x.to(self.weight.dtype)
-        if self.quantized:
-            x = quant.fake_quant_fp8(x)
-        return F.linear(x, self.weight)
+    def forward(self, x: Tensor, prequantized: bool = False) -> Tensor:
+        """`prequantized`: x already went through `quantize_input` (one cast shared by linears of the same input)."""
+        if self.quantized and not prequantized:
+            x = quantize_input(x)
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
+
+
+def quantize_input(x: Tensor) -> Tensor:
+    """The FP8 (E4M3, UE8M0 per 32) QAT cast every FP8/FP4 linear applies to its input."""
+    return quant.fake_quant_fp8(x)
 
 
 class RMSNorm(nn.Module):

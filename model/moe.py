@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelArgs
-from model.linear import Linear, WeightFormat, param_dtype
+from model.linear import Linear, WeightFormat, param_dtype, quantize_input
 
 
 class Gate(nn.Module):
@@ -50,7 +50,8 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, fmt, dtype)
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
-        h = F.silu(self.w1(x).clamp(max=self.limit)) * self.w3(x).clamp(-self.limit, self.limit)
+        """x: the FP8-cast input (quantize_input), shared by every expert of a token."""
+        h = F.silu(self.w1(x, True).clamp(max=self.limit)) * self.w3(x, True).clamp(-self.limit, self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype).unsqueeze(-1)
         return self.w2(h)
@@ -73,9 +74,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
+        xq = quantize_input(x) if self.shared_experts.w1.quantized else x  # one FP8 cast for every expert
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation over experts
-        y = self.shared_experts(x).to(compute)
+        y = self.shared_experts(xq).to(compute)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)
-            y.index_add_(0, token, self.experts[e](x[token], weights[token, slot]).to(compute))
+            y.index_add_(0, token, self.experts[e](xq[token], weights[token, slot]).to(compute))
         return y.to(x.dtype).view(shape)

@@ -1,0 +1,163 @@
+"""DSpark speculation: greedy speculative decoding emits exactly plain greedy decoding; sampled speculative decoding
+emits the target distribution (statistical tests, with a fixed 1e-6 false-alarm level)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from model import SamplingParams, speculative_accept
+
+
+def chi2_threshold(dof: int, z: float = 4.75) -> float:
+    """Upper 1e-6 quantile of χ²(dof) (Wilson–Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson χ² of counts against probabilities, categories with expected count < 5 pooled."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat((counts[big], counts[~big].sum().view(1)))
+    exp = torch.cat((expected[big], expected[~big].sum().view(1)))
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def test_speculative_accept_matches_the_target(gen):
+    """Accept/resample from many (p, q) pairs: the first emitted token is distributed as p (the lossless property)."""
+    V, K, B = 6, 3, 40000
+    p = torch.softmax(2 * torch.randn(V, generator=gen), -1)
+    q = torch.softmax(2 * torch.randn(V, generator=gen), -1)
+    target = p.expand(B, K + 1, V).contiguous()
+    draft_probs = q.expand(B, K, V).contiguous()
+    drafts = torch.multinomial(draft_probs.reshape(-1, V), 1, generator=gen).view(B, K)
+    accepted, nxt = speculative_accept(target, draft_probs, drafts, torch.full((B,), K), gen)
+    first = torch.where(accepted > 0, drafts[:, 0], nxt)
+    stat, dof = chi2(torch.bincount(first, minlength=V).double(), p.double())
+    assert stat < chi2_threshold(dof), (stat, dof)
+    # Acceptance rate of a draft = Σ min(p, q) (the overlap of the two distributions).
+    rate = float((accepted > 0).double().mean())
+    assert abs(rate - float(torch.minimum(p, q).sum())) < 5 * math.sqrt(0.25 / B)
+
+
+def test_one_hot_distributions_are_greedy(gen):
+    """Greedy is the temperature-0 case: one-hot target and draft accept exactly the arg-max prefix."""
+    V, K, B = 50, 4, 64
+    logits = torch.randn(B, K + 1, V, generator=gen)
+    greedy = SamplingParams.uniform(B)
+    target = greedy.probs(logits)
+    drafts = torch.where(
+        torch.rand(B, K, generator=gen) < 0.7, logits[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=gen)
+    )
+    accepted, nxt = speculative_accept(
+        target,
+        greedy.probs(torch.randn(B, K, V, generator=gen)).scatter(-1, drafts.unsqueeze(-1), 2.0).clamp(max=1).div(1),
+        drafts,
+        torch.full((B,), K),
+        gen,
+    )
+    matches = (drafts == logits[:, :K].argmax(-1)).long().cumprod(-1).sum(-1)
+    assert torch.equal(accepted, matches)
+    assert torch.equal(nxt, logits[torch.arange(B), accepted].argmax(-1))
+
+
+def test_sampling_params_filters(gen):
+    logits = torch.randn(3, 100, generator=gen)
+    probs = SamplingParams(torch.tensor([0.0, 1.0, 0.7]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.5])).probs(
+        logits
+    )
+    assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(), 100).float())
+    assert int((probs[1] > 0).sum()) == 5 and torch.equal((probs[1] > 0), logits[1] >= logits[1].topk(5).values[-1])
+    kept = probs[2] > 0  # smallest set of the most likely tokens reaching 0.5 of the tempered mass
+    full = torch.softmax(logits[2] / 0.7, -1)
+    assert float(full[kept].sum()) >= 0.5 > float(full[kept].sum() - full[kept].min())
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+
+
+def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
+    out = tiny.encode_prefill(tokens(23))
+    greedy = SamplingParams.uniform(1)
+    V, steps = tiny.args.vocab_size, 10
+
+    plain_batch = tiny.new_decode_batch()
+    plain_seq, logits = plain_batch.join(out.blocks, out.encoder_state)
+    plain = [int(logits.argmax())]
+    while len(plain) < steps:
+        plain.append(int(tiny.decode_step(plain_batch, plain[-1:])[0].argmax()))
+
+    batch = tiny.new_decode_batch()
+    seq, logits = batch.join(out.blocks, out.encoder_state)
+    emitted, pending, accepted = [], int(logits.argmax()), 0
+    while len(emitted) + 1 < steps - 4:
+        draft = tiny.dspark_draft(batch, [pending], greedy)
+        assert draft.tokens.shape == (1, tiny.args.dspark_block_size)
+        assert bool(((draft.confidence > 0) & (draft.confidence < 1)).all())
+        # Adaptive length from the confidence head: cut where the running product falls below 1/2 (≥ 1 draft).
+        length = max(1, int((draft.confidence[0].cumprod(0) >= 0.5).sum()))
+        # A random DSpark is almost never right: teacher-force a random number of correct drafts so that acceptance
+        # of several tokens, and the rejection after them, are both exercised.
+        right = int(torch.randint(0, length + 1, (1,), generator=gen))
+        forced = draft.tokens.clone()
+        done = len(emitted) + 1
+        forced[0, :right] = torch.tensor(plain[done : done + right])
+        one_hot = torch.nn.functional.one_hot(forced, V).float()  # greedy drafts: q is one-hot
+        result = tiny.verify(
+            batch, [pending], type(draft)(forced, one_hot, draft.confidence), greedy, torch.tensor([length])
+        )
+        assert int(result.accepted[0]) >= right
+        accepted += int(result.accepted[0])
+        emitted += [pending, *result.tokens[0][:-1]]
+        pending = result.tokens[0][-1]
+    assert [*emitted, pending] == plain[: len(emitted) + 1]
+    assert accepted > 0
+
+    # Verification committed exactly the emitted tokens: same state as plain decoding of them, same next draft.
+    check = tiny.new_decode_batch()
+    check_seq, _ = check.join(out.blocks, out.encoder_state)
+    for t in emitted:
+        tiny.decode_step(check, [t])
+    again, expected = tiny.dspark_draft(batch, [pending], greedy), tiny.dspark_draft(check, [pending], greedy)
+    assert torch.equal(again.tokens, expected.tokens)
+    torch.testing.assert_close(again.confidence, expected.confidence, rtol=1e-9, atol=1e-9)
+    a, b = batch.leave(seq), check.leave(check_seq)
+    assert a.encoder_state.to_bytes()[:64] == b.encoder_state.to_bytes()[:64]
+    assert torch.equal(a.encoder_state.ring_data, b.encoder_state.ring_data)
+    assert [x.to_bytes() for x in a.blocks] == [x.to_bytes() for x in b.blocks]
+
+
+def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
+    """Forks of one sequence each verify one draft: the first emitted token follows the target distribution (from
+    decode_step), whether the draft was accepted or rejected and resampled. The temperature spreads the target over
+    about eight tokens (a random tiny model's raw distribution is nearly uniform over the whole vocabulary)."""
+    out = tiny.encode_prefill(tokens(19))
+    B = 96
+    batch = tiny.new_decode_batch(capacity=B)
+    seq, logits = batch.join(out.blocks, out.encoder_state)
+    pending = int(logits.argmax())
+    for _ in range(B - 1):
+        batch.fork(seq)
+    probe = tiny.new_decode_batch()
+    probe.join(out.blocks, out.encoder_state)
+    raw = tiny.decode_step(probe, [pending])[0]
+    top = raw.topk(8).values
+    warm = SamplingParams.uniform(B, temperature=float(top[0] - top[-1]) / 3)
+    target = warm.probs(raw.expand(B, -1))[0]
+    # DSpark's own drafts (sampled from its distribution) must be proper samples of it …
+    drafts = tiny.dspark_draft(probe, [pending], SamplingParams.uniform(1, temperature=0.15), gen)
+    torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(1, tiny.args.dspark_block_size))
+    assert bool((drafts.probs.gather(-1, drafts.tokens.unsqueeze(-1)) > 0).all())
+    # … but a random DSpark never agrees with the target; a draft distribution that overlaps it half-way makes both
+    # acceptance and rejection happen.
+    q = 0.5 * target + 0.5 * torch.softmax(torch.randn(target.shape, generator=gen) * 8, -1)
+    proposal = torch.multinomial(q, B, replacement=True, generator=gen).view(B, 1)
+    draft = type(drafts)(proposal, q.expand(B, 1, -1), drafts.confidence[:, :1].expand(B, 1))
+    result = tiny.verify(batch, [pending] * B, draft, warm, generator=gen)
+    first = torch.tensor([row[0] for row in result.tokens])
+    stat, dof = chi2(torch.bincount(first, minlength=target.shape[0]).double(), target.double())
+    print(f"accepted {int(result.accepted.sum())}/{B}; chi2 {stat:.1f} on {dof} dof")
+    assert 0 < int(result.accepted.sum()) < B
+    assert dof >= 2
+    assert stat < chi2_threshold(dof)
