@@ -21,6 +21,14 @@ def indexer_case(g: torch.Generator, B: int, T: int, H: int, Di: int, S: int) ->
     return q_data, q_scale, weights, k_data, k_scale, n_visible
 
 
+def candidate_case(g: torch.Generator, S: int) -> tuple[Tensor, Tensor]:
+    """Scores [2, 3, S] and ragged n_visible with one empty and one full row."""
+    scores = torch.randn(2, 3, S, generator=g)
+    n_visible = torch.randint(0, S + 1, (2, 3), generator=g)
+    n_visible[0, 0], n_visible[1, 2] = 0, S
+    return scores, n_visible
+
+
 def attention_case(
     g: torch.Generator, B: int, T: int, H: int, D: int, W: int, N: int, K: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import attention_case, check_topk, generator, indexer_case, topk_case
+from kernel_cases import attention_case, candidate_case, check_topk, generator, indexer_case, topk_case
 
 from model import kernels, quant
 
@@ -62,10 +62,7 @@ def naive_candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_si
 
 @pytest.mark.parametrize(("S", "block_size", "topk_blocks"), [(37, 8, 2), (64, 8, 3), (20, 4, 10), (9, 8, 1)])
 def test_candidate_mask_matches_the_definition(S: int, block_size: int, topk_blocks: int) -> None:
-    g = generator(S)
-    scores = torch.randn(2, 3, S, generator=g)
-    n_visible = torch.randint(0, S + 1, (2, 3), generator=g)
-    n_visible[0, 0], n_visible[1, 2] = 0, S
+    scores, n_visible = candidate_case(generator(S), S)
     got = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks)
     assert torch.equal(got, naive_candidate_mask(scores, n_visible, block_size, topk_blocks))
 
