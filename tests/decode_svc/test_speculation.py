@@ -1,0 +1,137 @@
+"""DSpark in the engine: verification is lossless with drafts really accepted (several tokens per step), commits
+exactly what the stream sent (budget and stop tokens cap the drafts), and sampled speculation keeps the target's
+distribution."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+from service_mesh import Mesh, token_ids, wait_until
+
+from decode_svc.speculation import draft_lengths, trim
+from mesh.block_keys import sequence_key
+from model import Draft, Transformer
+from proto.decode.v1 import decode_pb2
+
+# A Markov-head logit bias that makes the forced token the draft's arg-max whatever the DSpark blocks say.
+FORCE = 1000.0
+
+
+def oracle_drafter(full: Transformer, continuation: list[int]) -> Transformer:
+    """A copy of the model whose DSpark proposes, after each token of `continuation`, the token that follows it there.
+
+    The Markov head is a rank-r bigram table W1[prev] W2ᵀ: token i of the table gets the one-hot W1 row e_i and the
+    column of its successor in W2; the confidence head reads the same one-hot, so known bigrams get confidence ≈ 1.
+    Everything else (the target model, its weights and fingerprint) is unchanged."""
+    model = copy.deepcopy(full)
+    last = model.mtp[-1]
+    rank, C = last.markov_head.embed.weight.shape[1], model.args.hidden_size
+    successors: dict[int, int] = {}
+    for prev, nxt in itertools.pairwise(continuation):
+        successors.setdefault(prev, nxt)
+    with torch.no_grad():
+        last.markov_head.embed.weight.zero_()
+        last.markov_head.head.weight.zero_()
+        last.confidence_head.proj.weight.zero_()
+        last.confidence_head.proj.weight[0, C:] = 20.0
+        for i, (prev, nxt) in enumerate(list(successors.items())[:rank]):
+            last.markov_head.embed.weight[prev, i] = 1.0
+            last.markov_head.head.weight[nxt, i] = FORCE
+    return model
+
+
+def test_accepted_drafts_emit_plain_greedy_and_commit_what_was_sent(
+    mesh: Mesh, start_mesh: Callable[..., Mesh], models: tuple[Transformer, Transformer], salt: bytes, prompt: Callable
+) -> None:
+    ids, n = prompt(19), 10
+    plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=n, disable_speculation=True, cache_salt=salt)
+    oracle = start_mesh(models=(models[0], oracle_drafter(models[1], plain)))
+
+    spec, messages = oracle.generate(token_ids=token_ids(ids), max_tokens=n, cache_salt=salt)
+    assert spec == plain
+    usage = messages[-1].usage
+    assert usage.draft_tokens_accepted >= n // 2  # drafts really were accepted …
+    assert max(len(m.token_ids) for m in messages) > 1  # … several tokens per step
+    assert usage.draft_tokens_proposed >= usage.draft_tokens_accepted
+    # The output budget capped the drafts: the cache holds the prompt and every token sent but the last.
+    Bt, fp = oracle.block_tokens, oracle.fingerprint
+    with oracle.cache_client() as cache:
+        wait_until(
+            lambda: cache.has_record(sequence_key(ids + plain[:-1], block_tokens=Bt, fingerprint=fp, salt=salt)),
+            "the SWA record at the last committed token",
+        )
+
+    # A stop token among the drafts: nothing after it is emitted or committed.
+    stop = plain[6]
+    stopped, messages = oracle.generate(
+        token_ids=token_ids(ids), max_tokens=n, stop_token_ids=[stop], cache_salt=salt + b"/stop"
+    )
+    assert stopped == plain[: plain.index(stop) + 1]
+    assert messages[-1].finish_reason == decode_pb2.FINISH_REASON_STOP
+    ends = [ids + stopped, ids + stopped[:-1]]  # the stop token was a verified draft, or the token after them
+    keys = [sequence_key(end, block_tokens=Bt, fingerprint=fp, salt=salt + b"/stop") for end in ends]
+    with oracle.cache_client() as cache:
+        wait_until(lambda: any(cache.has_record(k) for k in keys), "the SWA record at the stop token")
+
+
+def test_sampled_speculation_keeps_the_target_distribution(mesh: Mesh, salt: bytes, prompt: Callable) -> None:
+    """A sampled row (top-2 at temperature 1) and a greedy row share speculative steps: the greedy row still emits
+    plain greedy tokens, and the sampled row picks its top-1 token as often as the target's probabilities say (a
+    z-test over the logprobs the stream reports: a greedy, or mis-parameterised, sampler fails it)."""
+    ids = prompt(15)
+    reference, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=6, disable_speculation=True, cache_salt=salt)
+    results: dict[str, list[decode_pb2.GenerateResponse]] = {}
+
+    def run(name: str, **fields: object) -> None:
+        results[name] = mesh.generate(token_ids=token_ids(ids), cache_salt=salt + name.encode(), **fields)[1]
+
+    sampled = threading.Thread(
+        target=run,
+        args=("sampled",),
+        kwargs={
+            "max_tokens": 30,
+            "sampling": decode_pb2.SamplingParams(temperature=1.0, top_k=2),
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
+    sampled.start()
+    run("greedy", max_tokens=6)
+    sampled.join()
+    assert [t for m in results["greedy"] for t in m.token_ids] == reference
+    tokens = [t for m in results["sampled"] for t in m.token_ids]
+    logprobs = [lp for m in results["sampled"] for lp in m.logprobs]
+    assert results["sampled"][-1].usage.draft_tokens_proposed > 0  # it did decode speculatively
+    top1 = 0
+    expected = variance = 0.0
+    for token, lp in zip(tokens, logprobs, strict=True):
+        (a, la), (b, lb) = ((t.token_id, t.logprob) for t in lp.top)
+        assert token in (a, b)  # top_k = 2
+        p1 = 1 / (1 + math.exp(lb - la))  # the target's probability of its top-1 at temperature 1
+        top1 += token == a
+        expected += p1
+        variance += p1 * (1 - p1)
+    z = (top1 - expected) / math.sqrt(variance)
+    print(f"top-1 picked {top1} times of {len(tokens)}, expected {expected:.1f}; z = {z:.2f}")
+    assert abs(z) < 4.5
+
+
+def test_draft_lengths_follow_the_confidence_product_within_the_caps() -> None:
+    confidence = torch.tensor([[0.9, 0.9, 0.9, 0.9, 0.9], [0.4, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
+    draft = Draft(tokens, torch.zeros(3, 5, 10), confidence)
+    free = [frozenset()] * 3
+    # Π 0.9^k ≥ 0.5 for k ≤ 6 → all 5; the second row's first confidence is already below the threshold.
+    assert draft_lengths(draft, 0.5, 5, [100] * 3, free).tolist() == [5, 0, 5]
+    assert draft_lengths(draft, 0.7, 5, [100] * 3, free).tolist() == [3, 0, 5]
+    assert draft_lengths(draft, 0.5, 2, [100] * 3, free).tolist() == [2, 0, 2]  # --max-draft
+    assert draft_lengths(draft, 0.5, 5, [1, 3, 4], free).tolist() == [0, 0, 3]  # ≤ budget − 1
+    stops = [frozenset({7}), frozenset(), frozenset({5, 9})]
+    assert draft_lengths(draft, 0.5, 5, [100] * 3, stops).tolist() == [3, 0, 1]  # up to the first stop draft
+    assert trim(draft, 2).tokens.tolist() == [[5, 6]] * 3
+    assert trim(draft, 0).probs.shape == (3, 0, 10)

@@ -1,0 +1,7 @@
+"""Fixtures of the prefill service tests: a real cache, prefill and decode on loopback (service_mesh)."""
+
+from __future__ import annotations
+
+from service_mesh import loop, mesh, models, prompt, salt, start_mesh
+
+__all__ = ["loop", "mesh", "models", "prompt", "salt", "start_mesh"]
