@@ -49,12 +49,13 @@ _BYTE_LEVEL = _bytes_of_byte_level()
 class Tokenizer:
     """A loaded tokenizer: `encode_pieces` for prompts, `decode_stream` and `token_bytes` for output."""
 
-    def __init__(self, config: dict, tokens: SpecialTokens):
+    def __init__(self, config: dict, tokens: SpecialTokens, names: dict[str, int] | None = None):
+        """`names`: template tokens whose id is fixed even if another added token has the same spelling
+        (the V4 vocabulary already holds `<｜image｜>` at id 129279; deepseek-recipe's spelling is id 129264)."""
         self.tokens = tokens
         self.hf = tokenizers.Tokenizer.from_str(msgspec.json.encode(config).decode())
         self._plain = tokenizers.Tokenizer.from_str(msgspec.json.encode({**config, "added_tokens": []}).decode())
-        # Later entries win: a patched id takes its spelling even if another id has the same content.
-        self.added = {entry["content"]: entry["id"] for entry in config.get("added_tokens", [])}
+        self.added = {entry["content"]: entry["id"] for entry in config.get("added_tokens", [])} | (names or {})
         self._added_text = {token_id: content for content, token_id in self.added.items()}
         self._byte_level = (config.get("decoder") or {}).get("type") == "ByteLevel"
         self.eos_id = self.special_id(tokens.eos)
@@ -121,16 +122,19 @@ class Tokenizer:
         return self.hf.decode([token_id]).encode()
 
 
-def _patch_v41_names(config: dict, image_token: str) -> None:
+def _patch_v41_names(config: dict, image_token: str) -> dict[str, int]:
     """Give the V4.1 template tokens their names on the V4 vocabulary's placeholder ids."""
-    names = {SYSTEM_TOKEN_ID: "<｜System｜>", IMAGE_TOKEN_ID: image_token}
+    names = {"<｜System｜>": SYSTEM_TOKEN_ID, image_token: IMAGE_TOKEN_ID}
+    missing = set(names.values())
     for entry in config.get("added_tokens", []):
-        name = names.pop(entry["id"], None)
-        if name is not None:
-            entry["content"] = name
-            entry["special"] = True
-    if names:
-        raise ValueError(f"tokenizer has no added tokens with ids {sorted(names)} to patch with the V4.1 names")
+        for name, token_id in names.items():
+            if entry["id"] == token_id:
+                entry["content"] = name
+                entry["special"] = True
+                missing.discard(token_id)
+    if missing:
+        raise ValueError(f"tokenizer has no added tokens with ids {sorted(missing)} to patch with the V4.1 names")
+    return names
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,6 +149,5 @@ def load_tokenizer(
     """
     file = Path(path) if path is not None else default_tokenizer_path()
     config = msgspec.json.decode(file.read_bytes())
-    if patch if patch is not None else path is None:
-        _patch_v41_names(config, image_token)
-    return Tokenizer(config, SpecialTokens(image=image_token))
+    names = _patch_v41_names(config, image_token) if (patch if patch is not None else path is None) else None
+    return Tokenizer(config, SpecialTokens(image=image_token), names)

@@ -19,6 +19,7 @@ T = TypeVar("T")
 
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
 _PATH = re.compile(r" - at `\$\.?(.*)`$")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 _JSON_WORD = re.compile("json", re.IGNORECASE)
 _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 MAX_STOP_SEQUENCES = 16
@@ -44,10 +45,19 @@ def decode(body: bytes | str | dict, schema: type[T], options: ConversionOptions
         return msgspec.json.decode(raw, type=schema), Context(options, pyjson.has_long_integers(raw))
     except msgspec.ValidationError as error:
         message = str(error)
-        path = _PATH.search(message)
-        raise RecipeError(f"Invalid request: {message}", param=path.group(1) if path else None) from None
+        raise RecipeError(f"Invalid request: {message}", param=field_of(message)) from None
     except msgspec.DecodeError as error:
         raise RecipeError(f"Invalid JSON body: {error}") from None
+
+
+def field_of(message: str) -> str | None:
+    """The request field a msgspec validation message is about (`messages[0].content`)."""
+    path = _PATH.search(message)
+    where = path.group(1) if path else ""
+    missing = _MISSING.search(message)
+    if missing:
+        where = f"{where}.{missing.group(1)}" if where else missing.group(1)
+    return where or None
 
 
 def check_range(value: float | None, low: float, high: float, name: str, *, open_low: bool = False) -> None:

@@ -149,7 +149,8 @@ def _item(item: dict[str, Any], schema: type[Any], param: str) -> Any:
     try:
         return msgspec.convert(item, schema)
     except msgspec.ValidationError as error:
-        raise RecipeError(f"Invalid '{param}': {error}", param=param) from None
+        field = common.field_of(str(error))
+        raise RecipeError(f"Invalid '{param}': {error}", param=f"{param}.{field}" if field else param) from None
 
 
 def _parts(content: str | list[Part], param: str) -> Content:

@@ -1,0 +1,132 @@
+"""Malformed request bodies are rejected with one error type: a 4xx RecipeError naming the bad field,
+in the API's error shape — never another exception, never a 5xx."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from recipe_strategies import REQUESTS
+
+from recipe import APIS, RecipeError, convert, render
+
+WRONG_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.sampled_from([[], {}, [1, "x"], {"role": "robot"}, {"type": "unknown"}, "x" * 100_000, 10**30, -1]),
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path to a value inside a JSON body."""
+    paths = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            paths += _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            paths += _paths(item, (*prefix, index))
+    return paths
+
+
+def _set(body: Any, path: tuple[Any, ...], value: Any, delete: bool) -> None:
+    for key in path[:-1]:
+        body = body[key]
+    if delete:
+        del body[path[-1]]
+    else:
+        body[path[-1]] = value
+
+
+@st.composite
+def mutated(draw: st.DrawFn, api: str) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    body = copy.deepcopy(draw(REQUESTS[api]()))
+    path = draw(st.sampled_from(_paths(body)))
+    _set(body, path, draw(WRONG_VALUES), delete=draw(st.integers(0, 4)) == 0)
+    return body, path
+
+
+def _assert_clean_rejection(error: RecipeError, api: str) -> None:
+    assert 400 <= error.status < 500
+    assert error.message
+    assert error.api == api
+    body = error.body()
+    if api == "messages":
+        assert body["type"] == "error"
+        assert body["error"]["message"] == error.message
+    else:
+        assert body["error"]["message"] == error.message
+        assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("api", APIS)
+@given(data=st.data())
+def test_mutated_bodies_are_rejected_cleanly(api: str, data: st.DataObject) -> None:
+    body, path = data.draw(mutated(api))
+    error = _rejection(api, body)
+    if error is None:
+        converted = convert(api, body)
+        render(converted.conversation, converted.version)  # whatever is accepted renders
+        return
+    _assert_clean_rejection(error, api)
+    assert error.param, f"no field named for a bad {path}: {error.message}"
+
+
+def _rejection(api: str, body: dict[str, Any]) -> RecipeError | None:
+    try:
+        convert(api, body)
+    except RecipeError as error:
+        return error
+    return None
+
+
+@pytest.mark.parametrize("api", APIS)
+@given(data=st.data())
+def test_broken_json_is_rejected_cleanly(api: str, data: st.DataObject) -> None:
+    raw = json.dumps(data.draw(REQUESTS[api]())).encode()
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(RecipeError) as rejected:
+        convert(api, raw[:cut])
+    _assert_clean_rejection(rejected.value, api)
+
+
+@pytest.mark.parametrize(
+    ("api", "body", "field"),
+    [
+        ("chat.completions", {"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ("chat.completions", {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ("chat.completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, "model"),
+        ("chat.completions", {"model": "DeepSeek-V4.1-Flash", "messages": [], "temperature": 3}, "messages"),
+        ("chat.completions", {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": 7}]}, "content"),
+        (
+            "responses",
+            {"model": "DeepSeek-V4.1-Flash", "input": [{"type": "function_call_output", "call_id": "x"}]},
+            "input",
+        ),
+        ("responses", {"model": "DeepSeek-V4.1-Flash", "input": "x", "previous_response_id": "r1"}, "previous"),
+        (
+            "messages",
+            {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": [{"type": "x"}]}]},
+            "type",
+        ),
+        ("messages", {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": []}]}, "messages"),
+    ],
+)
+def test_errors_name_the_field(api: str, body: dict[str, Any], field: str) -> None:
+    with pytest.raises(RecipeError) as rejected:
+        convert(api, body)
+    error = rejected.value
+    _assert_clean_rejection(error, api)
+    assert field in (error.param or "") or field in error.message
+
+
+def test_unknown_api_is_a_programming_error() -> None:
+    with pytest.raises(ValueError, match="unknown api"):
+        convert("completions", {})  # type: ignore[arg-type]
