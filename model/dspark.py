@@ -26,7 +26,7 @@ from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.indexer import backend
-from model.linear import Linear, RMSNorm
+from model.linear import Embedding, Linear, RMSNorm
 
 
 @dataclass
@@ -43,7 +43,7 @@ class MarkovHead(nn.Module):
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.embed = nn.Embedding(args.vocab_size, args.dspark_markov_rank, dtype=dtype)
+        self.embed = Embedding(args.vocab_size, args.dspark_markov_rank, dtype)
         self.head = Linear(args.dspark_markov_rank, args.vocab_size, "bf16", dtype)
 
 

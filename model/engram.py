@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import ModelArgs
-from model.linear import Linear
+from model.linear import Embedding, Linear
 
 _PRIME_SEED = 10007
 _INT64_MAX = np.iinfo(np.int64).max
@@ -216,7 +216,7 @@ class Engram(nn.Module):
         rows = args.engram_num_embeddings[args.engram_layer_ids.index(layer)]
         n_rows = len(args.engram_orders) * args.engram_n_heads
         fp8 = "fp8" if args.quantization_config else "bf16"
-        self.embed = nn.Embedding(rows, args.engram_head_dim, dtype=dtype)
+        self.embed = Embedding(rows, args.engram_head_dim, dtype)
         self.wkv = Linear(n_rows * args.engram_head_dim, (args.hc_mult + 1) * args.hidden_size, fp8, dtype)
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size, dtype=dtype))

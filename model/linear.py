@@ -51,6 +51,17 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
 
 
+class Embedding(nn.Module):
+    """Row lookup (token embedding, Engram table, Markov head). Created uninitialised: `model.weights` fills it."""
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype or torch.get_default_dtype()))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
 def quantize_input(x: Tensor) -> Tensor:
     """The FP8 (E4M3, UE8M0 per 32) QAT cast every FP8/FP4 linear applies to its input."""
     return quant.fake_quant_fp8(x)

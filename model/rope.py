@@ -31,11 +31,12 @@ def inverse_frequencies(args: ModelArgs, yarn: bool) -> Tensor:
     """fp64 [rope_dim/2] angular frequencies of one layer kind."""
     dim = args.qk_rope_head_dim
     base = args.compress_rope_theta if yarn else args.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # Always on the CPU (also inside a `meta` device context); the module moves it with the model.
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     if yarn:
         s = args.rope_scaling
         low, high = _yarn_ramp_bounds(dim, s.original_max_position_embeddings, base, s.beta_fast, s.beta_slow)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
         # Low-index (high-frequency) dims keep their frequency; past `high` they are divided by the factor.
         freqs = freqs / s.factor * ramp + freqs * (1 - ramp)
     return freqs

@@ -28,7 +28,7 @@ from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.dspark import Draft, DSparkBlock
 from model.engram import NgramHash
-from model.linear import Linear, RMSNorm
+from model.linear import Embedding, Linear, RMSNorm
 from model.mhc import hc_collapse, identity_pre
 from model.sampling import SamplingParams
 from model.serving import DecodeBatch, Past, PrefillOutput, VerifyResult
@@ -45,7 +45,7 @@ class Transformer(nn.Module):
             raise ValueError(f"part must be 'full' or 'encoder', got {part!r}")
         self.args, self.part = args, part
         L, L2, C = args.num_hidden_layers, args.n_encoder_layers, args.hidden_size
-        self.embed = nn.Embedding(args.vocab_size, C, dtype=dtype)
+        self.embed = Embedding(args.vocab_size, C, dtype)
         self.layers = nn.ModuleList(Block(args, i, dtype=dtype) for i in range(L if part == "full" else L2))
         if part == "encoder":
             self.layers.append(Block(args, L2, projection_only=True, dtype=dtype))

@@ -22,6 +22,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from tqdm.auto import tqdm
 
 from model import quant
 from model.config import ModelArgs
-from model.linear import Linear, RMSNorm
+from model.linear import Embedding, Linear, RMSNorm
 from model.transformer import Part, Transformer
 
 CONFIG_FILE = "config.json"
@@ -49,7 +50,7 @@ def _formats(model: nn.Module) -> dict[str, str]:
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.quantized:
             fmt[f"{name}.weight"] = module.fmt
-        elif isinstance(module, nn.Embedding) and name.endswith("engram.embed") and quantized:
+        elif isinstance(module, Embedding) and name.endswith("engram.embed") and quantized:
             fmt[f"{name}.weight"] = "fp8_rows"
     return fmt
 
@@ -112,7 +113,7 @@ def _initial(name: str, p: Tensor, module: nn.Module, g: torch.Generator) -> Ten
         return 0.1 * torch.randn(p.shape, generator=g)
     if leaf in ("hc_attn_fn", "hc_ffn_fn"):
         return torch.randn(p.shape, generator=g) / p.shape[1]  # small mixes: near-uniform mixing at start
-    if isinstance(module, nn.Embedding):
+    if isinstance(module, Embedding):
         return torch.randn(p.shape, generator=g)
     return torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])  # linear weights and the MoE gate
 
@@ -159,7 +160,7 @@ def state_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
         if name in formats:
             data, scale = quantize_weight(p.detach(), formats[name])
             yield name, data
-            yield name.removesuffix(".weight") + ".scale", scale
+            yield _scale_name(name), scale
         else:
             yield name, p.detach()
 
@@ -188,29 +189,30 @@ def load_weights(model: Transformer, directory: str | os.PathLike[str], progress
     """Fill a model part from the checkpoint shards in `directory`; tensors of other parts are never read."""
     directory = Path(directory)
     formats, params = _formats(model), model.state_dict()
-    where: dict[str, Path] = {}
-    for shard in _shards(directory):
-        with safe_open(str(shard), framework="pt") as f:
-            where |= dict.fromkeys(f.keys(), shard)
-    missing = [n for n in params if n not in where]
-    if missing:
-        raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}")
-    for name, target in tqdm(params.items(), desc="load", unit="tensor", disable=not progress):
-        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
-            stored = f.get_tensor(name)
+    with ExitStack() as stack:
+        where = {}  # tensor name → the open shard holding it (each shard's header is parsed once)
+        for shard in _shards(directory):
+            f = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
+            where |= dict.fromkeys(f.keys(), f)
+        missing = [n for n in params if n not in where]
+        missing += [s for n in params if n in formats and (s := _scale_name(n)) not in where]
+        if missing:
+            raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}")
+        for name, target in tqdm(params.items(), desc="load", unit="tensor", disable=not progress):
+            value = where[name].get_tensor(name)
             if name in formats:
-                scale_name = name.removesuffix(".weight") + ".scale"
-                if scale_name not in where:
-                    raise ValueError(f"checkpoint lacks {scale_name} for the {formats[name]} weight {name}")
-                with safe_open(str(where[scale_name]), framework="pt", device="cpu") as g:
-                    value = dequantize_weight(stored, g.get_tensor(scale_name), formats[name], target.dtype)
-            else:
-                value = stored
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
-        target.copy_(value.to(target.dtype))
+                value = dequantize_weight(
+                    value, where[_scale_name(name)].get_tensor(_scale_name(name)), formats[name], target.dtype
+                )
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+            target.copy_(value.to(target.dtype))
     model.fingerprint = checkpoint_fingerprint(directory)
     return model
+
+
+def _scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".scale"
 
 
 def load_checkpoint(
