@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import torch
-
 from decode_svc.config import ENV_PREFIX, DecodeConfig
-from decode_svc.server import DecodeServer
 from mesh.config import config_dict, load_config
 from mesh.grpc_server import run_until_signal
 from mesh.logging import configure_logging
@@ -30,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(DecodeConfig, argv[1:], env_prefix=ENV_PREFIX, prog="python -m decode_svc serve")
     logger = configure_logging("decode_svc", level=cfg.log_level)
     logger.info("config", **config_dict(cfg))
+    # torch and the model load only now: a bad flag is reported at once, not after seconds of imports.
+    import torch
+
+    from decode_svc.server import DecodeServer
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:

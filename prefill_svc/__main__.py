@@ -10,13 +10,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import torch
-
 from mesh.config import config_dict, load_config
 from mesh.grpc_server import run_until_signal
 from mesh.logging import configure_logging
 from prefill_svc.config import ENV_PREFIX, PrefillConfig
-from prefill_svc.server import PrefillServer
 
 USAGE = "usage: python -m prefill_svc serve --cache ADDR[,ADDR...] [--model M] [--port P] [options]  (serve --help)"
 
@@ -29,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(PrefillConfig, argv[1:], env_prefix=ENV_PREFIX, prog="python -m prefill_svc serve")
     logger = configure_logging("prefill_svc", level=cfg.log_level)
     logger.info("config", **config_dict(cfg))
+    # torch and the model load only now: a bad flag is reported at once, not after seconds of imports.
+    import torch
+
+    from prefill_svc.server import PrefillServer
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:

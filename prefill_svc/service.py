@@ -32,6 +32,8 @@ from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
+SEND_TOKENS = "send the prompt's token ids to decode instead"
+
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(
@@ -142,7 +144,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "this prefill replica is draining", "draining")
         if time.monotonic() < self._cache_down_until:
             raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION, "the cache is unreachable (recently failed)", "cache_unavailable"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the cache failed a handoff write less than {self.cfg.cache_retry_s:g} s ago; {SEND_TOKENS}",
+                "cache_unavailable",
             )
         if self.queue.full():
             raise RequestError(
@@ -185,6 +189,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 self._cache_down_until = time.monotonic() + self.cfg.cache_retry_s
             raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"the cache cannot take the handoff record ({exc}); send the prompt's token ids to decode instead",
+                f"the cache cannot take the handoff record ({exc}); {SEND_TOKENS}",
                 "cache_unavailable",
             ) from None

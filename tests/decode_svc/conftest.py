@@ -8,6 +8,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "prefill_svc"))
 
-from service_mesh import loop, mesh, models, prompt, salt, start_mesh
+from service_mesh import loop, mesh, models, prompt, salt, serve, start_mesh
 
-__all__ = ["loop", "mesh", "models", "prompt", "salt", "start_mesh"]
+__all__ = ["loop", "mesh", "models", "prompt", "salt", "serve", "start_mesh"]

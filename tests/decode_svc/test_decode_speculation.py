@@ -94,7 +94,7 @@ def test_sampled_speculation_keeps_the_target_distribution(mesh: Mesh, salt: byt
         target=run,
         args=("sampled",),
         kwargs={
-            "max_tokens": 30,
+            "max_tokens": 24,
             "sampling": decode_pb2.SamplingParams(temperature=1.0, top_k=2),
             "logprobs": True,
             "top_logprobs": 2,

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from service_mesh import loop, mesh, models, prompt, salt, start_mesh
+from service_mesh import loop, mesh, models, prompt, salt, serve, start_mesh
 
-__all__ = ["loop", "mesh", "models", "prompt", "salt", "start_mesh"]
+__all__ = ["loop", "mesh", "models", "prompt", "salt", "serve", "start_mesh"]

@@ -9,9 +9,14 @@ tests/decode_svc (their conftest puts this directory on sys.path).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import queue
 import random
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +29,7 @@ import grpc
 import httpx
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_svc.client import CacheClient
 from cache_svc.config import CacheConfig, resolve_defaults
@@ -40,6 +46,7 @@ from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache_svc"))
 from cache_helpers import FakeClock as FakeClock  # the cache tests' clock, for ours
 
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
 
 
@@ -222,3 +229,73 @@ def prompt() -> Callable[[int], list[int]]:
     print(f"SERVICE_TEST_SEED={seed}")
     rng = random.Random(seed)
     return lambda n: [rng.randrange(2, 100_000) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- subprocesses
+class Served:
+    """`python -m <package> serve ...` in a child process (port 0: it logs the one it bound)."""
+
+    def __init__(self, package: str, *flags: str, env: dict[str, str] | None = None) -> None:
+        command = [sys.executable, "-m", package, "serve", "--port", "0", "--model", "tiny", "--threads", "1", *flags]
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.seen: dict[str, dict[str, Any]] = {}
+        serving = self.wait_for("serving", timeout_s=120)
+        self.address = f"127.0.0.1:{serving['port']}"
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with contextlib.suppress(json.JSONDecodeError):
+                self.events.put(json.loads(line))
+        self.events.put(None)
+
+    def wait_for(self, event: str, timeout_s: float = WAIT_S) -> dict[str, Any]:
+        """The first log line of this event (every line before it is kept in `seen`)."""
+        deadline = time.monotonic() + timeout_s
+        while event not in self.seen:
+            line = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line is None:
+                raise AssertionError(f"the process exited ({self.proc.wait()}) before logging {event!r}")
+            self.seen.setdefault(line.get("event", ""), line)
+        return self.seen[event]
+
+    def health(self, service: str) -> int:
+        with grpc.insecure_channel(self.address) as channel:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=WAIT_S).status
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=120)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_cli(package: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", package, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Served]]:
+    """`serve(package, *flags, env=None)` → a running Served child; any still running is killed at teardown."""
+    children: list[Served] = []
+
+    def start(package: str, *flags: str, env: dict[str, str] | None = None) -> Served:
+        children.append(Served(package, *flags, env=env))
+        return children[-1]
+
+    yield start
+    for child in children:
+        child.kill()
