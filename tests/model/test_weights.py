@@ -49,11 +49,12 @@ def test_released_names_and_formats(checkpoint, args):
     assert (w1.dtype, tuple(w1.shape)) == (torch.uint8, (a.moe_intermediate_size, C // 2))
     assert t["layers.3.ffn.experts.1.w1.scale"].shape == (a.moe_intermediate_size, C // 32)
     # Plain tensors and the ones only some layers own (reference §2.9).
-    for name in ("embed.weight", "head.weight", "norm.weight", "layers.1.hc_attn_fn", "layers.0.attn.attn_sink",
-                 f"layers.{L2}.attn.compressor.wkv.weight", f"layers.{L2}.attn.indexer.wk.weight",
-                 "layers.6.attn.indexer.wq_b.weight", "layers.2.attn.compressor.wgate.weight",
-                 "layers.1.engram.embed.scale", "layers.1.engram.q_weight", "layers.5.ffn.gate.bias_vl",
-                 "mtp.0.main_proj.weight", "mtp.2.markov_head.embed.weight", "mtp.2.confidence_head.proj.weight"):  # fmt: skip
+    present = ["embed.weight", "head.weight", "norm.weight", "layers.1.hc_attn_fn", "layers.0.attn.attn_sink"]
+    present += [f"layers.{L2}.attn.compressor.wkv.weight", f"layers.{L2}.attn.indexer.wk.weight"]
+    present += ["layers.6.attn.indexer.wq_b.weight", "layers.2.attn.compressor.wgate.weight"]
+    present += ["layers.1.engram.embed.scale", "layers.1.engram.q_weight", "layers.5.ffn.gate.bias_vl"]
+    present += ["mtp.0.main_proj.weight", "mtp.2.markov_head.embed.weight", "mtp.2.confidence_head.proj.weight"]
+    for name in present:
         assert name in t, name
     assert t[f"layers.{L2}.attn.compressor.wkv.weight"].shape == (D, C)
     for absent in (f"layers.{L2}.attn.compressor.wgate.weight", "layers.6.attn.indexer.wk.weight",
@@ -116,6 +117,7 @@ def test_plain_checkpoint_round_trip(args, tmp_path):
 def test_fingerprint_identifies_config_and_weights(tiny_args):
     w = {"a": torch.arange(4.0), "b": torch.ones(2, dtype=torch.bfloat16)}
     fp = model_fingerprint(tiny_args, w)
-    assert len(fp) == 16 and fp == model_fingerprint(tiny_args, dict(reversed(w.items())))
+    assert len(fp) == 16
+    assert fp == model_fingerprint(tiny_args, dict(reversed(w.items())))
     assert fp != model_fingerprint(tiny_args.replace(kv_block_tokens=32), w)
     assert fp != model_fingerprint(tiny_args, {**w, "a": torch.arange(4.0) + 1e-7})
