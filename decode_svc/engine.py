@@ -179,18 +179,19 @@ class Engine:
         try:
             blocks, state = self._restore(seq)
             seq.seq_id, logits = self.batches[lane].join(blocks, state)
+            seq.lane, seq.state = lane, State.RUNNING
+            seq.generator = new_generator(params.sampling, self.model.device)
+            self.rows[lane][seq.seq_id] = seq
+            with self._cond:
+                self._running += 1
+                self._gauges()
+            logits = logits.unsqueeze(0)
+            self._deliver(seq, sample_rows(batch_sampling([seq]).probs(logits), [seq]), logits)
         except Exception as exc:  # a corrupt or mismatched record, or out of memory: this sequence only
             self.log.exception("restore_failed", request_id=seq.request_id)
+            if seq.state is State.RUNNING:
+                self._leave(seq, State.FAILED)
             self._fail([seq], f"decode could not restore the prompt: {exc}")
-            return
-        seq.lane, seq.state = lane, State.RUNNING
-        seq.generator = new_generator(params.sampling, self.model.device)
-        self.rows[lane][seq.seq_id] = seq
-        with self._cond:
-            self._running += 1
-            self._gauges()
-        logits = logits.unsqueeze(0)
-        self._deliver(seq, sample_rows(batch_sampling([seq]).probs(logits), [seq]), logits)
 
     def _restore(self, seq: Sequence) -> tuple[list[GlobalKVBlock], EncoderState]:
         """The blocks and encoder state a sequence joins its batch with; a token-ids prompt is prefilled here."""
@@ -217,15 +218,14 @@ class Engine:
                 emitted, logits = self._plain_step(batch, rows, pending)
             else:
                 emitted, logits = self._speculative_step(batch, rows, pending)
-        except Exception as exc:
+            self.metrics.step.labels(lane.value).observe(time.monotonic() - started)
+            self.metrics.batch_size.labels(lane.value).observe(len(rows))
+            for b, seq in enumerate(rows):
+                self._deliver(seq, emitted[b], logits[b])
+        except Exception as exc:  # a bug or out of memory: this lane's sequences fail, the engine goes on
             self.log.exception("step_failed", lane=lane.value, batch=len(rows))
             self._fail(rows, f"the decode engine failed: {exc}")
             self.batches[lane], self.rows[lane] = self.model.new_decode_batch(), {}
-            return
-        self.metrics.step.labels(lane.value).observe(time.monotonic() - started)
-        self.metrics.batch_size.labels(lane.value).observe(len(rows))
-        for b, seq in enumerate(rows):
-            self._deliver(seq, emitted[b], logits[b])
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         logits = self.model.decode_step(batch, pending)
@@ -290,8 +290,9 @@ class Engine:
 
     def _fail(self, rows: list[Sequence], message: str) -> None:
         for seq in rows:
-            self._unregister(seq, State.FAILED)
-            seq.outbox.put(Failure(message))
+            if seq.live or seq.state is State.FAILED:
+                self._unregister(seq, State.FAILED)
+                seq.outbox.put(Failure(message))
 
     def _leave(self, seq: Sequence, state: State):
         assert seq.lane is not None

@@ -33,8 +33,12 @@ def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator:
 
 
 def sample_rows(probs: Tensor, rows: Seq[Sequence]) -> list[int]:
-    """One token per row of probs [B, V], each from its own sequence's generator."""
-    return [int(sample(probs[b : b + 1], row.generator)[0]) for b, row in enumerate(rows)]
+    """One token per row of probs [B, V], each from its own sequence's generator (a greedy row's one-hot needs none)."""
+    greedy = probs.argmax(-1).tolist()
+    return [
+        greedy[b] if row.params.sampling.greedy else int(sample(probs[b : b + 1], row.generator)[0])
+        for b, row in enumerate(rows)
+    ]
 
 
 def token_logprobs(logits: Tensor, tokens: Seq[int], top: int) -> list[TokenLogprob]:

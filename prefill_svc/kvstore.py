@@ -81,7 +81,8 @@ class KVStore:
     async def _find_record(self, token_ids: Sequence[int], salt: bytes, hit: int) -> EncoderState | None:
         first = hit * self.block_tokens
         ends = range(min(len(token_ids), first + self.block_tokens - 1), max(first, 1) - 1, -1)
-        keys = [self.sequence_key(token_ids[:end], salt) for end in ends]
+        # Each key hashes its whole prefix: off the event loop, it would stall every other stream on long prompts.
+        keys = await asyncio.to_thread(lambda: [self.sequence_key(token_ids[:end], salt) for end in ends])
         found = await asyncio.gather(*(self.cache.has_record(key) for key in keys))
         for key, present in zip(keys, found, strict=True):
             if present:
