@@ -568,6 +568,7 @@ def _plot(runs: list[Replay], unique: int, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for policy, style in (("retain-72h", "o-"), ("retain-10min", "s--")):
@@ -578,6 +579,9 @@ def _plot(runs: list[Replay], unique: int, path: Path) -> None:
     ax.axhline(unbounded.hit_rate * 100, color="grey", lw=1, label=f"unbounded ({unbounded.hit_rate:.1%})")
     ax.axhline(MOONCAKE_PAPER_HIT_RATE * 100, color="red", lw=1, ls=":", label="Mooncake paper (≈ 40 %)")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:.0f}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([c * BLOCK / 1e9 for c in sorted({r.capacity_blocks for r in runs if r.capacity_blocks})])
     ax.set_xlabel(f"SSD capacity (GB of full-size 56,960 B blocks; {unique:,} distinct blocks in the trace)")
     ax.set_ylabel("prefix hit rate (% of 64-token blocks)")
     ax.set_title("Mooncake conversation trace replayed through cache_svc")
@@ -633,7 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where servers keep their data (default: a temp dir)")
     parser.add_argument("--out", default=str(ROOT / "bench/out/cache_bench.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs/cache_trace_hit_rate.png"))
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON at --out")
     args = parser.parse_args(argv)
+    if args.replot:
+        trace = json.loads(Path(args.out).read_text())["trace"]
+        _plot([Replay(**run) for run in trace["runs"]], trace["unique_blocks"], Path(args.plot))
+        return 0
     sections = set(args.sections.split(","))
     with_redis = shutil.which("redis-server") is not None
     if not with_redis:
@@ -641,26 +650,27 @@ def main(argv: list[str] | None = None) -> int:
     seconds = 1.0 if args.quick else args.seconds
     blocks = 100_000 if args.quick else args.blocks
     fractions = [0.1, 0.5] if args.quick else [0.05, 0.1, 0.25, 0.5, 0.75]
-    results: dict[str, Any] = {
-        "machine": machine(),
-        "command": " ".join(["python bench/cache_bench.py", *sys.argv[1:]]),
-    }
+    out = Path(args.out)
+    # Sections not run this time keep their last figures; each section records the machine and load it ran on.
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    run_info = {**machine(), "command": " ".join(["python bench/cache_bench.py", *sys.argv[1:]])}
     work = Path(tempfile.mkdtemp(prefix="cache_bench-", dir=args.work_dir))
     try:
         if "throughput" in sections:
             cells = throughput(work, seconds, [int(c) for c in args.clients.split(",")], with_redis)
             results["throughput"] = [c.__dict__ for c in cells]
+            results["throughput_run"] = {**run_info, "load_avg_1m_at_end": os.getloadavg()[0]}
             console.print(_throughput_table(cells))
         if "restart" in sections:
             results["restart"] = restart(work, blocks, 1024, with_redis)
+            results["restart_run"] = {**run_info, "load_avg_1m_at_end": os.getloadavg()[0]}
             console.print_json(data=results["restart"])
         if "trace" in sections:
             results["trace"] = trace_replay(work, fractions, Path(args.plot) if args.plot else None)
+            results["trace_run"] = {**run_info, "load_avg_1m_at_end": os.getloadavg()[0]}
             console.print(_trace_table(results["trace"]))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results["load_avg_1m_at_end"] = os.getloadavg()[0]  # other jobs on the machine skew every figure
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     console.print(f"wrote {out}")

@@ -82,7 +82,10 @@ class BlockStore:
 
     def _load(self, entries: list[Entry]) -> None:
         """Index recovered entries; of two entries for one key the later commit wins (ties: the later one)."""
-        index = self._index
+        self._index = {e.key: e for e in entries}
+        if len(self._index) == len(entries):
+            return  # no key twice: the usual case, done at C speed
+        index = self._index = {}
         for e in entries:
             old = index.get(e.key)
             if old is None or e.committed_at >= old.committed_at:

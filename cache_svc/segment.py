@@ -14,11 +14,13 @@ which recovery cuts off. All integers are little-endian; committed_at is Unix ti
 
 from __future__ import annotations
 
+import functools
+import itertools
 import mmap
 import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -40,14 +42,16 @@ CRC = struct.Struct("<I")
 
 
 class Entry(msgspec.Struct, frozen=True, gc=False):
-    """Where one committed block lives: its segment, the offset of its entry header, and its checksum."""
+    """Where one committed block lives: the offset of its entry header in its segment, and its checksum.
+
+    The fields before `segment` are in the order of an index-file record, so those records load in one pass."""
 
     key: bytes
-    segment: int
     offset: int
     length: int
     crc: int
     committed_at: float
+    segment: int
 
     @property
     def size(self) -> int:
@@ -77,21 +81,29 @@ def commit_marker(crcs: list[int]) -> bytes:
     return COMMIT.pack(COMMIT_TAG, len(crcs), _group_crc(crcs))
 
 
-def _group_crc(crcs: Iterable[int]) -> int:
-    return zlib.crc32(b"".join(CRC.pack(c) for c in crcs))
+def _group_crc(crcs: Sequence[int]) -> int:
+    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
 
 
 def payload_of(entry: Entry, raw: bytes) -> bytes | None:
     """The payload of `entry` from its raw bytes on disk, or None if they are not exactly what was committed."""
     if len(raw) != entry.size:
         return None
-    tag, key, length, committed_at, crc = ENTRY_HEADER.unpack_from(raw)
+    tag, key, length, _, crc = ENTRY_HEADER.unpack_from(raw)
     if (tag, key, length, crc) != (ENTRY_TAG, entry.key, entry.length, entry.crc):
         return None
-    body = memoryview(raw)[ENTRY_HEADER.size :]
-    if zlib.crc32(body, zlib.crc32(ENTRY_FIELDS.pack(key, length, committed_at))) != crc:
+    if _entry_crc(memoryview(raw), 0, entry.size) != crc:
         return None
     return raw[ENTRY_HEADER.size :]
+
+
+_FIELDS = slice(len(ENTRY_TAG), len(ENTRY_TAG) + ENTRY_FIELDS.size)  # where the crc'd header fields sit
+
+
+def _entry_crc(view: memoryview, start: int, end: int) -> int:
+    """The crc of the entry at view[start:end]: its header fields (stored right after the tag) and payload."""
+    fields = view[start + _FIELDS.start : start + _FIELDS.stop]
+    return zlib.crc32(view[start + ENTRY_HEADER.size : end], zlib.crc32(fields))
 
 
 class Scan(msgspec.Struct, frozen=True):
@@ -108,35 +120,43 @@ def scan_segment(path: Path, segment: int) -> Scan:
     if size < SEGMENT_HEADER.size:
         return Scan([], 0, 0)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if SEGMENT_HEADER.unpack_from(data) != (SEGMENT_MAGIC, VERSION, segment):
-            return Scan([], 0, 0)
-        entries: list[Entry] = []
-        group: list[tuple[Entry, bool]] = []  # (entry, checksum ok) since the last commit marker
-        corrupt = 0
-        pos = end = SEGMENT_HEADER.size
-        while pos + COMMIT.size <= size:
-            tag = data[pos : pos + 4]
-            if tag == ENTRY_TAG and pos + ENTRY_HEADER.size <= size:
-                _, key, length, committed_at, crc = ENTRY_HEADER.unpack_from(data, pos)
-                body_end = pos + ENTRY_HEADER.size + length
-                if body_end > size:
-                    break  # torn: the payload never fully reached the file
-                body = memoryview(data)[pos + ENTRY_HEADER.size : body_end]
-                ok = zlib.crc32(body, zlib.crc32(ENTRY_FIELDS.pack(key, length, committed_at))) == crc
-                body.release()
-                group.append((Entry(key, segment, pos, length, crc, committed_at), ok))
-                pos = body_end
-            elif tag == COMMIT_TAG:
-                _, count, group_crc = COMMIT.unpack_from(data, pos)
-                if count != len(group) or group_crc != _group_crc(e.crc for e, _ in group):
-                    break
-                entries.extend(e for e, ok in group if ok)
-                corrupt += sum(not ok for _, ok in group)
-                group = []
-                pos = end = pos + COMMIT.size
-            else:
+        view = memoryview(data)
+        try:
+            return _scan(data, view, size, segment)
+        finally:
+            view.release()
+
+
+def _scan(data: mmap.mmap, view: memoryview, size: int, segment: int) -> Scan:
+    if SEGMENT_HEADER.unpack_from(data) != (SEGMENT_MAGIC, VERSION, segment):
+        return Scan([], 0, 0)
+    entries: list[Entry] = []
+    group: list[Entry] = []  # entries since the last commit marker
+    bad: set[int] = set()  # positions in `group` whose crc failed
+    corrupt = 0
+    pos = end = SEGMENT_HEADER.size
+    while pos + COMMIT.size <= size:
+        tag = data[pos : pos + 4]
+        if tag == ENTRY_TAG and pos + ENTRY_HEADER.size <= size:
+            _, key, length, committed_at, crc = ENTRY_HEADER.unpack_from(data, pos)
+            body_end = pos + ENTRY_HEADER.size + length
+            if body_end > size:
+                break  # torn: the payload never fully reached the file
+            if _entry_crc(view, pos, body_end) != crc:
+                bad.add(len(group))
+            group.append(Entry(key, pos, length, crc, committed_at, segment))
+            pos = body_end
+        elif tag == COMMIT_TAG:
+            _, count, group_crc = COMMIT.unpack_from(data, pos)
+            if count != len(group) or group_crc != _group_crc([e.crc for e in group]):
                 break
-        return Scan(entries, end, corrupt)
+            entries += group if not bad else [e for i, e in enumerate(group) if i not in bad]
+            corrupt += len(bad)
+            group, bad = [], set()
+            pos = end = pos + COMMIT.size
+        else:
+            break
+    return Scan(entries, end, corrupt)
 
 
 def write_index(data_dir: Path, segment: int, entries: list[Entry]) -> None:
@@ -171,10 +191,9 @@ def read_index(data_dir: Path, segment: int) -> list[Entry] | None:
         body
     ) != INDEX_HEADER.size + count * INDEX_ENTRY.size:
         return None
-    return [
-        Entry(key, segment, offset, length, crc, committed_at)
-        for key, offset, length, crc, committed_at in INDEX_ENTRY.iter_unpack(body[INDEX_HEADER.size :])
-    ]
+    return list(
+        itertools.starmap(functools.partial(Entry, segment=segment), INDEX_ENTRY.iter_unpack(body[INDEX_HEADER.size :]))
+    )
 
 
 def fsync_dir(path: Path) -> None:

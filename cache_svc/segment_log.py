@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from cache_svc import segment as fmt
 from cache_svc.segment import Entry
 
 IOV_MAX = 1024  # buffers per pwritev call (Linux limit)
+_committed_at = operator.attrgetter("committed_at")
 
 
 class DataDirInUseError(OSError):
@@ -37,8 +39,9 @@ class SegmentFile:
         self.size = size
         self.entries = entries  # every committed entry in the file, in file order
         self.sealed = sealed
-        self.oldest = min((e.committed_at for e in entries), default=float("inf"))
-        self.newest = max((e.committed_at for e in entries), default=float("-inf"))
+        times = list(map(_committed_at, entries))
+        self.oldest = min(times, default=float("inf"))
+        self.newest = max(times, default=float("-inf"))
         self.dead_bytes = 0  # entries no longer in the block index (event loop only)
         self.readers = 0  # reads in flight; the fd stays open until they finish (event loop only)
         self.deleted = False
@@ -47,9 +50,9 @@ class SegmentFile:
     def add(self, entries: Sequence[Entry], end: int) -> None:
         self.entries.extend(entries)
         self.size = end
-        for e in entries:
-            self.oldest = min(self.oldest, e.committed_at)
-            self.newest = max(self.newest, e.committed_at)
+        times = list(map(_committed_at, entries))
+        self.oldest = min(self.oldest, *times)
+        self.newest = max(self.newest, *times)
 
 
 class Recovery(msgspec.Struct, frozen=True):
@@ -143,7 +146,7 @@ class SegmentLog:
             entries = []
             for key, payload in blocks:
                 header, crc = fmt.entry_header(key, payload, committed_at)
-                entries.append(Entry(key, seg.id, pos, len(payload), crc, committed_at))
+                entries.append(Entry(key, pos, len(payload), crc, committed_at, seg.id))
                 buffers += (header, payload)
                 crcs.append(crc)
                 pos += len(header) + len(payload)
