@@ -36,6 +36,7 @@ class GatewayMetrics:
         self.fallbacks = counter("fallbacks", "Requests decode prefilled itself, without reuse", ("reason",))
         self.cancellations = counter("cancellations", "Generations stopped early (decode aborted)", ("reason",))
         self.bounded_replays = counter("bounded_replays", "Generations whose SWA state was rebuilt by bounded replay")
+        self.decode_messages = counter("decode_messages", "Decode messages carrying tokens (one per engine step)")
         self.draft_proposed = counter("dspark_draft_tokens_proposed", "DSpark draft tokens proposed (decode usage)")
         self.draft_accepted = counter("dspark_draft_tokens_accepted", "DSpark draft tokens accepted (decode usage)")
         self.replica_load = gauge("replica_load", "Routing load of each replica", ("role", "replica"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
@@ -82,9 +82,14 @@ class ReplicaPool:
             self._states = {name: self._states[name] for name in current}
         return list(self._states.values())
 
-    def routable(self, exclude: set[str]) -> list[ReplicaState]:
+    def routable(self, exclude: Collection[str], ignore_health: bool = False) -> list[ReplicaState]:
+        """Replicas that may take work now (with `ignore_health`: every one not draining)."""
         now = time.monotonic()
-        return [s for s in self.states() if s.name not in exclude and s.routable(now)]
+        return [
+            s
+            for s in self.states()
+            if s.name not in exclude and (s.routable(now) or (ignore_health and not s.draining))
+        ]
 
     def failed(self, state: ReplicaState) -> None:
         """A call to `state` failed as if it were down: route around it for a while."""

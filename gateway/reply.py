@@ -130,6 +130,7 @@ class Reply:
             now = time.monotonic()
             metrics = self.backends.metrics
             if message.token_ids:
+                metrics.decode_messages.inc()
                 if self.first_token_at is None:
                     self.first_token_at = now
                     metrics.ttft.labels(self.job.api).observe(now - self.arrived)

@@ -8,6 +8,7 @@ share new conversations instead of the first one taking them all.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 
 from gateway.affinity import AffinityKey, AffinityTable
 from gateway.discovery import Role
@@ -23,9 +24,14 @@ class Router:
         for role, pool in pools.items():
             pool.on_leave = lambda name, role=role: affinity.forget(role, name)
 
-    def pick(self, role: Role, key: AffinityKey, exclude: set[str] = frozenset()) -> ReplicaState | None:  # type: ignore[assignment]
+    def pick(self, role: Role, key: AffinityKey, exclude: Collection[str] = ()) -> ReplicaState | None:
         """The replica for the next `role` call of this conversation; None when no replica may take work."""
-        candidates = self.pools[role].routable(exclude)
+        pool = self.pools[role]
+        candidates = pool.routable(exclude)
+        if not candidates and role == "decode":
+            # Decode has no fallback: rather than refusing, try replicas a stale poll or a past failure ruled out
+            # (a restarted pool answers before the next poll notices; a dead one refuses the connection at once).
+            candidates = pool.routable(exclude, ignore_health=True)
         if not candidates:
             return None
         start = next(self._turn) % len(candidates)

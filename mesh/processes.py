@@ -81,6 +81,19 @@ def http_ready(url: str) -> bool:
         return False
 
 
+def gateway_sees(url: str, prefill: int, decode: int, cache: int) -> bool:
+    """The gateway is ready and its own polls reach every replica and cache shard (so a first request cannot meet
+    a connection still backing off)."""
+    try:
+        answer = httpx.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError:
+        return False
+    if answer.status_code != 200:
+        return False
+    health = answer.json()
+    return health["replicas_up"] == {"prefill": prefill, "decode": decode} and health["cache_shards_up"] == cache
+
+
 class Child:
     """One process of the mesh."""
 
@@ -179,8 +192,8 @@ class Mesh:
         argv = [*py, "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
                 self.grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
                 "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
-        url = self.base_url
-        self.children.append(Child("gateway", argv, url, lambda: http_ready(url), self.logs / "gateway.log"))
+        url, counts = self.base_url, (spec.prefill_replicas, spec.decode_replicas, 1)
+        self.children.append(Child("gateway", argv, url, lambda: gateway_sees(url, *counts), self.logs / "gateway.log"))
         self._env = self._environment()
 
     def _environment(self) -> dict[str, str]:

@@ -101,7 +101,7 @@ def killed(mesh: Mesh, *names: str) -> Iterator[None]:
                 child.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
                 child.process.wait()  # type: ignore[union-attr]
         mesh.restart(*names, timeout_s=START_TIMEOUT_S)
-        wait_for(lambda: http_ready(mesh.base_url), "the gateway to see the mesh healthy")
+        wait_for(mesh.child("gateway").healthy, "the gateway to see every replica up again")
 
 
 def signal_child(mesh: Mesh, name: str, sig: signal.Signals) -> None:

@@ -17,6 +17,8 @@ from mesh.processes import Mesh
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
+# This anthropic SDK has no `temperature` argument any more; the API (and the gateway) still take the field.
+GREEDY_MESSAGES = {"extra_body": {"temperature": 0}, "thinking": {"type": "disabled"}}
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -107,14 +109,12 @@ def test_stop_sequences_end_the_answer(oai: openai.OpenAI, claude: anthropic.Ant
     assert content == {0: full[: full.find(stop)]}
     assert finish == {0: "stop"}
 
-    first = claude.messages.create(
-        model=MODEL, max_tokens=16, temperature=0, messages=ask("Count upwards."), thinking={"type": "disabled"}
-    )
+    first = claude.messages.create(model=MODEL, max_tokens=16, messages=ask("Count upwards."), **GREEDY_MESSAGES)
     text = "".join(block.text for block in first.content if block.type == "text")
     start = next(i for i in range(1, len(text) - 1) if text[i : i + 2].strip() == text[i : i + 2])
     stopped = claude.messages.create(
-        model=MODEL, max_tokens=16, temperature=0, messages=ask("Count upwards."), thinking={"type": "disabled"},
-        stop_sequences=[text[start : start + 2]],
+        model=MODEL, max_tokens=16, messages=ask("Count upwards."), stop_sequences=[text[start : start + 2]],
+        **GREEDY_MESSAGES,
     )  # fmt: skip
     assert stopped.stop_reason == "stop_sequence"
     assert stopped.stop_sequence == text[start : start + 2]
@@ -167,8 +167,7 @@ def test_responses_complete_and_streamed_agree(oai: openai.OpenAI) -> None:
 
 
 def test_messages_complete_and_streamed_agree(claude: anthropic.Anthropic) -> None:
-    request = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": ask("Say something."),
-               "thinking": {"type": "disabled"}}  # fmt: skip
+    request = {"model": MODEL, "max_tokens": 8, "messages": ask("Say something."), **GREEDY_MESSAGES}
     complete = claude.messages.create(**request)  # type: ignore[call-overload]
     assert complete.stop_reason == "max_tokens"
     assert complete.usage.output_tokens == 8

@@ -178,17 +178,24 @@ def test_a_full_queue_is_429_with_retry_after(mesh: Mesh, extra_gateway: Callabl
         httpx.Client(timeout=STREAM_TIMEOUT_S) as client,
         client.stream("POST", url + "/v1/chat/completions", json=body) as holder,
     ):
-        next(holder.iter_lines())  # the slot is taken
-        with pytest.raises(openai.RateLimitError) as chat_refused:
+        assert holder.status_code == 200
+        lines = holder.iter_lines()
+        assert next(lines).startswith("data: ")  # streaming: the slot is taken until the stream ends
+        assert httpx.get(url + "/health").json()["inflight"] == 1
+        try:
             openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0).chat.completions.create(
                 model=MODEL, messages=ask("me too"), max_tokens=2
             )
+        except openai.RateLimitError as refused:
+            chat_refused = refused
+        else:
+            pytest.fail(f"admitted while the only slot was held; the holder's stream ended with {list(lines)[-3:]}")
         with pytest.raises(anthropic.RateLimitError) as messages_refused:
             anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.create(
                 model=MODEL, max_tokens=2, messages=ask("me too")
             )
-    assert int(chat_refused.value.response.headers["retry-after"]) >= 1
-    assert chat_refused.value.body["type"] == "invalid_request_error"
+    assert int(chat_refused.response.headers["retry-after"]) >= 1
+    assert chat_refused.body["type"] == "invalid_request_error"
     assert messages_refused.value.body["error"]["type"] == "rate_limit_error"
     assert "overloaded" in messages_refused.value.body["error"]["message"]
     assert metric(url, "v41mesh_gateway_errors_total", kind="overloaded") == 2

@@ -107,8 +107,13 @@ def test_failed_draining_and_down_replicas_get_no_work() -> None:
         states[B].draining = True
         assert router.pick("decode", key(b"x")).name == C
         states[C].up = False
-        assert router.pick("decode", key(b"x")) is None
-        assert router.pick("prefill", key(b"x"), exclude={A}).name == B
+        # No healthy decode replica: rather than refuse, decode tries those ruled out by health (never draining).
+        assert {router.pick("decode", key(bytes([i]))).name for i in range(4)} == {A, C}
+        prefill = {s.name: s for s in router.pools["prefill"].states()}
+        prefill[A].up = False
+        assert router.pick("prefill", key(b"x")).name == B
+        router.pools["prefill"].failed(prefill[B])
+        assert router.pick("prefill", key(b"x")) is None  # prefill has a fallback: decode prefills itself
 
     with_router(check)
 

@@ -1,0 +1,320 @@
+"""The mesh under agent traffic (issue 6's performance section): ours and its two baselines in one run.
+
+    python bench/serve_bench.py [--model tiny] [--sessions 6] [--calls 12] [--max-tokens 16] [--concurrency 8]
+                                [--configs ours,no-reuse,no-dspark] [--out bench/out/serve_bench.json]
+
+Replays the agent sessions of ../shared/data/agent-traces/{miniswe,taubench}/ through the gateway with the real
+`openai` SDK (streamed Chat Completions, greedy, thinking off): sessions start in timestamp order, `--concurrency`
+of them at once, each replaying its calls one after another with the call's `input` as the user message and
+`--max-tokens` as the budget. A session's inputs grow turn by turn, so later calls share long prefixes with
+earlier ones. A session is cut at its first call that does not fit the model's context (counted as skipped).
+
+Each configuration runs on a fresh mesh (`mesh.processes.Mesh`, same machine, same data):
+- ours: prefix reuse on, DSpark on (the defaults);
+- no-reuse: the gateway gives every request its own cache salt (`--no-prefix-reuse`), so nothing is reused;
+- no-dspark: decode without speculation (`--no-speculation`).
+
+Reported per configuration: TTFT and ITL (gap between streamed chunks) p50/p99, TPOT, output tokens/s over the run,
+the cached share of prompt tokens, bounded replays, DSpark acceptance (accepted / proposed drafts) and tokens per
+decode step, errors. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output tokens/s ours / no-dspark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mesh.processes import Mesh, MeshSpec  # noqa: E402
+from recipe import convert, load_tokenizer, render  # noqa: E402
+
+TRACES = ROOT.parent / "shared/data/agent-traces"
+MODEL_NAME = "DeepSeek-V4.1-Flash"
+CONFIGS: dict[str, dict[str, list[str]]] = {
+    "ours": {},
+    "no-reuse": {"gateway_args": ["--no-prefix-reuse"]},
+    "no-dspark": {"decode_args": ["--no-speculation"]},
+}
+console = Console(width=160)
+
+
+@dataclass
+class Session:
+    name: str
+    started: int  # first call's timestamp (µs)
+    inputs: list[str]
+
+
+@dataclass
+class CallResult:
+    session: str
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    duration_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def prompt_tokens(text: str, tokenizer: Any) -> int:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}], "thinking": {"type": "disabled"}}
+    request = convert("chat.completions", json.dumps(body))
+    return len(render(request.conversation, request.version, tokenizer).token_ids or [])
+
+
+def load_sessions(datasets: list[str], per_dataset: int, calls: int, room: int) -> tuple[list[Session], int]:
+    """The first `per_dataset` sessions of each dataset (by start time), each cut at `calls` calls and at its first
+    call longer than `room` prompt tokens; all sessions in timestamp order. Returns them and the calls cut."""
+    tokenizer = load_tokenizer()
+    sessions: list[Session] = []
+    skipped = 0
+    for dataset in datasets:
+        found = []
+        for path in sorted((TRACES / dataset).glob("*.jsonl")):
+            rows = sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()),
+                          key=lambda row: row["timestamp"])  # fmt: skip
+            found.append(Session(f"{dataset}/{path.stem[:8]}", rows[0]["timestamp"], [r["input"] for r in rows]))
+        for session in sorted(found, key=lambda s: s.started)[:per_dataset]:
+            kept = []
+            for text in session.inputs[:calls]:
+                if prompt_tokens(text, tokenizer) > room:
+                    break
+                kept.append(text)
+            skipped += min(len(session.inputs), calls) - len(kept)
+            sessions.append(Session(session.name, session.started, kept))
+    return sorted(sessions, key=lambda s: s.started), skipped
+
+
+async def one_call(client: Any, session: str, text: str, max_tokens: int) -> CallResult:
+    result = CallResult(session)
+    started = time.monotonic()
+    last = None
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"thinking": {"type": "disabled"}},
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                result.prompt_tokens = chunk.usage.prompt_tokens
+                result.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
+                result.completion_tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].delta.content:
+                now = time.monotonic()
+                if last is None:
+                    result.ttft_s = now - started
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+    except Exception as exc:  # a failed call is a result: counted, reported
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.duration_s = time.monotonic() - started
+    return result
+
+
+async def replay(base_url: str, sessions: list[Session], concurrency: int, max_tokens: int) -> tuple[list, float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=3600)
+    queue: asyncio.Queue[Session] = asyncio.Queue()
+    for session in sessions:
+        queue.put_nowait(session)
+    results: list[CallResult] = []
+    progress = tqdm(total=sum(len(s.inputs) for s in sessions), desc="calls", leave=False)
+
+    async def worker() -> None:
+        while not queue.empty():
+            session = queue.get_nowait()
+            for text in session.inputs:
+                results.append(await one_call(client, session.name, text, max_tokens))
+                progress.update()
+
+    started = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    progress.close()
+    await client.close()
+    return results, time.monotonic() - started
+
+
+def gateway_counters(base_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                name = sample.name.removeprefix("v41mesh_gateway_").removesuffix("_total")
+                totals[name] = totals.get(name, 0.0) + sample.value
+    return totals
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarise(results: list[CallResult], wall_s: float, counters: dict[str, float]) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.gaps_s]
+    tpots = [(r.duration_s - r.ttft_s) / (r.completion_tokens - 1) for r in ok
+             if r.ttft_s is not None and r.completion_tokens > 1]  # fmt: skip
+    prompt = sum(r.prompt_tokens for r in ok)
+    completion = sum(r.completion_tokens for r in ok)
+    proposed = counters.get("dspark_draft_tokens_proposed", 0.0)
+    steps = counters.get("decode_messages", 0.0)
+    return {
+        "calls": len(results),
+        "errors": len(results) - len(ok),
+        "error_samples": sorted({r.error for r in results if r.error})[:5],
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "tpot_mean_s": float(np.mean(tpots)) if tpots else None,
+        "output_tokens": completion,
+        "output_tokens_per_s": completion / wall_s if wall_s else 0.0,
+        "wall_s": wall_s,
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "bounded_replays": counters.get("bounded_replays", 0.0),
+        "fallbacks": counters.get("fallbacks", 0.0),
+        "retries": counters.get("retries", 0.0),
+        "dspark_acceptance": counters.get("dspark_draft_tokens_accepted", 0.0) / proposed if proposed else None,
+        "tokens_per_decode_step": counters.get("completion_tokens", 0.0) / steps if steps else None,
+    }
+
+
+def run_config(name: str, args: argparse.Namespace, sessions: list[Session]) -> dict[str, Any]:
+    extra = CONFIGS[name]
+    with tempfile.TemporaryDirectory(prefix=f"serve-bench-{name}-") as data_dir:
+        spec = MeshSpec(
+            model=args.model,
+            data_dir=Path(data_dir),
+            gateway_args=["--stall-timeout-s", "600", *extra.get("gateway_args", [])],
+            decode_args=extra.get("decode_args", []),
+        )
+        mesh = Mesh(spec, on_event=lambda line: console.print(f"  [dim]{name}: {line}[/dim]"))
+        mesh.start()
+        try:
+            warm = asyncio.run(replay(mesh.base_url, [Session("warm-up", 0, ["Hello!"])], 1, 2))[0]
+            if warm[0].error:
+                raise RuntimeError(f"warm-up request failed: {warm[0].error}")
+            before = gateway_counters(mesh.base_url)
+            results, wall = asyncio.run(replay(mesh.base_url, sessions, args.concurrency, args.max_tokens))
+            after = gateway_counters(mesh.base_url)
+        finally:
+            mesh.stop()
+    counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return summarise(results, wall, counters)
+
+
+def ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f}"
+
+
+def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
+    table = Table(title="serving: agent traces through the gateway")
+    for column in ("config", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                   "TPOT ms", "out tok/s", "cached share", "bounded replays", "DSpark accept", "tok/step"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for name, s in summary.items():
+        accept = s["dspark_acceptance"]
+        step = s["tokens_per_decode_step"]
+        table.add_row(
+            name, str(s["calls"]), str(s["errors"]), ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["itl_p50_s"]),
+            ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]), f"{s['output_tokens_per_s']:.1f}", f"{s['cached_share']:.1%}",
+            f"{s['bounded_replays']:.0f}", "–" if accept is None else f"{accept:.1%}",
+            "–" if step is None else f"{step:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    for label, value in ratios.items():
+        console.print(f"{label}: " + ("–" if value is None else f"[bold]{value:.2f}×[/bold]"))
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": commit.stdout.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny, small or a checkpoint directory")
+    parser.add_argument("--datasets", default="miniswe,taubench")
+    parser.add_argument("--sessions", type=int, default=6, help="sessions per dataset (the earliest ones)")
+    parser.add_argument("--calls", type=int, default=12, help="calls per session at most")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
+    parser.add_argument("--context", type=int, default=4096, help="the model's context (cuts sessions that exceed it)")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/out/serve_bench.json")
+    args = parser.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+
+    sessions, skipped = load_sessions(
+        args.datasets.split(","), args.sessions, args.calls, args.context - args.max_tokens
+    )
+    calls = sum(len(s.inputs) for s in sessions)
+    console.print(f"{len(sessions)} sessions, {calls} calls ({skipped} cut: longer than the context), "
+                  f"{args.concurrency} sessions at once, max_tokens {args.max_tokens}, model {args.model}")  # fmt: skip
+    summary = {}
+    for name in configs:
+        console.print(f"[bold]{name}[/bold]: starting a fresh mesh")
+        summary[name] = run_config(name, args, sessions)
+
+    def ratio(numerator: str, denominator: str, key: str) -> float | None:
+        a, b = summary.get(numerator, {}).get(key), summary.get(denominator, {}).get(key)
+        return a / b if a and b else None
+
+    ratios = {
+        "TTFT p50, no-reuse / ours (target ≥ 4×)": ratio("no-reuse", "ours", "ttft_p50_s"),
+        "output tokens/s, ours / no-dspark": ratio("ours", "no-dspark", "output_tokens_per_s"),
+    }
+    show(summary, ratios)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "sessions": len(sessions),
+              "calls": calls, "skipped_calls": skipped, "results": summary, "ratios": ratios}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
