@@ -131,8 +131,8 @@ def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
 
 def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     """Forks of one sequence each verify one draft: the first emitted token follows the target distribution (from
-    decode_step), whether the draft was accepted or rejected and resampled. The temperature spreads the target over
-    about eight tokens (a random tiny model's raw distribution is nearly uniform over the whole vocabulary)."""
+    decode_step), whether the draft was accepted or rejected and resampled. top_k = 4 keeps the target on four tokens
+    (a random tiny model's raw distribution is nearly uniform over the whole vocabulary)."""
     out = tiny.encode_prefill(tokens(19))
     B = 96
     batch = tiny.new_decode_batch(capacity=B)
@@ -143,11 +143,11 @@ def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     probe = tiny.new_decode_batch()
     probe.join(out.blocks, out.encoder_state)
     raw = tiny.decode_step(probe, [pending])[0]
-    top = raw.topk(8).values
-    warm = SamplingParams.uniform(B, temperature=float(top[0] - top[-1]) / 3)
+    warm = SamplingParams.uniform(B, temperature=1.0, top_k=4)
     target = warm.probs(raw.expand(B, -1))[0]
+    assert int((target > 0).sum()) == 4
     # DSpark's own drafts (sampled from its distribution) must be proper samples of it …
-    drafts = tiny.dspark_draft(probe, [pending], SamplingParams.uniform(1, temperature=0.15), gen)
+    drafts = tiny.dspark_draft(probe, [pending], SamplingParams.uniform(1, temperature=0.5), gen)
     torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(1, tiny.args.dspark_block_size))
     assert bool((drafts.probs.gather(-1, drafts.tokens.unsqueeze(-1)) > 0).all())
     # … but a random DSpark never agrees with the target; a draft distribution that overlaps it half-way makes both
@@ -160,5 +160,5 @@ def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     stat, dof = chi2(torch.bincount(first, minlength=target.shape[0]).double(), target.double())
     print(f"accepted {int(result.accepted.sum())}/{B}; chi2 {stat:.1f} on {dof} dof")
     assert 0 < int(result.accepted.sum()) < B
-    assert dof >= 2
+    assert dof == 3
     assert stat < chi2_threshold(dof)
