@@ -32,7 +32,7 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculation: DSpark speculative decoding (a request may still turn it off)
     max_draft: most drafts verified per sequence and step (at most the model's DSpark block size)
     draft_threshold: keep drafts while the running product of their confidences stays at or above this
-    chunk_tokens: prompt tokens per encoder forward when decode prefills a prompt itself
+    chunk_size: prompt tokens per encoder forward when decode prefills a prompt itself
     grace_s: seconds running generations get to finish after SIGTERM
     log_level: debug, info, warning or error
     """
@@ -53,6 +53,6 @@ class DecodeConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculation: bool = True
     max_draft: Positive = 5
     draft_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
-    chunk_tokens: Positive = 512
+    chunk_size: Positive = 512
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 170.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"

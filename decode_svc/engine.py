@@ -50,7 +50,7 @@ class EngineSettings:
     speculation: bool
     max_draft: int
     draft_threshold: float
-    chunk_tokens: int
+    chunk_size: int
 
 
 class Engine:
@@ -199,7 +199,7 @@ class Engine:
         assert prompt is not None
         if prompt.state is not None and prompt.blocks is not None:
             return prompt.blocks, prompt.state
-        out = encode_with_past(self.model, prompt.token_ids, prompt.past, self.settings.chunk_tokens)
+        out = encode_with_past(self.model, prompt.token_ids, prompt.past, self.settings.chunk_size)
         prompt.cached_tokens, prompt.bounded_replay = out.cached_tokens, out.bounded_replay
         self.metrics.local_prefills.labels(prompt.local_prefill).inc()
         if out.bounded_replay:

@@ -62,7 +62,7 @@ class DecodeServer:
             speculation=cfg.speculation,
             max_draft=cfg.max_draft,
             draft_threshold=cfg.draft_threshold,
-            chunk_tokens=cfg.chunk_tokens,
+            chunk_size=cfg.chunk_size,
         )
         self.engine = Engine(self.model, settings, metrics, self.log, self._writeback)
         self.service = DecodeService(self.model, store, self.engine, metrics, self.log)

@@ -28,7 +28,7 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
     cache_timeout_s: deadline of every cache RPC
     cache_retry_s: after the cache failed a handoff write, answer FAILED_PRECONDITION this long without trying
-    chunk_tokens: prompt tokens per encoder forward (bounds activation memory on long prompts)
+    chunk_size: prompt tokens per encoder forward (bounds activation memory on long prompts)
     max_queue: prompts waiting for the encoder at once; more are refused with RESOURCE_EXHAUSTED
     handoff_lease_s: how long a handoff record waits for a decode when the request does not say
     max_handoff_lease_s: longest lease a request may ask for
@@ -48,7 +48,7 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True):
     cache: Annotated[list[str], msgspec.Meta(min_length=1)]
     cache_timeout_s: PositiveFloat = 5.0
     cache_retry_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
-    chunk_tokens: Positive = 512
+    chunk_size: Positive = 512
     max_queue: Positive = 64
     handoff_lease_s: PositiveFloat = 30.0
     max_handoff_lease_s: PositiveFloat = 300.0

@@ -98,9 +98,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     async def _prefill(self, request: prefill_pb2.PrefillRequest, request_id: str) -> prefill_pb2.PrefillResponse:
         tokens, salt = list(request.token_ids), bytes(request.cache_salt)
         lease = self._check(request, request_id, tokens)
-        keys = self.store.keys(tokens, salt)
-        past = await self.store.find_past(tokens, salt, keys)
-        out = await self.queue.run(lambda: self._encode(tokens, past), len(tokens))
+        with self.queue.place(len(tokens)) as place:
+            keys = self.store.keys(tokens, salt)
+            past = await self.store.find_past(tokens, salt, keys)
+            out = await place.run(lambda: self._encode(tokens, past))
         first = len(past.blocks) if past is not None else 0
         handoff = prefill_pb2.Handoff(
             token_ids=tokens,
@@ -130,7 +131,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         )
 
     def _check(self, request: prefill_pb2.PrefillRequest, request_id: str, tokens: list[int]) -> float:
-        """Refuse what cannot be served (cheapest checks first); returns the handoff lease."""
+        """Refuse what cannot be served (the queue's own limit is checked when the prompt takes its place)."""
         check_common(request_id, request.cache_salt)
         error = prompt_error(tokens, self.model)
         if error is not None:
@@ -148,18 +149,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 f"the cache failed a handoff write less than {self.cfg.cache_retry_s:g} s ago; {SEND_TOKENS}",
                 "cache_unavailable",
             )
-        if self.queue.full():
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.queue.depth} prompts are already waiting on this prefill replica",
-                "overloaded",
-            )
         return lease or self.cfg.handoff_lease_s
 
     def _encode(self, tokens: list[int], past: Past | None) -> PrefillOutput:
         """On the encoder thread."""
         started = time.monotonic()
-        out = encode_with_past(self.model, tokens, past, self.cfg.chunk_tokens)
+        out = encode_with_past(self.model, tokens, past, self.cfg.chunk_size)
         computed = len(tokens) - out.cached_tokens
         m = self.metrics
         m.seconds.observe(time.monotonic() - started)

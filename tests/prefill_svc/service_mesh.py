@@ -116,7 +116,7 @@ class Mesh:
             loop.call(self.cache.start())
             cache = [f"127.0.0.1:{self.cache.port}"]
         self.cache_addresses = cache
-        common = {"port": 0, "metrics_port": free_port(), "cache": cache, "chunk_tokens": 16}
+        common = {"port": 0, "metrics_port": free_port(), "cache": cache, "chunk_size": 16}
         self.prefill = PrefillServer(PrefillConfig(**{**common, **(prefill or {})}), model=models[0])
         loop.call(self.prefill.start())
         common["metrics_port"] = free_port()

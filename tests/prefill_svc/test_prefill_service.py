@@ -98,7 +98,7 @@ def test_bad_prompts_are_invalid_argument(mesh: Mesh, fields: dict[str, Any], me
 def test_a_full_queue_refuses_and_a_cancelled_prompt_never_runs(
     start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable
 ) -> None:
-    mesh = start_mesh(prefill={"max_queue": 1, "chunk_tokens": 64})
+    mesh = start_mesh(prefill={"max_queue": 1, "chunk_size": 64})
     stub = mesh.prefill_stub
 
     def load() -> prefill_pb2.Load:
