@@ -1,0 +1,79 @@
+"""The training run's one typed configuration (flags > TRAIN_* environment > defaults, via mesh.config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+
+class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Train the demo checkpoint: backbone, QAT, a no-QAT twin, DSpark, confidence calibration.
+
+    out: checkpoint directory written at the end (config.json, safetensors shards, tokenizer reference)
+    work_dir: resumable state, the twin and logs (default: OUT.work)
+    preset: model preset or config.json to train
+    seed: seed of the weights and of the data stream
+    device: cuda, cpu or auto
+    minutes: wall-clock budget of the training phases; a phase with steps 0 runs for its share of it
+    base_share: share of the budget for the backbone (bf16 main KV)
+    qat_share: share for QAT (FP4 main KV, stored-format weights); the twin runs as many steps without FP4 KV
+    dspark_share: share for DSpark
+    base_steps: backbone steps (0: by time)
+    qat_steps: QAT steps (0: by time)
+    dspark_steps: DSpark steps (0: by time)
+    batch_budget: tokens per backbone batch (rows × padded length)
+    dspark_batch_budget: tokens per DSpark batch
+    draft_rows: at most this many draft rows (anchors × block) per DSpark batch
+    anchors: anchors per sequence in DSpark training
+    max_len: longest training sequence
+    lr: peak learning rate of the backbone
+    qat_lr: peak learning rate of the QAT phase and the twin
+    dspark_lr: peak learning rate of DSpark
+    warmup: warm-up steps of every phase
+    replay_share: share of conversation batches trained with a truncated decoder window (bounded replay)
+    twin: also train the no-QAT twin for the QAT claim
+    eval_every: steps between held-out evaluations
+    save_every: steps between resumable saves
+    workers: data-loader processes
+    log_level: debug, info, warning or error
+    """
+
+    out: str = "runs/v41-demo"
+    work_dir: str = ""
+    preset: str = "demo"
+    seed: int = 0
+    device: str = "auto"
+    minutes: float = 6.0
+    base_share: float = 0.45
+    qat_share: float = 0.15
+    dspark_share: float = 0.22
+    base_steps: int = 0
+    qat_steps: int = 0
+    dspark_steps: int = 0
+    batch_budget: int = 32768
+    dspark_batch_budget: int = 16384
+    draft_rows: int = 8192
+    anchors: int = 48
+    max_len: int = 1024
+    lr: float = 3e-3
+    qat_lr: float = 1e-3
+    dspark_lr: float = 3e-3
+    warmup: int = 30
+    replay_share: float = 0.25
+    twin: bool = True
+    eval_every: int = 50
+    save_every: int = 200
+    workers: int = 4
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        shares = (self.base_share, self.qat_share, self.dspark_share)
+        if any(s < 0 for s in shares) or sum(shares) + (self.qat_share if self.twin else 0) > 1.0:
+            raise msgspec.ValidationError("phase shares must be ≥ 0 and (with the twin) add up to at most 1")
+        if self.minutes <= 0 or self.batch_budget < self.max_len or self.anchors < 1:
+            raise msgspec.ValidationError("minutes must be > 0, batch_budget ≥ max_len and anchors ≥ 1")
+
+    @property
+    def work(self) -> Path:
+        return Path(self.work_dir or f"{self.out}.work")

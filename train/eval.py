@@ -1,0 +1,341 @@
+"""Evaluate a demo checkpoint: `python -m train.eval --checkpoint DIR [--out FILE.json]`.
+
+Figures (docs/benchmarks.md "demo checkpoint"), all on held-out data of `train.data`:
+
+- tool calls: per tool, greedy answers to `--prompts` held-out requests through the serving path (prefill →
+  bounded replay → decode); the share that parses (through recipe) into a call of the right tool, the share whose
+  arguments are valid against the tool's JSON Schema, and the share with the right argument values;
+- QAT: held-out next-token loss with FP4 vs bf16 main KV, with and without QAT (the twin trained by `python -m
+  train`; its figures are read from the checkpoint's training.json);
+- bounded replay: loss of the last answer of long held-out conversations with the decoder window truncated where a
+  decode of that answer starts (reference §7.1) vs exact SWA;
+- DSpark: mean tokens per verification step (accepted drafts + 1) and decode tokens/s against plain decoding, at
+  batch 1 and batched, greedy (outputs must equal plain greedy) and at T = 1; the calibration of the confidences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import msgspec
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from model import SamplingParams, Transformer, load_checkpoint, sample
+from recipe import Assistant, Conversation, ToolCall, render, render_history
+from train import batches as batching
+from train import calibrate, data, tools
+from train.export import REPORT_FILE
+from train.parse import parse_assistant
+
+
+# ---------------------------------------------------------------------------------------------- losses
+def heldout_losses(model: Transformer, sets: dict[str, list[batching.Batch]]) -> dict[str, float]:
+    """Token-weighted mean next-token loss over the learned tokens of each set of batches."""
+    out = {}
+    for kind, batches in sets.items():
+        total, count = 0.0, 0
+        for batch in batches:
+            batch = batch.to(model.device)
+            logits = model(batch.tokens)
+            mask = batch.targets[:, 1:]
+            losses = F.cross_entropy(logits[:, :-1][mask].float(), batch.tokens[:, 1:][mask], reduction="sum")
+            total, count = total + float(losses), count + int(mask.sum())
+        out[kind] = total / count if count else math.nan  # a set may hold no learned token (truncation)
+    return out
+
+
+def bounded_replay_gap(model: Transformer, seed: int, count: int) -> dict[str, float]:
+    """Loss of the last answer of long held-out tool conversations: exact SWA vs bounded replay from its start."""
+    W = model.args.sliding_window
+    exact, bounded, n_tokens = 0.0, 0.0, 0
+    for index in range(count):
+        s = data.sample(seed, index, "tool", held_out=True)
+        rendered = render_history(s.conversation, tokenizer=data.tokenizer())
+        start, end = rendered.assistant_spans[-1]
+        tokens = torch.tensor([s.tokens], device=model.device)
+        labels = tokens[0, start:end]
+        for replay_start, acc in ((0, "exact"), (max(0, start - W), "bounded")):
+            logits = model(tokens, replay_start=replay_start)[0, start - 1 : end - 1]
+            loss = float(F.cross_entropy(logits.float(), labels, reduction="sum"))
+            exact, bounded = (exact + loss, bounded) if acc == "exact" else (exact, bounded + loss)
+        n_tokens += end - start
+    e, b = exact / n_tokens, bounded / n_tokens
+    return {"conversations": count, "tokens": n_tokens, "exact_loss": e, "bounded_loss": b,
+            "difference": b - e, "relative_percent": 100 * (b / e - 1)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ generation
+@dataclass
+class Generation:
+    """One sequence being decoded: emitted tokens (the last one pending), and whether it is done."""
+
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class DecodeStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0  # verification steps (speculative) or decode steps
+    emitted_per_step: list[int] = field(default_factory=list)
+    confidences: list[list[float]] = field(default_factory=list)  # per step: the drafts' confidences
+    accepted: list[int] = field(default_factory=list)  # per step: accepted drafts
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else math.nan
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.emitted_per_step) / len(self.emitted_per_step) if self.emitted_per_step else math.nan
+
+
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new: int,
+    *,
+    temperature: float = 0.0,
+    speculative: bool = False,
+    seed: int = 0,
+) -> tuple[list[list[int]], DecodeStats]:
+    """Decode all prompts as one continuous batch through the serving path; EOS ends a sequence."""
+    eos = model.args.eos_token_id
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    batch = model.new_decode_batch(capacity=len(prompts))
+    seqs: dict[int, Generation] = {}
+    with torch.no_grad():
+        for prompt in prompts:
+            prefill = model.encode_prefill(prompt)
+            seq_id, logits = batch.join(prefill.blocks, prefill.encoder_state)
+            first = sample(SamplingParams.uniform(1, temperature).probs(logits[None]), generator)
+            seqs[seq_id] = Generation([int(first)])
+        stats = DecodeStats()
+        start = time.perf_counter()
+        for seq_id, g in seqs.items():
+            _finish_if_done(batch, seq_id, g, eos, max_new)
+        while len(batch):
+            pending = [seqs[s].tokens[-1] for s in batch.seq_ids]
+            params = SamplingParams.uniform(len(batch), temperature)
+            if speculative:
+                draft = model.dspark_draft(batch, pending, params, generator)
+                result = model.verify(batch, pending, draft, params, generator=generator)
+                emitted = result.tokens
+                stats.accepted += result.accepted.tolist()
+                stats.confidences += draft.confidence.float().cpu().tolist()
+            else:
+                logits = model.decode_step(batch, pending)
+                emitted = [[int(t)] for t in sample(params.probs(logits), generator)]
+            stats.steps += 1
+            for seq_id, new in zip(list(batch.seq_ids), emitted, strict=True):
+                g = seqs[seq_id]
+                g.tokens += new
+                stats.emitted_per_step.append(len(new))
+                _finish_if_done(batch, seq_id, g, eos, max_new)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.seconds = time.perf_counter() - start
+    outputs = [_trim(seqs[s].tokens, eos, max_new) for s in sorted(seqs)]
+    stats.tokens = sum(len(o) for o in outputs)
+    return outputs, stats
+
+
+def _trim(tokens: list[int], eos: int, max_new: int) -> list[int]:
+    tokens = tokens[:max_new]
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def _finish_if_done(batch: Any, seq_id: int, g: Generation, eos: int, max_new: int) -> None:
+    if eos in g.tokens or len(g.tokens) >= max_new:
+        g.done = True
+        batch.leave(seq_id)
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+# ---------------------------------------------------------------------------------------------- tool calls
+def _same_values(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    if set(got) != set(want):
+        return False
+    return all(
+        math.isclose(float(got[k]), float(v)) if isinstance(v, int | float) and isinstance(got[k], int | float)
+        else got[k] == v
+        for k, v in want.items()
+    )  # fmt: skip
+
+
+def judge_call(text: str, conv: Conversation, expected: ToolCall) -> dict[str, bool]:
+    """What a model answer to a tool request achieved: parsed call of the right tool, schema-valid, right values."""
+    reply = parse_assistant(text, reasoning=conv.thinking, tools=True)
+    call = reply.tool_calls[0] if reply.tool_calls else None
+    right_tool = call is not None and call.name == expected.name
+    try:
+        args = msgspec.json.decode(call.arguments) if right_tool else None
+        jsonschema.validate(args, tools.TOOLS[expected.name].parameters)
+        valid = isinstance(args, dict)
+    except (msgspec.DecodeError, jsonschema.ValidationError):
+        valid = False
+    right_values = valid and _same_values(args, msgspec.json.decode(expected.arguments))
+    return {"parsed_call": call is not None, "right_tool": right_tool, "schema_valid": valid,
+            "right_values": right_values}  # fmt: skip
+
+
+def tool_call_validity(model: Transformer, seed: int, prompts: int, batch_size: int, max_new: int) -> dict[str, Any]:
+    tok = data.tokenizer()
+    results: dict[str, Any] = {}
+    for name in tools.TOOLS:
+        cases = [data.tool_prompt(seed, i, name) for i in range(prompts)]
+        ids = [render(conv, tokenizer=tok).token_ids for conv, _ in cases]
+        texts: list[str] = []
+        for chunk in tqdm(list(_chunks(ids, batch_size)), desc=f"tool {name}", unit="batch"):
+            outputs, _ = generate(model, chunk, max_new)
+            texts += [tok.decode([t for t in out if t != model.args.eos_token_id]) for out in outputs]
+        verdicts = [judge_call(t, conv, req.call) for t, (conv, req) in zip(texts, cases, strict=True)]
+        results[name] = {key: sum(v[key] for v in verdicts) / len(verdicts) for key in verdicts[0]}
+        results[name]["examples"] = texts[:2]
+    for key in ("parsed_call", "right_tool", "schema_valid", "right_values"):
+        results.setdefault("all", {})[key] = sum(results[n][key] for n in tools.TOOLS) / len(tools.TOOLS)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- DSpark
+def chat_prompts(seed: int, count: int) -> list[list[int]]:
+    """Held-out conversations of the chat domain, cut before their last answer (its generation header kept)."""
+    tok, prompts = data.tokenizer(), []
+    kinds = ("chat", "tool", "json")
+    for i in range(count):
+        conv = data.sample(seed, i, kinds[i % 3], held_out=True).conversation
+        last = max(j for j, m in enumerate(conv.messages) if isinstance(m, Assistant))
+        prompt = msgspec.structs.replace(conv, messages=conv.messages[:last])
+        prompts.append(render(prompt, tokenizer=tok).token_ids)
+    return prompts
+
+
+def dspark_figures(
+    model: Transformer, seed: int, count: int, batch: int, max_new: int, temperatures: list[float]
+) -> dict[str, Any]:
+    prompts = chat_prompts(seed, count)
+    single = prompts[: max(1, count // 4)]
+    out: dict[str, Any] = {}
+    plain_1, plain_stats_1 = [], DecodeStats()
+    for p in single:  # batch 1: the latency setting speculation is for
+        o, s = generate(model, [p], max_new)
+        plain_1 += o
+        plain_stats_1.tokens, plain_stats_1.seconds = plain_stats_1.tokens + s.tokens, plain_stats_1.seconds + s.seconds
+    spec_1, spec_stats_1 = [], DecodeStats()
+    for p in single:
+        o, s = generate(model, [p], max_new, speculative=True)
+        spec_1 += o
+        spec_stats_1.tokens, spec_stats_1.seconds = spec_stats_1.tokens + s.tokens, spec_stats_1.seconds + s.seconds
+        spec_stats_1.emitted_per_step += s.emitted_per_step
+    out["batch1_greedy"] = {
+        "prompts": len(single),
+        "plain_tokens_per_s": plain_stats_1.tokens_per_second,
+        "dspark_tokens_per_s": spec_stats_1.tokens_per_second,
+        "speedup": spec_stats_1.tokens_per_second / plain_stats_1.tokens_per_second,
+        "mean_accepted_length": spec_stats_1.mean_accepted_length,
+        "identical_to_plain": plain_1 == spec_1,
+    }
+    for label, temperature in (("greedy", 0.0), ("t1", 1.0)):
+        plain, plain_stats = generate(model, prompts[:batch], max_new, temperature=temperature, seed=seed)
+        spec, spec_stats = generate(
+            model, prompts[:batch], max_new, temperature=temperature, speculative=True, seed=seed
+        )
+        figures = {
+            "prompts": min(batch, len(prompts)),
+            "plain_tokens_per_s": plain_stats.tokens_per_second,
+            "dspark_tokens_per_s": spec_stats.tokens_per_second,
+            "speedup": spec_stats.tokens_per_second / plain_stats.tokens_per_second,
+            "mean_accepted_length": spec_stats.mean_accepted_length,
+        }
+        if temperature == 0.0:
+            figures["identical_to_plain"] = plain == spec
+            figures["calibration"] = confidence_calibration(spec_stats, temperatures)
+        out[f"batch_{label}"] = figures
+    return out
+
+
+def confidence_calibration(stats: DecodeStats, temperatures: list[float]) -> dict[str, Any]:
+    """ECE of the running product of confidences against the serving path's greedy acceptance, per position:
+    raw (T = 1) and with the checkpoint's calibrated temperatures."""
+    logits = torch.logit(torch.tensor(stats.confidences).clamp(1e-6, 1 - 1e-6))
+    g = logits.shape[1]
+    all_accepted = torch.arange(g).unsqueeze(0) < torch.tensor(stats.accepted).unsqueeze(1)
+    figures: dict[str, Any] = {"steps": len(stats.accepted)}
+    for label, t in (("raw", torch.ones(g)), ("calibrated", torch.tensor(temperatures))):
+        a = calibrate.running_product(logits, t)
+        figures[f"ece_{label}"] = [calibrate.ece(a[:, k], all_accepted[:, k]) for k in range(g)]
+    return figures
+
+
+def stored_temperatures(directory: Path, model: Transformer) -> list[float]:
+    """The confidence head's calibrated temperatures stored with the checkpoint (ones if it has none)."""
+    name = f"mtp.{model.args.num_nextn_predict_layers - 1}.confidence_head.temperature"
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                return f.get_tensor(name).tolist()
+    return [1.0] * model.args.dspark_block_size
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_checkpoint(args.checkpoint, device=device, progress=True)
+    report_file = Path(args.checkpoint) / REPORT_FILE
+    training = json.loads(report_file.read_text()) if report_file.exists() else {}
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    figures: dict[str, Any] = {"checkpoint": str(args.checkpoint), "device": str(device)}
+    started = time.perf_counter()
+    figures["tool_calls"] = tool_call_validity(model, args.seed, args.prompts, args.batch, args.max_new)
+    figures["qat"] = training.get("qat_claim")
+    with torch.no_grad(), autocast:
+        figures["bounded_replay"] = bounded_replay_gap(model, args.seed, args.replay_conversations)
+    temperatures = stored_temperatures(args.checkpoint, model)
+    figures["dspark"] = dspark_figures(model, args.seed, args.dspark_prompts, args.batch, args.max_new, temperatures)
+    figures["calibration_fit"] = training.get("calibration")
+    figures["seconds"] = time.perf_counter() - started
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--seed", type=int, default=0, help="the training seed (held-out data derives from it)")
+    parser.add_argument("--prompts", type=int, default=200, help="held-out requests per tool")
+    parser.add_argument("--batch", type=int, default=100, help="sequences decoded together")
+    parser.add_argument("--max-new", type=int, default=96, help="longest answer")
+    parser.add_argument("--replay-conversations", type=int, default=64)
+    parser.add_argument("--dspark-prompts", type=int, default=32)
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args(argv)
+    if not (args.checkpoint / "config.json").exists():
+        parser.error(f"{args.checkpoint} is not a checkpoint directory (no config.json)")
+    figures = evaluate(args)
+    text = json.dumps(figures, indent=2, default=float)
+    if args.out:
+        args.out.write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
