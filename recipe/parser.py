@@ -81,6 +81,10 @@ class _Branch(NamedTuple):
     label: str = ""
 
 
+# Stages whose text passes through as-is: a chunk without trigger characters needs no matching.
+_PLAIN = {_Act.RAW: Out.CONTENT, _Act.REASONING: Out.REASONING}
+
+
 class Markers(NamedTuple):
     """The spellings the parser looks for: literal text, or sentinels in token mode."""
 
@@ -173,6 +177,22 @@ class Parser:
         return self.stage is Stage.REASONING
 
     def feed(self, chunk: str) -> list[tuple[Out, str]]:
+        if not self._held and self._fast and self._trigger(chunk) is None:
+            # The fast path: no marker can start in this chunk, so all of it gets the stage's action.
+            start = self.fed
+            self.fed = start + len(chunk)
+            if not chunk:
+                return []
+            self.fresh = False
+            self._context = ""  # text without trigger characters ends no partial marker
+            plain = self._plain
+            if plain is not None:
+                if self.track:
+                    self.spans = [(plain, start, self.fed)]
+                return [(plain, chunk)]
+            self._out = []
+            self._unmatched(chunk, 0)
+            return self._out
         self._out = []
         self.spans = []
         self._base = self.fed - len(self._held)
@@ -203,6 +223,10 @@ class Parser:
         if spec is None:
             spec = self._stages[(stage, flag)] = self._build(stage, flag)
         self._spec = spec
+        self._plain = _PLAIN.get(spec.unmatched)
+        # Every stage but JSON mode's blanked text (one space per run) takes the fast path.
+        self._fast = spec.unmatched is not _Act.SPACE
+        self._trigger = spec.trigger.search
 
     def _build(self, stage: Stage, flag: bool) -> _Stage:
         opts, m = self.options, self.markers
@@ -264,6 +288,7 @@ class Parser:
         else:
             unmatched = _Act.SKIP
         starts = {b.pattern[0] for b in branches} | {"\n" for b in branches if b.match is not _Match.STRING}
+        starts |= set(self._restore)  # token mode: sentinels must be spelled out, not passed through
         trigger = re.compile("[" + "".join(re.escape(c) for c in sorted(starts)) + "]" if starts else "(?!)")
         return _Stage(tuple(branches), unmatched, trigger)
 

@@ -1,8 +1,8 @@
 """Conversation → DeepSeek V4 / V4.1 prompt, as text and (with a tokenizer) token ids.
 
-The prompt is built as pieces, each plain text or one template token. Token ids encode every run of
-plain text as plain BPE and every template token as its added-vocabulary id, so a user who types
-`<｜User｜>` gets the ids of those characters, never the control token.
+The prompt is built as a list of pieces: plain `str` text, or a `Special` template token. Token ids
+encode every run of plain text as plain BPE and every template token as its added-vocabulary id, so a
+user who types `<｜User｜>` gets the ids of those characters, never the control token.
 
 Request prompts follow deepseek-recipe 0.2.0: in thinking mode the reasoning of earlier assistant turns
 is dropped unless the request declares tools. `render_history` renders a finished conversation for
@@ -12,8 +12,8 @@ there is no generation header, and the spans the model must learn to produce are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -23,7 +23,6 @@ from recipe.conversation import (
     Content,
     Conversation,
     Image,
-    LatestReminder,
     Message,
     System,
     Tool,
@@ -31,65 +30,94 @@ from recipe.conversation import (
     ToolResult,
     User,
 )
-from recipe.templates import (
-    SCHEMA_FORMAT_HEAD,
-    TOOLS_TAIL,
-    V4_JSON_OBJECT_FORMAT,
-    effort_line,
-    tools_head,
-)
+from recipe.templates import SCHEMA_FORMAT_HEAD, TOOLS_TAIL, V4_JSON_OBJECT_FORMAT, effort_line, tools_head
 from recipe.tokens import DEFAULT_TOKENS, ModelVersion, SpecialTokens
 
 if TYPE_CHECKING:
     from recipe.tokenizer import Tokenizer
 
 UNSUPPORTED_IMAGE = "[Unsupported Image]"
+_USER_TURN = (User, ToolResult)
 _decode_json = msgspec.json.decode
+_encode_json = msgspec.json.encode
 
 
-class RenderedPrompt(msgspec.Struct):
+class Special(str):
+    """A template token among a prompt's pieces (plain text pieces are ordinary `str`)."""
+
+    __slots__ = ()
+
+
+class RenderedPrompt:
     """A rendered prompt.
 
     text: the prompt.
-    special_ranges: `(start, end)` code-point ranges of `text` that are template tokens.
     images: the images, in the order of their placeholders.
     token_ids: the prompt's token ids (only when rendered with a tokenizer).
     assistant_spans: `render_history` only: `(start, end)` ranges of `token_ids` (of `text` without a
         tokenizer) that the assistant produced: reasoning, `</think>`, answer, tool calls and EOS.
+    special_ranges: `(start, end)` code-point ranges of `text` that are template tokens.
     """
 
-    text: str
-    special_ranges: list[tuple[int, int]]
-    images: list[Image]
-    token_ids: list[int] | None = None
-    assistant_spans: list[tuple[int, int]] | None = None
+    def __init__(self, pieces: list[str], images: list[Image]) -> None:
+        self.pieces = pieces
+        self.text = "".join(pieces)
+        self.images = images
+        self.token_ids: list[int] | None = None
+        self.assistant_spans: list[tuple[int, int]] | None = None
+
+    @functools.cached_property
+    def special_ranges(self) -> list[tuple[int, int]]:
+        ranges, offset = [], 0
+        for piece in self.pieces:
+            if type(piece) is Special:
+                ranges.append((offset, offset + len(piece)))
+            offset += len(piece)
+        return ranges
 
 
-class _Pieces:
-    """The prompt under construction: texts, which of them are template tokens, and assistant spans."""
+class _Template(NamedTuple):
+    """The template tokens and fixed texts of one model version and one set of spellings."""
 
-    __slots__ = ("images", "spans", "special", "texts")
+    bos: Special
+    system: Special
+    user: Special
+    assistant: Special
+    think_start: Special
+    think_end: Special
+    eos: Special
+    reminder: Special
+    image: Special
+    dsml: Special
+    calls: str  # tag name of the tool-calls block
+    invoke: str
+    parameter: str
+    tools_head: tuple[str, ...]
 
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-        self.special: list[int] = []
-        self.images: list[Image] = []
-        self.spans: list[tuple[int, int]] = []
 
-    def plain(self, text: str) -> None:
-        if text:
-            self.texts.append(text)
-
-    def token(self, text: str) -> None:
-        self.special.append(len(self.texts))
-        self.texts.append(text)
-
-    def extend(self, pieces: Sequence[tuple[str, bool]]) -> None:
-        for text, special in pieces:
-            if special:
-                self.token(text)
-            else:
-                self.plain(text)
+@functools.cache
+def _template(version: ModelVersion, tokens: SpecialTokens) -> _Template:
+    return _Template(
+        *(
+            Special(spelling)
+            for spelling in (
+                tokens.bos,
+                tokens.system,
+                tokens.user,
+                tokens.assistant,
+                tokens.think_start,
+                tokens.think_end,
+                tokens.eos,
+                tokens.latest_reminder,
+                tokens.image,
+                tokens.dsml,
+            )
+        ),
+        calls=version.calls_block,
+        invoke=version.invoke_tag,
+        parameter=version.parameter_tag,
+        tools_head=tuple(Special(text) if special else text for text, special in tools_head(version, tokens)),
+    )
 
 
 class _Renderer:
@@ -98,64 +126,70 @@ class _Renderer:
     def __init__(self, conversation: Conversation, version: ModelVersion, tokens: SpecialTokens, history: bool):
         self.conv = conversation
         self.version = version
-        self.tokens = tokens
+        self.v41 = version is ModelVersion.V41
+        self.t = _template(version, tokens)
         self.history = history
-        self.out = _Pieces()
+        self.pieces: list[str] = []
+        self.images: list[Image] = []
+        self.spans: list[tuple[int, int]] = []  # piece ranges of assistant output
         self._user_text = False  # V4: whether the user messages merged so far have text
 
-    def render(self) -> _Pieces:
-        conv, tok, out = self.conv, self.tokens, self.out
+    def render(self) -> RenderedPrompt:
+        conv, t, out = self.conv, self.t, self.pieces
         messages = _normalize(conv.messages, self.version)
         keep_from = self._first_kept_reasoning(messages)
         effort = effort_line(self.version, conv.reasoning_effort) if conv.thinking else ""
         head_extras = self._system_extras()
         if head_extras and not (messages and isinstance(messages[0], System)):
             messages.insert(0, System(""))
-        out.token(tok.bos)
+        out.append(t.bos)
         previous: Message | None = None
         for index, message in enumerate(messages):
             if index == 0:
-                if self.version is ModelVersion.V41 and (effort or isinstance(message, System)):
-                    out.token(tok.system)
-                out.plain(effort)
-            if isinstance(message, System):
-                if index > 0 and self.version is ModelVersion.V41:
-                    out.token(tok.system)
+                if self.v41 and (effort or isinstance(message, System)):
+                    out.append(t.system)
+                out.append(effort)
+            if isinstance(message, _USER_TURN):
+                self._user(message, previous)
+            elif isinstance(message, Assistant):
+                self._assistant(message, keep_reasoning=index >= keep_from)
+            elif isinstance(message, System):
+                if index and self.v41:
+                    out.append(t.system)
                 self._content(message.content)
                 if index == 0:
-                    out.extend(head_extras)
-            elif isinstance(message, User | ToolResult):
-                self._user(message, previous)
-            elif isinstance(message, LatestReminder):
-                out.token(tok.latest_reminder)
-                out.plain(message.content)
+                    out += head_extras
             else:
-                self._assistant(message, keep_reasoning=index >= keep_from)
+                out += (t.reminder, message.content)
             previous = message
         if not self.history and not (isinstance(previous, Assistant) and previous.prefix):
-            self._generation_header()
-        return out
+            out += (t.assistant, t.think_start if conv.thinking else t.think_end)
+            if conv.tool_choice == "required" and conv.tools:
+                out += ("\n\n<", t.dsml, t.calls + ">\n")
+        return RenderedPrompt(out, self.images)
 
     def _user(self, message: User | ToolResult, previous: Message | None) -> None:
         """A user message or tool result; consecutive ones share one user turn, joined by a blank line.
         V4 first merges consecutive user messages, joining only the non-empty ones."""
-        out = self.out
-        joined = isinstance(previous, User | ToolResult)
-        merged = joined and self.version is ModelVersion.V4 and isinstance(previous, User) and isinstance(message, User)
-        if not joined:
-            out.token(self.tokens.user)
-        mark = len(out.texts)
+        out = self.pieces
+        joined = isinstance(previous, _USER_TURN)
+        merged = joined and not self.v41 and isinstance(previous, User) and isinstance(message, User)
+        content = message.content
         if isinstance(message, ToolResult):
-            out.plain("<tool_result>")
-            self._content(message.content)
-            out.plain("</tool_result>")
+            has_text = True
         else:
-            self._content(message.content)
-        has_text = len(out.texts) > mark
-        if joined and (not merged or (self._user_text and has_text)):
-            out.texts.insert(mark, "\n\n")
-            out.special = [i + 1 if i >= mark else i for i in out.special]
+            has_text = bool(content) if isinstance(content, str) else len(content) > 1 or any(content)
+        if not joined:
+            out.append(self.t.user)
+        elif not merged or (self._user_text and has_text):
+            out.append("\n\n")
         self._user_text = (merged and self._user_text) or has_text
+        if isinstance(message, ToolResult):
+            out.append("<tool_result>")
+            self._content(content)
+            out.append("</tool_result>")
+        else:
+            self._content(content)
 
     def _first_kept_reasoning(self, messages: list[Message]) -> int:
         """Index from which assistant turns keep their reasoning (len(messages): none do)."""
@@ -168,103 +202,72 @@ class _Renderer:
         # The official rule: turns after the last user message (a later system message counts as one).
         for index in range(len(messages) - 1, -1, -1):
             message = messages[index]
-            if isinstance(message, User | ToolResult) or (isinstance(message, System) and index > 0):
+            if isinstance(message, _USER_TURN) or (isinstance(message, System) and index > 0):
                 return index + 1
         return 0
 
-    def _system_extras(self) -> list[tuple[str, bool]]:
+    def _system_extras(self) -> list[str]:
         """The tools and response-format sections appended to the first system message."""
         conv, extras = self.conv, []
+        v4 = not self.v41
         if conv.uses_tools:
-            extras += tools_head(self.version, self.tokens)
-            v4 = self.version is ModelVersion.V4
-            extras.append(("\n".join(_schema_line(tool, v4) for tool in conv.tools), False))
-            extras.append((TOOLS_TAIL, False))
+            extras += self.t.tools_head
+            extras.append("\n".join([_schema_line(tool, v4) for tool in conv.tools]))
+            extras.append(TOOLS_TAIL)
         fmt = conv.response_format
         if fmt is not None and fmt.type != "regex":
-            if fmt.type == "json_object" and self.version is ModelVersion.V4:
-                extras.append((V4_JSON_OBJECT_FORMAT, False))
+            if fmt.type == "json_object" and v4:
+                extras.append(V4_JSON_OBJECT_FORMAT)
             else:
                 schema = {"type": "json_object"} if fmt.type == "json_object" else fmt.schema
-                extras.append((SCHEMA_FORMAT_HEAD + pyjson.dumps(schema, v4=self.version is ModelVersion.V4), False))
+                extras.append(SCHEMA_FORMAT_HEAD + pyjson.dumps(schema, v4=v4))
         return extras
 
     def _content(self, content: Content) -> None:
+        out = self.pieces
         if isinstance(content, str):
-            self.out.plain(content)
+            out.append(content)
             return
         for position, part in enumerate(content):
             if position:
-                self.out.plain("\n\n")
+                out.append("\n\n")
             if isinstance(part, str):
-                self.out.plain(part)
-            elif self.version is ModelVersion.V41:
-                self.out.images.append(part)
-                self.out.token(self.tokens.image)
+                out.append(part)
+            elif self.v41:
+                self.images.append(part)
+                out.append(self.t.image)
             else:
-                self.out.plain(UNSUPPORTED_IMAGE)
+                out.append(UNSUPPORTED_IMAGE)
 
     def _assistant(self, message: Assistant, keep_reasoning: bool) -> None:
-        out, tok = self.out, self.tokens
-        out.token(tok.assistant)
+        out, t = self.pieces, self.t
+        out.append(t.assistant)
         if self.conv.thinking and (keep_reasoning or message.prefix):
-            out.token(tok.think_start)
-            start = len(out.texts)
-            out.plain(message.reasoning or "")
+            out.append(t.think_start)
+            start = len(out)
+            out.append(message.reasoning or "")
             if message.prefix and not message.content:
                 return
-            out.token(tok.think_end)
+            out.append(t.think_end)
         else:
-            out.token(tok.think_end)
-            start = len(out.texts)
-        out.plain(message.content)
+            out.append(t.think_end)
+            start = len(out)
+        out.append(message.content)
         if message.tool_calls:
             self._tool_calls(message.tool_calls)
         if not message.prefix:
-            out.token(tok.eos)
-            out.spans.append((start, len(out.texts)))
+            out.append(t.eos)
+            self.spans.append((start, len(out)))
 
     def _tool_calls(self, calls: list[ToolCall]) -> None:
-        out, dsml, version = self.out, self.tokens.dsml, self.version
-        out.plain("\n\n<")
-        out.token(dsml)
-        out.plain(version.calls_block + ">\n")
+        out, t = self.pieces, self.t
+        dsml, invoke, v4 = t.dsml, t.invoke, not self.v41
+        out += ("\n\n<", dsml, t.calls + ">\n")
         for position, call in enumerate(calls):
-            if position:
-                out.plain("\n")
-            out.plain("<")
-            out.token(dsml)
-            out.plain(f'{version.invoke_tag} name="{call.name}">')
-            arguments = _call_arguments(call)
-            # An empty call: V4.1 keeps an empty parameter line, V4 does not.
-            out.plain("\n" if arguments or version is ModelVersion.V4 else "\n\n")
-            for number, (key, value) in enumerate(arguments.items()):
-                if number:
-                    out.plain("\n")
-                out.plain("<")
-                out.token(dsml)
-                if isinstance(value, str):
-                    out.plain(f'{version.parameter_tag} name="{key}" string="true">{value}</')
-                else:
-                    text = pyjson.dumps(value, v4=version is ModelVersion.V4)
-                    out.plain(f'{version.parameter_tag} name="{key}" string="false">{text}</')
-                out.token(dsml)
-                out.plain(version.parameter_tag + ">")
-            out.plain("\n</" if arguments else "</")
-            out.token(dsml)
-            out.plain(version.invoke_tag + ">")
-        out.plain("\n</")
-        out.token(dsml)
-        out.plain(version.calls_block + ">")
-
-    def _generation_header(self) -> None:
-        out, tok, conv = self.out, self.tokens, self.conv
-        out.token(tok.assistant)
-        out.token(tok.think_start if conv.thinking else tok.think_end)
-        if conv.tool_choice == "required" and conv.tools:
-            out.plain("\n\n<")
-            out.token(tok.dsml)
-            out.plain(self.version.calls_block + ">\n")
+            out += ("\n<" if position else "<", dsml, f'{invoke} name="{call.name}">')
+            out += _parameters(call.arguments, dsml, t.parameter, v4)
+            out += (dsml, invoke + ">")
+        out += ("\n</", dsml, t.calls + ">")
 
 
 def _normalize(messages: list[Message], version: ModelVersion) -> list[Message]:
@@ -288,56 +291,74 @@ def _v4_text(content: Content) -> str:
 def _order_tool_results(messages: list[Message]) -> None:
     """Reorder each run of tool results to the order of the preceding assistant's tool calls."""
     order: dict[str, int] = {}
-    index = 0
-    while index < len(messages):
-        message = messages[index]
-        if not isinstance(message, User | ToolResult):
+    run: list[int] = []  # indices of the current run of tool results (user messages interleaved)
+    for index, message in enumerate([*messages, None]):
+        if isinstance(message, ToolResult):
+            run.append(index)
+        elif not isinstance(message, User):
+            if len(run) > 1 and order:
+                results = sorted((messages[i] for i in run), key=lambda m: order.get(m.tool_call_id, 0))  # type: ignore[union-attr]
+                for slot, result in zip(run, results, strict=True):
+                    messages[slot] = result
+            run = []
             if isinstance(message, Assistant) and message.tool_calls:
                 order = {call.id: position for position, call in enumerate(message.tool_calls)}
-            index += 1
-            continue
-        start = index
-        while index < len(messages) and isinstance(messages[index], User | ToolResult):
-            index += 1
-        slots = [i for i in range(start, index) if isinstance(messages[i], ToolResult)]
-        if len(slots) > 1 and order:
-            results = sorted((messages[i] for i in slots), key=lambda m: order.get(m.tool_call_id, 0))  # type: ignore[union-attr]
-            for slot, result in zip(slots, results, strict=True):
-                messages[slot] = result
+
+
+# Agents resend their tools and their earlier tool calls with every turn: the rendered schema lines and
+# call parameters are memoised (bounded), keyed by exactly what determines them.
+_SCHEMA_LINES: dict[tuple[bytes, bool], str] = {}
+_MEMO_LIMIT = 4096
 
 
 def _schema_line(tool: Tool, v4: bool) -> str:
-    line = {"name": tool.name, "description": tool.description or "", "parameters": tool.parameters}
-    return pyjson.dumps(line, v4=v4)
+    key = (_encode_json((tool.name, tool.description, tool.parameters)), v4)
+    line = _SCHEMA_LINES.get(key)
+    if line is None:
+        if len(_SCHEMA_LINES) >= _MEMO_LIMIT:
+            _SCHEMA_LINES.clear()
+        value = {"name": tool.name, "description": tool.description or "", "parameters": tool.parameters}
+        line = _SCHEMA_LINES[key] = pyjson.dumps(value, v4=v4)
+    return line
 
 
-def _call_arguments(call: ToolCall) -> dict:
-    """The call's arguments as an object; text that is not a JSON object renders as one string."""
+@functools.lru_cache(maxsize=_MEMO_LIMIT)
+def _parameters(arguments: str, dsml: Special, parameter: str, v4: bool) -> tuple[str, ...]:
+    """The DSML parameter lines of a call, from its arguments text up to the closing `</`."""
     try:
-        arguments = _decode_json(call.arguments)
+        values = _decode_json(arguments)
     except msgspec.DecodeError:
-        arguments = None
-    if not isinstance(arguments, dict):
-        return {"arguments": call.arguments}
-    if pyjson.has_long_integers(call.arguments.encode()):
-        arguments = pyjson.narrow_integers(arguments)
-    return arguments
+        values = None
+    if not isinstance(values, dict):
+        values = {"arguments": arguments}  # text that is not a JSON object renders as one string
+    # An empty call: V4.1 keeps an empty parameter line, V4 does not.
+    pieces: list[str] = ["\n" if values or v4 else "\n\n"]
+    for number, (key, value) in enumerate(values.items()):
+        if isinstance(value, str):
+            text = f'{parameter} name="{key}" string="true">{value}</'
+        else:
+            text = f'{parameter} name="{key}" string="false">{pyjson.dumps(value, v4=v4)}</'
+        pieces += ("\n<" if number else "<", dsml, text, dsml, parameter + ">")
+    pieces.append("\n</" if values else "</")
+    return tuple(pieces)
 
 
-def _finish(pieces: _Pieces, tokenizer: Tokenizer | None, spans: bool) -> RenderedPrompt:
-    texts = pieces.texts
-    special = set(pieces.special)
-    offsets = [0]
-    for text in texts:
-        offsets.append(offsets[-1] + len(text))
-    special_ranges = [(offsets[i], offsets[i + 1]) for i in pieces.special]
-    prompt = RenderedPrompt("".join(texts), special_ranges, pieces.images)
+def _prompt(renderer: _Renderer, tokenizer: Tokenizer | None, spans: bool) -> RenderedPrompt:
+    prompt = renderer.render()
+    offsets: list[int] | None = None
     if tokenizer is not None:
-        prompt.token_ids, token_offsets = tokenizer.encode_pieces(texts, special)
-        offsets = token_offsets
+        prompt.token_ids, offsets = tokenizer.encode_pieces(prompt.pieces)
     if spans:
-        prompt.assistant_spans = [(offsets[start], offsets[end]) for start, end in pieces.spans]
+        if offsets is None:
+            offsets = [0]
+            for piece in prompt.pieces:
+                offsets.append(offsets[-1] + len(piece))
+        prompt.assistant_spans = [(offsets[start], offsets[end]) for start, end in renderer.spans]
     return prompt
+
+
+def _tokens(tokenizer: Tokenizer | None, tokens: SpecialTokens | None) -> SpecialTokens:
+    return tokens or (tokenizer.tokens if tokenizer is not None else DEFAULT_TOKENS)
 
 
 def render(
@@ -352,9 +373,8 @@ def render(
     `model` is a `ModelVersion` or its name (`DeepSeek-V4.1-Flash`, `DeepSeek-V4-Pro`). With a tokenizer
     the result carries `token_ids`. `tokens` overrides spellings (default: the tokenizer's, else official).
     """
-    version = ModelVersion(model)
-    tokens = tokens or (tokenizer.tokens if tokenizer is not None else DEFAULT_TOKENS)
-    return _finish(_Renderer(conversation, version, tokens, history=False).render(), tokenizer, spans=False)
+    renderer = _Renderer(conversation, ModelVersion(model), _tokens(tokenizer, tokens), history=False)
+    return _prompt(renderer, tokenizer, spans=False)
 
 
 def render_history(
@@ -369,6 +389,5 @@ def render_history(
     Differs from `render` as the official encoder does: assistant turns after the last user message keep
     their reasoning, and no generation header follows the last message.
     """
-    version = ModelVersion(model)
-    tokens = tokens or (tokenizer.tokens if tokenizer is not None else DEFAULT_TOKENS)
-    return _finish(_Renderer(conversation, version, tokens, history=True).render(), tokenizer, spans=True)
+    renderer = _Renderer(conversation, ModelVersion(model), _tokens(tokenizer, tokens), history=True)
+    return _prompt(renderer, tokenizer, spans=True)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from recipe.errors import RecipeError
 from recipe.options import ConvertedRequest
-from recipe.parser import Markers, Out, Parser
+from recipe.parser import Markers, Out, Parser, Stage
 from recipe.response.chat import ChatWriter, usage_body
 from recipe.response.events import DONE, Event, Finish, Meta, Usage, encode, logprob_entry
 from recipe.response.messages import MessagesWriter
@@ -34,6 +34,7 @@ THINK_END_SENTINEL = "\ufdd0"
 DSML_SENTINEL = "\ufdd1"
 TOKEN_MARKERS = Markers(think_end=THINK_END_SENTINEL, dsml=DSML_SENTINEL)
 
+_REASONING = Stage.REASONING
 _BACKEND_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "content_filter": Finish.CONTENT_FILTER}
 _ID_PREFIX = {"chat.completions": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 
@@ -102,8 +103,10 @@ class StreamProcessor:
             self._carry: list[dict[str, Any]] = []
         self.started = False
         self.finished = False
+        self._text_open = False  # started, not finished, text mode: push_text's fast path
         self.usage = Usage()
         self._calls = 0
+        self._text_writers = {Out.CONTENT: self.writer.content, Out.REASONING: self.writer.reasoning}
 
     # -- input ------------------------------------------------------------------------------------------
 
@@ -114,22 +117,32 @@ class StreamProcessor:
         if self.started:
             return []
         self.started = True
+        self._text_open = self.tokenizer is None
         self.usage.prompt_tokens, self.usage.cached_tokens = prompt_tokens, cached_tokens
         self.writer.meta.system_fingerprint = system_fingerprint
         return self.writer.start(self.usage)
 
     def push_text(self, text: str, token_count: int = 0) -> list[Event]:
         """Feed decoded output text that accounts for `token_count` completion tokens."""
-        if self.tokenizer is not None:
-            raise RecipeError("push_text needs a processor made without a tokenizer; use push_tokens", status=500)
-        events = self.start() if not self.started else []
-        if self.finished:
-            return events
-        if self.parser.in_reasoning:
-            self.usage.reasoning_tokens += token_count
-        self.usage.completion_tokens += token_count
-        events += self._dispatch(self.parser.feed(text), None)
-        return events + self._after_stop()
+        if not self._text_open:
+            if self.tokenizer is not None:
+                raise RecipeError("push_text needs a processor made without a tokenizer; use push_tokens", status=500)
+            if self.finished:
+                return []
+            return self.start() + self.push_text(text, token_count)
+        parser, usage = self.parser, self.usage
+        usage.completion_tokens += token_count
+        if parser.stage is _REASONING:
+            usage.reasoning_tokens += token_count
+        items = parser.feed(text)
+        if len(items) == 1:  # the common case: one piece of text
+            write = self._text_writers.get(items[0][0])
+            if write is not None and parser.stop_sequence is None:
+                return write(items[0][1], None)
+        events = self._dispatch(items, None)
+        if parser.stop_sequence is not None:
+            events += self._end(Finish.STOP_SEQUENCE)
+        return events
 
     def push_tokens(self, token_ids: Sequence[int], logprobs: TokenLogprobs | None = None) -> list[Event]:
         """Feed generated token ids, with one `(logprob, top_logprobs)` pair per id if the request asked."""
@@ -187,7 +200,7 @@ class StreamProcessor:
         events = self.start() if not self.started else []
         if self.finished:
             return events
-        self.finished = True
+        self.finished, self._text_open = True, False
         return events + self.writer.fail(message)
 
     def response(self) -> dict[str, Any]:
@@ -201,6 +214,7 @@ class StreamProcessor:
 
     def _end(self, finish: Finish) -> list[Event]:
         self.finished = True
+        self._text_open = False
         return self.writer.finish(finish, self.parser.stop_sequence, self.usage)
 
     def _dispatch(self, items: list[tuple[Out, str]], logprobs: dict[Out, list[dict[str, Any]]] | None) -> list[Event]:

@@ -72,8 +72,8 @@ class Tokenizer:
         """Plain BPE ids of `text`: added-vocabulary spellings inside it are ordinary characters."""
         return self._plain.encode(text, add_special_tokens=False).ids
 
-    def encode_pieces(self, texts: Sequence[str], special: set[int]) -> tuple[list[int], list[int]]:
-        """Ids of a prompt given as pieces (`special` holds the indices of template tokens).
+    def encode_pieces(self, pieces: Sequence[str]) -> tuple[list[int], list[int]]:
+        """Ids of a prompt given as pieces (template tokens are `render.Special` strings).
 
         Consecutive plain pieces are encoded together, as one run of text. Also returns the token offset
         of every piece boundary (exact at the boundaries of template tokens).
@@ -81,16 +81,16 @@ class Tokenizer:
         ids: list[int] = []
         offsets: list[int] = []
         run: list[str] = []
-        for index, text in enumerate(texts):
-            if index in special:
-                if run:
-                    ids += self.encode_plain("".join(run))
-                    run = []
+        for piece in pieces:
+            if type(piece) is str:
                 offsets.append(len(ids))
-                ids.append(self.special_id(text))
-            else:
-                offsets.append(len(ids))
-                run.append(text)
+                run.append(piece)
+                continue
+            if run:
+                ids += self.encode_plain("".join(run))
+                run = []
+            offsets.append(len(ids))
+            ids.append(self.special_id(piece))
         if run:
             ids += self.encode_plain("".join(run))
         offsets.append(len(ids))

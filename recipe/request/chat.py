@@ -199,14 +199,13 @@ def _message(message: ChatMessage, index: int) -> Message:
     return System(_parts(message.content, param))
 
 
-def _response_format(fmt: ChatResponseFormat | None, ctx: common.Context) -> ResponseFormat | None:
+def _response_format(fmt: ChatResponseFormat | None) -> ResponseFormat | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise RecipeError("Missing 'response_format.json_schema'", param="response_format.json_schema")
-        schema = ctx.json_value(fmt.json_schema.schema)
-        return ResponseFormat("json_schema", schema=schema)
+        return ResponseFormat("json_schema", schema=fmt.json_schema.schema)
     if fmt.type == "regex":
         if fmt.regex is None:
             raise RecipeError("Missing 'response_format.regex'", param="response_format.regex")
@@ -215,7 +214,7 @@ def _response_format(fmt: ChatResponseFormat | None, ctx: common.Context) -> Res
 
 
 def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRequest:
-    request, ctx = common.decode(body, ChatRequest, options)
+    request = common.decode(body, ChatRequest)
     version = options.model_version(request.model)
     if not request.messages:
         raise RecipeError("Empty input messages", param="messages")
@@ -234,9 +233,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     if isinstance(effort, int) and not 1 <= effort <= 100:
         raise RecipeError("Invalid reasoning_effort value, the valid range is [1, 100]", param="reasoning_effort")
     tools = [
-        common.tool(
-            t.function.name, t.function.description, t.function.parameters, t.function.strict, ctx, f"tools[{i}]"
-        )
+        common.tool(t.function.name, t.function.description, t.function.parameters, t.function.strict, f"tools[{i}]")
         for i, t in enumerate(request.tools or ())
     ]
     conversation = Conversation(
@@ -244,7 +241,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         thinking=thinking,
         tools=common.unique_tools(tools),
         reasoning_effort=effort if isinstance(effort, int) else EFFORTS.get(effort or ""),
-        response_format=_response_format(request.response_format, ctx),
+        response_format=_response_format(request.response_format),
     )
     choice = request.tool_choice
     if isinstance(choice, NamedToolChoice):

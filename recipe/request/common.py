@@ -25,24 +25,12 @@ _DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(.*)", re.DOTALL)
 MAX_STOP_SEQUENCES = 16
 
 
-class Context(msgspec.Struct):
-    """Per-request conversion state: the options and whether the body holds 64-bit-overflowing integers."""
-
-    options: ConversionOptions
-    long_integers: bool = False
-
-    def json_value(self, value: Any) -> Any:
-        """A decoded JSON value as the prompt serialises it (huge integers read as floats)."""
-        return pyjson.narrow_integers(value) if self.long_integers else value
-
-
-def decode(body: bytes | str | dict, schema: type[T], options: ConversionOptions) -> tuple[T, Context]:
+def decode(body: bytes | str | dict, schema: type[T]) -> T:
     """Decode and validate a request body against its API schema."""
     try:
         if isinstance(body, dict):
-            return msgspec.convert(body, schema), Context(options, long_integers=True)
-        raw = body.encode() if isinstance(body, str) else body
-        return msgspec.json.decode(raw, type=schema), Context(options, pyjson.has_long_integers(raw))
+            return msgspec.convert(body, schema)
+        return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as error:
         message = str(error)
         raise RecipeError(f"Invalid request: {message}", param=field_of(message)) from None
@@ -94,7 +82,7 @@ def stop_sequences(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def tool(name: str, description: str | None, parameters: Any, strict: bool | None, ctx: Context, param: str) -> Tool:
+def tool(name: str, description: str | None, parameters: Any, strict: bool | None, param: str) -> Tool:
     """A validated function tool (strict tools get the strict-mode form of their schema)."""
     if not name:
         raise RecipeError(f"Invalid '{param}.name': empty string.", param=f"{param}.name")
@@ -117,7 +105,6 @@ def tool(name: str, description: str | None, parameters: Any, strict: bool | Non
                 f"got 'type: {got}'.",
                 param=f"{param}.parameters",
             )
-        parameters = ctx.json_value(parameters)
         if strict:
             parameters = strict_schema(parameters, f"{param}.parameters")
     return Tool(name, description, parameters, strict)

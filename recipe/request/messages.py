@@ -163,23 +163,23 @@ def _parts(blocks: list[Any], param: str) -> Content:
     return parts
 
 
-def _server_tool(block: Any, ctx: common.Context, param: str) -> bool:
+def _server_tool(block: Any, options: ConversionOptions, param: str) -> bool:
     """Whether `block` is a server-tool block to drop (rejected unless web search is set to "drop")."""
     if not isinstance(block, ServerToolUseBlock | WebSearchResultBlock):
         return False
-    if ctx.options.messages_web_search == "reject":
+    if options.messages_web_search == "reject":
         raise RecipeError(f"{param}: server tools are not supported", param=param)
     return True
 
 
-def _user(message: InputMessage, index: int, ctx: common.Context) -> list[Message]:
+def _user(message: InputMessage, index: int, options: ConversionOptions) -> list[Message]:
     param = f"messages.{index}.content"
     if isinstance(message.content, str):
         return [User(message.content)]
     out: list[Message] = []
     rest: list[Any] = []
     for number, block in enumerate(message.content):
-        if _server_tool(block, ctx, f"{param}.{number}"):
+        if _server_tool(block, options, f"{param}.{number}"):
             continue
         if isinstance(block, ToolResultBlock):
             if rest:
@@ -200,7 +200,7 @@ def _user(message: InputMessage, index: int, ctx: common.Context) -> list[Messag
     return out
 
 
-def _assistant(message: InputMessage, index: int, ctx: common.Context) -> Assistant:
+def _assistant(message: InputMessage, index: int, options: ConversionOptions) -> Assistant:
     param = f"messages.{index}.content"
     if isinstance(message.content, str):
         return Assistant(message.content)
@@ -208,7 +208,7 @@ def _assistant(message: InputMessage, index: int, ctx: common.Context) -> Assist
     texts: list[str] = []
     thoughts: list[str] = []
     for number, block in enumerate(message.content):
-        if _server_tool(block, ctx, f"{param}.{number}") or isinstance(block, RedactedThinkingBlock):
+        if _server_tool(block, options, f"{param}.{number}") or isinstance(block, RedactedThinkingBlock):
             continue
         if isinstance(block, ToolUseBlock):
             turn.tool_calls.append(ToolCall(block.id, block.name, msgspec.json.encode(block.input).decode()))
@@ -259,7 +259,7 @@ def _check_tool_results(messages: list[Message]) -> None:
 
 
 def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRequest:
-    request, ctx = common.decode(body, MessagesRequest, options)
+    request = common.decode(body, MessagesRequest)
     version = options.model_version(request.model)
     messages: list[Message] = []
     if request.system is not None:
@@ -269,9 +269,9 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         if isinstance(message.content, list) and not message.content:
             raise RecipeError(f"messages.{index}: all messages must have non-empty content", param=f"messages.{index}")
         if message.role == "user":
-            messages += _user(message, index, ctx)
+            messages += _user(message, index, options)
         elif message.role == "assistant":
-            messages.append(_assistant(message, index, ctx))
+            messages.append(_assistant(message, index, options))
         else:
             content = message.content
             messages.append(System(content if isinstance(content, str) else _parts(content, f"messages.{index}")))
@@ -291,9 +291,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
             if options.messages_web_search == "reject" or not declared.type.startswith("web_search"):
                 raise RecipeError(f"tools[{index}]: server tools are not supported", param=f"tools[{index}]")
             continue
-        tools.append(
-            common.tool(declared.name, declared.description, declared.input_schema, None, ctx, f"tools[{index}]")
-        )
+        tools.append(common.tool(declared.name, declared.description, declared.input_schema, None, f"tools[{index}]"))
     conversation = Conversation(
         messages,
         thinking=thinking,

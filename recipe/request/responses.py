@@ -269,13 +269,13 @@ def namespaced(namespace: str, name: str, version: ModelVersion) -> str:
     return f"{namespace}{'::' if version is ModelVersion.V41 else '__'}{name}"
 
 
-def _tools(declared: list[dict[str, Any]], ctx: common.Context, version: ModelVersion) -> _Tools:
+def _tools(declared: list[dict[str, Any]], options: ConversionOptions, version: ModelVersion) -> _Tools:
     out = _Tools()
     for index, entry in enumerate(declared):
         kind, param = entry.get("type"), f"tools[{index}]"
         if kind == "function":
             function = _item(entry, FunctionTool, param)
-            out.tools.append(common.tool(*msgspec.structs.astuple(function), ctx, param))
+            out.tools.append(common.tool(*msgspec.structs.astuple(function), param))
             out.echo.append(_function_echo(function))
         elif kind == "namespace":
             namespace = _item(entry, NamespaceTool, param)
@@ -284,7 +284,7 @@ def _tools(declared: list[dict[str, Any]], ctx: common.Context, version: ModelVe
                 description = function.description or ""
                 if namespace.description and version is ModelVersion.V41:
                     description = f"{namespace.description}\n{description}"
-                inner = common.tool(function.name, description, function.parameters, function.strict, ctx, param)
+                inner = common.tool(function.name, description, function.parameters, function.strict, param)
                 out.tools.append(Tool(name, inner.description, inner.parameters, inner.strict))
                 out.namespaces[name] = (namespace.name, function.name)
             out.echo.append(
@@ -305,7 +305,7 @@ def _tools(declared: list[dict[str, Any]], ctx: common.Context, version: ModelVe
             out.custom.add("apply_patch")
             out.echo.append({"type": "custom", "name": "apply_patch"})
         elif kind in WEB_SEARCH_TYPES:
-            if ctx.options.responses_web_search == "reject":
+            if options.responses_web_search == "reject":
                 raise RecipeError(f"{param}: web search is not supported", param=param)
             out.echo.append({"type": kind, "search_context_size": None, "user_location": None})
         else:
@@ -314,7 +314,7 @@ def _tools(declared: list[dict[str, Any]], ctx: common.Context, version: ModelVe
 
 
 def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRequest:
-    request, ctx = common.decode(body, ResponsesRequest, options)
+    request = common.decode(body, ResponsesRequest)
     version = options.model_version(request.model)
     if request.previous_response_id is not None:
         raise RecipeError(
@@ -339,7 +339,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     thinking = options.default_thinking if effort is None else effort != "none"
     if isinstance(effort, int) and not 1 <= effort <= 100:
         raise RecipeError("Invalid reasoning.effort value, the valid range is [1, 100]", param="reasoning.effort")
-    tools = _tools(request.tools or [], ctx, version)
+    tools = _tools(request.tools or [], options, version)
     fmt = request.text.format if request.text else None
     response_format = None
     if fmt is not None and fmt.type == "json_object":
@@ -347,7 +347,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.schema is None:
             raise RecipeError("Missing 'text.format.schema'", param="text.format.schema")
-        response_format = ResponseFormat("json_schema", schema=ctx.json_value(fmt.schema))
+        response_format = ResponseFormat("json_schema", schema=fmt.schema)
     conversation = Conversation(
         messages,
         thinking=thinking,

@@ -53,8 +53,9 @@ class ChatWriter(Writer):
         self.reasoning_logprobs: list[dict[str, Any]] = []
         self.content_logprobs: list[dict[str, Any]] = []
         self.finish_reason: str | None = None
-        self._head = b""
-        self._tail = b""
+        self._head = self._tail = b""
+        # Pre-encoded chunk pieces around a delta's text: the hot path only encodes the text.
+        self._reasoning_head = self._content_head = self._reasoning_tail = self._content_tail = b""
 
     def chunk_head(self) -> bytes:
         meta = self.meta
@@ -77,6 +78,12 @@ class ChatWriter(Writer):
             return []
         self._head = self.chunk_head()
         self._tail = b',"usage":null}' if self.request.include_usage else b"}"
+        delta = self._head + b'{"index":' + str(self.index).encode() + b',"delta":'
+        self._reasoning_head = delta + b'{"content":null,"reasoning_content":'
+        self._content_head = delta + b'{"content":'
+        tail = b',"logprobs":null,"finish_reason":null}]' + self._tail
+        self._reasoning_tail = b"}" + tail
+        self._content_tail = (b',"reasoning_content":null}' if self.thinking else b"}") + tail
         if self.thinking:
             return [self._chunk(b'{"role":"assistant","content":null,"reasoning_content":""}')]
         return [self._chunk(b'{"role":"assistant","content":""}')]
@@ -87,7 +94,9 @@ class ChatWriter(Writer):
             self.reasoning_logprobs += logprobs
         if not self.stream:
             return []
-        lp = encode({"reasoning_content": logprobs}) if logprobs else b"null"
+        if not logprobs:
+            return [Event(None, self._reasoning_head + encode(text) + self._reasoning_tail)]
+        lp = encode({"reasoning_content": logprobs})
         return [self._chunk(b'{"content":null,"reasoning_content":' + encode(text) + b"}", lp)]
 
     def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
@@ -96,7 +105,9 @@ class ChatWriter(Writer):
             self.content_logprobs += logprobs
         if not self.stream:
             return []
-        lp = encode({"content": logprobs}) if logprobs else b"null"
+        if not logprobs:
+            return [Event(None, self._content_head + encode(text) + self._content_tail)]
+        lp = encode({"content": logprobs})
         if self.thinking:
             return [self._chunk(b'{"content":' + encode(text) + b',"reasoning_content":null}', lp)]
         return [self._chunk(b'{"content":' + encode(text) + b"}", lp)]

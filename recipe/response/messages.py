@@ -25,6 +25,11 @@ STOP_REASONS = {
     Finish.END_OF_STREAM: "end_turn",
 }
 PING = Event("ping", b'{"type":"ping"}')
+_DELTA_FIELDS = {
+    "thinking": (b"thinking_delta", b"thinking"),
+    "text": (b"text_delta", b"text"),
+    "tool_use": (b"input_json_delta", b"partial_json"),
+}
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -55,6 +60,7 @@ class MessagesWriter(Writer):
         self.parts: list[str] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
+        self._delta_head = b""
 
     def _event(self, kind: str, fields: dict[str, Any]) -> Event:
         return Event(kind, encode({"type": kind, **fields}))
@@ -67,11 +73,20 @@ class MessagesWriter(Writer):
             + b'":' + encode(text) + b"}}",
         )  # fmt: skip
 
+    def _text_delta(self, text: str) -> Event:
+        """A delta of the open block, spliced onto its pre-encoded head."""
+        return Event("content_block_delta", self._delta_head + encode(text) + b"}}")
+
     def _open(self, block: dict[str, Any]) -> list[Event]:
         events = self._close()
         self.open = block
         self.parts = []
         self.blocks.append(block)
+        kind, field = _DELTA_FIELDS[block["type"]]
+        index = str(len(self.blocks) - 1).encode()
+        self._delta_head = (
+            b'{"type":"content_block_delta","index":' + index + b',"delta":{"type":"' + kind + b'","' + field + b'":'
+        )
         if not self.stream:
             return events
         start = {"index": len(self.blocks) - 1, "content_block": block}
@@ -116,7 +131,7 @@ class MessagesWriter(Writer):
         )
         self.parts.append(text)
         if self.stream:
-            events.append(self._delta(b"thinking_delta", b"thinking", text))
+            events.append(self._text_delta(text))
         return events
 
     def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
@@ -125,7 +140,7 @@ class MessagesWriter(Writer):
         )
         self.parts.append(text)
         if self.stream:
-            events.append(self._delta(b"text_delta", b"text", text))
+            events.append(self._text_delta(text))
         return events
 
     def tool_start(self, index: int, call_id: str, name: str) -> list[Event]:
@@ -133,7 +148,7 @@ class MessagesWriter(Writer):
 
     def tool_args(self, fragment: str) -> list[Event]:
         self.parts.append(fragment)
-        return [self._delta(b"input_json_delta", b"partial_json", fragment)] if self.stream else []
+        return [self._text_delta(fragment)] if self.stream else []
 
     def tool_end(self) -> list[Event]:
         return self._close()

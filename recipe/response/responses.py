@@ -19,6 +19,11 @@ from recipe.response.events import Event, Finish, Meta, Usage, encode
 from recipe.response.writer import Writer
 
 INCOMPLETE_REASONS = {Finish.LENGTH: "max_output_tokens", Finish.CONTENT_FILTER: "content_filter"}
+_DELTAS = {
+    "reasoning": "response.reasoning_text.delta",
+    "message": "response.output_text.delta",
+    "function_call": "response.function_call_arguments.delta",
+}
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -35,7 +40,19 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 class _Item:
     """An output item being written: its kind, ids and accumulated text."""
 
-    __slots__ = ("call_id", "index", "item_id", "kind", "logprobs", "name", "namespace", "parts", "phase", "response")
+    __slots__ = (
+        "call_id",
+        "delta",
+        "index",
+        "item_id",
+        "kind",
+        "logprobs",
+        "name",
+        "namespace",
+        "parts",
+        "phase",
+        "response",
+    )
 
     def __init__(self, kind: str, prefix: str, response: str, index: int, call: tuple[str, str, str | None]) -> None:
         self.kind = kind
@@ -46,6 +63,16 @@ class _Item:
         self.logprobs: list[dict[str, Any]] = []
         self.phase = "final_answer"
         self.call_id, self.name, self.namespace = call
+        # The item's delta event around its text, pre-encoded: (name, head, tail up to the sequence number).
+        kind_name = _DELTAS.get(kind, "")
+        content_index = b'"content_index":0,' if kind in ("reasoning", "message") else b""
+        logprobs = b',"logprobs":[]' if kind == "message" else b""
+        self.delta = (
+            kind_name,
+            b'{"type":"' + kind_name.encode() + b'",' + content_index + b'"delta":',
+            b',"item_id":"' + self.item_id.encode() + b'"' + logprobs + b',"output_index":' + str(index).encode()
+            + b',"sequence_number":',
+        )  # fmt: skip
 
     def body(self, status: str) -> dict[str, Any]:
         text = "".join(self.parts)
@@ -121,16 +148,12 @@ class ResponsesWriter(Writer):
         self.sequence += 1
         return Event(kind, encode(body))
 
-    def _delta(self, kind: str, item: _Item, text: str, extra: bytes = b"") -> Event:
-        """A hot-path delta event, encoded by splicing."""
-        content_index = b'"content_index":0,' if item.kind != "function_call" else b""
-        data = (
-            b'{"type":"' + kind.encode() + b'",' + content_index + b'"delta":' + encode(text)
-            + b',"item_id":"' + item.item_id.encode() + b'"' + extra + b',"output_index":' + str(item.index).encode()
-            + b',"sequence_number":' + str(self.sequence).encode() + b"}"
-        )  # fmt: skip
-        self.sequence += 1
-        return Event(kind, data)
+    def _delta(self, item: _Item, text: str) -> Event:
+        """The item's delta event, spliced from its pre-encoded pieces."""
+        name, head, tail = item.delta
+        sequence = self.sequence
+        self.sequence = sequence + 1
+        return Event(name, head + encode(text) + tail + str(sequence).encode() + b"}")
 
     def _open(self, kind: str, prefix: str, call: tuple[str, str, str | None] = ("", "", None)) -> list[Event]:
         events = self._close("completed")
@@ -195,25 +218,30 @@ class ResponsesWriter(Writer):
         ]
 
     def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
-        events = self._open("reasoning", "rs") if self.open is None or self.open.kind != "reasoning" else []
+        item = self.open
+        events = [] if item is not None and item.kind == "reasoning" else self._open("reasoning", "rs")
         item = self.open
         assert item is not None
         item.parts.append(text)
         if self.stream:
-            events.append(self._delta("response.reasoning_text.delta", item, text))
+            events.append(self._delta(item, text))
         return events
 
     def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
-        events = self._open("message", "msg") if self.open is None or self.open.kind != "message" else []
+        item = self.open
+        events = [] if item is not None and item.kind == "message" else self._open("message", "msg")
         item = self.open
         assert item is not None
         item.parts.append(text)
         if logprobs:
             item.logprobs += logprobs
-        if self.stream:
-            events.append(
-                self._delta("response.output_text.delta", item, text, b',"logprobs":' + encode(logprobs or []))
-            )
+        if not self.stream:
+            return events
+        if logprobs:
+            fields = {"content_index": 0, "delta": text, "item_id": item.item_id, "logprobs": logprobs}
+            events.append(self._event("response.output_text.delta", {**fields, "output_index": item.index}))
+        else:
+            events.append(self._delta(item, text))
         return events
 
     def tool_start(self, index: int, call_id: str, name: str) -> list[Event]:
@@ -230,7 +258,7 @@ class ResponsesWriter(Writer):
         assert item is not None
         item.parts.append(fragment)
         if self.stream and item.kind == "function_call":
-            return [self._delta("response.function_call_arguments.delta", item, fragment)]
+            return [self._delta(item, fragment)]
         return []
 
     def tool_end(self) -> list[Event]:
