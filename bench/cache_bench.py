@@ -186,7 +186,7 @@ def _redis(address: str, db: int = 0) -> Any:
     import redis
 
     host, port = address.split(":")
-    return redis.Redis(host=host, port=int(port), db=db)
+    return redis.Redis(host=host, port=int(port), db=db, socket_timeout=600)
 
 
 def _client_ops(system: str, address: str, op: str, size: int, batch: int, keys: list[bytes]) -> Iterator[Any]:
@@ -417,7 +417,7 @@ def restart(work: Path, blocks: int, payload_bytes: int, with_redis: bool) -> di
         import redis
 
         peer = Redis(work / "restart-redis", durable=False)
-        r = redis.Redis(port=peer.port)
+        r = redis.Redis(port=peer.port, socket_timeout=600)  # SAVE of 1 GB takes a while on a busy machine
         payload = _payload(payload_bytes, 7)
         for i in tqdm(range(0, blocks, 4096), desc="loading redis", unit="batch", disable=None):
             r.mset(dict.fromkeys(keys[i : i + 4096], payload))
