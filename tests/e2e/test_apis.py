@@ -11,7 +11,7 @@ import json
 import anthropic
 import grpc
 import openai
-from conftest import MODEL
+from e2e_helpers import MODEL
 
 from mesh.processes import Mesh
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -80,7 +80,7 @@ def test_tools_declared_the_response_parses(oai: openai.OpenAI, claude: anthropi
     for tool_choice in ("auto", "required"):
         response = oai.chat.completions.create(
             model=MODEL, messages=ask("Weather in Paris?"), tools=[WEATHER_TOOL], tool_choice=tool_choice,  # type: ignore[arg-type]
-            max_tokens=12, extra_body=NO_THINKING,
+            max_tokens=6, extra_body=NO_THINKING,
         )  # fmt: skip
         choice = response.choices[0]
         assert choice.finish_reason in ("stop", "length", "tool_calls")
@@ -89,7 +89,7 @@ def test_tools_declared_the_response_parses(oai: openai.OpenAI, claude: anthropi
             assert isinstance(call.function.arguments, str)
     schema = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
     message = claude.messages.create(
-        model=MODEL, max_tokens=12, messages=ask("Weather in Paris?"),  # type: ignore[arg-type]
+        model=MODEL, max_tokens=6, messages=ask("Weather in Paris?"),  # type: ignore[arg-type]
         tools=[{"name": "get_weather", "description": "Weather", "input_schema": schema}],
     )  # fmt: skip
     assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
@@ -97,7 +97,7 @@ def test_tools_declared_the_response_parses(oai: openai.OpenAI, claude: anthropi
 
 
 def test_stop_sequences_end_the_answer(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
-    request = {"model": MODEL, "messages": ask("Count upwards."), "max_tokens": 16, "temperature": 0,
+    request = {"model": MODEL, "messages": ask("Count upwards."), "max_tokens": 10, "temperature": 0,
                "extra_body": NO_THINKING}  # fmt: skip
     full = oai.chat.completions.create(**request).choices[0].message.content  # type: ignore[call-overload]
     start = next(i for i in range(1, len(full) - 1) if full[i : i + 2].strip() == full[i : i + 2])
@@ -109,11 +109,11 @@ def test_stop_sequences_end_the_answer(oai: openai.OpenAI, claude: anthropic.Ant
     assert content == {0: full[: full.find(stop)]}
     assert finish == {0: "stop"}
 
-    first = claude.messages.create(model=MODEL, max_tokens=16, messages=ask("Count upwards."), **GREEDY_MESSAGES)
+    first = claude.messages.create(model=MODEL, max_tokens=10, messages=ask("Count upwards."), **GREEDY_MESSAGES)
     text = "".join(block.text for block in first.content if block.type == "text")
     start = next(i for i in range(1, len(text) - 1) if text[i : i + 2].strip() == text[i : i + 2])
     stopped = claude.messages.create(
-        model=MODEL, max_tokens=16, messages=ask("Count upwards."), stop_sequences=[text[start : start + 2]],
+        model=MODEL, max_tokens=10, messages=ask("Count upwards."), stop_sequences=[text[start : start + 2]],
         **GREEDY_MESSAGES,
     )  # fmt: skip
     assert stopped.stop_reason == "stop_sequence"

@@ -23,7 +23,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import MODEL, decode_load, killed, metric, model_info, signal_child, wait_for
+from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, wait_for
 
 from mesh.processes import Mesh
 

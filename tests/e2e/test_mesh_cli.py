@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import START_TIMEOUT_S, wait_for
+from e2e_helpers import START_TIMEOUT_S, wait_for
 
 from mesh.processes import grpc_serving
 

@@ -9,7 +9,7 @@ import uuid
 
 import anthropic
 import openai
-from conftest import MODEL, model_info, wait_for
+from e2e_helpers import MODEL, model_info, wait_for
 
 from cache_svc.client import CacheClient
 from mesh.block_keys import sequence_key

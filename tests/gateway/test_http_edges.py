@@ -12,7 +12,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, InProcessGateway
+from gateway_helpers import API_KEY, InProcessGateway
 
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 

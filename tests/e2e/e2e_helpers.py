@@ -1,0 +1,90 @@
+"""The harness of the end-to-end tests: reading gateway metrics, waiting for a condition, killing and restarting
+mesh processes, extra gateway processes over the same replicas."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mesh.processes import Mesh, free_port, http_ready
+from proto.decode.v1 import decode_pb2, decode_pb2_grpc
+from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+MODEL = "DeepSeek-V4.1-Flash"
+START_TIMEOUT_S = 300.0
+WAIT_TIMEOUT_S = 30.0
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of a gateway metric's samples that carry `labels` (0 when there are none yet)."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def decode_load(address: str) -> decode_pb2.Load:
+    with grpc.insecure_channel(address) as channel:
+        return decode_pb2_grpc.DecodeStub(channel).GetLoad(decode_pb2.GetLoadRequest(), timeout=5)
+
+
+def model_info(address: str) -> prefill_pb2.ModelInfo:
+    with grpc.insecure_channel(address) as channel:
+        return prefill_pb2_grpc.PrefillStub(channel).GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=5)
+
+
+def signal_child(mesh: Mesh, name: str, sig: signal.Signals) -> None:
+    os.kill(mesh.child(name).pid, sig)  # type: ignore[arg-type]
+
+
+@contextmanager
+def killed(mesh: Mesh, *names: str) -> Iterator[None]:
+    """The named children are SIGKILLed by the test inside; afterwards they are restarted and healthy again, and
+    the gateway sees them."""
+    try:
+        yield
+    finally:
+        for name in names:
+            child = mesh.child(name)
+            if child.running():
+                child.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+                child.process.wait()  # type: ignore[union-attr]
+        mesh.restart(*names, timeout_s=START_TIMEOUT_S)
+        wait_for(mesh.child("gateway").healthy, "the gateway to see every replica up again")
+
+
+def start_gateway(mesh: Mesh, log: Path, *flags: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """Another gateway process over the mesh's replicas, with `flags`; returns its base URL once it is ready."""
+    port = free_port()
+    prefill = ",".join(c.address for c in mesh.children if c.name.startswith("prefill"))
+    decode = ",".join(c.address for c in mesh.children if c.name.startswith("decode"))
+    argv = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--grpc-port", "0",
+            "--prefill", prefill, "--decode", decode, "--cache", mesh.child("cache").address, *flags]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: http_ready(url), f"the gateway on port {port} (log: {log})", START_TIMEOUT_S)
+    return url, process
