@@ -51,8 +51,8 @@ class SegmentFile:
         self.entries.extend(entries)
         self.size = end
         times = list(map(_committed_at, entries))
-        self.oldest = min(self.oldest, *times)
-        self.newest = max(self.newest, *times)
+        self.oldest = min(self.oldest, *times) if times else self.oldest
+        self.newest = max(self.newest, *times) if times else self.newest
 
 
 class Recovery(msgspec.Struct, frozen=True):
