@@ -297,21 +297,28 @@ def stored_temperatures(directory: Path, model: Transformer) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Every figure; with `--out`, the JSON is rewritten after each section (a cut-short run keeps what it has)."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_checkpoint(args.checkpoint, device=device, progress=True)
     report_file = Path(args.checkpoint) / REPORT_FILE
     training = json.loads(report_file.read_text()) if report_file.exists() else {}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     figures: dict[str, Any] = {"checkpoint": str(args.checkpoint), "device": str(device)}
-    started = time.perf_counter()
-    figures["tool_calls"] = tool_call_validity(model, args.seed, args.prompts, args.batch, args.max_new)
     figures["qat"] = training.get("qat_claim")
-    with torch.no_grad(), autocast:
-        figures["bounded_replay"] = bounded_replay_gap(model, args.seed, args.replay_conversations)
-    temperatures = stored_temperatures(args.checkpoint, model)
-    figures["dspark"] = dspark_figures(model, args.seed, args.dspark_prompts, args.batch, args.max_new, temperatures)
     figures["calibration_fit"] = training.get("calibration")
-    figures["seconds"] = time.perf_counter() - started
+    started = time.perf_counter()
+
+    def done(section: str, value: Any) -> None:
+        figures[section] = value
+        figures["seconds"] = time.perf_counter() - started
+        if args.out:
+            args.out.write_text(json.dumps(figures, indent=2, default=float) + "\n")
+
+    with torch.no_grad(), autocast:
+        done("bounded_replay", bounded_replay_gap(model, args.seed, args.replay_conversations))
+    temperatures = stored_temperatures(args.checkpoint, model)
+    done("dspark", dspark_figures(model, args.seed, args.dspark_prompts, args.batch, args.max_new, temperatures))
+    done("tool_calls", tool_call_validity(model, args.seed, args.prompts, args.batch, args.max_new))
     return figures
 
 
@@ -330,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.checkpoint / "config.json").exists():
         parser.error(f"{args.checkpoint} is not a checkpoint directory (no config.json)")
     figures = evaluate(args)
-    text = json.dumps(figures, indent=2, default=float)
-    if args.out:
-        args.out.write_text(text + "\n")
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(json.dumps(figures, indent=2, default=float) + "\n")
     return 0
 
 
