@@ -18,7 +18,9 @@ from mesh.processes import Mesh, MeshSpec
 
 # Short deadlines, so a frozen replica is noticed within a test's time.
 GATEWAY_ARGS = ["--stall-timeout-s", "20", "--load-interval-s", "0.25", "--inhibit-s", "2"]
-CACHE_ARGS = ["--ssd-bytes", str(256 << 20), "--dram-bytes", str(64 << 20), "--record-bytes", str(64 << 20)]
+# Records live an hour: a record that expires during a test is one the test made expire.
+CACHE_ARGS = ["--ssd-bytes", str(256 << 20), "--dram-bytes", str(64 << 20), "--record-bytes", str(64 << 20),
+              "--record-ttl-s", "3600"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ the client sees, then the process is restarted for the next test.
 
 - a prefill or decode replica dies while a request waits on it → the request is retried on the other replica;
 - every prefill replica is down → decode prefills the prompt itself (served without reuse, counted);
-- every decode replica is down → 503 with a clear message in the API's error shape;
+- every decode replica is down → 503 with a clear message in the API's error shape, and the handoff record prefill
+  wrote for the request expires with its lease;
 - the decode replicas die mid-stream → each API's stream ends with its own error event, nothing hangs;
 - the cache dies → requests are still served, without reuse; once it is back its blocks are reused, and the SWA
   records it lost are rebuilt by bounded replay (counted);
@@ -25,6 +26,7 @@ import openai
 import pytest
 from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, wait_for
 
+from cache_svc.client import CacheClient
 from mesh.processes import Mesh
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
@@ -66,16 +68,27 @@ def test_without_prefill_decode_prefills_itself(mesh: Mesh, oai: openai.OpenAI) 
     assert metric(mesh.base_url, "v41mesh_gateway_fallbacks_total") > fallbacks
 
 
-def test_without_decode_the_answer_is_503_in_the_apis_shape(
-    mesh: Mesh, oai: openai.OpenAI, claude: anthropic.Anthropic
+def test_without_decode_503_in_the_apis_shape_and_the_unclaimed_handoff_expires(
+    mesh: Mesh, oai: openai.OpenAI, claude: anthropic.Anthropic, extra_gateway: Callable[..., str]
 ) -> None:
-    with killed(mesh, "decode-0", "decode-1"):
-        for name in ("decode-0", "decode-1"):
-            signal_child(mesh, name, signal.SIGKILL)
-        with pytest.raises(openai.InternalServerError) as chat_error:
-            chat(oai, "anyone there?")
-        with pytest.raises(anthropic.APIStatusError) as messages_error:
-            claude.messages.create(model=MODEL, max_tokens=4, messages=ask("anyone there?"))
+    short_lease = extra_gateway("--handoff-lease-s", "1")
+    with CacheClient(mesh.child("cache").address) as cache:
+        expiries = cache.stats()[mesh.child("cache").address]["record_expiries"]
+        with killed(mesh, "decode-0", "decode-1"):
+            for name in ("decode-0", "decode-1"):
+                signal_child(mesh, name, signal.SIGKILL)
+            with pytest.raises(openai.InternalServerError) as chat_error:
+                chat(oai, "anyone there?")
+            with pytest.raises(anthropic.APIStatusError) as messages_error:
+                claude.messages.create(model=MODEL, max_tokens=4, messages=ask("anyone there?"))
+            # Prefill wrote a handoff record for it; no decode will ever take it: its lease ends it.
+            with pytest.raises(openai.InternalServerError):
+                openai.OpenAI(base_url=short_lease + "/v1", api_key="k", max_retries=0).chat.completions.create(
+                    model=MODEL, messages=ask("a handoff nobody takes"), max_tokens=4
+                )
+            stats = cache.stats
+            address = mesh.child("cache").address
+            wait_for(lambda: stats()[address]["record_expiries"] > expiries, "the unclaimed handoff's lease to end")
     assert chat_error.value.status_code == 503
     assert "No decode replica could serve the request" in chat_error.value.message
     assert messages_error.value.status_code == 503
