@@ -6,8 +6,9 @@
     chunks, with every event materialised (JSON bytes), for each API.
 (c) token-mode parse (ours only, with the reference for scale): token ids one per push.
 
-Runs alternate ours and the reference in several rounds and keep each side's best round, so a
-busy machine hurts both alike. Prints a table with ratios and writes JSON (default bench/out/recipe.json).
+Rounds alternate ours and the reference and each side keeps its best round; time is the process's CPU
+time, so other load on a shared machine does not count against either side. Prints a table with ratios
+and writes JSON (default bench/out/recipe.json).
 
     python bench/recipe_bench.py [--rounds 5] [--seconds 1.0] [--out bench/out/recipe.json]
 """
@@ -131,10 +132,10 @@ def best_rate(work: Callable[[], int], rounds: int, seconds: float) -> float:
     """Items per second of `work` (which returns its item count): the best of `rounds` timed rounds."""
     best = 0.0
     for _ in range(rounds):
-        done, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        done, start = 0, time.process_time()
+        while time.process_time() - start < seconds:
             done += work()
-        best = max(best, done / (time.perf_counter() - start))
+        best = max(best, done / (time.process_time() - start))
     return best
 
 

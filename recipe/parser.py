@@ -110,10 +110,27 @@ def _partial(text: str, pattern: str) -> int:
     return 0
 
 
+def _held_prefix(rest: str, spec: _Stage) -> int:
+    """Length of the longest tail of `rest` that begins one of the stage's (string) markers."""
+    hit = spec.trigger.search(rest, max(0, len(rest) - spec.longest_prefix))
+    while hit is not None:
+        start = hit.start()
+        if rest[start:] in spec.prefixes:
+            return len(rest) - start
+        hit = spec.trigger.search(rest, start + 1)
+    return 0
+
+
 class _Stage(NamedTuple):
     branches: tuple[_Branch, ...]
     unmatched: _Act
     trigger: re.Pattern[str]  # characters that can start a marker (or a newline run before one)
+    # For stages whose markers are plain strings, none inside another (the DSML stages): one regular
+    # expression finds the earliest marker, and a set of marker prefixes gives what to hold back.
+    markers: re.Pattern[str] | None
+    by_marker: dict[str, _Branch]
+    prefixes: frozenset[str]
+    longest_prefix: int
 
 
 class Parser:
@@ -290,7 +307,15 @@ class Parser:
         starts = {b.pattern[0] for b in branches} | {"\n" for b in branches if b.match is not _Match.STRING}
         starts |= set(self._restore)  # token mode: sentinels must be spelled out, not passed through
         trigger = re.compile("[" + "".join(re.escape(c) for c in sorted(starts)) + "]" if starts else "(?!)")
-        return _Stage(tuple(branches), unmatched, trigger)
+        patterns = [b.pattern for b in branches]
+        simple = bool(branches) and all(
+            b.match is _Match.STRING and not any(b.pattern in other for other in patterns if other != b.pattern)
+            for b in branches
+        )
+        markers = re.compile("|".join(re.escape(p) for p in patterns)) if simple else None
+        prefixes = frozenset(p[:k] for p in patterns for k in range(1, len(p)))
+        longest = max((len(p) - 1 for p in patterns), default=0)
+        return _Stage(tuple(branches), unmatched, trigger, markers, {b.pattern: b for b in branches}, prefixes, longest)
 
     # -- matching ---------------------------------------------------------------------------------------
 
@@ -298,6 +323,20 @@ class Parser:
         pos, size = 0, len(text)
         while pos < size:
             spec = self._spec
+            if spec.markers is not None:
+                found = spec.markers.search(text, pos)
+                if found is None:
+                    break
+                start, end = found.span()
+                self.fresh = False
+                self._unmatched(text[pos:start], pos)
+                best = spec.by_marker[found.group()]
+                self._matched(best, text[start:end])
+                self._enter(best.stage, best.flag)
+                pos = end
+                if self.stage is Stage.FINISHED:
+                    return
+                continue
             hit = spec.trigger.search(text, pos)
             if hit is None:
                 self.fresh = False
@@ -334,7 +373,11 @@ class Parser:
         if pos >= size:
             return
         rest = text[pos:]
-        hold = max(self._holding(rest, branch) for branch in self._spec.branches)
+        spec = self._spec
+        if spec.markers is not None:
+            hold = _held_prefix(rest, spec)
+        else:
+            hold = max(self._holding(rest, branch) for branch in spec.branches)
         self.fresh = False
         if hold < len(rest):
             self._unmatched(rest[: len(rest) - hold], pos)

@@ -1,0 +1,143 @@
+"""Model benchmarks (issue 3): the CED prefill against a full-depth prefill, and decode throughput, in one run.
+
+    python bench/model_bench.py                                  # tiny and small on CPU, default sizes
+    python bench/model_bench.py --presets small --prompt 2048 --device cuda --dtype bfloat16
+
+For each preset, over the same random prompt:
+- `encode_prefill` (ours: layers 0..L/2−1 + layer L/2's KV projection, what a prefill machine runs) against a
+  full-depth prefill (the peer: every layer over every prompt token, what a model without CED must run), both on the
+  packed-cache path; the ratio is the paper's "about half" claim;
+- the decoder bounded replay that starts a decode (L/2 layers over the last W tokens);
+- decode tokens/s at batch 1 and 16 (`decode_step`, one token per sequence per step).
+Prints a table, writes JSON (default bench/out/model_bench.json). Imports only torch and the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import Transformer, build_model, preset, serving  # noqa: E402
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Median seconds of `repeat` runs after one warm-up: wall clock on a GPU (synchronised), process CPU time on
+    the CPU (the CPU machines are shared, and CPU time does not count other tenants' load)."""
+    fn()
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = clock()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def full_depth_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> None:
+    """The peer: every layer over every prompt token (exact decoder windows, no bounded replay)."""
+    cache = model.new_cache()
+    cache.add_row()
+    for a in range(0, tokens.shape[0], chunk):
+        step = cache.step(tokens[None, a : a + chunk])
+        serving.forward_full(model, step, last_only=True)  # like a prefill: next-token logits of the last position
+        step.commit()
+
+
+def decode_rate(model: Transformer, out: serving.PrefillOutput, batch: int, steps: int, device, repeat: int) -> float:
+    """Tokens/s of `steps` decode steps over `batch` sequences continuing one prompt."""
+    b = model.new_decode_batch(capacity=batch)
+    seq, _ = b.join(out.blocks, out.encoder_state)
+    for _ in range(batch - 1):
+        b.fork(seq)
+    ids = torch.randint(0, model.args.vocab_size, (steps, batch), device=device)
+
+    def run() -> None:
+        for t in range(steps):
+            model.decode_step(b, ids[t])
+
+    return batch * steps / timed(run, device, repeat)
+
+
+def bench(name: str, prompt: int, chunk: int, steps: int, device: torch.device, dtype: torch.dtype, repeat: int):
+    args = preset(name)
+    model = build_model(args, seed=0, device=device, dtype=dtype)
+    tokens = torch.randint(0, args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).to(device)
+    ours = timed(lambda: model.encode_prefill(tokens, chunk_tokens=chunk), device, repeat)
+    peer = timed(lambda: full_depth_prefill(model, tokens, chunk), device, repeat)
+    out = model.encode_prefill(tokens, chunk_tokens=chunk)
+    replay = timed(lambda: model.new_decode_batch().join(out.blocks, out.encoder_state), device, repeat)
+    row = {
+        "preset": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "prompt_tokens": prompt,
+        "encode_prefill_s": ours,
+        "full_depth_prefill_s": peer,
+        "prefill_cost_ratio": ours / peer,
+        "encode_prefill_tok_s": prompt / ours,
+        "full_depth_prefill_tok_s": prompt / peer,
+        "decoder_replay_s": replay,
+    }
+    for batch in (1, 16):
+        row[f"decode_tok_s_b{batch}"] = decode_rate(model, out, batch, steps, device, repeat)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'preset':<7} {'params':>8} {'prompt':>6} | {'encode_prefill':>15} {'full-depth':>11} {'ratio':>6} | "
+            f"{'replay':>8} | {'decode b=1':>11} {'decode b=16':>12} {'b16/b1':>6}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['preset']:<7} {r['params'] / 1e6:>7.1f}M {r['prompt_tokens']:>6} | "
+            f"{r['encode_prefill_tok_s']:>11.0f} t/s {r['full_depth_prefill_tok_s']:>7.0f} t/s {r['prefill_cost_ratio']:>6.2f} | "
+            f"{r['decoder_replay_s'] * 1e3:>6.0f}ms | {r['decode_tok_s_b1']:>7.1f} t/s {r['decode_tok_s_b16']:>8.1f} t/s "
+            f"{r['decode_tok_s_b16'] / r['decode_tok_s_b1']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small", help="comma-separated presets")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (CPU time is summed over them)")
+    parser.add_argument("--out", default="bench/out/model_bench.json")
+    ns = parser.parse_args()
+    torch.set_num_threads(ns.threads)
+    device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
+    rows = [bench(name, ns.prompt, ns.chunk, ns.steps, device, dtype, ns.repeat) for name in ns.presets.split(",")]
+    print(table(rows))
+    machine = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": ns.dtype,
+    }
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps({"machine": machine, "args": vars(ns), "results": rows}, indent=2))
+    print(f"\n{machine}\nJSON written to {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
