@@ -7,38 +7,18 @@ SIGTERM or SIGINT: health NOT_SERVING, in-flight prefills get --grace-s seconds,
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
-from mesh.config import config_dict, load_config
-from mesh.grpc_server import run_until_signal
-from mesh.logging import configure_logging
+from prefill_svc.cli import serve_main
 from prefill_svc.config import ENV_PREFIX, PrefillConfig
-
-USAGE = "usage: python -m prefill_svc serve --cache ADDR[,ADDR...] [--model M] [--port P] [options]  (serve --help)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "serve":
-        print(USAGE, file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cfg = load_config(PrefillConfig, argv[1:], env_prefix=ENV_PREFIX, prog="python -m prefill_svc serve")
-    logger = configure_logging("prefill_svc", level=cfg.log_level)
-    logger.info("config", **config_dict(cfg))
-    # torch and the model load only now: a bad flag is reported at once, not after seconds of imports.
-    import torch
-
-    from prefill_svc.server import PrefillServer
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
-        asyncio.run(run_until_signal(PrefillServer(cfg), grace_s=cfg.grace_s))
-    except (OSError, ValueError) as exc:  # a port in use, an unknown model or a bad checkpoint
-        logger.error("cannot_start", error=str(exc))
-        return 1
-    return 0
+    return serve_main(
+        argv,
+        package="prefill_svc",
+        config=PrefillConfig,
+        env_prefix=ENV_PREFIX,
+        server="prefill_svc.server:PrefillServer",
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The prefill service's one typed configuration (flags and PREFILL_SVC_* environment variables)."""
+"""The prefill service's one typed configuration (flags and PREFILL_SVC_* environment variables), and the settings
+every model service shares (decode_svc's configuration extends `ModelServiceConfig` too)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -11,10 +12,13 @@ ENV_PREFIX = "PREFILL_SVC"
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+S = TypeVar("S", bound=type)
 
 
-class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill service: the encoder half over prompts, global KV blocks and handoff records into cache_svc.
+class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings of every model service.
 
     host: address to listen on
     port: gRPC port (0 picks a free port, logged at start)
@@ -27,30 +31,50 @@ class PrefillConfig(msgspec.Struct, frozen=True, kw_only=True):
     threads: torch CPU threads (0 = torch's default)
     cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
     cache_timeout_s: deadline of every cache RPC
-    cache_retry_s: after the cache failed a handoff write, answer FAILED_PRECONDITION this long without trying
     chunk_size: prompt tokens per encoder forward (bounds activation memory on long prompts)
-    max_queue: prompts waiting for the encoder at once; more are refused with RESOURCE_EXHAUSTED
-    handoff_lease_s: how long a handoff record waits for a decode when the request does not say
-    max_handoff_lease_s: longest lease a request may ask for
-    grace_s: seconds in-flight prefills get to finish after SIGTERM
+    grace_s: seconds in-flight work gets to finish after SIGTERM
     log_level: debug, info, warning or error
     """
 
     host: str = "127.0.0.1"
-    port: Port = 7002
-    metrics_port: Port = 9102
+    port: Port = 0
+    metrics_port: Port = 0
     metrics_host: str = "0.0.0.0"
     model: str = "tiny"
     seed: int = 0
     device: str = "auto"
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    cache: Annotated[list[str], msgspec.Meta(min_length=1)]
+    cache: list[str] = msgspec.field(default_factory=list)
     cache_timeout_s: PositiveFloat = 5.0
-    cache_retry_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     chunk_size: Positive = 512
+    grace_s: NonNegativeFloat = 60.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def with_shared_settings(cls: S) -> S:
+    """Append the shared settings' descriptions to a service's docstring (flags take their help from it; the
+    service's own lines come first, so a setting it redescribes keeps its own text)."""
+    shared = (ModelServiceConfig.__doc__ or "").split("\n\n", 1)[1]
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + shared
+    return cls
+
+
+@with_shared_settings
+class PrefillConfig(ModelServiceConfig, frozen=True, kw_only=True):
+    """Prefill service: the encoder half over prompts, global KV blocks and handoff records into cache_svc.
+
+    cache: cache_svc addresses, host:port[,host:port...] (required; the same list, in the same order, on every client)
+    cache_retry_s: after the cache failed a handoff write, answer FAILED_PRECONDITION this long without trying
+    max_queue: prompts waiting for the encoder at once; more are refused with RESOURCE_EXHAUSTED
+    handoff_lease_s: how long a handoff record waits for a decode when the request does not say
+    max_handoff_lease_s: longest lease a request may ask for
+    """
+
+    port: Port = 7002
+    metrics_port: Port = 9102
+    cache: Annotated[list[str], msgspec.Meta(min_length=1)]
+    cache_retry_s: NonNegativeFloat = 2.0
     max_queue: Positive = 64
     handoff_lease_s: PositiveFloat = 30.0
     max_handoff_lease_s: PositiveFloat = 300.0
-    grace_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
-    log_level: Literal["debug", "info", "warning", "error"] = "info"

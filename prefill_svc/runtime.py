@@ -1,22 +1,31 @@
-"""What a model-serving process needs around the model: loading it from a `--model` spec, and checking a prompt.
+"""What a model-serving process needs around the model: loading it from a `--model` spec, checking a prompt, refusing
+a request with a precise status, and the server life cycle.
 
-Public: decode_svc uses this module too (both services load a part of the same model and validate prompts the same
-way). The spec is a preset name (`tiny`, `small`: weights initialised deterministically from `seed`) or a checkpoint
-directory (config.json + safetensors shards).
+Public: decode_svc uses this module too (both services load a part of the same model, validate prompts the same way
+and start and stop alike). A model spec is a preset name (`tiny`, `small`: weights initialised deterministically from
+`seed`) or a checkpoint directory (config.json + safetensors shards).
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 
+from cache_svc.client import AsyncCacheClient
+from mesh.grpc_server import GrpcServer, Registrar
+from mesh.logging import get_logger
+from mesh.metrics import new_registry, serve_metrics
 from model import SamplingParams, Transformer, build_model, load_checkpoint, preset
 from model.transformer import Part
+from prefill_svc.config import ModelServiceConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -125,3 +134,68 @@ def model_summary(model: Transformer) -> dict[str, object]:
         "kv_block_tokens": model.args.kv_block_tokens,
         "max_context": max_context(model),
     }
+
+
+# -------------------------------------------------------------------------------------------------------- servers
+class ModelServer:
+    """The life cycle every model service shares (prefill_svc.server, decode_svc.server).
+
+    `start()` loads and warms the model (unless one is given) before the gRPC server starts, so health turns
+    SERVING only when the replica is ready; `build()` (the service's own) makes the servicer. `stop()` is graceful:
+    the servicer reports draining, health turns NOT_SERVING, in-flight RPCs get the grace period, then `release()`
+    (the service's own) frees what the service holds, and the cache client closes.
+    """
+
+    package: str  # the service's package: its logger's name
+    part: Part  # the part of the model it serves
+    service: str  # its full gRPC service name (health, reflection)
+
+    def __init__(self, cfg: ModelServiceConfig, *, model: Transformer | None = None) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.log: Any = get_logger(self.package)
+        self.registry = new_registry()
+        self.port = 0
+        self.metrics_port = 0
+        self.cache: AsyncCacheClient | None = None
+        self.servicer: Any = None
+        self._grpc: GrpcServer | None = None
+
+    def build(self) -> tuple[Any, Registrar]:
+        """The servicer and the function that adds it to a grpc server (called with model and cache client ready)."""
+        raise NotImplementedError
+
+    async def release(self) -> None:
+        """Free what the service holds, after the last RPC ended."""
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        if self.model is None:
+            self.model = await asyncio.to_thread(self._load)
+        self.cache = AsyncCacheClient(cfg.cache, timeout_s=cfg.cache_timeout_s) if cfg.cache else None
+        self.servicer, register = self.build()
+        self._grpc = GrpcServer([(register, self.servicer, self.service)], cfg.host, cfg.port)
+        self.port = self._grpc.port
+        await self._grpc.start()
+        self.metrics_port = serve_metrics(self.registry, cfg.metrics_host, cfg.metrics_port)
+        self.log.info("serving", host=cfg.host, port=self.port, metrics_port=self.metrics_port)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self.servicer is not None:
+            self.servicer.draining = True
+        if self._grpc is not None:
+            await self._grpc.stop(self.cfg.grace_s if grace_s is None else grace_s)
+        await self.release()
+        if self.cache is not None:
+            await self.cache.close()
+        self.log.info("stopped")
+
+    def _load(self) -> Transformer:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        started = time.monotonic()
+        model = load_model(cfg.model, self.part, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+        warm_up(model)
+        self.log.info("model_loaded", seconds=round(time.monotonic() - started, 3), **model_summary(model))
+        return model
