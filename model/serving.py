@@ -243,8 +243,8 @@ def _batch_tokens(model: Transformer, batch: DecodeBatch, tokens, T: int | None 
     return tokens
 
 
-def forward_full(model: Transformer, step: Step) -> Tensor:
-    """Every layer over a step (H^{L/2} and DSpark rings staged) → fp32 logits [B, T, V]."""
+def forward_full(model: Transformer, step: Step, last_only: bool = False) -> Tensor:
+    """Every layer over a step (H^{L/2} and DSpark rings staged) → fp32 logits [B, T, V] ([B, 1, V]: last_only)."""
     a = model.args
     X, pre = model.embed_stream(step.tokens)
     X, pre = model.step_layers(step, X, pre, range(a.n_encoder_layers))
@@ -252,14 +252,14 @@ def forward_full(model: Transformer, step: Step) -> Tensor:
     taps: list[Tensor] = []
     X, pre = model.step_layers(step, X, pre, range(a.n_encoder_layers, a.num_hidden_layers), taps)
     absorb(model.mtp, step, taps)
-    return model.logits(X, pre)
+    return model.logits(X[:, -1:], pre[:, -1:]) if last_only else model.logits(X, pre)
 
 
 @torch.no_grad()
 def decode_step(model: Transformer, batch: DecodeBatch, tokens) -> Tensor:
     """Process one pending token per sequence; returns the next-token logits [B, V] (sampling is the caller's)."""
     step = batch.cache.step(_batch_tokens(model, batch, tokens, 1))
-    logits = forward_full(model, step)
+    logits = forward_full(model, step, last_only=True)
     step.commit()
     return logits[:, -1]
 
