@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import Transformer, build_model, preset, serving  # noqa: E402
+from model import Transformer, build_model, preset, serving
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
@@ -102,10 +102,11 @@ def table(rows: list[dict]) -> str:
             f"{'replay':>8} | {'decode b=1':>11} {'decode b=16':>12} {'b16/b1':>6}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
+        prefill = f"{r['encode_prefill_tok_s']:>11.0f} t/s {r['full_depth_prefill_tok_s']:>7.0f} t/s"
+        decode = f"{r['decode_tok_s_b1']:>7.1f} t/s {r['decode_tok_s_b16']:>8.1f} t/s"
         lines.append(
-            f"{r['preset']:<7} {r['params'] / 1e6:>7.1f}M {r['prompt_tokens']:>6} | "
-            f"{r['encode_prefill_tok_s']:>11.0f} t/s {r['full_depth_prefill_tok_s']:>7.0f} t/s {r['prefill_cost_ratio']:>6.2f} | "
-            f"{r['decoder_replay_s'] * 1e3:>6.0f}ms | {r['decode_tok_s_b1']:>7.1f} t/s {r['decode_tok_s_b16']:>8.1f} t/s "
+            f"{r['preset']:<7} {r['params'] / 1e6:>7.1f}M {r['prompt_tokens']:>6} | {prefill} "
+            f"{r['prefill_cost_ratio']:>6.2f} | {r['decoder_replay_s'] * 1e3:>6.0f}ms | {decode} "
             f"{r['decode_tok_s_b16'] / r['decode_tok_s_b1']:>6.2f}"
         )
     return "\n".join(lines)
