@@ -1,7 +1,9 @@
 """recipe vs deepseek-recipe 0.2.0, side by side in one process on the same inputs.
 
 (a) convert + render: requests/s on a realistic 21-message conversation with tools and reasoning
-    (message text taken from a real agent session in ../shared/data/agent-traces when present).
+    (message text taken from a real agent session in ../shared/data/agent-traces when present), once as
+    an agent session sends it (the same tools and earlier calls every turn: our memoised schema lines and
+    call parameters hit) and once with tools and calls never seen before (every request different).
 (b) streaming parse: MB/s and chunks/s on a long reasoning + answer + DSML output cut into 4-character
     chunks, with every event materialised (JSON bytes), for each API.
 (c) token-mode parse (ours only, with the reference for scale): token ids one per push.
@@ -97,9 +99,10 @@ def long_output() -> str:
         * 200
     )
     answer = "Here is what I found about the weather today, including temperatures and forecasts. " * 200
+    parameter = '<｜DSML｜ parameter name="{}" string="{}">{}</｜DSML｜ parameter>'
     calls = "\n".join(
-        f'<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="city" string="true">City number {i} with a long '
-        f'name</｜DSML｜ parameter>\n<｜DSML｜ parameter name="days" string="false">{i}</｜DSML｜ parameter>\n</｜DSML｜ invoke>'
+        f'<｜DSML｜ invoke name="get_weather">\n{parameter.format("city", "true", f"City number {i} with a long name")}'
+        f"\n{parameter.format('days', 'false', i)}\n</｜DSML｜ invoke>"
         for i in range(50)
     )
     return f"{reasoning}</think>{answer}\n\n<｜DSML｜ calls>\n{calls}\n</｜DSML｜ calls>"
@@ -150,25 +153,55 @@ def side_by_side(
     return mine, reference
 
 
+def unseen_variants(count: int) -> list[bytes]:
+    """The conversation with tool descriptions and call arguments made unique per variant."""
+    variants = []
+    for number in range(count):
+        body = conversation_body()
+        for tool in body["tools"]:
+            tool["function"]["description"] += f" (variant {number})"
+        for message in body["messages"]:
+            for call in message.get("tool_calls", ()):
+                call["function"]["arguments"] = call["function"]["arguments"].replace("12.5", f"{number}.5")
+        variants.append(json.dumps(body).encode())
+    return variants
+
+
 def bench_render(rounds: int, seconds: float) -> dict[str, Any]:
     body = json.dumps(conversation_body()).encode()
     options = dr.ConversionOptions()
     encoding = dr.DeepseekV41Encoding()
 
-    def ours() -> int:
-        converted = convert("chat.completions", body)
+    def render_ours(raw: bytes) -> int:
+        converted = convert("chat.completions", raw)
         return len(render(converted.conversation, converted.version).text) and 1
 
-    def theirs() -> int:
-        converted = dr.ChatCompletionRequest(body).convert(options)
+    def render_theirs(raw: bytes) -> int:
+        converted = dr.ChatCompletionRequest(raw).convert(options)
         return len(encoding.render_conversation(converted.conversation).prompt) and 1
 
     converted = convert("chat.completions", body)
     text = render(converted.conversation, converted.version).text
     assert text == encoding.render_conversation(dr.ChatCompletionRequest(body).convert(options).conversation).prompt
-    mine, reference = side_by_side(ours, theirs, rounds, seconds)
-    messages = len(json.loads(body)["messages"])
-    return {"messages": messages, "prompt_chars": len(text), "ours_per_s": mine, "reference_per_s": reference}
+    session = side_by_side(lambda: render_ours(body), lambda: render_theirs(body), rounds, seconds)
+    variants = unseen_variants(4_000)
+    position = {"ours": 0, "theirs": 0}
+
+    def next_variant(side: str) -> bytes:
+        position[side] = (position[side] + 1) % len(variants)
+        return variants[position[side]]
+
+    unseen = side_by_side(
+        lambda: render_ours(next_variant("ours")), lambda: render_theirs(next_variant("theirs")), rounds, seconds
+    )
+    return {
+        "messages": len(json.loads(body)["messages"]),
+        "prompt_chars": len(text),
+        "ours_per_s": session[0],
+        "reference_per_s": session[1],
+        "unseen_ours_per_s": unseen[0],
+        "unseen_reference_per_s": unseen[1],
+    }
 
 
 def bench_stream(api: str, rounds: int, seconds: float) -> dict[str, Any]:
@@ -256,7 +289,11 @@ def main() -> int:
         "stream": {api: bench_stream(api, args.rounds, args.seconds) for api in STREAM_BODIES},
         "tokens": bench_tokens(args.rounds, args.seconds),
     }
-    rows = [("(a) convert+render, requests/s", results["render"]["ours_per_s"], results["render"]["reference_per_s"])]
+    info = results["render"]
+    rows = [
+        ("(a) convert+render, requests/s", info["ours_per_s"], info["reference_per_s"]),
+        ("(a) … unseen tools and calls, requests/s", info["unseen_ours_per_s"], info["unseen_reference_per_s"]),
+    ]
     for api, stream in results["stream"].items():
         rows.append((f"(b) parse {api}, MB/s", stream["ours_mb_per_s"], stream["reference_mb_per_s"]))
         rows.append((f"(b) parse {api}, chunks/s", stream["ours_chunks_per_s"], stream["reference_chunks_per_s"]))
@@ -268,7 +305,6 @@ def main() -> int:
     for name, mine, reference in rows:
         table.add_row(name, f"{mine:,.1f}", f"{reference:,.1f}", f"{mine / reference:.2f}x")
     Console(width=120).print(table)
-    info = results["render"]
     print(f"(a) conversation: {info['messages']} messages, {info['prompt_chars']:,} prompt characters")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
