@@ -98,6 +98,7 @@ class Generation:
         self.prompt_tokens = len(prompt.token_ids)
         self.cached_tokens = 0
         self.fallback: str | None = None
+        self.prefill_replica: str | None = None
         self.replica: ReplicaState | None = None
         self._call: Any = None
         self._first: decode_pb2.GenerateResponse | None = None
@@ -162,6 +163,7 @@ class Generation:
                 log.warning("prefill_failed", request_id=self.prompt.request_id, error=last)
                 continue
             b.router.served("prefill", self.prompt.affinity, state)
+            self.prefill_replica = state.name
             self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens
             if answer.bounded_replay:
                 b.metrics.bounded_replays.inc()
@@ -189,8 +191,10 @@ class Generation:
             tried.add(state.name)
             remaining = max(0.0, self._deadline - time.monotonic())
             call = state.stub.Generate(self._decode_request(handle), timeout=remaining)
+            # Without a handle decode prefills the whole prompt before its first message: give it prefill's time.
+            first_within = s.stall_timeout_s if handle is not None else max(s.stall_timeout_s, s.prefill_timeout_s)
             try:
-                first = await asyncio.wait_for(call.read(), s.stall_timeout_s)
+                first = await asyncio.wait_for(call.read(), first_within)
             except asyncio.CancelledError:  # the client left while we waited
                 call.cancel()
                 self._abort(state, "client_disconnect")
@@ -213,7 +217,7 @@ class Generation:
                 self._abort(state, "first_token_timeout")
                 b.router.pools["decode"].failed(state)
                 reason = "first_token_timeout"
-                last = f"decode replica {state.name} sent nothing for {s.stall_timeout_s:g} s"
+                last = f"decode replica {state.name} sent nothing for {first_within:g} s"
             else:
                 if first is not grpc.aio.EOF:
                     self._call, self.replica = call, state

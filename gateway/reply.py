@@ -247,6 +247,7 @@ class Reply:
             completion_tokens=completion,
             ttft_s=None if self.first_token_at is None else round(self.first_token_at - self.arrived, 4),
             duration_s=round(duration, 4),
+            prefill=[g.prefill_replica for g in self.generations],
             decode=[g.replica.name if g.replica else None for g in self.generations],
             fallback=first.fallback,
             error=None if self.failure is None else self.failure.message,

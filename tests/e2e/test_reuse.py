@@ -27,6 +27,16 @@ def prompt_ids(messages: list[dict]) -> list[int]:
     return render(request.conversation, request.version, load_tokenizer()).token_ids or []
 
 
+def served_by(mesh: Mesh, *request_ids: str) -> list[tuple[str, str]]:
+    """(prefill, decode) replica of each request, from the gateway's `request` log lines."""
+    found = {}
+    for line in mesh.child("gateway").log.read_text().splitlines():
+        if '"event": "request"' in line:
+            entry = json.loads(line)
+            found[entry["request_id"]] = (entry["prefill"][0], entry["decode"][0])
+    return [found[rid] for rid in request_ids]
+
+
 def test_second_turn_reuses_the_first_and_equals_a_cold_run(
     mesh: Mesh, oai: openai.OpenAI, claude: anthropic.Anthropic
 ) -> None:
@@ -36,8 +46,9 @@ def test_second_turn_reuses_the_first_and_equals_a_cold_run(
     # One output token: decode's SWA record then ends exactly where the first prompt ends (the last sampled token
     # is not run through the model), so the second turn extends the record's tokens whatever the model said.
     first = oai.chat.completions.create(
-        model=MODEL, messages=history, max_tokens=1, temperature=0, extra_body={**NO_THINKING, "cache_salt": salt}
-    )
+        model=MODEL, messages=history, max_tokens=1, temperature=0, extra_body={**NO_THINKING, "cache_salt": salt},
+        extra_headers={"x-request-id": f"{salt}-turn-1"},
+    )  # fmt: skip
     first_prompt = prompt_ids(history)
     assert first.usage.prompt_tokens == len(first_prompt)
     full_blocks = len(first_prompt) // info.kv_block_tokens * info.kv_block_tokens
@@ -52,8 +63,9 @@ def test_second_turn_reuses_the_first_and_equals_a_cold_run(
     second = [*history, {"role": "assistant", "content": first.choices[0].message.content}, *[
         {"role": "user", "content": "Now give a short example."}]]  # fmt: skip
     warm = oai.chat.completions.create(
-        model=MODEL, messages=second, max_tokens=8, temperature=0, extra_body={**NO_THINKING, "cache_salt": salt}
-    )
+        model=MODEL, messages=second, max_tokens=8, temperature=0, extra_body={**NO_THINKING, "cache_salt": salt},
+        extra_headers={"x-request-id": f"{salt}-turn-2"},
+    )  # fmt: skip
     cold = oai.chat.completions.create(
         model=MODEL, messages=second, max_tokens=8, temperature=0,
         extra_body={**NO_THINKING, "cache_salt": f"cold-{uuid.uuid4().hex}"},
@@ -63,6 +75,9 @@ def test_second_turn_reuses_the_first_and_equals_a_cold_run(
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
     assert warm.choices[0].message.content == cold.choices[0].message.content
+    # The idle mesh has two replicas of each role: the second turn went back to the first turn's replicas.
+    turns = served_by(mesh, f"{salt}-turn-1", f"{salt}-turn-2")
+    assert turns[0] == turns[1]
 
     # The same first prompt through the other two APIs: the cache is shared, each reports it in its own field.
     message = claude.messages.create(
