@@ -8,6 +8,8 @@ For each preset, over the same random prompt:
   full-depth prefill (the peer: every layer over every prompt token, what a model without CED must run), both on the
   packed-cache path; the ratio is the paper's "about half" claim;
 - the decoder bounded replay that starts a decode (L/2 layers over the last W tokens);
+- what the bounded replays cost in accuracy: KL(exact full-depth ‖ decoder-replayed) next-token distributions, and
+  the same after a half-prompt cache hit whose SWA record is gone (encoder replay);
 - decode tokens/s at batch 1 and 16 (`decode_step`, one token per sequence per step).
 Prints a table, writes JSON (default bench/out/model_bench.json). Imports only torch and the model.
 """
@@ -48,14 +50,21 @@ def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
 
 
 @torch.no_grad()
-def full_depth_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> None:
-    """The peer: every layer over every prompt token (exact decoder windows, no bounded replay)."""
+def full_depth_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The peer: every layer over every prompt token (exact decoder windows, no bounded replay) → next logits."""
     cache = model.new_cache()
     cache.add_row()
     for a in range(0, tokens.shape[0], chunk):
         step = cache.step(tokens[None, a : a + chunk])
-        serving.forward_full(model, step, last_only=True)  # like a prefill: next-token logits of the last position
+        logits = serving.forward_full(model, step, last_only=True)  # a prefill needs the last position's only
         step.commit()
+    return logits[0, -1]
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """KL(p || q) of two next-token distributions, in nats."""
+    p, q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum())
 
 
 def decode_rate(model: Transformer, out: serving.PrefillOutput, batch: int, steps: int, device, repeat: int) -> float:
@@ -81,6 +90,13 @@ def bench(name: str, prompt: int, chunk: int, steps: int, device: torch.device, 
     peer = timed(lambda: full_depth_prefill(model, tokens, chunk), device, repeat)
     out = model.encode_prefill(tokens, chunk_tokens=chunk)
     replay = timed(lambda: model.new_decode_batch().join(out.blocks, out.encoder_state), device, repeat)
+    # What the approximations cost (random weights: indicative only): the decoder bounded replay against the exact
+    # full-depth logits, and an encoder replay after a half-prompt cache hit without its SWA record.
+    exact = full_depth_prefill(model, tokens, chunk)
+    _, replayed = model.new_decode_batch().join(out.blocks, out.encoder_state)
+    hit = out.blocks[: len(out.blocks) // 2]
+    warmless = model.encode_prefill(tokens, serving.Past(hit), chunk_tokens=chunk)
+    _, hit_logits = model.new_decode_batch().join(hit + warmless.blocks, warmless.encoder_state)
     row = {
         "preset": name,
         "params": sum(p.numel() for p in model.parameters()),
@@ -91,6 +107,9 @@ def bench(name: str, prompt: int, chunk: int, steps: int, device: torch.device, 
         "encode_prefill_tok_s": prompt / ours,
         "full_depth_prefill_tok_s": prompt / peer,
         "decoder_replay_s": replay,
+        "decoder_replay_kl": kl(exact, replayed),
+        "encoder_replay_hit_tokens": len(hit) * args.kv_block_tokens,
+        "encoder_replay_kl": kl(exact, hit_logits),
     }
     for batch in (1, 16):
         row[f"decode_tok_s_b{batch}"] = decode_rate(model, out, batch, steps, device, repeat)
@@ -98,15 +117,16 @@ def bench(name: str, prompt: int, chunk: int, steps: int, device: torch.device, 
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'preset':<7} {'params':>8} {'prompt':>6} | {'encode_prefill':>15} {'full-depth':>11} {'ratio':>6} | "
-            f"{'replay':>8} | {'decode b=1':>11} {'decode b=16':>12} {'b16/b1':>6}")  # fmt: skip
+    head = f"{'preset':<7} {'params':>8} {'prompt':>6} | {'encode_prefill':>15} {'full-depth':>11} {'ratio':>6} | "
+    head += f"{'replay':>8} {'KL dec':>8} {'KL enc':>8} | {'decode b=1':>11} {'decode b=16':>12} {'b16/b1':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         prefill = f"{r['encode_prefill_tok_s']:>11.0f} t/s {r['full_depth_prefill_tok_s']:>7.0f} t/s"
         decode = f"{r['decode_tok_s_b1']:>7.1f} t/s {r['decode_tok_s_b16']:>8.1f} t/s"
         lines.append(
             f"{r['preset']:<7} {r['params'] / 1e6:>7.1f}M {r['prompt_tokens']:>6} | {prefill} "
-            f"{r['prefill_cost_ratio']:>6.2f} | {r['decoder_replay_s'] * 1e3:>6.0f}ms | {decode} "
+            f"{r['prefill_cost_ratio']:>6.2f} | {r['decoder_replay_s'] * 1e3:>6.0f}ms "
+            f"{r['decoder_replay_kl']:>8.1e} {r['encoder_replay_kl']:>8.1e} | {decode} "
             f"{r['decode_tok_s_b16'] / r['decode_tok_s_b1']:>6.2f}"
         )
     return "\n".join(lines)

@@ -47,7 +47,8 @@ class Past:
 class PrefillOutput:
     blocks: list[GlobalKVBlock]  # new complete blocks (indices from len(past.blocks))
     encoder_state: EncoderState  # the handoff record at the end of the tokens
-    cached_tokens: int  # prefix tokens whose global KV came from the cache
+    cached_tokens: int  # prefix tokens covered by cached complete blocks (a multiple of kv_block_tokens)
+    resumed_at: int  # the position encoding resumed from (the SWA record's position when it was present)
     swa_restored: bool  # the encoder rings came from past.encoder_state (exact)
     bounded_replay: bool  # the encoder rings were rebuilt by bounded replay (approximate)
 
@@ -112,7 +113,7 @@ def encode_prefill(
             elif start > 0:
                 bounded_replay(model, cache, row, "encoder", tokens)
                 replayed = True
-        start = cache.pos[row]
+        start = resumed = cache.pos[row]
         chunks = range(start, N, chunk_tokens)
         for a in tqdm(chunks, desc="prefill", unit="chunk", disable=not progress):
             step = cache.step(tokens[None, a : a + chunk_tokens])
@@ -122,7 +123,8 @@ def encode_prefill(
     return PrefillOutput(
         blocks=export_blocks(cache, row, first, N // Bt, model.fingerprint),
         encoder_state=export_state(cache, row, model.fingerprint),
-        cached_tokens=first * Bt if past is None or past.encoder_state is None else past.encoder_state.position,
+        cached_tokens=first * Bt,
+        resumed_at=resumed,
         swa_restored=past is not None and past.encoder_state is not None,
         bounded_replay=replayed,
     )
