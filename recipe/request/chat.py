@@ -248,11 +248,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         common.tool_choice_named(conversation, choice.function.name, "tool_choice")
     elif choice is not None:
         conversation.tool_choice = choice
-    common.check_thinking_tool_choice(conversation)
-    if conversation.response_format is not None and conversation.response_format.type == "json_object":
-        common.require_json_word(conversation)
-    if thinking:
-        common.check_reasoning_passed_back(messages, options)
+    common.check_conversation(conversation, options)
 
     max_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
     common.check_range(request.temperature, 0, 2, "temperature")
@@ -273,27 +269,25 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         common.check_range(request.top_logprobs, 0, 20, "top_logprobs")
     if request.stream_options is not None and not request.stream:
         raise RecipeError("stream_options should be set along with stream = true", param="stream_options")
-    stops = common.stop_sequences(request.stop, "stop")
-    return ConvertedRequest(
-        api="chat.completions",
-        model=request.model,
-        version=version,
-        conversation=conversation,
-        sampling=common.sampling(
-            version,
-            conversation,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            max_tokens=max_tokens,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            n=n,
-            logprobs=bool(request.logprobs),
-            top_logprobs=request.top_logprobs or 0,
-        ),
-        parsing=common.parsing(conversation, stops),
-        output_constraint=common.output_constraint(conversation),
-        stream=bool(request.stream),
-        include_usage=bool(request.stream_options and request.stream_options.include_usage),
+    sampling = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "max_tokens": max_tokens,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "n": n,
+        "logprobs": bool(request.logprobs),
+        "top_logprobs": request.top_logprobs or 0,
+    }
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return common.converted(
+        "chat.completions",
+        request.model,
+        version,
+        conversation,
+        sampling,
+        stops=common.stop_sequences(request.stop, "stop"),
+        stream=request.stream,
+        include_usage=include_usage,
     )

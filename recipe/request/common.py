@@ -11,8 +11,15 @@ import msgspec
 
 from recipe import pyjson
 from recipe.conversation import Assistant, Conversation, Image, Message, Tool, ToolResult, User, text_of
-from recipe.errors import RecipeError
-from recipe.options import ConversionOptions, OutputConstraint, ParsingOptions, Sampling, ThinkingStage
+from recipe.errors import Api, RecipeError
+from recipe.options import (
+    ConversionOptions,
+    ConvertedRequest,
+    OutputConstraint,
+    ParsingOptions,
+    Sampling,
+    ThinkingStage,
+)
 from recipe.tokens import ModelVersion
 
 T = TypeVar("T")
@@ -222,9 +229,41 @@ def tool_choice_named(conversation: Conversation, name: str, param: str) -> None
     conversation.tool_choice = "required"
 
 
-def check_thinking_tool_choice(conversation: Conversation) -> None:
+def check_conversation(conversation: Conversation, options: ConversionOptions) -> None:
+    """The checks every API makes once its request is a Conversation."""
     if conversation.thinking and conversation.tool_choice == "required" and conversation.tools:
         raise RecipeError("Thinking mode does not support this tool_choice", param="tool_choice")
+    fmt = conversation.response_format
+    if fmt is not None and fmt.type == "json_object":
+        require_json_word(conversation)
+    if conversation.thinking:
+        check_reasoning_passed_back(conversation.messages, options)
+
+
+def converted(
+    api: Api,
+    model: str,
+    version: ModelVersion,
+    conversation: Conversation,
+    sampling_settings: dict[str, Any],
+    *,
+    stops: tuple[str, ...] = (),
+    stream: bool | None = False,
+    **fields: Any,
+) -> ConvertedRequest:
+    """The ConvertedRequest of a conversation: sampling under DeepSeek's policy, parsing options and the
+    output constraint follow from it; `fields` are the API's own (include_usage, echo, ...)."""
+    return ConvertedRequest(
+        api=api,
+        model=model,
+        version=version,
+        conversation=conversation,
+        sampling=sampling(version, conversation, **sampling_settings),
+        parsing=parsing(conversation, stops),
+        output_constraint=output_constraint(conversation),
+        stream=bool(stream),
+        **fields,
+    )
 
 
 def output_constraint(conversation: Conversation) -> OutputConstraint | None:

@@ -303,9 +303,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         common.tool_choice_named(conversation, choice.name or "", "tool_choice.name")
     elif choice is not None and choice.type == "none":
         conversation.tool_choice = "none"
-    common.check_thinking_tool_choice(conversation)
-    if thinking:
-        common.check_reasoning_passed_back(messages, options)
+    common.check_conversation(conversation, options)
 
     if request.max_tokens is not None and request.max_tokens < 1:
         raise RecipeError("Invalid max_tokens value, the valid range of max_tokens is [1, ...]", param="max_tokens")
@@ -314,21 +312,13 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     common.check_range(request.temperature, 0, 2, "temperature")
     common.check_range(request.top_p, 0, 1.0, "top_p", open_low=True)
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else None
+    sampling = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": None if thinking else top_k,
+        "max_tokens": max_tokens,
+    }
     stops = common.stop_sequences(request.stop_sequences, "stop_sequences")
-    return ConvertedRequest(
-        api="messages",
-        model=request.model,
-        version=version,
-        conversation=conversation,
-        sampling=common.sampling(
-            version,
-            conversation,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=None if thinking else top_k,
-            max_tokens=max_tokens,
-        ),
-        parsing=common.parsing(conversation, stops),
-        output_constraint=common.output_constraint(conversation),
-        stream=bool(request.stream),
+    return common.converted(
+        "messages", request.model, version, conversation, sampling, stops=stops, stream=request.stream
     )

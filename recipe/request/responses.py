@@ -360,11 +360,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         common.tool_choice_named(conversation, choice.name, "tool_choice")
     elif choice is not None:
         conversation.tool_choice = choice
-    common.check_thinking_tool_choice(conversation)
-    if response_format is not None and response_format.type == "json_object":
-        common.require_json_word(conversation)
-    if thinking:
-        common.check_reasoning_passed_back(messages, options)
+    common.check_conversation(conversation, options)
 
     common.check_range(request.temperature, 0, 2, "temperature")
     common.check_range(request.top_p, 0, 1.0, "top_p", open_low=True)
@@ -388,23 +384,20 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "user": request.user,
     }
-    return ConvertedRequest(
-        api="responses",
-        model=request.model,
-        version=version,
-        conversation=conversation,
-        sampling=common.sampling(
-            version,
-            conversation,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            max_tokens=request.max_output_tokens,
-            logprobs=bool(request.top_logprobs),
-            top_logprobs=request.top_logprobs or 0,
-        ),
-        parsing=common.parsing(conversation, ()),
-        output_constraint=common.output_constraint(conversation),
-        stream=bool(request.stream),
+    sampling = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "max_tokens": request.max_output_tokens,
+        "logprobs": bool(request.top_logprobs),
+        "top_logprobs": request.top_logprobs or 0,
+    }
+    return common.converted(
+        "responses",
+        request.model,
+        version,
+        conversation,
+        sampling,
+        stream=request.stream,
         echo=echo,
         namespaces=tools.namespaces,
         custom_tools=frozenset(tools.custom),

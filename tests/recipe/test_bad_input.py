@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from recipe_strategies import REQUESTS
+from recipe_strategies import REQUESTS, scaled
 
 from recipe import APIS, RecipeError, convert, render
 
@@ -89,6 +89,7 @@ def _rejection(api: str, body: dict[str, Any]) -> RecipeError | None:
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
+@settings(max_examples=scaled(25))
 def test_broken_json_is_rejected_cleanly(api: str, data: st.DataObject) -> None:
     raw = json.dumps(data.draw(REQUESTS[api]())).encode()
     cut = data.draw(st.integers(0, len(raw) - 1))

@@ -40,7 +40,7 @@ def test_recipe_image_spelling_matches_reference(body: dict) -> None:
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
-@settings(max_examples=scaled(25))
+@settings(max_examples=scaled(15))
 def test_token_ids_match_reference(api: str, data: st.DataObject, tokenizer: Tokenizer) -> None:
     body = data.draw(REQUESTS[api]())
     try:
