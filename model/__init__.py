@@ -4,7 +4,7 @@ Imports only torch, numpy, safetensors, tqdm, tokenizers and the standard librar
 """
 
 from model.config import PRESETS, ModelArgs, preset
-from model.dspark import Draft
+from model.dspark import Draft, draft_logits
 from model.kv import LAYOUT_VERSION, EncoderState, GlobalKVBlock, PackedEntries, global_kv_bytes_per_token
 from model.sampling import SamplingParams, sample, speculative_accept
 from model.serving import DecodeBatch, Past, PrefillOutput, SequenceExport, VerifyResult
@@ -36,6 +36,7 @@ __all__ = [
     "VerifyResult",
     "build_model",
     "checkpoint_fingerprint",
+    "draft_logits",
     "global_kv_bytes_per_token",
     "init_weights",
     "load_checkpoint",

@@ -17,16 +17,22 @@ The decode engine may truncate a row's drafts where the running product of confi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from model import kernels
+from model import kernels, quant
+from model.attention import dense_attention
 from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.indexer import backend
 from model.linear import Embedding, Linear, RMSNorm
+from model.mhc import hc_collapse
+
+if TYPE_CHECKING:
+    from model.transformer import Transformer
 
 
 @dataclass
@@ -81,11 +87,64 @@ class DSparkBlock(Block):
         window = (torch.cat((ring.data[:B], data), 1), torch.cat((ring.scale[:B], scale), 1), mask)
         return attn.attend_packed(q, positions, window, None)
 
+    def dense_block_attention(self, x: Tensor, positions: Tensor, ring: Tensor, ring_mask: Tensor) -> Tensor:
+        """Dense, differentiable form of `block_attention`: ring keys [N, W, D] (fake-quantised) with their mask."""
+        attn = self.attn
+        xq = attn.cast_input(x)
+        _, q = attn.query(xq, positions)
+        kv = quant.fake_quant_fp8(attn.window_kv(xq, positions))
+        block = torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+        o = dense_attention(q, [(ring, ring_mask.unsqueeze(1).expand(-1, x.shape[1], -1)), (kv, block)],
+                            attn.attn_sink, attn.softmax_scale)  # fmt: skip
+        return attn.project_out(o, positions)
+
+
+def context(mtp: nn.ModuleList, taps: list[Tensor] | Tensor) -> Tensor:
+    """main_x = main_norm(main_proj([h_l₁; h_l₂; h_l₃])) from the target features."""
+    first = mtp[0]
+    return first.main_norm(first.main_proj(torch.cat(taps, dim=-1) if isinstance(taps, list) else taps))
+
 
 def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
     """Stage every DSpark ring's entries for the step's real positions from the target features `taps`."""
-    first = mtp[0]
-    main_x = first.main_norm(first.main_proj(torch.cat(taps, dim=-1)))
+    main_x = context(mtp, taps)
     for block in mtp:
         kv = block.attn.window_kv(block.attn.cast_input(main_x), step.positions)
         step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=backend(kv))
+
+
+def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
+    """Dense, differentiable DSpark forward for training, teacher-forced.
+
+    tokens [B, T] and the frozen target's `taps` [B, T, n·C] (`model(tokens, return_taps=True)`); anchors [A]: last
+    committed positions p (p + γ < T). Row k of anchor p drafts token p+2+k from the block [tokens[p+1], noise…], the
+    ring of main_x at positions (p−W, p], and the Markov bias of its true predecessor tokens[p+1+k]. Returns (logits
+    [B, A, γ, V] with the Markov bias, confidence logits [B, A, γ]); the greedy drafts of `Transformer.dspark_draft`
+    are the arg-maxes when the drafts are right.
+    """
+    a = model.args
+    B, T = tokens.shape
+    g, W, A = a.dspark_block_size, a.sliding_window, anchors.shape[0]
+    if bool(((anchors < 0) | (anchors + g >= T)).any()):
+        raise ValueError(f"anchors must satisfy 0 ≤ p and p + {g} < {T}")
+    main_x = context(model.mtp, taps)
+    dev = tokens.device
+    steps = torch.arange(g, device=dev)
+    positions = (anchors.unsqueeze(1) + 1 + steps).repeat(B, 1)  # [B·A, γ]
+    ids = torch.full((B, A, g), a.dspark_noise_token_id, device=dev)
+    ids[..., 0] = tokens[:, anchors + 1]
+    ring_pos = anchors.unsqueeze(1) - W + 1 + torch.arange(W, device=dev)  # [A, W]
+    ring_mask = (ring_pos >= 0).repeat(B, 1)
+    X, pre = model.embed_stream(ids.view(B * A, g))
+    every = torch.arange(T, device=dev).expand(B, T)
+    for block in model.mtp:
+        ring_kv = quant.fake_quant_fp8(block.attn.window_kv(block.attn.cast_input(main_x), every))  # [B, T, D]
+        ring = ring_kv[:, ring_pos.clamp_min(0)].flatten(0, 1)  # [B·A, W, D]
+        X, pre = block(X, pre, lambda x, b=block, r=ring: b.dense_block_attention(x, positions, r, ring_mask))
+    last = model.mtp[-1]
+    x = hc_collapse(X, pre)
+    prev = tokens[:, anchors.unsqueeze(1) + 1 + steps].flatten(0, 1)  # [B·A, γ] true predecessors
+    e = last.markov_head.embed(prev)
+    logits = model.head(last.norm(x)).float() + last.markov_head.head(e).float()
+    confidence = last.confidence_head.proj(torch.cat((x, e.to(x.dtype)), -1)).float().squeeze(-1)
+    return logits.view(B, A, g, -1), confidence.view(B, A, g)

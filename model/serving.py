@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from model.cache import KVCache, Step
 from model.dspark import Draft, absorb
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
-from model.mhc import hc_collapse, identity_pre
+from model.mhc import hc_collapse
 from model.sampling import SamplingParams, sample, speculative_accept
 
 if TYPE_CHECKING:
@@ -322,6 +322,3 @@ def verify(
     step.commit((accepted + 1).tolist())
     emitted = [[*draft.tokens[b, : int(accepted[b])].tolist(), int(nxt[b])] for b in range(B)]
     return VerifyResult(accepted.cpu(), emitted, logits)
-
-
-__all__ = ["DecodeBatch", "Past", "PrefillOutput", "SequenceExport", "VerifyResult", "identity_pre"]

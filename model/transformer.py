@@ -15,7 +15,7 @@ over packed caches (model.serving).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -98,7 +98,7 @@ class Transformer(nn.Module):
         layers: Iterable[int],
         X: Tensor,
         pre: Tensor,
-        attend: callable,
+        attend: Callable[[Block, Tensor], Tensor],
         rows: dict[int, Tensor] | None = None,
         taps: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
@@ -113,7 +113,9 @@ class Transformer(nn.Module):
         return X, pre
 
     # ------------------------------------------------------------------------------------------ dense path
-    def forward(self, tokens: Tensor, replay_start: int = 0, return_taps: bool = False):
+    def forward(
+        self, tokens: Tensor, replay_start: int = 0, return_taps: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Dense forward of whole sequences tokens [B, T] from position 0 → fp32 logits [B, T, V].
 
         `replay_start` s truncates every decoder layer's window at s (a query at i sees [max(s, i−W+1), i]): the

@@ -8,6 +8,7 @@ import math
 import torch
 
 from model import SamplingParams, speculative_accept
+from model.dspark import draft_logits
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -162,3 +163,23 @@ def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     assert 0 < int(result.accepted.sum()) < B
     assert dof == 3
     assert stat < chi2_threshold(dof)
+
+
+def test_dense_draft_forward_matches_the_packed_draft(tiny, tokens):
+    """The differentiable DSpark forward (training) gives the packed path's drafts and confidences, teacher-forced
+    on those drafts, with target features from the dense forward under the same bounded-replay truncation."""
+    W, prompt = tiny.args.sliding_window, 13
+    ids = tokens(prompt + 3)
+    out = tiny.encode_prefill(ids[:prompt])
+    batch = tiny.new_decode_batch()
+    batch.join(out.blocks, out.encoder_state)
+    for t in ids[prompt : prompt + 2].tolist():
+        tiny.decode_step(batch, [t])
+    y = int(ids[prompt + 2])
+    draft = tiny.dspark_draft(batch, [y], SamplingParams.uniform(1))
+    sequence = torch.cat((ids, draft.tokens[0, :-1]))[None]  # committed ‖ y ‖ drafts as the Markov predecessors
+    with torch.no_grad():
+        _, taps = tiny(sequence, replay_start=prompt - W, return_taps=True)
+        logits, confidence = draft_logits(tiny, sequence, taps, torch.tensor([prompt + 1]))
+    assert torch.equal(logits[0, 0].argmax(-1), draft.tokens[0])
+    torch.testing.assert_close(torch.sigmoid(confidence[0, 0]), draft.confidence[0], rtol=1e-5, atol=1e-6)
