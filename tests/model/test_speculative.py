@@ -149,7 +149,8 @@ def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     assert int((target > 0).sum()) == 4
     # DSpark's own drafts (sampled from its distribution) must be proper samples of it …
     drafts = tiny.dspark_draft(probe, [pending], SamplingParams.uniform(1, temperature=0.5), gen)
-    torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(1, tiny.args.dspark_block_size))
+    # (fp32 probabilities over 129,280 tokens: their sum is 1 to ~1e-5)
+    torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(1, tiny.args.dspark_block_size), rtol=0, atol=1e-4)
     assert bool((drafts.probs.gather(-1, drafts.tokens.unsqueeze(-1)) > 0).all())
     # … but a random DSpark never agrees with the target; a draft distribution that overlaps it half-way makes both
     # acceptance and rejection happen.
