@@ -33,7 +33,7 @@ from torch import Tensor
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
-from decode_svc.speculation import draft_lengths, trim
+from decode_svc.speculation import draft_lengths, predicted, trim
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
 from prefill_svc.kvstore import encode_with_past
 from prefill_svc.runtime import RequestError
@@ -233,16 +233,24 @@ class Engine:
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
+        threshold = self.settings.draft_threshold
+        calibration = [seq.draft_calibration for seq in rows]
+        if max(calibration) < threshold:  # no row can keep a draft (s·aₖ < s < threshold): skip drafting
+            return self._plain_step(batch, rows, pending)
         sampling = batch_sampling(rows)
         draft = self.model.dspark_draft(batch, pending, sampling, self._generator)
         budgets = [seq.limit - len(seq.output) for seq in rows]
         stops = [seq.params.stop_token_ids for seq in rows]
-        lengths = draft_lengths(draft, self.settings.draft_threshold, self.max_draft, budgets, stops)
+        lengths = draft_lengths(draft, threshold, self.max_draft, budgets, stops, calibration)
+        promised = predicted(draft, lengths)
         draft = trim(draft, int(lengths.max()))
         result = self.model.verify(batch, pending, draft, sampling, lengths, self._generator)
-        for seq, proposed, accepted in zip(rows, lengths.tolist(), result.accepted.tolist(), strict=True):
+        for seq, proposed, accepted, expected in zip(
+            rows, lengths.tolist(), result.accepted.tolist(), promised, strict=True
+        ):
             seq.draft_proposed += proposed
             seq.draft_accepted += accepted
+            seq.draft_predicted += expected
         m = self.metrics
         m.draft_proposed.inc(int(lengths.sum()))
         m.draft_accepted.inc(int(result.accepted.sum()))

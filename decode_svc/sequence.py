@@ -132,6 +132,12 @@ class Sequence:
     abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
     draft_proposed: int = 0
     draft_accepted: int = 0
+    draft_predicted: float = 0.0  # Σ aₖ the confidence head promised for the drafts verified
+
+    @property
+    def draft_calibration(self) -> float:
+        """Accepted over promised drafts, smoothed (1 before any evidence): decode_svc.speculation."""
+        return (self.draft_accepted + 1) / (self.draft_predicted + 1)
 
     @property
     def request_id(self) -> str:

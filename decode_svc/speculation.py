@@ -1,11 +1,17 @@
 """How many DSpark drafts each row verifies (reference §4.4).
 
 The confidence head estimates cₖ = P(draft k accepted | drafts before it accepted), so aₖ = Π_{i≤k} cᵢ is the chance
-draft k is accepted at all and Σ aₖ the expected accepted length. A row keeps its drafts while aₖ ≥ threshold: each
-verified draft costs one more target position and is worth aₖ tokens. Two caps keep what verification commits equal
-to what the stream emits: a row never verifies beyond its output budget, nor past its first draft that is a stop
-token (so the cache never holds tokens the client did not get). The batch verifies max ℓ positions; rows with a
-smaller ℓ see the rest as rejected.
+draft k is accepted at all and Σ aₖ the expected accepted length. A row keeps its drafts while s·aₖ ≥ threshold: each
+verified draft costs one more target position and is worth aₖ tokens.
+
+s calibrates the head online, per sequence: (accepted + 1) / (Σ aₖ predicted for the drafts verified + 1), the ratio
+of what verification accepted to what the head promised (the paper calibrates offline, by Sequential Temperature
+Scaling). A calibrated head keeps s ≈ 1; a drafter that is confidently wrong — an untrained DSpark — drives s towards
+0 within a step or two, and its sequence then decodes one token per step instead of paying for rejected drafts.
+
+Two caps keep what verification commits equal to what the stream emits: a row never verifies beyond its output
+budget, nor past its first draft that is a stop token (so the cache never holds tokens the client did not get). The
+batch verifies max ℓ positions; rows with a smaller ℓ see the rest as rejected.
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ from model import Draft
 
 
 def draft_lengths(
-    draft: Draft, threshold: float, max_draft: int, budgets: Sequence[int], stop_ids: Sequence[frozenset[int]]
+    draft: Draft,
+    threshold: float,
+    max_draft: int,
+    budgets: Sequence[int],
+    stop_ids: Sequence[frozenset[int]],
+    calibration: Sequence[float],
 ) -> Tensor:
-    """int64 [B]: the drafts row b verifies. `budgets[b]`: tokens it may still emit (≥ 1)."""
-    kept = (draft.confidence.cumprod(-1) >= threshold).sum(-1).clamp(max=max_draft).tolist()
+    """int64 [B]: the drafts row b verifies. `budgets[b]`: tokens it may still emit (≥ 1); `calibration[b]`: its s."""
+    s = torch.tensor(calibration, dtype=draft.confidence.dtype, device=draft.confidence.device).unsqueeze(1)
+    kept = (s * draft.confidence.cumprod(-1) >= threshold).sum(-1).clamp(max=max_draft).tolist()
     tokens = draft.tokens.tolist()
     for b, (budget, stops) in enumerate(zip(budgets, stop_ids, strict=True)):
         cap = budget - 1  # a step emits the accepted drafts plus one token
@@ -31,6 +43,13 @@ def draft_lengths(
             cap = min(cap, stop_at + 1)
         kept[b] = min(kept[b], cap)
     return torch.tensor(kept, dtype=torch.int64)
+
+
+def predicted(draft: Draft, lengths: Tensor) -> list[float]:
+    """Σ_{k<ℓ_b} a_k per row: the accepted length the head promised for the drafts verified."""
+    a = draft.confidence.cumprod(-1)
+    verified = torch.arange(a.shape[1], device=a.device) < lengths.to(a.device).unsqueeze(1)
+    return (a * verified).sum(-1).tolist()
 
 
 def trim(draft: Draft, width: int) -> Draft:

@@ -155,7 +155,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         """On the encoder thread."""
         started = time.monotonic()
         out = encode_with_past(self.model, tokens, past, self.cfg.chunk_size)
-        computed = len(tokens) - out.cached_tokens
+        # An SWA record resumes the encoder past the cached blocks: at the record's position.
+        resumed = past.encoder_state.position if out.swa_restored and past and past.encoder_state else out.cached_tokens
+        computed = len(tokens) - resumed
         m = self.metrics
         m.seconds.observe(time.monotonic() - started)
         m.prompt_tokens.inc(len(tokens))

@@ -10,10 +10,11 @@ import math
 import threading
 from collections.abc import Callable
 
+import pytest
 import torch
 from service_mesh import Mesh, token_ids, wait_until
 
-from decode_svc.speculation import draft_lengths, trim
+from decode_svc.speculation import draft_lengths, predicted, trim
 from mesh.block_keys import sequence_key
 from model import Draft, Transformer
 from proto.decode.v1 import decode_pb2
@@ -79,10 +80,14 @@ def test_accepted_drafts_emit_plain_greedy_and_commit_what_was_sent(
         wait_until(lambda: any(cache.has_record(k) for k in keys), "the SWA record at the stop token")
 
 
-def test_sampled_speculation_keeps_the_target_distribution(mesh: Mesh, salt: bytes, prompt: Callable) -> None:
-    """A sampled row (top-2 at temperature 1) and a greedy row share speculative steps: the greedy row still emits
-    plain greedy tokens, and the sampled row picks its top-1 token as often as the target's probabilities say (a
-    z-test over the logprobs the stream reports: a greedy, or mis-parameterised, sampler fails it)."""
+def test_sampled_speculation_keeps_the_target_distribution(
+    start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable
+) -> None:
+    """A sampled row (top-2 at temperature 1) and a greedy row share speculative steps (threshold 0: every step drafts
+    and verifies): the greedy row still emits plain greedy tokens, and the sampled row picks its top-1 token as often
+    as the target's probabilities say (a z-test over the logprobs the stream reports: a greedy, or mis-parameterised,
+    sampler fails it)."""
+    mesh = start_mesh(decode={"draft_threshold": 0.0})
     ids = prompt(15)
     reference, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=6, disable_speculation=True, cache_salt=salt)
     results: dict[str, list[decode_pb2.GenerateResponse]] = {}
@@ -106,7 +111,8 @@ def test_sampled_speculation_keeps_the_target_distribution(mesh: Mesh, salt: byt
     assert [t for m in results["greedy"] for t in m.token_ids] == reference
     tokens = [t for m in results["sampled"] for t in m.token_ids]
     logprobs = [lp for m in results["sampled"] for lp in m.logprobs]
-    assert results["sampled"][-1].usage.draft_tokens_proposed > 0  # it did decode speculatively
+    usage = results["sampled"][-1].usage
+    assert usage.draft_tokens_proposed >= 5 * (usage.completion_tokens - 6)  # every step drafted (budget caps the end)
     top1 = 0
     expected = variance = 0.0
     for token, lp in zip(tokens, logprobs, strict=True):
@@ -121,17 +127,32 @@ def test_sampled_speculation_keeps_the_target_distribution(mesh: Mesh, salt: byt
     assert abs(z) < 4.5
 
 
-def test_draft_lengths_follow_the_confidence_product_within_the_caps() -> None:
+def test_draft_lengths_follow_the_calibrated_confidence_product_within_the_caps() -> None:
     confidence = torch.tensor([[0.9, 0.9, 0.9, 0.9, 0.9], [0.4, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
     tokens = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
     draft = Draft(tokens, torch.zeros(3, 5, 10), confidence)
-    free = [frozenset()] * 3
+    free, ones = [frozenset()] * 3, [1.0] * 3
     # Π 0.9^k ≥ 0.5 for k ≤ 6 → all 5; the second row's first confidence is already below the threshold.
-    assert draft_lengths(draft, 0.5, 5, [100] * 3, free).tolist() == [5, 0, 5]
-    assert draft_lengths(draft, 0.7, 5, [100] * 3, free).tolist() == [3, 0, 5]
-    assert draft_lengths(draft, 0.5, 2, [100] * 3, free).tolist() == [2, 0, 2]  # --max-draft
-    assert draft_lengths(draft, 0.5, 5, [1, 3, 4], free).tolist() == [0, 0, 3]  # ≤ budget − 1
+    assert draft_lengths(draft, 0.5, 5, [100] * 3, free, ones).tolist() == [5, 0, 5]
+    assert draft_lengths(draft, 0.7, 5, [100] * 3, free, ones).tolist() == [3, 0, 5]
+    assert draft_lengths(draft, 0.5, 2, [100] * 3, free, ones).tolist() == [2, 0, 2]  # --max-draft
+    assert draft_lengths(draft, 0.5, 5, [1, 3, 4], free, ones).tolist() == [0, 0, 3]  # ≤ budget − 1
     stops = [frozenset({7}), frozenset(), frozenset({5, 9})]
-    assert draft_lengths(draft, 0.5, 5, [100] * 3, stops).tolist() == [3, 0, 1]  # up to the first stop draft
+    assert draft_lengths(draft, 0.5, 5, [100] * 3, stops, ones).tolist() == [3, 0, 1]  # up to the first stop draft
+    # A head found over-confident (s < 1) keeps fewer drafts; one found under-confident (s > 1) more.
+    assert draft_lengths(draft, 0.5, 5, [100] * 3, free, [0.7, 1.3, 0.4]).tolist() == [3, 5, 0]
+    lengths = torch.tensor([2, 0, 5])
+    assert predicted(draft, lengths) == pytest.approx([0.9 + 0.81, 0.0, 5.0])
     assert trim(draft, 2).tokens.tolist() == [[5, 6]] * 3
     assert trim(draft, 0).probs.shape == (3, 0, 10)
+
+
+def test_a_drafter_that_is_always_wrong_soon_stops_drafting(mesh: Mesh, salt: bytes, prompt: Callable) -> None:
+    """The random DSpark's drafts are confidently wrong: the online calibration turns drafting off for the sequence
+    after at most one step's worth of drafts, and its tokens are still plain greedy."""
+    ids = prompt(13)
+    plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=10, disable_speculation=True, cache_salt=salt)
+    spec, messages = mesh.generate(token_ids=token_ids(ids), max_tokens=10, cache_salt=salt + b"/spec")
+    assert spec == plain
+    assert messages[-1].usage.draft_tokens_accepted == 0
+    assert messages[-1].usage.draft_tokens_proposed <= 5  # one verify of --max-draft at the most

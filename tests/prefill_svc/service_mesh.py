@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cache_svc"))
 from cache_helpers import FakeClock as FakeClock  # the cache tests' clock, for ours
 
 ROOT = Path(__file__).resolve().parents[2]
-WAIT_S = 30.0
+WAIT_S = 120.0  # an upper bound against hangs, never a wait: a loaded CI machine can be slow
 
 
 def tiny_models() -> tuple[Transformer, Transformer]:
