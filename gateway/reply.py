@@ -177,14 +177,14 @@ class Reply:
         metrics = self.backends.metrics
         metrics.draft_proposed.inc(u.draft_tokens_proposed)
         metrics.draft_accepted.inc(u.draft_tokens_accepted)
-        if u.bounded_replay:
+        generation = self.generations[choice]
+        if u.bounded_replay and generation.fallback is not None:  # decode prefilled itself (else prefill counted it)
             metrics.bounded_replays.inc()
         reason = FINISH_REASONS.get(message.finish_reason)
         if reason is None:  # aborted by the replica itself (draining, out of memory)
             self.failure = GatewayError(Kind.BACKEND_FAILED, "The decode replica aborted the generation.")
             self._stop_all("choice_failed")
             return self.choices.fail(self.failure.message)
-        generation = self.generations[choice]
         prompt = u.prompt_tokens or generation.prompt_tokens
         return self.choices.finish(choice, reason, Usage(prompt, u.cached_tokens, u.completion_tokens))
 
