@@ -74,6 +74,7 @@ class GatewayServer:
         self._cache: CacheHealth | None = None
         self._http: _HttpServer | None = None
         self._grpc: GrpcServer | None = None
+        self._grpc_serving = True  # GrpcServer.start() sets SERVING
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -123,6 +124,7 @@ class GatewayServer:
         )
         self.grpc_port = self._grpc.port
         await self._grpc.start()
+        await self._follow_readiness()
         log.info("serving", host=cfg.host, port=self.port, grpc_port=self.grpc_port)
 
     def readiness(self) -> dict[str, Any]:
@@ -179,7 +181,15 @@ class GatewayServer:
         while True:
             polls = [pool.poll() for pool in self._pools.values()]
             await asyncio.gather(*polls, self._cache.poll(), self._learn_model())
+            await self._follow_readiness()
             await asyncio.sleep(self.cfg.load_interval_s)
+
+    async def _follow_readiness(self) -> None:
+        """gRPC health says what /health says: SERVING only while ready."""
+        ready = self.readiness()["ready"]
+        if self._grpc is not None and ready != self._grpc_serving and not self.gateway.draining:  # type: ignore[union-attr]
+            self._grpc_serving = ready
+            await self._grpc.set_serving(ready)
 
     async def _learn_model(self) -> None:
         assert self.gateway is not None

@@ -12,6 +12,7 @@ import anthropic
 import grpc
 import openai
 from e2e_helpers import MODEL
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.processes import Mesh
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -183,6 +184,8 @@ def test_grpc_face_streams_the_same_events(mesh: Mesh, oai: openai.OpenAI) -> No
     body = {"model": MODEL, "messages": ask("Hello"), "max_tokens": 6, "temperature": 0, "stream": True,
             **NO_THINKING}  # fmt: skip
     with grpc.insecure_channel(mesh.grpc_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
         request = gateway_pb2.GenerateRequest(api=gateway_pb2.API_CHAT_COMPLETIONS, body=json.dumps(body).encode())
         events = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120))
     assert events[-1].data == b"[DONE]"

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from gateway_helpers import API_KEY, InProcessGateway
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -73,6 +74,12 @@ def test_health_and_metrics_need_no_key_models_do(lone_gateway: InProcessGateway
         openai_client(lone_gateway, "wrong").models.list()
     assert [m.id for m in openai_client(lone_gateway).models.list().data] == [MODEL]
     assert [m.id for m in anthropic_client(lone_gateway).models.list().data] == [MODEL]
+
+
+def test_grpc_health_follows_readiness(lone_gateway: InProcessGateway) -> None:
+    with grpc.insecure_channel(lone_gateway.grpc_address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # like /health: no model, no decode
 
 
 def test_bodies_over_the_limit_are_413(lone_gateway: InProcessGateway) -> None:
