@@ -1,9 +1,9 @@
 """One gateway process: the HTTP server (uvicorn) and the gRPC server on one event loop, the replica and cache
 pollers, and a graceful stop.
 
-Stop (SIGTERM): /health turns 503 and gRPC health NOT_SERVING at once (load balancers stop sending), new requests
-get 503, in-flight responses get `grace_s` to finish; what is still running then is cancelled, which aborts its
-decode sequences.
+Stop (SIGTERM): gRPC health NOT_SERVING, the listeners close (in Kubernetes the preStop sleep has already taken the
+pod out of its Service), requests on open connections get 503, in-flight responses get `grace_s` to finish; what is
+still running then is cancelled, which aborts its decode sequences.
 """
 
 from __future__ import annotations

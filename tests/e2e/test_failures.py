@@ -9,11 +9,13 @@ the client sees, then the process is restarted for the next test.
 - the cache dies → requests are still served, without reuse; once it is back its blocks are reused, and the SWA
   records it lost are rebuilt by bounded replay (counted);
 - the client disconnects → the decode sequence is aborted and its slot freed;
-- the admission queue is full → 429 with Retry-After, in each API's error shape.
+- the admission queue is full → 429 with Retry-After, in each API's error shape;
+- the gateway gets SIGTERM → it stops taking requests at once, the stream in flight runs to its end, exit 0.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Callable
@@ -24,10 +26,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, wait_for
+from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, start_gateway, wait_for
 
 from cache_svc.client import CacheClient
-from mesh.processes import Mesh
+from mesh.processes import Mesh, http_ready
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
 STREAM_TIMEOUT_S = 120.0
@@ -212,3 +214,25 @@ def test_a_full_queue_is_429_with_retry_after(mesh: Mesh, extra_gateway: Callabl
     assert messages_refused.value.body["error"]["type"] == "rate_limit_error"
     assert "overloaded" in messages_refused.value.body["error"]["message"]
     assert metric(url, "v41mesh_gateway_errors_total", kind="overloaded") == 2
+
+
+def test_sigterm_drains_the_gateway(mesh: Mesh, tmp_path: Any) -> None:
+    url, process = start_gateway(mesh, tmp_path / "gateway.log")
+    body = {"model": MODEL, "messages": ask("finish me"), "max_tokens": 12, "stream": True, **NO_THINKING}
+    try:
+        with (
+            httpx.Client(timeout=STREAM_TIMEOUT_S) as client,
+            client.stream("POST", url + "/v1/chat/completions", json=body) as stream,
+        ):
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            wait_for(lambda: not http_ready(url), "the gateway to stop taking new requests")
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"  # the stream in flight ran to its end
+        assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
+        assert process.wait(STREAM_TIMEOUT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
