@@ -115,20 +115,33 @@ class Reply:
             raise first from None
 
     async def events(self) -> AsyncIterator[Event]:
-        """The response's events, in order (when not streaming: none; `body()` has the response)."""
+        """The response's events, in order (when not streaming: none; `body()` has the response). A failure ends
+        them with the API's error event(s)."""
         first = self.generations[0]
         for event in self.choices.start(first.prompt_tokens, first.cached_tokens, self.model.system_fingerprint):
             yield event
+        try:
+            async for events in self._translated():
+                for event in events:
+                    yield event
+        except GatewayError as failure:
+            self.failure = failure
+        except Exception:  # a bug: the client still gets its API's error event, the log the traceback
+            log.exception("reply_failed", request_id=self.job.request_id)
+            self.failure = GatewayError(Kind.INTERNAL, "The gateway failed mid-response; the error is logged.")
+        if self.failure is not None:
+            self._stop_all("choice_failed")
+            for event in self.choices.fail(self.failure.message):
+                yield event
+
+    async def _translated(self) -> AsyncIterator[list[Event]]:
+        """The events of each decode message as it arrives; GatewayError when a generation fails."""
         last_message_at = [self.arrived] * len(self.generations)
+        metrics = self.backends.metrics
         async for choice, message in self._merged():
             if isinstance(message, GatewayError):
-                self.failure = message
-                self._stop_all("choice_failed")
-                for event in self.choices.fail(message.message):
-                    yield event
-                return
+                raise message
             now = time.monotonic()
-            metrics = self.backends.metrics
             if message.token_ids:
                 metrics.decode_messages.inc()
                 if self.first_token_at is None:
@@ -142,8 +155,7 @@ class Reply:
                 events += self._finish(choice, message)
             elif self.choices.each[choice].finished:  # a stop sequence ended it inside the parser
                 self._stop(choice, "stop_sequence")
-            for event in events:
-                yield event
+            yield events
             if self.choices.finished:
                 return
 
@@ -182,9 +194,7 @@ class Reply:
             metrics.bounded_replays.inc()
         reason = FINISH_REASONS.get(message.finish_reason)
         if reason is None:  # aborted by the replica itself (draining, out of memory)
-            self.failure = GatewayError(Kind.BACKEND_FAILED, "The decode replica aborted the generation.")
-            self._stop_all("choice_failed")
-            return self.choices.fail(self.failure.message)
+            raise GatewayError(Kind.BACKEND_FAILED, "The decode replica aborted the generation.")
         prompt = u.prompt_tokens or generation.prompt_tokens
         return self.choices.finish(choice, reason, Usage(prompt, u.cached_tokens, u.completion_tokens))
 
