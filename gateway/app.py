@@ -1,4 +1,5 @@
-"""The HTTP face (Starlette): the three generation endpoints, /v1/models, /health, /metrics and /openapi.json.
+"""The HTTP face (Starlette): the three generation endpoints, /v1/models, /health (ready), /live (the process
+answers), /metrics and /openapi.json.
 
 Every error leaves in the caller's API shape: OpenAI `{"error": {...}}` on /v1/chat/completions and /v1/responses,
 Anthropic `{"type": "error", "error": {...}}` on /v1/messages, with the request id in `x-request-id`.
@@ -119,6 +120,9 @@ def create_app(gateway: Gateway, registry: CollectorRegistry, readiness: Callabl
         state = readiness()
         return _json(state, 200 if state["ready"] else 503)
 
+    async def live(request: Request) -> Response:
+        return _json({"live": True})
+
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -142,6 +146,7 @@ def create_app(gateway: Gateway, registry: CollectorRegistry, readiness: Callabl
     routes += [
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]

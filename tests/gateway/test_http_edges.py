@@ -67,6 +67,7 @@ def test_health_and_metrics_need_no_key_models_do(lone_gateway: InProcessGateway
     assert health.status_code == 503  # no prefill replica has described the model
     assert health.json()["ready"] is False
     assert health.json()["replicas_up"] == {"prefill": 0, "decode": 0}
+    assert httpx.get(lone_gateway.base_url + "/live").status_code == 200  # alive, though not ready
     metrics = httpx.get(lone_gateway.base_url + "/metrics")
     assert metrics.status_code == 200
     assert "v41mesh_gateway_queue_depth 0.0" in metrics.text
