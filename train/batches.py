@@ -74,10 +74,18 @@ def make_batch(
 class StepBatches(Dataset):
     """Map-style dataset: item `step` is `make_batch(seed, step, …)`."""
 
-    def __init__(self, seed: int, token_budget: int, max_len: int, kinds: tuple[str, ...] = data.KINDS) -> None:
+    def __init__(
+        self,
+        seed: int,
+        token_budget: int,
+        max_len: int,
+        kinds: tuple[str, ...] = data.KINDS,
+        weights: tuple[float, ...] = data.WEIGHTS,
+    ) -> None:
+        """`weights` are those of data.KINDS; kinds outside `kinds` are left out."""
         self.seed, self.token_budget, self.max_len = seed, token_budget, max_len
         self.kinds = kinds
-        self.weights = tuple(w for k, w in zip(data.KINDS, data.WEIGHTS, strict=True) if k in kinds)
+        self.weights = tuple(w for k, w in zip(data.KINDS, weights, strict=True) if k in kinds)
 
     def __len__(self) -> int:
         return 2**31 - 1

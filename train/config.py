@@ -13,6 +13,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     out: checkpoint directory written at the end (config.json, safetensors shards, tokenizer reference)
     work_dir: resumable state, the twin and logs (default: OUT.work)
     preset: model preset or config.json to train
+    init: continue from this checkpoint directory instead of seeded weights
+    mix: share of training batches of each kind (chat, tool, json, text)
     seed: seed of the weights and of the data stream
     device: cuda, cpu or auto
     minutes: wall-clock budget of the training phases; a phase with steps 0 runs for its share of it
@@ -42,6 +44,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     out: str = "runs/v41-demo"
     work_dir: str = ""
     preset: str = "demo"
+    init: str = ""
+    mix: tuple[float, float, float, float] = (0.25, 0.45, 0.10, 0.20)
     seed: int = 0
     device: str = "auto"
     minutes: float = 6.0
@@ -71,6 +75,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
         shares = (self.base_share, self.qat_share, self.dspark_share)
         if any(s < 0 for s in shares) or sum(shares) + (self.qat_share if self.twin else 0) > 1.0:
             raise msgspec.ValidationError("phase shares must be ≥ 0 and (with the twin) add up to at most 1")
+        if any(w < 0 for w in self.mix) or sum(self.mix) <= 0:
+            raise msgspec.ValidationError("mix must be four shares ≥ 0 (chat, tool, json, text), not all 0")
         if self.minutes <= 0 or self.batch_budget < self.max_len or self.anchors < 1:
             raise msgspec.ValidationError("minutes must be > 0, batch_budget ≥ max_len and anchors ≥ 1")
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from model import ModelArgs, Transformer, build_model, preset
+from model import ModelArgs, Transformer, build_model, load_checkpoint, preset
 from model.moe import Gate
 from train import calibrate, data, dspark, qat
 from train.batches import CONVERSATION_KINDS, Batch, StepBatches, held_out_batches
@@ -87,7 +87,9 @@ class Schedule:
         self.peak, self.warmup, self.steps, self.seconds = peak, warmup, steps, seconds
 
     def progress(self, step: int, elapsed: float) -> float:
-        return step / self.steps if self.steps else elapsed / self.seconds
+        if self.steps:
+            return step / self.steps
+        return elapsed / self.seconds if self.seconds > 0 else 1.0  # no steps and no time: nothing to do
 
     def lr(self, step: int, elapsed: float) -> float:
         p = min(1.0, self.progress(step, elapsed))
@@ -100,7 +102,7 @@ class Trainer:
         self.device = torch.device(
             cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.args: ModelArgs = preset(cfg.preset)
+        self.args: ModelArgs = ModelArgs.from_json(Path(cfg.init) / "config.json") if cfg.init else preset(cfg.preset)
         self.work = cfg.work
         self.work.mkdir(parents=True, exist_ok=True)
         self.report: dict[str, Any] = self._load_report()
@@ -137,7 +139,7 @@ class Trainer:
         return model
 
     def batches(self, start: int, kinds: tuple[str, ...], tokens: int) -> Iterator[Batch]:
-        dataset = StepBatches(self.cfg.seed, tokens, self.cfg.max_len, kinds)
+        dataset = StepBatches(self.cfg.seed, tokens, self.cfg.max_len, kinds, self.cfg.mix)
         loader = DataLoader(
             dataset,
             batch_size=None,
@@ -241,14 +243,23 @@ class Trainer:
         return self.cfg.minutes * 60 * share
 
     def base(self) -> dict[str, Tensor]:
+        """Seeded weights, or a trained checkpoint (`init`) to continue, trained with bf16 main KV."""
         done = self._state("base")
         if done is not None:
             return done["model"]
-        model = self.new_model()
+        if self.cfg.init:
+            model = load_checkpoint(self.cfg.init, device=self.device)
+            self.report["init"] = {"checkpoint": self.cfg.init, **self._init_report()}
+        else:
+            model = self.new_model()
         with qat.main_kv("bf16"):
             result = self.lm_phase("base", model, self.cfg.lr, self.cfg.base_steps, self.budget(self.cfg.base_share))
         self.finish_phase("base", model, result)
         return model.state_dict()
+
+    def _init_report(self) -> dict[str, Any]:
+        path = Path(self.cfg.init) / "training.json"
+        return {"training": json.loads(path.read_text())} if path.exists() else {}
 
     def quantised(self, name: str, base: dict[str, Tensor], kv: qat.KVFormat, steps: int) -> tuple[Transformer, int]:
         """`qat` (FP4 main KV) or `twin` (bf16 main KV) from the base weights, stored-format weights on."""
@@ -331,7 +342,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------------- all
     def run(self) -> Path:
         cfg = self.cfg
-        self.log.info("device", device=str(self.device), preset=cfg.preset, work=str(self.work))
+        self.log.info("device", device=str(self.device), model=cfg.init or cfg.preset, work=str(self.work))
         base = self.base()
         model, steps = self.quantised("qat", base, "fp4", cfg.qat_steps)
         if cfg.twin:
