@@ -17,6 +17,7 @@ text that merely spells them (made of ordinary tokens) is never taken for a mark
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from typing import NamedTuple
 
@@ -133,11 +134,17 @@ class _Stage(NamedTuple):
     longest_prefix: int
 
 
+@functools.lru_cache(maxsize=256)
+def _stage_table(options: ParsingOptions, markers: Markers, sentinels: tuple[str, ...]) -> dict:
+    """The (lazily filled) stage specifications of parsers with these settings."""
+    return {}
+
+
 class Parser:
     """Feed text chunks, get `(Out, text)` items; `finish()` flushes what is held back.
 
     After a matched stop sequence `stopped` is True and the parser ignores further text; after the
-    tool-calls block closes, later text is discarded too (`closed`).
+    tool-calls block closes, later text is discarded too.
     """
 
     def __init__(
@@ -156,7 +163,8 @@ class Parser:
         self.track = track
         self.spans: list[tuple[Out, int, int]] = []
         self.fed = 0
-        self._stages: dict[tuple[Stage, bool], _Stage] = {}
+        # Stage tables depend only on the options and markers: parsers that share them share the table.
+        self._stages = _stage_table(options, markers, tuple(self._restore))
         self.stop_sequence: str | None = None
         self.tool_calls = 0
         self._out: list[tuple[Out, str]] = []
@@ -179,10 +187,6 @@ class Parser:
     @property
     def stopped(self) -> bool:
         return self.stop_sequence is not None
-
-    @property
-    def closed(self) -> bool:
-        return self.stage is Stage.FINISHED
 
     @property
     def resolved(self) -> int:

@@ -209,8 +209,10 @@ class _Turns:
             self.messages.append(User(content) if as_user else System(content))
         elif kind == "reasoning":
             reasoning = _item(item, ReasoningItem, param)
-            turn = self.assistant(new_if=self.turn is not None and bool(self.turn.content or self.turn.tool_calls))
             text = "\n".join(part.text for part in reasoning.content or ())
+            if not text and self.turn is not None:
+                return  # an empty reasoning item neither starts a turn nor adds to one
+            turn = self.assistant(new_if=self.turn is not None and bool(self.turn.content or self.turn.tool_calls))
             turn.reasoning = text if turn.reasoning is None else f"{turn.reasoning}\n{text}"
         elif kind == "function_call":
             call = _item(item, FunctionCallItem, param)
