@@ -33,7 +33,7 @@ from torch import Tensor
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
-from decode_svc.speculation import draft_lengths, predicted, trim
+from decode_svc.speculation import Calibration, draft_lengths, predicted, trim
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
 from prefill_svc.kvstore import encode_with_past
 from prefill_svc.runtime import RequestError
@@ -66,6 +66,7 @@ class Engine:
         self.batches: dict[Lane, DecodeBatch] = {lane: model.new_decode_batch() for lane in Lane}
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
         self._generator = torch.Generator(device=model.device).manual_seed(secrets.randbits(63))
+        self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
         # Shared with the RPC side, under the condition's lock:
         self._cond = threading.Condition(threading.RLock())
         self._registry: dict[str, Sequence] = {}  # live sequences by request id
@@ -160,6 +161,7 @@ class Engine:
             for lane in Lane:
                 if len(self.batches[lane]):
                     self._step(lane)
+            self.calibration.tick()
         with self._cond:
             left = [*self._inbox, *(s for lane in Lane for s in self.rows[lane].values())]
             self._inbox.clear()
@@ -181,6 +183,7 @@ class Engine:
             seq.seq_id, logits = self.batches[lane].join(blocks, state)
             seq.lane, seq.state = lane, State.RUNNING
             seq.generator = new_generator(params.sampling, self.model.device)
+            seq.draft_prior = self.calibration.ratio
             self.rows[lane][seq.seq_id] = seq
             with self._cond:
                 self._running += 1
@@ -251,6 +254,7 @@ class Engine:
             seq.draft_proposed += proposed
             seq.draft_accepted += accepted
             seq.draft_predicted += expected
+        self.calibration.add(float(result.accepted.sum()), sum(promised))
         m = self.metrics
         m.draft_proposed.inc(int(lengths.sum()))
         m.draft_accepted.inc(int(result.accepted.sum()))

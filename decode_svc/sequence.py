@@ -133,11 +133,12 @@ class Sequence:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_predicted: float = 0.0  # Σ aₖ the confidence head promised for the drafts verified
+    draft_prior: float = 1.0  # the replica's calibration when it joined
 
     @property
     def draft_calibration(self) -> float:
-        """Accepted over promised drafts, smoothed (1 before any evidence): decode_svc.speculation."""
-        return (self.draft_accepted + 1) / (self.draft_predicted + 1)
+        """Accepted over promised drafts, starting from the prior (decode_svc.speculation)."""
+        return (self.draft_accepted + self.draft_prior) / (self.draft_predicted + 1)
 
     @property
     def request_id(self) -> str:

@@ -4,10 +4,12 @@ The confidence head estimates cₖ = P(draft k accepted | drafts before it accep
 draft k is accepted at all and Σ aₖ the expected accepted length. A row keeps its drafts while s·aₖ ≥ threshold: each
 verified draft costs one more target position and is worth aₖ tokens.
 
-s calibrates the head online, per sequence: (accepted + 1) / (Σ aₖ predicted for the drafts verified + 1), the ratio
+s calibrates the head online, per sequence: (accepted + s₀) / (Σ aₖ promised for the drafts verified + 1), the ratio
 of what verification accepted to what the head promised (the paper calibrates offline, by Sequential Temperature
-Scaling). A calibrated head keeps s ≈ 1; a drafter that is confidently wrong — an untrained DSpark — drives s towards
-0 within a step or two, and its sequence then decodes one token per step instead of paying for rejected drafts.
+Scaling). The prior s₀ is the replica's own ratio over recent verifications (`Calibration`), so a new sequence starts
+from what the drafter has been worth lately. A calibrated head keeps s ≈ 1; a drafter that is confidently wrong — an
+untrained DSpark — drives s towards 0 within a step or two, and sequences then decode one token per step instead of
+paying for rejected drafts. The replica's ratio forgets (a half-life in engine steps), so it tries again now and then.
 
 Two caps keep what verification commits equal to what the stream emits: a row never verifies beyond its output
 budget, nor past its first draft that is a stop token (so the cache never holds tokens the client did not get). The
@@ -50,6 +52,27 @@ def predicted(draft: Draft, lengths: Tensor) -> list[float]:
     a = draft.confidence.cumprod(-1)
     verified = torch.arange(a.shape[1], device=a.device) < lengths.to(a.device).unsqueeze(1)
     return (a * verified).sum(-1).tolist()
+
+
+class Calibration:
+    """The replica's accepted and promised drafts, decayed every engine step: the prior of new sequences."""
+
+    def __init__(self, half_life_steps: float = 64.0) -> None:
+        self.accepted = 0.0
+        self.promised = 0.0
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+
+    @property
+    def ratio(self) -> float:
+        return (self.accepted + 1.0) / (self.promised + 1.0)
+
+    def add(self, accepted: float, promised: float) -> None:
+        self.accepted += accepted
+        self.promised += promised
+
+    def tick(self) -> None:
+        self.accepted *= self._decay
+        self.promised *= self._decay
 
 
 def trim(draft: Draft, width: int) -> Draft:

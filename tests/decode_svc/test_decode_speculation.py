@@ -14,7 +14,7 @@ import pytest
 import torch
 from service_mesh import Mesh, token_ids, wait_until
 
-from decode_svc.speculation import draft_lengths, predicted, trim
+from decode_svc.speculation import Calibration, draft_lengths, predicted, trim
 from mesh.block_keys import sequence_key
 from model import Draft, Transformer
 from proto.decode.v1 import decode_pb2
@@ -145,6 +145,16 @@ def test_draft_lengths_follow_the_calibrated_confidence_product_within_the_caps(
     assert predicted(draft, lengths) == pytest.approx([0.9 + 0.81, 0.0, 5.0])
     assert trim(draft, 2).tokens.tolist() == [[5, 6]] * 3
     assert trim(draft, 0).probs.shape == (3, 0, 10)
+
+
+def test_the_replica_calibration_is_the_prior_and_forgets() -> None:
+    calibration = Calibration(half_life_steps=2)
+    assert calibration.ratio == 1.0  # no evidence: trust the head
+    calibration.add(accepted=0, promised=4)
+    assert calibration.ratio == pytest.approx(1 / 5)
+    for _ in range(2):
+        calibration.tick()
+    assert calibration.ratio == pytest.approx(1 / 3)  # half the evidence is forgotten after a half-life
 
 
 def test_a_drafter_that_is_always_wrong_soon_stops_drafting(mesh: Mesh, salt: bytes, prompt: Callable) -> None:
