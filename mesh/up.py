@@ -19,8 +19,8 @@ import msgspec
 from mesh.config import config_dict, load_config
 from mesh.processes import Mesh, MeshError, MeshSpec
 
-# The model `make up` serves. Switch to the embedded trained checkpoint once it exists.
-DEFAULT_MODEL = "tiny"
+# The model `make up` serves: the embedded trained demo checkpoint (train/, docs/training.md).
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "model" / "checkpoints" / "v41-demo")
 DEFAULT_DATA_DIR = "~/.cache/v41mesh"
 ENV_PREFIX = "MESH"
 WATCH_INTERVAL_S = 0.5
