@@ -183,7 +183,7 @@ class Engine:
             seq.seq_id, logits = self.batches[lane].join(blocks, state)
             seq.lane, seq.state = lane, State.RUNNING
             seq.generator = new_generator(params.sampling, self.model.device)
-            seq.draft_prior = self.calibration.ratio
+            seq.draft.prior = self.calibration.ratio
             self.rows[lane][seq.seq_id] = seq
             with self._cond:
                 self._running += 1
@@ -237,27 +237,25 @@ class Engine:
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         threshold = self.settings.draft_threshold
-        calibration = [seq.draft_calibration for seq in rows]
-        if max(calibration) < threshold:  # no row can keep a draft (s·aₖ < s < threshold): skip drafting
+        records = [seq.draft for seq in rows]
+        if not any(r.due(threshold) for r in records):  # no draft could pay: one token per row
+            for r in records:
+                r.skip()
             return self._plain_step(batch, rows, pending)
         sampling = batch_sampling(rows)
         draft = self.model.dspark_draft(batch, pending, sampling, self._generator)
         budgets = [seq.limit - len(seq.output) for seq in rows]
         stops = [seq.params.stop_token_ids for seq in rows]
-        lengths = draft_lengths(draft, threshold, self.max_draft, budgets, stops, calibration)
+        lengths = draft_lengths(draft, threshold, self.max_draft, budgets, stops, [r.calibration for r in records])
         promised = predicted(draft, lengths)
-        draft = trim(draft, int(lengths.max()))
-        result = self.model.verify(batch, pending, draft, sampling, lengths, self._generator)
-        for seq, proposed, accepted, expected in zip(
-            rows, lengths.tolist(), result.accepted.tolist(), promised, strict=True
-        ):
-            seq.draft_proposed += proposed
-            seq.draft_accepted += accepted
-            seq.draft_predicted += expected
-        self.calibration.add(float(result.accepted.sum()), sum(promised))
+        result = self.model.verify(batch, pending, trim(draft, int(lengths.max())), sampling, lengths, self._generator)
+        for record, *outcome in zip(records, lengths.tolist(), result.accepted.tolist(), promised, strict=True):
+            record.record(*outcome)
+        accepted = int(result.accepted.sum())
+        self.calibration.add(accepted, sum(promised))
         m = self.metrics
         m.draft_proposed.inc(int(lengths.sum()))
-        m.draft_accepted.inc(int(result.accepted.sum()))
+        m.draft_accepted.inc(accepted)
         m.speculative_steps.inc(len(rows))
         return result.tokens, result.logits
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_svc.speculation import DraftRecord
 from model import EncoderState, GlobalKVBlock, Past
 from proto.decode.v1 import decode_pb2
 
@@ -130,15 +131,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     submitted: bool = False  # handed to the engine thread
     abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
-    draft_proposed: int = 0
-    draft_accepted: int = 0
-    draft_predicted: float = 0.0  # Σ aₖ the confidence head promised for the drafts verified
-    draft_prior: float = 1.0  # the replica's calibration when it joined
-
-    @property
-    def draft_calibration(self) -> float:
-        """Accepted over promised drafts, starting from the prior (decode_svc.speculation)."""
-        return (self.draft_accepted + self.draft_prior) / (self.draft_predicted + 1)
+    draft: DraftRecord = field(default_factory=DraftRecord)
 
     @property
     def request_id(self) -> str:
@@ -154,7 +147,7 @@ class Sequence:
             prompt_tokens=len(prompt.token_ids),
             cached_tokens=prompt.cached_tokens,
             completion_tokens=len(self.output),
-            draft_tokens_proposed=self.draft_proposed,
-            draft_tokens_accepted=self.draft_accepted,
+            draft_tokens_proposed=self.draft.proposed,
+            draft_tokens_accepted=self.draft.accepted,
             bounded_replay=prompt.bounded_replay,
         )

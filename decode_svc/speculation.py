@@ -11,6 +11,10 @@ from what the drafter has been worth lately. A calibrated head keeps s ≈ 1; a 
 untrained DSpark — drives s towards 0 within a step or two, and sequences then decode one token per step instead of
 paying for rejected drafts. The replica's ratio forgets (a half-life in engine steps), so it tries again now and then.
 
+A row whose drafts were all cut (the head not confident enough) waits before it asks for a draft again, doubling the
+wait each time up to MAX_BACKOFF steps: the lane runs the DSpark forward only when some row is due, and otherwise
+steps one token at a time.
+
 Two caps keep what verification commits equal to what the stream emits: a row never verifies beyond its output
 budget, nor past its first draft that is a stop token (so the cache never holds tokens the client did not get). The
 batch verifies max ℓ positions; rows with a smaller ℓ see the rest as rejected.
@@ -19,11 +23,47 @@ batch verifies max ℓ positions; rows with a smaller ℓ see the rest as reject
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from model import Draft
+
+MAX_BACKOFF = 32
+
+
+@dataclass
+class DraftRecord:
+    """One sequence's DSpark history: drafts verified, accepted and promised, and when it asks for a draft again."""
+
+    prior: float = 1.0  # the replica's calibration when the sequence joined
+    proposed: int = 0
+    accepted: int = 0
+    promised: float = 0.0  # Σ aₖ the head promised for the drafts verified
+    wait: int = 0  # steps before it is due again
+    backoff: int = 1
+
+    @property
+    def calibration(self) -> float:
+        """s: accepted over promised drafts, starting from the prior."""
+        return (self.accepted + self.prior) / (self.promised + 1.0)
+
+    def due(self, threshold: float) -> bool:
+        """Whether a draft could pay for this row now (s·aₖ ≤ s, so s < threshold rules every draft out)."""
+        return self.wait == 0 and self.calibration >= threshold
+
+    def record(self, proposed: int, accepted: int, promised: float) -> None:
+        """After a step that drafted: a row that kept no draft backs off."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.promised += promised
+        self.backoff = 1 if proposed else min(2 * self.backoff, MAX_BACKOFF)
+        self.wait = 0 if proposed else self.backoff
+
+    def skip(self) -> None:
+        """After a step that did not draft."""
+        self.wait = max(0, self.wait - 1)
 
 
 def draft_lengths(
