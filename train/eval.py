@@ -285,6 +285,16 @@ def confidence_calibration(stats: DecodeStats, temperatures: list[float]) -> dic
     return figures
 
 
+def qat_claim_of(training: dict[str, Any]) -> dict[str, Any] | None:
+    """The QAT-vs-twin figures of a training report, or of the run it continued (`init`), saying which."""
+    runs_back = 0
+    while training:
+        if "qat_claim" in training:
+            return {"runs_before_this_checkpoint": runs_back, **training["qat_claim"]}
+        training, runs_back = training.get("init", {}).get("training", {}), runs_back + 1
+    return None
+
+
 def stored_temperatures(directory: Path, model: Transformer) -> list[float]:
     """The confidence head's calibrated temperatures stored with the checkpoint (ones if it has none)."""
     name = f"mtp.{model.args.num_nextn_predict_layers - 1}.confidence_head.temperature"
@@ -304,7 +314,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     training = json.loads(report_file.read_text()) if report_file.exists() else {}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     figures: dict[str, Any] = {"checkpoint": str(args.checkpoint), "device": str(device)}
-    figures["qat"] = training.get("qat_claim")
+    figures["qat"] = qat_claim_of(training)
     figures["calibration_fit"] = training.get("calibration")
     started = time.perf_counter()
 

@@ -1,20 +1,15 @@
-"""Shared fixtures of the training tests: the tiny preset in float64 (exact comparisons), one thread per worker."""
+"""The training tests share one tiny model in float64 (exact comparisons between the dense and serving paths)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model import ModelArgs, Transformer, build_model, preset
+from model import Transformer, build_model, preset
 
-torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="session")
-def tiny_args() -> ModelArgs:
-    return preset("tiny")
+torch.set_num_threads(1)  # one thread per xdist worker: tiny tensors, two cores
 
 
 @pytest.fixture(scope="session")
-def tiny(tiny_args: ModelArgs) -> Transformer:
-    return build_model(tiny_args, seed=0, dtype=torch.float64)
+def tiny() -> Transformer:
+    return build_model(preset("tiny"), seed=0, dtype=torch.float64)
