@@ -30,6 +30,8 @@ import jsonschema
 import msgspec
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
@@ -332,6 +334,29 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
+def summary(figures: dict[str, Any]) -> Table:
+    """The headline figures, ours against the reference each is compared with."""
+    table = Table(title=f"demo checkpoint ({figures['device']})")
+    for column in ("figure", "ours", "against", "ratio / share"):
+        table.add_column(column)
+    for name, t in (figures.get("tool_calls") or {}).items():
+        if name != "all":
+            table.add_row(f"tool {name}: right tool / schema / values", f"{t['right_tool']:.0%}",
+                          f"{t['schema_valid']:.0%}", f"{t['right_values']:.0%}")  # fmt: skip
+    for label, q in (figures.get("qat") or {}).items():
+        if isinstance(q, dict):
+            for kind, percent in q["fp4_vs_bf16_percent"].items():
+                table.add_row(f"{label}: {kind} loss, FP4 vs bf16 main KV", f"{q['fp4'][kind]:.4f}",
+                              f"{q['bf16'][kind]:.4f}", f"{percent:+.3f} %")  # fmt: skip
+    if r := figures.get("bounded_replay"):
+        table.add_row("loss, bounded replay vs exact SWA", f"{r['bounded_loss']:.4f}", f"{r['exact_loss']:.4f}",
+                      f"{r['relative_percent']:+.3f} %")  # fmt: skip
+    for label, d in (figures.get("dspark") or {}).items():
+        row = f"DSpark {label}: tokens/s (accepted length {d['mean_accepted_length']:.2f})"
+        table.add_row(row, f"{d['dspark_tokens_per_s']:.1f}", f"{d['plain_tokens_per_s']:.1f}", f"{d['speedup']:.2f}×")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
@@ -348,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.checkpoint} is not a checkpoint directory (no config.json)")
     figures = evaluate(args)
     sys.stdout.write(json.dumps(figures, indent=2, default=float) + "\n")
+    Console(stderr=True).print(summary(figures))
     return 0
 
 
