@@ -166,7 +166,7 @@ def gateway_counters(base_url: str) -> dict[str, float]:
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
         for sample in family.samples:
-            if sample.name.endswith("_total"):
+            if sample.name.endswith(("_total", "_sum", "_count")) and not sample.labels.get("le"):
                 name = sample.name.removeprefix("v41mesh_gateway_").removesuffix("_total")
                 totals[name] = totals.get(name, 0.0) + sample.value
     return totals
@@ -204,6 +204,9 @@ def summarise(results: list[CallResult], wall_s: float, counters: dict[str, floa
         "bounded_replays": counters.get("bounded_replays", 0.0),
         "fallbacks": counters.get("fallbacks", 0.0),
         "retries": counters.get("retries", 0.0),
+        "prefill_mean_s": counters["prefill_seconds_sum"] / counters["prefill_seconds_count"]
+        if counters.get("prefill_seconds_count")
+        else None,
         "dspark_acceptance": counters.get("dspark_draft_tokens_accepted", 0.0) / proposed if proposed else None,
         "tokens_per_decode_step": counters.get("completion_tokens", 0.0) / steps if steps else None,
     }
@@ -239,14 +242,16 @@ def ms(value: float | None) -> str:
 
 def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
     table = Table(title="serving: agent traces through the gateway")
-    for column in ("config", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                   "TPOT ms", "out tok/s", "cached share", "bounded replays", "DSpark accept", "tok/step"):  # fmt: skip
+    for column in ("config", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms", "prefill ms", "ITL p50 ms",
+                   "ITL p99 ms", "TPOT ms", "out tok/s", "cached share", "bounded replays", "DSpark accept",
+                   "tok/step"):  # fmt: skip
         table.add_column(column, justify="right")
     for name, s in summary.items():
         accept = s["dspark_acceptance"]
         step = s["tokens_per_decode_step"]
         table.add_row(
-            name, str(s["calls"]), str(s["errors"]), ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["itl_p50_s"]),
+            name, str(s["calls"]), str(s["errors"]), ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["prefill_mean_s"]),
+            ms(s["itl_p50_s"]),
             ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]), f"{s['output_tokens_per_s']:.1f}", f"{s['cached_share']:.1%}",
             f"{s['bounded_replays']:.0f}", "–" if accept is None else f"{accept:.1%}",
             "–" if step is None else f"{step:.2f}",

@@ -149,6 +149,7 @@ class Generation:
                 cache_salt=self.prompt.salt,
                 handoff_lease_s=s.handoff_lease_s,
             )
+            started = time.monotonic()
             try:
                 answer = await state.stub.Prefill(request, timeout=s.prefill_timeout_s)
             except grpc.aio.AioRpcError as exc:
@@ -162,6 +163,7 @@ class Generation:
                 b.metrics.retries.labels("prefill", code.name.lower()).inc()
                 log.warning("prefill_failed", request_id=self.prompt.request_id, error=last)
                 continue
+            b.metrics.prefill_seconds.observe(time.monotonic() - started)
             b.router.served("prefill", self.prompt.affinity, state)
             self.prefill_replica = state.name
             self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens

@@ -28,6 +28,7 @@ class GatewayMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token", ("api",))
         self.itl = histogram("inter_token_latency_seconds", "Gap between successive decode messages", ("api",))
         self.duration = histogram("request_duration_seconds", "Arrival to last byte", ("api",))
+        self.prefill_seconds = histogram("prefill_seconds", "Prefill calls that succeeded, as the gateway waited")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of served requests")
         self.cached_tokens = counter("cached_prompt_tokens", "Prompt tokens whose KV came from the prefix cache")
         self.cached_share = gauge("cached_token_share", "cached_prompt_tokens_total / prompt_tokens_total")
