@@ -23,7 +23,6 @@ SCRIPT = (
     "Why does reusing a cached prompt prefix make the next turn faster?",
     "Thanks. Sum up our conversation in five words.",
 )
-DIM, RESET = "\033[2m", "\033[0m"
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +52,7 @@ def converse(base_url: str, api_key: str, max_tokens: int, thinking: bool, out: 
     """Run the script against `base_url`; returns each turn's usage."""
     from openai import OpenAI
 
+    dim, reset = ("\033[2m", "\033[0m") if out.isatty() else ("", "")
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
@@ -79,7 +79,7 @@ def converse(base_url: str, api_key: str, max_tokens: int, thinking: bool, out: 
             if (reasoning or content) and first is None:
                 first = time.monotonic()
             if reasoning:
-                print(DIM + reasoning + RESET, end="", file=out, flush=True)
+                print(dim + reasoning + reset, end="", file=out, flush=True)
             if content:
                 answer.append(content)
                 print(content, end="", file=out, flush=True)
@@ -91,7 +91,7 @@ def converse(base_url: str, api_key: str, max_tokens: int, thinking: bool, out: 
             rate = usage.completion_tokens / max(elapsed - ttft, 1e-6)
             cost = f"{usage.prompt_tokens} prompt tokens ({cached} cached), {usage.completion_tokens} generated"
             speed = f"first token after {ttft:.2f} s, {rate:.0f} tokens/s"
-            print(f"\n    {DIM}{cost}; {speed}{RESET}", file=out, flush=True)
+            print(f"\n    {dim}{cost}; {speed}{reset}", file=out, flush=True)
             usages.append({"prompt_tokens": usage.prompt_tokens, "cached_tokens": cached})
     print(file=out)
     return usages
