@@ -270,7 +270,7 @@ def json_exchange(rng: random.Random) -> tuple[str, str, str]:
 
 
 # ----------------------------------------------------------------------------------------------- conversations
-def _turns(rng: random.Random, thinking: bool, exchanges: list[tuple[str, str, str]]) -> list:
+def _turns(thinking: bool, exchanges: list[tuple[str, str, str]]) -> list:
     """User/assistant pairs; without tools only the last answer keeps its reasoning (the format drops the rest)."""
     messages: list = []
     for number, (question, thought, answer) in enumerate(exchanges):
@@ -286,12 +286,12 @@ def _system(rng: random.Random) -> list:
 def chat_conversation(rng: random.Random) -> Conversation:
     thinking = rng.random() < 0.5
     exchanges = [chat_exchange(rng) for _ in range(rng.choice((1, 1, 2, 3)))]
-    return Conversation(messages=_system(rng) + _turns(rng, thinking, exchanges), thinking=thinking)
+    return Conversation(messages=_system(rng) + _turns(thinking, exchanges), thinking=thinking)
 
 
 def json_conversation(rng: random.Random) -> Conversation:
     thinking = rng.random() < 0.5
-    messages = _system(rng) + _turns(rng, thinking, [json_exchange(rng)])
+    messages = _system(rng) + _turns(thinking, [json_exchange(rng)])
     return Conversation(messages=messages, thinking=thinking, response_format=ResponseFormat(type="json_object"))
 
 
