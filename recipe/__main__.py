@@ -94,13 +94,18 @@ def parse_lines(
         yield _encode(out)
 
 
-def _write(outputs: Iterable[bytes], sink: BinaryIO) -> tuple[int, int]:
+def _write(outputs: Iterable[bytes], sink: BinaryIO, progress: bool) -> tuple[int, int]:
+    """Write the output lines; on a terminal, count them on stderr as they go."""
     count = errors = 0
     for out in outputs:
         sink.write(out + b"\n")
         count += 1
         errors += out.startswith(b'{"error":')
+        if progress and count % 1000 == 0:
+            print(f"\r{count} lines, {errors} rejected", end="", file=sys.stderr, flush=True)
     sink.flush()
+    if progress and count >= 1000:
+        print(file=sys.stderr)
     return count, errors
 
 
@@ -130,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"python -m recipe parse: {args.request}: {error}", file=sys.stderr)
             return 2
         outputs = parse_lines(lines, converted, args.events, functools.partial(load_tokenizer, args.tokenizer))
-    count, errors = _write(outputs, sys.stdout.buffer)
+    count, errors = _write(outputs, sys.stdout.buffer, progress=sys.stderr.isatty())
     print(f"{args.command}: {count} lines, {errors} rejected", file=sys.stderr)
     return 0
 

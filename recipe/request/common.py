@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import math
 import re
 from typing import Any, TypeVar
 
@@ -33,16 +35,40 @@ MAX_STOP_SEQUENCES = 16
 
 
 def decode(body: bytes | str | dict, schema: type[T]) -> T:
-    """Decode and validate a request body against its API schema."""
+    """Decode and validate a request body against its API schema (a dict goes through JSON text, so it
+    obeys the same rules: no NaN or infinities, string keys)."""
+    if isinstance(body, dict):
+        try:
+            body = json.dumps(body, allow_nan=False)
+        except (ValueError, TypeError) as error:
+            raise RecipeError(f"Invalid JSON body: {error}", param=_json_fault(body)) from None
     try:
-        if isinstance(body, dict):
-            return msgspec.convert(body, schema)
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as error:
         message = str(error)
         raise RecipeError(f"Invalid request: {message}", param=field_of(message)) from None
     except msgspec.DecodeError as error:
         raise RecipeError(f"Invalid JSON body: {error}") from None
+
+
+def _json_fault(value: Any, path: str = "") -> str | None:
+    """The path of the first value in `value` that JSON cannot hold (NaN, infinity, a non-string key...)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            inner = f"{path}.{key}" if path else str(key)
+            fault = inner if not isinstance(key, str) else _json_fault(item, inner)
+            if fault:
+                return fault
+        return None
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            fault = _json_fault(item, f"{path}[{index}]")
+            if fault:
+                return fault
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    return None if value is None or isinstance(value, str | int | float) else path
 
 
 def field_of(message: str) -> str | None:

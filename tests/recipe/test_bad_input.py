@@ -118,6 +118,15 @@ def test_broken_json_is_rejected_cleanly(api: str, data: st.DataObject) -> None:
             "type",
         ),
         ("messages", {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": []}]}, "messages"),
+        (
+            "chat.completions",
+            {
+                "model": "DeepSeek-V4.1-Flash",
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"nan": float("nan")}}}],
+            },
+            "tools[0].function.parameters.nan",
+        ),
     ],
 )
 def test_errors_name_the_field(api: str, body: dict[str, Any], field: str) -> None:
