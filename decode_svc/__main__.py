@@ -9,13 +9,18 @@ running generations get --grace-s seconds, exit status 0.
 from __future__ import annotations
 
 from decode_svc.config import ENV_PREFIX, DecodeConfig
-from prefill_svc.cli import serve_main
+from mesh.grpc_server import Servable, serve_main
+
+
+def _server(cfg: DecodeConfig) -> Servable:
+    # Imported only once the flags are valid: a bad flag exits 2 at once, without loading torch.
+    from decode_svc.server import DecodeServer
+
+    return DecodeServer(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve_main(
-        argv, package="decode_svc", config=DecodeConfig, env_prefix=ENV_PREFIX, server="decode_svc.server:DecodeServer"
-    )
+    return serve_main(argv, service="decode_svc", config=DecodeConfig, env_prefix=ENV_PREFIX, make_server=_server)
 
 
 if __name__ == "__main__":

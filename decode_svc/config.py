@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from prefill_svc.config import ModelServiceConfig, NonNegativeFloat, Port, Positive, with_shared_settings
+from mesh.model_service.config import ModelServiceConfig, NonNegativeFloat, Port, Positive, with_shared_settings
 
 ENV_PREFIX = "DECODE_SVC"
 

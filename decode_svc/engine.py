@@ -34,9 +34,9 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_lengths, predicted, trim
+from mesh.model_service.kvstore import encode_with_past
+from mesh.model_service.runtime import RequestError
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
-from prefill_svc.kvstore import encode_with_past
-from prefill_svc.runtime import RequestError
 from proto.decode.v1 import decode_pb2
 
 # (sequence, the token ids its blocks and state cover, new complete blocks, end-of-sequence state or None)

@@ -12,8 +12,8 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.service import DecodeService
 from decode_svc.writeback import WriteBack
 from mesh.grpc_server import Registrar
-from prefill_svc.kvstore import KVStore
-from prefill_svc.runtime import ModelServer
+from mesh.model_service.kvstore import KVStore
+from mesh.model_service.runtime import ModelServer
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 

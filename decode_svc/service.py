@@ -27,9 +27,9 @@ from decode_svc.engine import Engine
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Delta, End, Failure, Outbox, Params, Prompt, Sampling, Sequence
 from mesh.logging import bind_request
+from mesh.model_service.kvstore import KVStore
+from mesh.model_service.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from model import Past, Transformer
-from prefill_svc.kvstore import KVStore
-from prefill_svc.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 MAX_TOP_LOGPROBS = 20

@@ -56,15 +56,23 @@ def sequence_key(
     fingerprint: bytes,
     salt: bytes = b"",
     layout_version: int = LAYOUT_VERSION,
+    prefix_keys: Sequence[bytes] | None = None,
 ) -> bytes:
-    """Key of the whole sequence: the last full block's key (or the salt) chained with the tail."""
-    keys = block_keys(
-        token_ids, block_tokens=block_tokens, fingerprint=fingerprint, salt=salt, layout_version=layout_version
-    )
-    n_full = len(keys) * block_tokens
+    """Key of the whole sequence: the last full block's key (or the salt) chained with the tail.
+
+    `prefix_keys`, when the caller already has them, are the block keys of (at least) every full block of
+    `token_ids`; passing them makes probing many sequence ends of one prompt O(tail) each instead of O(prefix).
+    """
+    n_blocks = len(token_ids) // block_tokens
+    if prefix_keys is None:
+        prefix_keys = block_keys(
+            token_ids, block_tokens=block_tokens, fingerprint=fingerprint, salt=salt, layout_version=layout_version
+        )
+    elif len(prefix_keys) < n_blocks:
+        raise ValueError(f"prefix_keys has {len(prefix_keys)} keys; the sequence has {n_blocks} full blocks")
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"v41-seq")
-    h.update(keys[-1] if keys else salt)
+    h.update(prefix_keys[n_blocks - 1] if n_blocks else salt)
     h.update(fingerprint)
     h.update(struct.pack("<IQ", layout_version, len(token_ids)))
-    h.update(_tokens_bytes(token_ids[n_full:]))
+    h.update(_tokens_bytes(token_ids[n_blocks * block_tokens :]))
     return h.digest()

@@ -123,4 +123,9 @@ def load_config(
 def config_dict(cfg: msgspec.Struct) -> dict[str, Any]:
     """The configuration as plain data, for the start-up log line (secrets masked)."""
     data = msgspec.to_builtins(cfg)
-    return {k: ("***" if any(s in k for s in ("key", "secret", "token")) and v else v) for k, v in data.items()}
+    return {k: ("***" if v and _is_secret(k) else v) for k, v in data.items()}
+
+
+def _is_secret(name: str) -> bool:
+    """Names of settings whose values never reach a log: api_key, *_secret, *_password, auth_token, …"""
+    return name.endswith(("api_key", "secret", "password", "auth_token", "access_token"))

@@ -1,5 +1,2 @@
 """prefill.v1.Prefill: runs the encoder half of the model over prompts and hands them to decode through cache_svc.
-
-Public modules other services use: `prefill_svc.kvstore` (model state in the cache: blocks, SWA records, the handoff
-record) and `prefill_svc.runtime` (model loading from a --model spec, prompt validation). See docs/services.md.
-"""
+See docs/services.md; what it shares with decode_svc lives in mesh.model_service."""

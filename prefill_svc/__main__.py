@@ -7,18 +7,19 @@ SIGTERM or SIGINT: health NOT_SERVING, in-flight prefills get --grace-s seconds,
 
 from __future__ import annotations
 
-from prefill_svc.cli import serve_main
+from mesh.grpc_server import Servable, serve_main
 from prefill_svc.config import ENV_PREFIX, PrefillConfig
 
 
+def _server(cfg: PrefillConfig) -> Servable:
+    # Imported only once the flags are valid: a bad flag exits 2 at once, without loading torch.
+    from prefill_svc.server import PrefillServer
+
+    return PrefillServer(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return serve_main(
-        argv,
-        package="prefill_svc",
-        config=PrefillConfig,
-        env_prefix=ENV_PREFIX,
-        server="prefill_svc.server:PrefillServer",
-    )
+    return serve_main(argv, service="prefill_svc", config=PrefillConfig, env_prefix=ENV_PREFIX, make_server=_server)
 
 
 if __name__ == "__main__":

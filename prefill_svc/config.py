@@ -1,63 +1,21 @@
-"""The prefill service's one typed configuration (flags and PREFILL_SVC_* environment variables), and the settings
-every model service shares (decode_svc's configuration extends `ModelServiceConfig` too)."""
+"""The prefill service's one typed configuration (flags and PREFILL_SVC_* environment variables)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated
 
 import msgspec
 
+from mesh.model_service.config import (
+    ModelServiceConfig,
+    NonNegativeFloat,
+    Port,
+    Positive,
+    PositiveFloat,
+    with_shared_settings,
+)
+
 ENV_PREFIX = "PREFILL_SVC"
-
-Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-Positive = Annotated[int, msgspec.Meta(gt=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
-
-S = TypeVar("S", bound=type)
-
-
-class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Settings of every model service.
-
-    host: address to listen on
-    port: gRPC port (0 picks a free port, logged at start)
-    metrics_port: Prometheus /metrics port (0 disables it)
-    metrics_host: address of the metrics endpoint
-    model: a preset (tiny, small) or a checkpoint directory
-    seed: weight seed of a preset model (the same seed on every prefill and decode replica)
-    device: auto, cpu, cuda or cuda:N
-    dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, float64, bfloat16 or float16
-    threads: torch CPU threads (0 = torch's default)
-    cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
-    cache_timeout_s: deadline of every cache RPC
-    chunk_size: prompt tokens per encoder forward (bounds activation memory on long prompts)
-    grace_s: seconds in-flight work gets to finish after SIGTERM
-    log_level: debug, info, warning or error
-    """
-
-    host: str = "127.0.0.1"
-    port: Port = 0
-    metrics_port: Port = 0
-    metrics_host: str = "0.0.0.0"
-    model: str = "tiny"
-    seed: int = 0
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
-    threads: Annotated[int, msgspec.Meta(ge=0)] = 0
-    cache: list[str] = msgspec.field(default_factory=list)
-    cache_timeout_s: PositiveFloat = 5.0
-    chunk_size: Positive = 512
-    grace_s: NonNegativeFloat = 60.0
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-
-def with_shared_settings(cls: S) -> S:
-    """Append the shared settings' descriptions to a service's docstring (flags take their help from it; the
-    service's own lines come first, so a setting it redescribes keeps its own text)."""
-    shared = (ModelServiceConfig.__doc__ or "").split("\n\n", 1)[1]
-    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + shared
-    return cls
 
 
 @with_shared_settings

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import grpc
 
+from mesh.model_service.runtime import RequestError
 from prefill_svc.metrics import PrefillMetrics
-from prefill_svc.runtime import RequestError
 
 T = TypeVar("T")
 

@@ -7,9 +7,9 @@ import asyncio
 from typing import Any
 
 from mesh.grpc_server import Registrar
-from prefill_svc.kvstore import KVStore
+from mesh.model_service.kvstore import KVStore
+from mesh.model_service.runtime import ModelServer
 from prefill_svc.metrics import PrefillMetrics
-from prefill_svc.runtime import ModelServer
 from prefill_svc.service import PrefillService
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 

@@ -24,12 +24,12 @@ import grpc
 
 from cache_svc.client import DOWN, CacheError
 from mesh.logging import bind_request
+from mesh.model_service.kvstore import KVStore, encode_with_past
+from mesh.model_service.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from model import LAYOUT_VERSION, Past, PrefillOutput, Transformer
 from prefill_svc.config import PrefillConfig
 from prefill_svc.encoder_queue import EncoderQueue
-from prefill_svc.kvstore import KVStore, encode_with_past
 from prefill_svc.metrics import PrefillMetrics
-from prefill_svc.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
 SEND_TOKENS = "send the prompt's token ids to decode instead"

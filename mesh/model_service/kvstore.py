@@ -1,6 +1,6 @@
 """Model state in cache_svc: global KV blocks, end-of-sequence SWA records, and the prefill → decode handoff record.
 
-Public: decode_svc uses this module too (it reads what prefill writes, and writes back what the next prefill reads).
+Both model services use it: decode reads what prefill writes, and writes back what the next prefill reads.
 
     block i        key h_i = mesh.block_keys over the token ids (model fingerprint, cache salt)   GlobalKVBlock bytes
     SWA record     key = mesh.block_keys.sequence_key of the tokens it ends                     EncoderState bytes
@@ -45,14 +45,18 @@ class KVStore:
     def keys(self, token_ids: Sequence[int], salt: bytes) -> list[bytes]:
         return block_keys(token_ids, block_tokens=self.block_tokens, fingerprint=self.fingerprint, salt=salt)
 
-    def sequence_key(self, token_ids: Sequence[int], salt: bytes) -> bytes:
-        return sequence_key(token_ids, block_tokens=self.block_tokens, fingerprint=self.fingerprint, salt=salt)
+    def sequence_key(self, token_ids: Sequence[int], salt: bytes, prefix_keys: Sequence[bytes] | None = None) -> bytes:
+        return sequence_key(
+            token_ids, block_tokens=self.block_tokens, fingerprint=self.fingerprint, salt=salt, prefix_keys=prefix_keys
+        )
 
     # ---------------------------------------------------------------------------------------------- reads
     async def find_past(self, token_ids: Sequence[int], salt: bytes, keys: Sequence[bytes]) -> Past | None:
         """The longest cached prefix of `token_ids`: its blocks and, when one is pooled, its SWA record."""
         hit = await self.cache.lookup(keys)
-        blocks, record = await asyncio.gather(self.get_blocks(keys[:hit]), self._find_record(token_ids, salt, hit))
+        blocks, record = await asyncio.gather(
+            self.get_blocks(keys[:hit]), self._find_record(token_ids, salt, keys[:hit])
+        )
         if not blocks and record is None:
             return None
         if record is not None and record.position // self.block_tokens != len(blocks):
@@ -78,11 +82,12 @@ class KVStore:
             blocks.append(block)
         return blocks
 
-    async def _find_record(self, token_ids: Sequence[int], salt: bytes, hit: int) -> EncoderState | None:
-        first = hit * self.block_tokens
+    async def _find_record(
+        self, token_ids: Sequence[int], salt: bytes, hit_keys: Sequence[bytes]
+    ) -> EncoderState | None:
+        first = len(hit_keys) * self.block_tokens
         ends = range(min(len(token_ids), first + self.block_tokens - 1), max(first, 1) - 1, -1)
-        # Each key hashes its whole prefix: off the event loop, it would stall every other stream on long prompts.
-        keys = await asyncio.to_thread(lambda: [self.sequence_key(token_ids[:end], salt) for end in ends])
+        keys = [self.sequence_key(token_ids[:end], salt, hit_keys) for end in ends]
         found = await asyncio.gather(*(self.cache.has_record(key) for key in keys))
         for key, present in zip(keys, found, strict=True):
             if present:

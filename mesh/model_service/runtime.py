@@ -1,8 +1,8 @@
 """What a model-serving process needs around the model: loading it from a `--model` spec, checking a prompt, refusing
 a request with a precise status, and the server life cycle.
 
-Public: decode_svc uses this module too (both services load a part of the same model, validate prompts the same way
-and start and stop alike). A model spec is a preset name (`tiny`, `small`: weights initialised deterministically from
+Both model services use it: they load a part of the same model, validate prompts the same way and start and stop
+alike. A model spec is a preset name (`tiny`, `small`: weights initialised deterministically from
 `seed`) or a checkpoint directory (config.json + safetensors shards).
 """
 
@@ -23,9 +23,9 @@ from cache_svc.client import AsyncCacheClient
 from mesh.grpc_server import GrpcServer, Registrar
 from mesh.logging import get_logger
 from mesh.metrics import new_registry, serve_metrics
+from mesh.model_service.config import ModelServiceConfig
 from model import SamplingParams, Transformer, build_model, load_checkpoint, preset
 from model.transformer import Part
-from prefill_svc.config import ModelServiceConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -103,6 +103,18 @@ def test_sequence_key_covers_the_tail_and_the_length() -> None:
     assert sequence_key([], block_tokens=B, fingerprint=FP) != sequence_key([], block_tokens=B, fingerprint=b"x")
 
 
+@settings(max_examples=60, deadline=None)
+@given(tokens=tokens_st, more=tokens_st, salt=st.binary(max_size=8))
+def test_sequence_key_from_precomputed_prefix_keys_is_the_same(tokens: list[int], more: list[int], salt: bytes) -> None:
+    # The keys of a longer sequence's blocks serve every shorter end: probing ends costs no rehash of the prefix.
+    longer = block_keys(tokens + more, block_tokens=B, fingerprint=FP, salt=salt)
+    direct = sequence_key(tokens, block_tokens=B, fingerprint=FP, salt=salt)
+    assert sequence_key(tokens, block_tokens=B, fingerprint=FP, salt=salt, prefix_keys=longer) == direct
+    if len(tokens) >= B:
+        with pytest.raises(ValueError, match="prefix_keys"):
+            sequence_key(tokens, block_tokens=B, fingerprint=FP, salt=salt, prefix_keys=longer[: len(tokens) // B - 1])
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="block_tokens"):
         block_keys([1, 2], block_tokens=0, fingerprint=FP)

@@ -26,6 +26,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     ports: list[int] = []
     limit: int | None = None
     api_key: str = ""
+    max_tokens: int = 256
 
 
 def test_defaults_env_and_flags_in_order_of_precedence() -> None:
@@ -73,6 +74,7 @@ def test_config_dict_masks_secrets() -> None:
     assert config_dict(Settings(api_key="sk-123"))["api_key"] == "***"
     assert config_dict(Settings())["api_key"] == ""
     assert config_dict(Settings(name="n"))["name"] == "n"
+    assert config_dict(Settings())["max_tokens"] == 256  # a count of tokens is not a secret
 
 
 def test_cache_service_flags_of_the_contract() -> None:
