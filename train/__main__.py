@@ -17,7 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # data-loader workers fork after the parent tokenised
     from train.trainer import Trainer  # torch is imported only once the flags are valid
 
-    Trainer(cfg, log).run()
+    try:
+        trainer = Trainer(cfg, log)  # resolves the preset or the --init checkpoint
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("cannot start training", error=str(exc))
+        return 2
+    trainer.run()
     return 0
 
 
