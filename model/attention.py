@@ -26,7 +26,7 @@ from model import kernels, quant
 from model.cache import Step
 from model.compressor import Compressor
 from model.config import ModelArgs
-from model.indexer import Indexer, Selection, backend, kernel_float
+from model.indexer import Indexer, Selection, backend
 from model.linear import Linear, RMSNorm, param_dtype, quantize_input
 from model.rope import Rope
 
@@ -173,8 +173,7 @@ class Attention(nn.Module):
                 q_data, q_scale, w = self.index_queries(x, qr, positions)
                 scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)
                 step.selection.select(a, role, scores, n_visible)
-            if kv_data.shape[1]:  # before the first complete group nothing is visible: attend the window only
-                compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])
+            compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])
         return self.attend_packed(q, positions, (swa_data, swa_scale, swa_mask), compressed)
 
     def attend_packed(
@@ -193,10 +192,10 @@ class Attention(nn.Module):
                 torch.full((B, T, 0), -1, dtype=torch.int32, device=q.device),
             )
         kv_data, kv_scale, idx = compressed
-        sink = self.attn_sink.float()
-        qk = kernel_float(q)
-        o = kernels.sparse_attention(qk, *window, kv_data, kv_scale, idx, sink, self.softmax_scale, backend=backend(q))
-        return self.project_out(o.to(q.dtype), positions)
+        o = kernels.sparse_attention(
+            q, *window, kv_data, kv_scale, idx, self.attn_sink, self.softmax_scale, backend=backend(q)
+        )
+        return self.project_out(o, positions)
 
     def write_entries(self, x: Tensor, step: Step) -> None:
         """Owner: compress this step's complete groups and write their packed entries ahead into the cache."""

@@ -7,6 +7,9 @@
         candidate_topk_blocks blocks (the block of the newest visible position pinned) → the candidate pool.
     Level 2 (Reindex layers after it): I ← −∞ outside the pool, then their own top-k.
     Top-k = min(index_topk, visible) positions sorted by position, −1 padded.
+    Ties (ReLU makes many scores exactly 0) go to the lower position, in both selections: the rule lives in
+    model.kernels (topk_indices, candidate_mask), so a selection depends on the scores alone, never on how many
+    positions a step scores (chunked prefill, batching and verification select as the one-shot dense forward does).
 
 Owner keys come from the owner's own key cache on every step. The reference's decode path instead scores against
 whichever indexer K was published last when no new group completed (§2.5 "known quirk"); we take the recommended
@@ -28,11 +31,6 @@ from model.linear import Linear, RMSNorm
 def backend(t: Tensor) -> str:
     """The kernel backend for tensors on t's device: Triton on a GPU, the torch reference elsewhere."""
     return kernels.default_backend() if t.is_cuda else "torch"
-
-
-def kernel_float(t: Tensor) -> Tensor:
-    """The kernels take fp32/bf16/fp16 activations: a float64 model (exactness tests) hands them fp32."""
-    return t.float() if t.dtype == torch.float64 else t
 
 
 class Indexer(nn.Module):
@@ -68,48 +66,6 @@ def dense_scores(q: Tensor, w: Tensor, k: Tensor, n_visible: Tensor) -> Tensor:
     return scores.masked_fill(hidden, float("-inf"))
 
 
-def stable_topk(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor:
-    """kernels.topk_indices with ties broken toward the lower position, whatever the row length.
-
-    ReLU makes many scores exactly equal (all heads ≤ 0 → 0), and which tied positions a top-k keeps is otherwise
-    an accident of the implementation and of the row length, so a chunked prefill would select differently from a
-    one-shot one. The kernel finds the threshold (the k-th value); the kept set is every position above it plus the
-    lowest-positioned ties, selected by a second kernel call over exactly that set.
-    """
-    idx = kernels.topk_indices(scores, k, lengths, backend=backend(scores))
-    if scores.shape[-1] == 0:  # nothing visible yet (first tokens of an m=2 layer)
-        return idx
-    picked = idx >= 0
-    chosen = scores.gather(-1, idx.long().clamp_min(0)).masked_fill(~picked, math.inf)
-    threshold = chosen.amin(-1, keepdim=True)
-    positions = torch.arange(scores.shape[-1], device=scores.device)
-    valid = scores > -math.inf
-    if lengths is not None:
-        valid &= positions < lengths.unsqueeze(-1)
-    above = valid & (scores > threshold)
-    ties = valid & (scores == threshold)
-    need = picked.sum(-1, keepdim=True) - above.sum(-1, keepdim=True)
-    keep = above | (ties & (ties.cumsum(-1) <= need))
-    return kernels.topk_indices(keep.float().masked_fill(~keep, -math.inf), k, lengths, backend=backend(scores))
-
-
-def candidate_pool(scores: Tensor, n_visible: Tensor, block_size: int, topk_blocks: int) -> Tensor:
-    """Level-1 pool bool [B, T, S]: block max over block_size positions, the newest visible block pinned, the top
-    topk_blocks blocks (ties to the lower block, as in stable_topk), −∞ picks dropped."""
-    S = scores.shape[-1]
-    visible = torch.arange(S, device=scores.device) < n_visible.unsqueeze(-1)
-    padded = torch.nn.functional.pad(scores.masked_fill(~visible, -math.inf), (0, -S % block_size), value=-math.inf)
-    blocks = padded.unflatten(-1, (-1, block_size)).amax(-1)
-    newest = torch.div(n_visible - 1, block_size, rounding_mode="floor").clamp_min(0).unsqueeze(-1)
-    pinned = (n_visible.unsqueeze(-1) > 0) & (torch.arange(blocks.shape[-1], device=scores.device) == newest)
-    blocks = blocks.masked_fill(pinned, math.inf)
-    B, T, n_blocks = blocks.shape
-    picked = stable_topk(blocks.reshape(B * T, n_blocks), topk_blocks, None).view(B, T, -1).long()
-    kept = torch.zeros(B, T, n_blocks + 1, dtype=torch.bool, device=scores.device)
-    kept.scatter_(-1, torch.where(picked >= 0, picked, n_blocks), True)
-    return kept[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :S] & visible
-
-
 class Selection:
     """The cross-layer slots of one forward: Top-K per index source and the candidate pool (SharedAttentionRuntime)."""
 
@@ -119,11 +75,13 @@ class Selection:
 
     def select(self, args: ModelArgs, role: LayerRole, scores: Tensor, n_visible: Tensor) -> Tensor:
         """Candidate pool (level 1) or restriction to it (level 2), then top-k; publishes and returns [B, T, K]."""
+        be = backend(scores)
         if role.candidate_source:
-            self.candidates = candidate_pool(scores, n_visible, args.candidate_block_size, args.candidate_topk_blocks)
+            block, top = args.candidate_block_size, args.candidate_topk_blocks
+            self.candidates = kernels.candidate_mask(scores, n_visible, block, top, backend=be)
         elif role.uses_candidates:
             scores = scores.masked_fill(~self.candidates, -math.inf)
         B, T, S = scores.shape
-        idx = stable_topk(scores.reshape(B * T, S), args.index_topk, n_visible.reshape(-1))
+        idx = kernels.topk_indices(scores.reshape(B * T, S), args.index_topk, n_visible.reshape(-1), backend=be)
         self.topk[role.layer_id] = idx.view(B, T, -1)
         return self.topk[role.layer_id]

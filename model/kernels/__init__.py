@@ -59,6 +59,7 @@ def _expect(name: str, t: Tensor, shape: Sequence[int | None], dtypes: Sequence[
 
 _INTS = (torch.int32, torch.int64)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_WIDE_FLOATS = (*_FLOATS, torch.float64)  # attention also takes a float64 model's queries (the exactness tests)
 
 
 # ------------------------------------------------------------------------------------------- KV formats
@@ -153,8 +154,11 @@ def sparse_attention(
     softmax_scale: float,
     backend: Backend = "torch",
 ) -> Tensor:
-    """Attention of q [B,T,H,D] over [FP8 ring slots (swa_mask) ‖ FP4 entries idx (−1 = none)] with a sink."""
-    _expect("q", q, (None, None, None, None), _FLOATS)
+    """Attention of q [B,T,H,D] over [FP8 ring slots (swa_mask) ‖ FP4 entries idx (−1 = none)] with a sink → q's dtype.
+
+    The torch reference computes in q's precision (at least fp32), the Triton kernel in fp32. N may be 0 (nothing
+    stored yet): then every idx slot must be −1."""
+    _expect("q", q, (None, None, None, None), _WIDE_FLOATS)
     B, T, H, D = q.shape
     if D % kv_quant.SWA_BLOCK != 0:
         raise ValueError(f"q: latent dim must be a multiple of {kv_quant.SWA_BLOCK}, got {D}")
@@ -165,7 +169,7 @@ def sparse_attention(
     _expect("kv_data", kv_data, (B, None, D // 2), (torch.uint8,))
     _expect("kv_scale", kv_scale, (B, kv_data.shape[1], D // kv_quant.KV_BLOCK), (torch.uint8,))
     _expect("idx", idx, (B, T, None), _INTS)
-    _expect("sink", sink, (H,), _FLOATS)
+    _expect("sink", sink, (H,), _WIDE_FLOATS)
     return _pick(backend, sparse_attn, "sparse_attention")(
         q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, softmax_scale
     )

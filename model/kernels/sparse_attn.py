@@ -26,6 +26,8 @@ LOG2E = math.log2(math.e)
 
 def gather_entries(kv_data: Tensor, kv_scale: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     """Rows idx [B, T, K] (−1 → row 0, masked later) of [B, N, ...] → [B, T, K, ...]."""
+    if kv_data.shape[1] == 0:  # nothing stored yet, so every slot is −1: gather from one zero row instead
+        kv_data, kv_scale = (t.new_zeros(t.shape[0], 1, t.shape[2]) for t in (kv_data, kv_scale))
     rows = idx.clamp(min=0).long()
     batch = torch.arange(idx.shape[0], device=idx.device)[:, None, None]
     return kv_data[batch, rows], kv_scale[batch, rows]
@@ -42,13 +44,16 @@ def sparse_attention_torch(
     sink: Tensor,
     softmax_scale: float,
 ) -> Tensor:
-    qf = q.float()
-    ring = dequantize_swa_fp8_torch(swa_data, swa_scale, torch.float32)  # [B, W, D]
-    entries = dequantize_kv_fp4_torch(*gather_entries(kv_data, kv_scale, idx), torch.float32)  # [B, T, K, D]
+    # fp32, or fp64 for a float64 q: the exactness tests compare this with the dense fp64 attention, and an fp32
+    # rounding here moves FP8 codes downstream (the QAT cast of the output projection's input)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(compute)
+    ring = dequantize_swa_fp8_torch(swa_data, swa_scale, compute)  # [B, W, D]
+    entries = dequantize_kv_fp4_torch(*gather_entries(kv_data, kv_scale, idx), compute)  # [B, T, K, D]
     s_ring = torch.einsum("bthd,bwd->bthw", qf, ring).masked_fill(~swa_mask[:, :, None, :], float("-inf"))
     s_sel = torch.einsum("bthd,btkd->bthk", qf, entries).masked_fill(idx[:, :, None, :] < 0, float("-inf"))
     logits = torch.cat((s_ring, s_sel), dim=-1) * softmax_scale
-    sink_logit = sink.float()[None, None, :, None]
+    sink_logit = sink.to(compute)[None, None, :, None]
     m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink_logit)
     p = torch.exp(logits - m)
     denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink_logit - m)

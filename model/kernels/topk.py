@@ -1,5 +1,9 @@
 """Top-k positions of score rows, returned sorted by position and −1 padded (model-architecture.md §2.5, §5.1).
 
+Ties go to the lowest positions, in both backends: the chosen set is then a function of the scores alone, never of
+the row length or the batch, so chunked prefill, batching and verification select exactly as one-shot runs do.
+The torch reference is a stable descending sort.
+
 Triton: a threshold select in the spirit of DeepSelect, reading each score twice at most.
 
 1. Group maxima. Positions are dealt into G groups (position mod G); any T such that k groups have a maximum ≥ T
@@ -34,10 +38,13 @@ def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
 
 def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor:
     rows, length = scores.shape
-    valid = selectable(scores, lengths)
-    masked = torch.where(valid, scores.float(), float("-inf"))
+    # + 0.0 turns −0 into +0: one key for zero, as in the Triton kernel
+    masked = torch.where(selectable(scores, lengths), scores.float() + 0.0, float("-inf"))
     picked = min(k, length)
-    values, positions = masked.topk(picked, dim=-1)
+    # A stable sort keeps equal scores in position order, so ties go to the lowest positions whatever the row length
+    # (torch.topk leaves that order unspecified, and it does change with the length).
+    values, positions = masked.sort(dim=-1, descending=True, stable=True)
+    values, positions = values[:, :picked], positions[:, :picked]
     positions = torch.where(values > float("-inf"), positions, length)  # unpickable sorts last
     positions = positions.sort(dim=-1).values
     out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
@@ -53,30 +60,35 @@ _CHUNK = 8192  # scores per step of a streaming pass (16–32 KiB in flight per 
 
 
 @triton.jit
-def _order_key(x, valid):
-    """Score → uint32 whose unsigned order is the float order (−0 = +0); 0 marks an entry that cannot be chosen."""
+def _order_key(x, valid, LOW_BIT: tl.constexpr):
+    """Score → uint32 whose unsigned order is the float order (−0 = +0); 0 marks an entry that cannot be chosen.
+
+    Bits below LOW_BIT are cleared: a bf16/fp16 score widened to fp32 has zeros there, but a negative score's key
+    is its inverted bits (ones there), and the radix searches, which stop at LOW_BIT, must see equal scores as equal
+    keys for the tie cut to work."""
     x = x.to(tl.float32)
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     key = (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+    key = key >> LOW_BIT << LOW_BIT
     return tl.where(valid & (x > float("-inf")), key, tl.zeros_like(key))
 
 
 @triton.jit
-def _row_keys(x_row, length, start, TILE: tl.constexpr):
+def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
     pos = start + tl.arange(0, TILE)
     x = tl.load(x_row + pos, mask=pos < length, other=float("-inf"))
-    return _order_key(x, pos < length), pos
+    return _order_key(x, pos < length, LOW_BIT), pos
 
 
 @triton.jit
-def _group_max_kernel(x_ptr, len_ptr, part_ptr, L, P, G: tl.constexpr, U: tl.constexpr):
+def _group_max_kernel(x_ptr, len_ptr, part_ptr, L, P, G: tl.constexpr, U: tl.constexpr, LOW_BIT: tl.constexpr):
     """part[r, p, g] = max key over positions ≡ g (mod G) of the chunks p, p + P, … (U·G positions each) of row r."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     length = tl.minimum(tl.load(len_ptr + r), L)
     running = tl.zeros((G,), dtype=tl.uint32)
     for chunk in range(p, tl.cdiv(length, U * G), P):  # U tiles per step: more bytes in flight per program
-        key, _pos = _row_keys(x_ptr + r * L, length, chunk * U * G, U * G)
+        key, _pos = _row_keys(x_ptr + r * L, length, chunk * U * G, U * G, LOW_BIT)
         running = tl.maximum(running, tl.max(tl.reshape(key, (U, G)), axis=0))
     tl.store(part_ptr + (r * P + p) * G + tl.arange(0, G), running)
 
@@ -107,14 +119,16 @@ def _threshold_kernel(part_ptr, thr_ptr, P, k, G: tl.constexpr, LOW_BIT: tl.cons
 
 
 @triton.jit
-def _gather_kernel(x_ptr, len_ptr, thr_ptr, count_ptr, ckey_ptr, cpos_ptr, L, P, C, CHUNK: tl.constexpr):
+def _gather_kernel(
+    x_ptr, len_ptr, thr_ptr, count_ptr, ckey_ptr, cpos_ptr, L, P, C, CHUNK: tl.constexpr, LOW_BIT: tl.constexpr
+):
     """Append every (key, position) of row r with key ≥ thr[r] to the row's candidate buffer (slots < C kept)."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     length = tl.minimum(tl.load(len_ptr + r), L)
     threshold = tl.load(thr_ptr + r)
     for chunk in range(p, tl.cdiv(length, CHUNK), P):
-        key, pos = _row_keys(x_ptr + r * L, length, chunk * CHUNK, CHUNK)
+        key, pos = _row_keys(x_ptr + r * L, length, chunk * CHUNK, CHUNK, LOW_BIT)
         passed = key >= threshold
         n = tl.sum(passed.to(tl.int32), axis=0)
         if n > 0:
@@ -125,10 +139,10 @@ def _gather_kernel(x_ptr, len_ptr, thr_ptr, count_ptr, ckey_ptr, cpos_ptr, L, P,
 
 
 @triton.jit
-def _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE: tl.constexpr):
+def _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
     """Tile of (key, position) items: straight from the scores, or from the candidate buffer."""
     if from_row:
-        key, pos = _row_keys(x_row, length, start, TILE)
+        key, pos = _row_keys(x_row, length, start, TILE, LOW_BIT)
     else:
         i = start + tl.arange(0, TILE)
         key = tl.load(ckey_row + i, mask=i < n, other=0)
@@ -154,7 +168,7 @@ def _select_kernel(
     # how many can be chosen, then the k-th largest key T (all passes below stream the items in tiles)
     selectable = 0
     for start in range(0, n, TILE):
-        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
         selectable += tl.sum((key > 0).to(tl.int32), axis=0)
     kk = tl.minimum(k, selectable)
     threshold = tl.zeros((), dtype=tl.uint32)
@@ -163,7 +177,7 @@ def _select_kernel(
         trial = threshold | step
         count = 0
         for start in range(0, n, TILE):
-            key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
             count += tl.sum((key >= trial).to(tl.int32), axis=0)
         threshold = tl.where(count >= kk, trial, threshold)
         step = step >> 1
@@ -172,7 +186,7 @@ def _select_kernel(
     above = 0
     equal = 0
     for start in range(0, n, TILE):
-        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
         above += tl.sum((key > threshold).to(tl.int32), axis=0)
         equal += tl.sum((key == threshold).to(tl.int32), axis=0)
     missing = kk - above
@@ -183,7 +197,7 @@ def _select_kernel(
             trial = cut | (1 << bit)
             count = 0
             for start in range(0, n, TILE):
-                key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+                key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
                 count += tl.sum(((key == threshold) & (pos < trial)).to(tl.int32), axis=0)
             cut = tl.where(count < missing, trial, cut)
 
@@ -191,10 +205,10 @@ def _select_kernel(
     out_row = out_ptr + r * k
     written = 0
     for start in range(0, n, TILE):
-        key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE)
+        key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
         chosen = ((key > threshold) | ((key == threshold) & (pos <= cut))) & (kk > 0)
         slot = written + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(out_row + slot, pos, mask=chosen)
+        tl.store(out_row + slot, pos, mask=chosen & (slot < k))  # never past the row, whatever the keys
         written += tl.sum(chosen.to(tl.int32), axis=0)
     tl.debug_barrier()
     i = tl.arange(0, KP)
@@ -203,7 +217,8 @@ def _select_kernel(
 
 
 def _low_bit(dtype: torch.dtype) -> int:
-    """Low key bits that are always zero: a bf16 / fp16 score widened to fp32 has 16 / 13 trailing zero bits."""
+    """Low key bits without information: a bf16 / fp16 score widened to fp32 has 16 / 13 trailing zero bits (the
+    radix searches skip them; `_order_key` clears them)."""
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
@@ -250,8 +265,9 @@ def topk_indices_triton(
     threshold = torch.empty(R, dtype=torch.uint32, device=device)
     ckey = torch.empty((R, C), dtype=torch.uint32, device=device)
     cpos = torch.empty((R, C), dtype=torch.int32, device=device)
-    _group_max_kernel[(R, P)](x, lengths, part, L, P, G, U, num_warps=8)
+    _group_max_kernel[(R, P)](x, lengths, part, L, P, G, U, low_bit, num_warps=8)
     _threshold_kernel[(R,)](part, threshold, P, k, G, low_bit, num_warps=8)
-    _gather_kernel[(R, P_gather)](x, lengths, threshold, count, ckey, cpos, L, P_gather, C, U * G, num_warps=8)
+    _gather_kernel[(R, P_gather)](x, lengths, threshold, count, ckey, cpos, L, P_gather, C, U * G, low_bit,
+                                  num_warps=8)  # fmt: skip
     _select_kernel[(R,)](x, lengths, count, ckey, cpos, out, L, C, k, pos_bits, False, low_bit, tile, KP, num_warps=8)
     return out

@@ -21,9 +21,10 @@ def indexer_case(g: torch.Generator, B: int, T: int, H: int, Di: int, S: int) ->
     return q_data, q_scale, weights, k_data, k_scale, n_visible
 
 
-def candidate_case(g: torch.Generator, S: int) -> tuple[Tensor, Tensor]:
-    """Scores [2, 3, S] and ragged n_visible with one empty and one full row."""
-    scores = torch.randn(2, 3, S, generator=g)
+def candidate_case(g: torch.Generator, S: int, tied: bool = False) -> tuple[Tensor, Tensor]:
+    """Scores [2, 3, S] (`tied`: values in {−1, 0, 1}, so block maxima tie) and ragged n_visible with one empty and
+    one full row."""
+    scores = torch.randint(-1, 2, (2, 3, S), generator=g).float() if tied else torch.randn(2, 3, S, generator=g)
     n_visible = torch.randint(0, S + 1, (2, 3), generator=g)
     n_visible[0, 0], n_visible[1, 2] = 0, S
     return scores, n_visible
@@ -53,20 +54,21 @@ def topk_case(g: torch.Generator, R: int, L: int, dtype: torch.dtype = torch.flo
     return scores, lengths
 
 
-def check_topk(scores: Tensor, lengths: Tensor | None, k: int, got: Tensor) -> None:
-    """`got` is a valid answer: the right count, distinct selectable positions sorted ascending then −1, and the
-    multiset of chosen values equal to the best possible (so the answer is exact up to ties)."""
-    R, L = scores.shape
-    assert got.shape == (R, k)
-    assert got.dtype == torch.int32
-    for r in range(R):
-        length = L if lengths is None else int(lengths[r])
-        row = scores[r, :length].float()
-        finite = row[row > float("-inf")]
-        count = min(k, finite.numel())
-        chosen, pad = got[r, :count], got[r, count:]
-        assert (pad == -1).all(), f"row {r}: expected {count} picks then −1 padding, got {got[r].tolist()}"
-        assert ((chosen >= 0) & (chosen < length)).all(), f"row {r}: {chosen.tolist()} outside [0, {length})"
-        assert (chosen[1:] > chosen[:-1]).all(), f"row {r}: not strictly ascending: {chosen.tolist()}"
-        best = finite.sort(descending=True).values[:count]
-        assert torch.equal(row[chosen.long()].sort(descending=True).values, best), f"row {r}: not a top-{k}"
+def tied_topk_case(g: torch.Generator, R: int, L: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Few distinct values, so ties are everywhere (as ReLU's exact zeros make them); ±0, −inf and NaN among them."""
+    values = torch.tensor([-1.0, 0.0, -0.0, 0.0, 1.0, 2.0, float("-inf"), float("nan")])
+    scores = values[torch.randint(0, len(values), (R, L), generator=g)].to(dtype)
+    lengths = torch.randint(0, L + 1, (R,), generator=g)
+    lengths[0] = L
+    return scores, lengths
+
+
+def lowest_position_topk(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor:
+    """The definition: rank the selectable positions by (score descending, position ascending), keep k, sort them."""
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    for r, row in enumerate(scores.float().tolist()):
+        n = len(row) if lengths is None else int(lengths[r])
+        ranked = sorted((p for p in range(n) if row[p] > float("-inf")), key=lambda p: (-row[p], p))
+        chosen = sorted(ranked[:k])
+        out[r, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return out

@@ -4,7 +4,17 @@ import math
 
 import pytest
 import torch
-from kernel_cases import attention_case, candidate_case, check_topk, generator, indexer_case, topk_case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import (
+    attention_case,
+    candidate_case,
+    generator,
+    indexer_case,
+    lowest_position_topk,
+    tied_topk_case,
+    topk_case,
+)
 
 from model import kernels, quant
 
@@ -36,10 +46,25 @@ def test_topk_hand_example() -> None:
 
 
 @pytest.mark.parametrize(("R", "L", "k"), [(5, 50, 8), (3, 7, 16), (4, 300, 0)])
-def test_topk_reference_is_a_valid_topk(R: int, L: int, k: int) -> None:
+def test_topk_reference_matches_the_definition(R: int, L: int, k: int) -> None:
     scores, lengths = topk_case(generator(R * L), R, L)
-    check_topk(scores, lengths, k, kernels.topk_indices(scores, k, lengths))
-    check_topk(scores, None, k, kernels.topk_indices(scores, k))
+    assert torch.equal(kernels.topk_indices(scores, k, lengths), lowest_position_topk(scores, k, lengths))
+    assert torch.equal(kernels.topk_indices(scores, k), lowest_position_topk(scores, k, None))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 60), st.integers(0, 12), st.integers(0, 2**31 - 1))
+def test_topk_ties_go_to_the_lowest_positions(R: int, L: int, k: int, seed: int) -> None:
+    """Equal scores (±0 alike) are taken in position order, so the choice never depends on the row length: a row cut
+    at its length, or padded with −inf, selects the same positions."""
+    scores, lengths = tied_topk_case(generator(seed), R, L)
+    want = lowest_position_topk(scores, k, lengths)
+    assert torch.equal(kernels.topk_indices(scores, k, lengths), want)
+    padded = torch.cat((scores, torch.full((R, 7), float("-inf"))), dim=1)
+    assert torch.equal(kernels.topk_indices(padded, k, lengths), want)
+    for r in range(R):
+        n = int(lengths[r])
+        assert torch.equal(kernels.topk_indices(scores[r : r + 1, :n], k), want[r : r + 1])
 
 
 def naive_candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, topk_blocks: int):
@@ -53,7 +78,7 @@ def naive_candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_si
             block = [max(visible[j * block_size : (j + 1) * block_size]) for j in range(n_blocks)]
             if nv > 0:
                 block[(nv - 1) // block_size] = math.inf
-            ranked = sorted(range(n_blocks), key=lambda j: -block[j])[:topk_blocks]
+            ranked = sorted(range(n_blocks), key=lambda j: (-block[j], j))[:topk_blocks]  # ties: lower block
             for j in ranked:
                 if block[j] > -math.inf:
                     mask[b, t, j * block_size : min(nv, (j + 1) * block_size)] = True
@@ -61,18 +86,23 @@ def naive_candidate_mask(scores: torch.Tensor, n_visible: torch.Tensor, block_si
 
 
 @pytest.mark.parametrize(("S", "block_size", "topk_blocks"), [(37, 8, 2), (64, 8, 3), (20, 4, 10), (9, 8, 1)])
-def test_candidate_mask_matches_the_definition(S: int, block_size: int, topk_blocks: int) -> None:
-    scores, n_visible = candidate_case(generator(S), S)
+@pytest.mark.parametrize("tied", [False, True])
+def test_candidate_mask_matches_the_definition(S: int, block_size: int, topk_blocks: int, tied: bool) -> None:
+    scores, n_visible = candidate_case(generator(S), S, tied)
     got = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks)
     assert torch.equal(got, naive_candidate_mask(scores, n_visible, block_size, topk_blocks))
 
 
-def test_sparse_attention_matches_the_definition() -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_sparse_attention_matches_the_definition(dtype: torch.dtype, tolerance: float) -> None:
+    """fp32 queries are computed in fp32; fp64 ones (a float64 model's) in fp64, to fp64 accuracy."""
     B, T, H, D, W, N, K = 2, 2, 3, 64, 5, 9, 4
     q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, scale = attention_case(
         generator(1), B, T, H, D, W, N, K
     )
+    q, sink = q.to(dtype), sink.to(dtype)
     got = kernels.sparse_attention(q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, scale)
+    assert got.dtype == dtype
     ring = quant.fp8_dequant(swa_data, swa_scale).double()
     entries = quant.fp4_dequant_e4m3(kv_data, kv_scale).double()
     for b in range(B):
@@ -83,8 +113,18 @@ def test_sparse_attention_matches_the_definition() -> None:
                 denom = sum(math.exp(s) for s in logits) + math.exp(float(sink[h]))
                 want = sum((math.exp(s) / denom) * key for s, key in zip(logits, keys, strict=True))
                 want = want if keys else torch.zeros(D, dtype=torch.float64)
-                torch.testing.assert_close(got[b, t, h].double(), want, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got[b, t, h].double(), want, rtol=tolerance, atol=tolerance / 10)
     assert got[0, 0].abs().max() == 0  # only the sink: nothing attended
+
+
+def test_sparse_attention_with_no_entries_stored() -> None:
+    """N = 0 (before a layer's first compressed entry) with K slots, all −1: the ring alone, as with K = 0."""
+    case = list(attention_case(generator(4), 2, 3, 2, 32, 6, 5, 4))
+    case[4:7] = case[4][:, :0], case[5][:, :0], torch.full_like(case[6], -1)
+    got = kernels.sparse_attention(*case)
+    case[6] = case[6][..., :0]
+    torch.testing.assert_close(got, kernels.sparse_attention(*case), rtol=1e-6, atol=1e-7)
+    assert got[0, 0].abs().max() == 0  # the query without a ring slot sees only its sink
 
 
 def test_bad_arguments_are_named() -> None:

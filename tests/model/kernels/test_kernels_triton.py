@@ -1,13 +1,22 @@
 """Every Triton kernel against its torch reference, in Triton's CPU interpreter, on fresh random inputs.
 
-Tolerances follow the formats: quantised bytes, candidate masks and top-k indices are exact (top-k up to ties);
+Tolerances follow the formats: quantised bytes, candidate masks and top-k indices are exact (ties included: both
+backends take equal scores in position order);
 indexer scores and attention differ from the reference only by fp32 summation order (the interpreter dots in
 fp32; the GPU's bf16 dots are checked at real sizes by `bench/kernels.py --check`).
 """
 
 import pytest
 import torch
-from kernel_cases import attention_case, candidate_case, check_topk, generator, indexer_case, topk_case
+from kernel_cases import (
+    attention_case,
+    candidate_case,
+    generator,
+    indexer_case,
+    lowest_position_topk,
+    tied_topk_case,
+    topk_case,
+)
 
 from model import kernels, quant
 from model.kernels.sparse_attn import sparse_attention_triton
@@ -83,9 +92,11 @@ def test_indexer_scores(B: int, T: int, H: int, Di: int, S: int) -> None:
     assert ((got - want).abs()[finite] <= bound[finite] + 1e-30).all()
 
 
-@pytest.mark.parametrize(("S", "block_size", "topk_blocks"), [(37, 8, 2), (20, 4, 10), (300, 8, 5)])
-def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int) -> None:
-    scores, n_visible = candidate_case(generator(S), S)
+@pytest.mark.parametrize(
+    ("S", "block_size", "topk_blocks", "tied"), [(37, 8, 2, True), (20, 4, 10, False), (300, 8, 5, True)]
+)
+def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int, tied: bool) -> None:
+    scores, n_visible = candidate_case(generator(S), S, tied)
     want = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks)
     got = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks, backend="triton")
     assert torch.equal(got, want)
@@ -105,9 +116,16 @@ def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int) -> N
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
     scores, lengths = topk_case(generator(L + k), R, L, dtype)
     got = topk_indices_triton(scores, k, lengths, **paths)
-    check_topk(scores, lengths, k, got)
-    if dtype == torch.float32:  # no ties among random fp32 scores: the very same indices
-        assert torch.equal(got, kernels.topk_indices(scores, k, lengths))
+    assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
+
+
+@pytest.mark.parametrize(
+    "paths", [{}, {"direct_max": 16, "groups": 8}, {"direct_max": 16, "groups": 8, "capacity": 8}]
+)  # one program per row; group max → threshold → gather → select; candidate overflow
+def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
+    scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
+    for k in (1, 7, 40):
+        assert torch.equal(topk_indices_triton(scores, k, lengths, **paths), lowest_position_topk(scores, k, lengths))
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
@@ -132,6 +150,12 @@ def test_sparse_attention(B: int, T: int, H: int, D: int, W: int, N: int, K: int
     got = sparse_attention_triton(*case, splits=splits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got[0, 0].abs().max() == 0  # the query that sees only its sink
+
+
+def test_sparse_attention_with_no_entries_stored() -> None:
+    case = list(attention_case(generator(4), 2, 3, 2, 32, 6, 5, 4))
+    case[4:7] = case[4][:, :0], case[5][:, :0], torch.full_like(case[6], -1)  # N = 0, every slot −1
+    torch.testing.assert_close(sparse_attention_triton(*case), kernels.sparse_attention(*case), rtol=1e-5, atol=1e-6)
 
 
 def test_sparse_attention_keeps_the_query_dtype() -> None:
