@@ -12,6 +12,7 @@ V4 prompts spell small floats differently (deepseek-recipe's V4 encoder): decima
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "), allow_nan=False).encode
@@ -25,6 +26,15 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 def dumps(value: Any, *, v4: bool = False) -> str:
     """Python-style JSON text of a decoded JSON value (`v4`: with V4's small-float spelling)."""
+    kind = type(value)
+    if kind is float and math.isfinite(value) and (not v4 or _v4_float(value) is None):
+        return repr(value)  # the common scalars, without the encoder
+    if kind is int and _INT_MIN <= value <= _INT_MAX:
+        return str(value)
+    if kind is bool:
+        return "true" if value else "false"
+    if value is None:
+        return "null"
     text = _encode(value)
     if _LONG_RUN in text.encode().translate(_DIGITS_AS_ZERO):  # rare: only then walk the value
         value = narrow_integers(value)

@@ -145,15 +145,16 @@ class _Renderer:
         out.append(t.bos)
         previous: Message | None = None
         for index, message in enumerate(messages):
+            kind = type(message)
             if index == 0:
-                if self.v41 and (effort or isinstance(message, System)):
+                if self.v41 and (effort or kind is System):
                     out.append(t.system)
                 out.append(effort)
-            if isinstance(message, _USER_TURN):
-                self._user(message, previous)
-            elif isinstance(message, Assistant):
-                self._assistant(message, keep_reasoning=index >= keep_from)
-            elif isinstance(message, System):
+            if kind is User or kind is ToolResult:
+                self._user(message, previous)  # type: ignore[arg-type]
+            elif kind is Assistant:
+                self._assistant(message, keep_reasoning=index >= keep_from)  # type: ignore[arg-type]
+            elif kind is System:
                 if index and self.v41:
                     out.append(t.system)
                 self._content(message.content)
@@ -172,19 +173,20 @@ class _Renderer:
         """A user message or tool result; consecutive ones share one user turn, joined by a blank line.
         V4 first merges consecutive user messages, joining only the non-empty ones."""
         out = self.pieces
-        joined = isinstance(previous, _USER_TURN)
-        merged = joined and not self.v41 and isinstance(previous, User) and isinstance(message, User)
+        kind, before = type(message), type(previous)
+        joined = before is User or before is ToolResult
+        merged = joined and not self.v41 and before is User and kind is User
         content = message.content
-        if isinstance(message, ToolResult):
+        if kind is ToolResult:
             has_text = True
         else:
-            has_text = bool(content) if isinstance(content, str) else len(content) > 1 or any(content)
+            has_text = bool(content) if type(content) is str else len(content) > 1 or any(content)
         if not joined:
             out.append(self.t.user)
         elif not merged or (self._user_text and has_text):
             out.append("\n\n")
         self._user_text = (merged and self._user_text) or has_text
-        if isinstance(message, ToolResult):
+        if kind is ToolResult:
             out.append("<tool_result>")
             self._content(content)
             out.append("</tool_result>")
@@ -225,8 +227,8 @@ class _Renderer:
 
     def _content(self, content: Content) -> None:
         out = self.pieces
-        if isinstance(content, str):
-            out.append(content)
+        if type(content) is str:
+            out.append(content)  # type: ignore[arg-type]
             return
         for position, part in enumerate(content):
             if position:
@@ -290,19 +292,21 @@ def _v4_text(content: Content) -> str:
 
 def _order_tool_results(messages: list[Message]) -> None:
     """Reorder each run of tool results to the order of the preceding assistant's tool calls."""
-    order: dict[str, int] = {}
+    calls: list[ToolCall] = []  # of the last assistant turn with tool calls
     run: list[int] = []  # indices of the current run of tool results (user messages interleaved)
     for index, message in enumerate([*messages, None]):
-        if isinstance(message, ToolResult):
+        kind = type(message)
+        if kind is ToolResult:
             run.append(index)
-        elif not isinstance(message, User):
-            if len(run) > 1 and order:
+        elif kind is not User:
+            if len(run) > 1 and calls:
+                order = {call.id: position for position, call in enumerate(calls)}
                 results = sorted((messages[i] for i in run), key=lambda m: order.get(m.tool_call_id, 0))  # type: ignore[union-attr]
                 for slot, result in zip(run, results, strict=True):
                     messages[slot] = result
             run = []
-            if isinstance(message, Assistant) and message.tool_calls:
-                order = {call.id: position for position, call in enumerate(message.tool_calls)}
+            if kind is Assistant and message.tool_calls:  # type: ignore[union-attr]
+                calls = message.tool_calls  # type: ignore[union-attr]
 
 
 # Agents resend their tools and their earlier tool calls with every turn: the rendered schema lines and

@@ -159,25 +159,26 @@ class ChatRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
 
 
-def _parts(content: Parts, param: str) -> Content:
-    if isinstance(content, str):
+def _parts(content: Parts, message: int) -> Content:
+    if type(content) is str:
         return content
     parts: list[str | Image] = []
     for index, part in enumerate(content):
         if isinstance(part, TextPart):
             parts.append(part.text)
         else:
-            parts.append(common.image(part.image_url.url, part.image_url.detail, f"{param}[{index}]"))
+            param = f"messages[{message}].content[{index}]"
+            parts.append(common.image(part.image_url.url, part.image_url.detail, param))
     if all(isinstance(part, str) for part in parts):
         return "\n\n".join(parts)  # type: ignore[arg-type]
     return parts
 
 
 def _message(message: ChatMessage, index: int) -> Message:
-    param = f"messages[{index}].content"
-    if isinstance(message, UserMessage):
-        return User(_parts(message.content, param))
-    if isinstance(message, AssistantMessage):
+    kind = type(message)
+    if kind is UserMessage:
+        return User(_parts(message.content, index))
+    if kind is AssistantMessage:
         if message.tool_calls is not None and not message.tool_calls:
             raise RecipeError(
                 f"Invalid 'messages[{index}].tool_calls': empty array. Expected an array with minimum length 1.",
@@ -192,11 +193,11 @@ def _message(message: ChatMessage, index: int) -> Message:
             content = "\n\n".join(part.text for part in content)
         calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()]
         return Assistant(content, message.reasoning_content, calls, message.prefix)
-    if isinstance(message, ToolMessage):
-        return ToolResult(_parts(message.content, param), message.tool_call_id)
-    if isinstance(message, ReminderMessage):
+    if kind is ToolMessage:
+        return ToolResult(_parts(message.content, index), message.tool_call_id)
+    if kind is ReminderMessage:
         return LatestReminder(message.content)
-    return System(_parts(message.content, param))
+    return System(_parts(message.content, index))
 
 
 def _response_format(fmt: ChatResponseFormat | None) -> ResponseFormat | None:

@@ -144,8 +144,7 @@ def tool(name: str, description: str | None, parameters: Any, strict: bool | Non
 
 
 def unique_tools(tools: list[Tool]) -> list[Tool]:
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
+    if len({t.name for t in tools}) != len(tools):
         raise RecipeError("Tool names must be unique.", param="tools")
     return tools
 
@@ -353,7 +352,8 @@ def check_tool_results(messages: list[Message]) -> None:
     """Every tool call is answered by the tool results right after it, and every result answers a call."""
     pending: list[str] = []
     for index, message in enumerate(messages):
-        if isinstance(message, ToolResult):
+        kind = type(message)
+        if kind is ToolResult:
             if message.tool_call_id not in pending:
                 raise RecipeError(
                     "Messages with role 'tool' must be a response to a preceding message with 'tool_calls'",
@@ -367,8 +367,8 @@ def check_tool_results(messages: list[Message]) -> None:
                 f"'tool_call_id', The following tool_call_ids did not have response messages: {', '.join(pending)}",
                 param=f"messages[{index}]",
             )
-        if isinstance(message, Assistant) and message.tool_calls:
-            pending = [call.id for call in message.tool_calls]
+        if kind is Assistant and message.tool_calls:  # type: ignore[union-attr]
+            pending = [call.id for call in message.tool_calls]  # type: ignore[union-attr]
             if len(set(pending)) != len(pending):
                 raise RecipeError(
                     f"Duplicate value for 'tool_call_id' in message[{index}]", param=f"messages[{index}].tool_calls"
