@@ -26,8 +26,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     dspark_steps: DSpark steps (0: by time)
     batch_budget: tokens per backbone batch (rows × padded length)
     dspark_batch_budget: tokens per DSpark batch
-    draft_rows: at most this many draft rows (anchors × block) per DSpark batch
-    anchors: anchors per sequence in DSpark training
+    draft_rows: at most this many draft rows (rows × anchors × block) per DSpark batch
+    anchors: anchors per DSpark batch (shared by its rows)
     max_len: longest training sequence
     lr: peak learning rate of the backbone
     qat_lr: peak learning rate of the QAT phase and the twin

@@ -1,10 +1,9 @@
-"""DSpark training against the frozen target: the dense form of `model.serving.dspark_draft` (reference §4.4).
+"""DSpark training against the frozen target (reference §4.4), on the model's dense draft `draft_logits`.
 
 For an anchor p (the newest committed position), serving drafts γ tokens from the block [t_{p+1}, noise × (γ−1)]
-at positions p+1 … p+γ; its rows attend the DSpark ring (K=V of main_x at positions p−W < j ≤ p) and every row of
-the block. Training runs A anchors per sequence at once: the A·γ rows of a sequence attend their own anchor's ring
-window and block (masks), with the same FP8 fake-quant the serving path stores. Teacher forcing gives the Markov
-head its previous token: x_{k−1} = t_{p+k}.
+at positions p+1 … p+γ against the DSpark ring of positions (p−W, p]; `model.dspark.draft_logits` is the dense,
+differentiable, teacher-forced form of that draft (x_{k−1} = t_{p+k} for the Markov head). Training picks A
+anchors per batch where the pending token is one the model learns, and scores the drafts of learned tokens:
 
     L = 0.1·CE(p_d, t) + 0.9·Σₖ wₖ ‖p_d,k − p_t,k‖₁ + 1.0·BCE(cₖ, 1 − ½‖p_d,k − p_t,k‖₁),   wₖ = exp(−(k−1)/γ)
 
@@ -20,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Transformer, quant
-from model.attention import dense_attention
-from model.mhc import hc_collapse
+from model import Transformer
+from model.dspark import draft_logits
 
 CE_WEIGHT, L1_WEIGHT, BCE_WEIGHT = 0.1, 0.9, 1.0
 
@@ -35,74 +33,31 @@ class DraftOutput:
     confidence: Tensor  # fp32 [B, A, γ]: confidence-head logits (before any temperature)
     target: Tensor  # fp32 [B, A, γ, V]: the frozen target's distribution of the same token
     labels: Tensor  # int64 [B, A, γ]: the data's token at that position
-    valid: Tensor  # bool [B, A, γ]: the drafted position is a learned token inside the sequence
+    valid: Tensor  # bool [B, A, γ]: the pending token and the drafted one are learned tokens of the row
 
 
-def pick_anchors(targets: Tensor, n: int, generator: torch.Generator | None = None) -> Tensor:
-    """[B, n] anchor positions p whose pending token t_{p+1} is a learned (assistant) token, chosen at random.
-
-    Rows with fewer such positions repeat valid ones; a row with none gets anchor 0 (its drafts are all invalid).
-    """
+def pick_anchors(targets: Tensor, n: int, gamma: int, generator: torch.Generator | None = None) -> Tensor:
+    """[≤ n] anchor positions p (p + γ < T), drawn without replacement, weighted by how many rows learn t_{p+1}."""
     T = targets.shape[1]
-    eligible = torch.zeros_like(targets)
-    eligible[:, : T - 1] = targets[:, 1:]
-    eligible[:, max(0, T - 2) :] = False  # at least one drafted position after the pending token
-    weights = eligible.float() + 1e-9 * (~eligible).float()  # a row without eligible positions still samples
-    picks = torch.multinomial(weights, n, replacement=True, generator=generator)
-    return torch.where(eligible.gather(1, picks), picks, torch.zeros_like(picks))
+    count = T - gamma - 1
+    if count < 1:
+        raise ValueError(f"sequences of {T} tokens are too short for a block of {gamma} drafts")
+    weights = targets[:, 1 : count + 1].float().sum(0) + 1e-6  # every position stays possible
+    return torch.multinomial(weights, min(n, count), replacement=False, generator=generator).sort().values
 
 
 def draft_forward(model: Transformer, tokens: Tensor, targets: Tensor, anchors: Tensor) -> DraftOutput:
-    """Target forward (frozen) and the DSpark blocks over every anchor's block, batched."""
-    a = model.args
-    g, W, V = a.dspark_block_size, a.sliding_window, a.vocab_size
-    B, T = tokens.shape
-    A = anchors.shape[1]
+    """The frozen target's forward, then DSpark's draft of every anchor's block."""
+    g = model.args.dspark_block_size
     with torch.no_grad():
         target_logits, taps = model(tokens, return_taps=True)
-    device = tokens.device
-    k = torch.arange(g, device=device)
-    rows = (anchors.unsqueeze(-1) + 1 + k).clamp(max=T - 1)  # [B, A, γ] positions p+1 … p+γ
-    drafted = anchors.unsqueeze(-1) + 2 + k  # the token each row predicts
-    valid = (drafted < T) & targets.gather(1, drafted.clamp(max=T - 1).view(B, -1)).view(B, A, g)
-    valid &= targets.gather(1, anchors + 1).unsqueeze(-1)  # drops the stand-in anchors of pick_anchors
-    labels = tokens.gather(1, drafted.clamp(max=T - 1).view(B, -1)).view(B, A, g)
-    ids = torch.full((B, A, g), a.dspark_noise_token_id, dtype=torch.int64, device=device)
-    ids[..., 0] = tokens.gather(1, rows[..., 0])
-    positions = rows.view(B, A * g)
-
-    # Masks: a row sees the ring at its anchor's window and the rows of its own block.
-    anchor_of_row = anchors.repeat_interleave(g, dim=1)  # [B, A·γ]
-    j = torch.arange(T, device=device)
-    ring_mask = (j <= anchor_of_row.unsqueeze(-1)) & (j > anchor_of_row.unsqueeze(-1) - W)
-    block_id = torch.arange(A, device=device).repeat_interleave(g)
-    block_mask = (block_id.unsqueeze(1) == block_id.unsqueeze(0)).expand(B, -1, -1)
-
-    first = model.mtp[0]
-    main_x = first.main_norm(first.main_proj(taps))
-    all_positions = j.expand(B, T)
-    X, pre = model.embed_stream(ids.view(B, A * g))
-    for block in model.mtp:
-        attn = block.attn
-        ring = quant.fake_quant_fp8(attn.window_kv(attn.cast_input(main_x), all_positions))
-
-        def attend(x: Tensor, attn=attn, ring=ring) -> Tensor:
-            xq = attn.cast_input(x)  # the FP8 input cast wq_a and wkv share
-            _, q = attn.query(xq, positions)
-            own = quant.fake_quant_fp8(attn.window_kv(xq, positions))
-            o = dense_attention(q, [(ring, ring_mask), (own, block_mask)], attn.attn_sink, attn.softmax_scale)
-            return attn.project_out(o, positions)
-
-        X, pre = block(X, pre, attend)
-    last = model.mtp[-1]
-    x = hc_collapse(X, pre)
-    base = model.head(last.norm(x)).float().view(B, A, g, V)
-    previous = tokens.gather(1, rows.view(B, -1)).view(B, A, g)  # x_{k−1} = t_{p+k} (teacher forcing)
-    e = last.markov_head.embed(previous)
-    logits = base + last.markov_head.head(e).float()
-    confidence = last.confidence_head.proj(torch.cat((x.view(B, A, g, -1), e.to(x.dtype)), -1)).float().squeeze(-1)
-    target = target_logits[torch.arange(B, device=device).unsqueeze(1), rows.view(B, -1)].view(B, A, g, V).softmax(-1)
-    return DraftOutput(logits, confidence, target, labels, valid)
+    logits, confidence = draft_logits(model, tokens, taps, anchors)
+    B, A = tokens.shape[0], anchors.shape[0]
+    rows = anchors.unsqueeze(1) + 1 + torch.arange(g, device=tokens.device)  # positions p+1 … p+γ
+    drafted = (rows + 1).clamp(max=tokens.shape[1] - 1)  # the token each row predicts
+    valid = targets[:, drafted] & (rows + 1 < tokens.shape[1]) & targets[:, anchors + 1].unsqueeze(-1)
+    target = target_logits[:, rows.flatten()].view(B, A, g, -1).softmax(-1)
+    return DraftOutput(logits, confidence, target, tokens[:, drafted], valid)
 
 
 def dspark_loss(out: DraftOutput) -> tuple[Tensor, dict[str, float]]:

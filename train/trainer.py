@@ -304,7 +304,7 @@ class Trainer:
 
         def step_loss(batch: Batch, step: int) -> tuple[Tensor, dict[str, float]]:
             n = max(1, min(cfg.anchors, cfg.draft_rows // (batch.tokens.shape[0] * self.args.dspark_block_size)))
-            anchors = dspark.pick_anchors(batch.targets.cpu(), n, generator)
+            anchors = dspark.pick_anchors(batch.targets.cpu(), n, self.args.dspark_block_size, generator)
             out = dspark.draft_forward(model, batch.tokens, batch.targets, anchors.to(self.device))
             loss, parts = dspark.dspark_loss(out)
             return loss, {**parts, "accepted_length": dspark.expected_accepted_length(out)}
@@ -326,7 +326,7 @@ class Trainer:
                 for batch in held_out_batches(cfg.seed, kind, 2, cfg.dspark_batch_budget, cfg.max_len):
                     batch = batch.to(self.device)
                     n = max(1, min(cfg.anchors, cfg.draft_rows // (batch.tokens.shape[0] * g)))
-                    anchors = dspark.pick_anchors(batch.targets.cpu(), n, generator).to(self.device)
+                    anchors = dspark.pick_anchors(batch.targets.cpu(), n, g, generator).to(self.device)
                     out = dspark.draft_forward(model, batch.tokens, batch.targets, anchors)
                     rows = out.valid[..., 0]
                     logits.append(out.confidence[rows])

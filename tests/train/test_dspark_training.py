@@ -17,7 +17,7 @@ def test_dense_draft_equals_the_serving_draft(tiny: Transformer) -> None:
     tokens = torch.randint(3, 5000, (1, T))
     p = a.sliding_window - 2  # prefix ≤ W: the decoder's bounded replay is exact
     targets = torch.ones(1, T, dtype=torch.bool)
-    out = dspark.draft_forward(tiny, tokens, targets, torch.tensor([[p]]))
+    out = dspark.draft_forward(tiny, tokens, targets, torch.tensor([p]))
     with torch.no_grad():
         prefill = tiny.encode_prefill(tokens[0, : p + 1])
         batch = tiny.new_decode_batch(1)
@@ -38,11 +38,11 @@ def test_loss_trains_only_dspark_and_drops_invalid_drafts(tiny: Transformer) -> 
     tokens = torch.randint(3, 5000, (2, 24))
     targets = torch.zeros(2, 24, dtype=torch.bool)
     targets[0, 10:20] = True  # row 1 has nothing to learn
-    anchors = dspark.pick_anchors(targets, 6, torch.Generator().manual_seed(0))
-    assert bool(targets[0, anchors[0] + 1].all())
+    anchors = dspark.pick_anchors(targets, 6, a.dspark_block_size, torch.Generator().manual_seed(0))
+    assert bool(targets[0, anchors + 1].all())
     out = dspark.draft_forward(tiny, tokens, targets, anchors)
     assert not bool(out.valid[1].any())
-    drafted = anchors[0].unsqueeze(-1) + 2 + torch.arange(a.dspark_block_size)
+    drafted = anchors.unsqueeze(-1) + 2 + torch.arange(a.dspark_block_size)
     for i, k in out.valid[0].nonzero().tolist():
         assert drafted[i, k] < 24
         assert targets[0, drafted[i, k]]
