@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 V41, V4 = "DeepSeek-V4.1-Flash", "DeepSeek-V4-Pro"
@@ -442,6 +443,11 @@ def parse_requests(draw: st.DrawFn, api: str) -> dict[str, Any]:
     return body
 
 
-def scaled(examples: int) -> int:
-    """A per-test example count, ten times larger under HYPOTHESIS_PROFILE=deep."""
-    return examples * (10 if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else 1)
+def examples(count: int) -> settings:
+    """Settings of a recipe property test: `count` examples (ten times more with RECIPE_DEEP=1), no deadline.
+
+    Set per test rather than as a global profile, so the other packages' hypothesis tests keep theirs."""
+    count *= 10 if os.environ.get("RECIPE_DEEP") == "1" else 1
+    return settings(
+        max_examples=count, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    )

@@ -8,9 +8,9 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from recipe_strategies import REQUESTS, scaled
+from recipe_strategies import REQUESTS, examples
 
 from recipe import APIS, RecipeError, convert, render
 
@@ -68,6 +68,7 @@ def _assert_clean_rejection(error: RecipeError, api: str) -> None:
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
+@examples(60)
 def test_mutated_bodies_are_rejected_cleanly(api: str, data: st.DataObject) -> None:
     body, path = data.draw(mutated(api))
     error = _rejection(api, body)
@@ -89,7 +90,7 @@ def _rejection(api: str, body: dict[str, Any]) -> RecipeError | None:
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
-@settings(max_examples=scaled(25))
+@examples(25)
 def test_broken_json_is_rejected_cleanly(api: str, data: st.DataObject) -> None:
     raw = json.dumps(data.draw(REQUESTS[api]())).encode()
     cut = data.draw(st.integers(0, len(raw) - 1))

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import recipe_oracle as oracle
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
-from recipe_strategies import cuts, outputs, parse_requests, scaled
+from recipe_strategies import cuts, examples, outputs, parse_requests
 
 from recipe import APIS, StreamProcessor, Tokenizer, convert
 
@@ -33,6 +33,7 @@ def run_text(api: str, body: dict[str, Any], chunks: list[str], finish: str | No
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
+@examples(60)
 def test_complete_response_matches_reference_for_any_cuts(api: str, data: st.DataObject) -> None:
     body = data.draw(parse_requests(api))
     parsing = convert(api, body).parsing
@@ -65,7 +66,7 @@ def run_tokens(
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
-@settings(max_examples=scaled(30))
+@examples(30)
 def test_token_stream_matches_reference(api: str, data: st.DataObject, tokenizer: Tokenizer) -> None:
     """Token ids (encoded with the added vocabulary, as the model emits them) one per push, with logprobs.
     JSON mode is left out: there the reference's spacing depends on the chunks (see the module doc)."""

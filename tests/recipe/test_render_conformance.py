@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import recipe_oracle as oracle
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from recipe_strategies import REQUESTS, scaled
+from recipe_strategies import REQUESTS, examples
 
 from recipe import APIS, RecipeError, Tokenizer, convert, render
 from recipe.tokens import RECIPE_IMAGE_TOKEN, SpecialTokens
@@ -28,19 +28,20 @@ def _expect_same(api: str, body: dict, image_token: str | None = None) -> None:
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
+@examples(60)
 def test_prompt_text_matches_reference(api: str, data: st.DataObject) -> None:
     _expect_same(api, data.draw(REQUESTS[api]()))
 
 
 @given(body=REQUESTS["chat.completions"]())
-@settings(max_examples=scaled(20))
+@examples(20)
 def test_recipe_image_spelling_matches_reference(body: dict) -> None:
     _expect_same("chat.completions", body, image_token=RECIPE_IMAGE_TOKEN)
 
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
-@settings(max_examples=scaled(15))
+@examples(15)
 def test_token_ids_match_reference(api: str, data: st.DataObject, tokenizer: Tokenizer) -> None:
     body = data.draw(REQUESTS[api]())
     try:

@@ -17,7 +17,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
-from recipe_strategies import cuts, outputs, parse_requests
+from recipe_strategies import cuts, examples, outputs, parse_requests
 
 from recipe import APIS, DONE, Event, StreamProcessor, Tokenizer, convert
 
@@ -113,6 +113,7 @@ CHECKS = {"chat.completions": check_chat, "responses": check_responses, "message
 
 @pytest.mark.parametrize("api", APIS)
 @given(data=st.data())
+@examples(60)
 def test_sdk_parses_events_and_rebuilds_our_response(api: str, data: st.DataObject) -> None:
     body = data.draw(parse_requests(api))
     parsing = convert(api, body).parsing

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from recipe_strategies import ALPHABET, scaled
+from recipe_strategies import ALPHABET, examples
 
 from recipe import StreamProcessor, Tokenizer, convert, load_tokenizer, render
 from recipe.tokens import IMAGE_TOKEN_ID, RECIPE_IMAGE_TOKEN, SYSTEM_TOKEN_ID
@@ -54,7 +54,7 @@ def test_any_tokenizer_json_loads(tmp_path: Path, tokenizer: Tokenizer) -> None:
 
 
 @given(text=st.text(ALPHABET, max_size=40))
-@settings(max_examples=scaled(60))
+@examples(60)
 def test_incremental_decoding_never_splits_a_character(text: str, tokenizer: Tokenizer) -> None:
     processor = StreamProcessor(convert("chat.completions", {**PLAIN, "stream": True}), tokenizer=tokenizer)
     deltas = []
