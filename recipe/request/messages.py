@@ -156,8 +156,11 @@ def _parts(blocks: list[Any], param: str) -> Content:
             parts.append(block.text)
         elif isinstance(block, ImageBlock):
             parts.append(_image(block.source, f"{param}[{index}]"))
-        else:
+        elif isinstance(block, DocumentBlock):
             parts.append(block.placeholder())
+        else:
+            kind = block.__struct_config__.tag
+            raise RecipeError(f"{param}.{index}: a `{kind}` block cannot appear here", param=f"{param}.{index}")
     if all(isinstance(part, str) for part in parts):
         return "\n\n".join(parts)  # type: ignore[arg-type]
     return parts
@@ -274,7 +277,9 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
             messages.append(_assistant(message, index, options))
         else:
             content = message.content
-            messages.append(System(content if isinstance(content, str) else _parts(content, f"messages.{index}")))
+            if not isinstance(content, str):
+                content = _parts(content, f"messages.{index}.content")
+            messages.append(System(content))
     if not request.messages:
         raise RecipeError("messages: at least one message is required", param="messages")
     _check_tool_results(messages)

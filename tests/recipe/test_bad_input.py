@@ -119,6 +119,17 @@ def test_broken_json_is_rejected_cleanly(api: str, data: st.DataObject) -> None:
             "type",
         ),
         ("messages", {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": []}]}, "messages"),
+        (  # found by the gateway's schemathesis run: a system message holding a tool_result was a 500
+            "messages",
+            {
+                "model": "DeepSeek-V4.1-Flash",
+                "max_tokens": 5,
+                "messages": [
+                    {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "y"}]}
+                ],
+            },
+            "messages.0.content.0",
+        ),
         (
             "chat.completions",
             {
