@@ -84,7 +84,9 @@ def test_grpc_readiness_asks_for_the_roles_own_service_and_the_gateway_for_healt
         role = role_of(w)
         if role == "gateway":
             assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-            assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+            # Liveness must not restart a gateway whose backends are down: /live answers while the process runs.
+            assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+            assert c["startupProbe"]["httpGet"]["path"] == "/live"
         else:
             assert c["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICES[role]
             # Liveness must not kill a replica that reports NOT_SERVING while it drains.
