@@ -34,17 +34,11 @@ from google.protobuf.message import Message
 
 from cache_svc.ring import HashRing
 from cache_svc.slices import Assembler, SliceError, pack
-from mesh.grpc_server import CHANNEL_OPTIONS, CHUNK_BYTES
+from mesh.grpc_server import CHUNK_BYTES, PEER_CHANNEL_OPTIONS
 from proto.cache.v1 import cache_pb2 as pb
 from proto.cache.v1 import cache_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 5.0
-# A restarted replica is reached again within a second or two, not after gRPC's default 2-minute backoff.
-RECONNECT_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
 # The sync stub otherwise starts a thread per server-streaming call (GetBlocks, GetRecord): 3-4x slower.
 SYNC_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 # Codes meaning "this replica cannot answer now": reads treat its keys as misses.
@@ -170,7 +164,7 @@ class CacheClient(_Replicas):
     def __init__(
         self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
     ) -> None:
-        options = CHANNEL_OPTIONS + RECONNECT_OPTIONS + SYNC_OPTIONS
+        options = PEER_CHANNEL_OPTIONS + SYNC_OPTIONS
         channel = functools.partial(grpc.insecure_channel, options=options)
         super().__init__(addresses, channel, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
 
@@ -306,7 +300,7 @@ class AsyncCacheClient(_Replicas):
     def __init__(
         self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
     ) -> None:
-        channel = functools.partial(grpc.aio.insecure_channel, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        channel = functools.partial(grpc.aio.insecure_channel, options=PEER_CHANNEL_OPTIONS)
         super().__init__(addresses, channel, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
 
     async def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
