@@ -13,7 +13,7 @@ from decode_svc.service import DecodeService
 from decode_svc.writeback import WriteBack
 from mesh.grpc_server import Registrar
 from mesh.model_service.kvstore import KVStore
-from mesh.model_service.runtime import ModelServer
+from mesh.model_service.runtime import ModelServer, model_info
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 
@@ -42,7 +42,8 @@ class DecodeServer(ModelServer):
         )
         self.engine = Engine(model, settings, metrics, self.log, self.writeback)
         self.engine.start()
-        return DecodeService(model, store, self.engine, metrics, self.log), decode_pb2_grpc.add_DecodeServicer_to_server
+        servicer = DecodeService(model, model_info(model, cfg.model), store, self.engine, metrics, self.log)
+        return servicer, decode_pb2_grpc.add_DecodeServicer_to_server
 
     async def release(self) -> None:
         if self.engine is not None:

@@ -1,4 +1,5 @@
-"""decode.v1.Decode: Generate streams a generation; Abort ends one; GetLoad feeds the gateway's router.
+"""decode.v1.Decode: Generate streams a generation; Abort ends one; GetLoad feeds the gateway's router; GetModelInfo
+describes the model (as prefill's does: the gateway learns it from whichever replica answers).
 
     Generate: validate → a queue slot (RESOURCE_EXHAUSTED when full) → the prompt:
                 handle     → consume the handoff record (NOT_FOUND if its lease expired or it was taken) + fetch the
@@ -31,6 +32,7 @@ from mesh.model_service.kvstore import KVStore
 from mesh.model_service.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from model import Past, Transformer
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
+from proto.mesh.v1 import model_info_pb2
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
@@ -39,9 +41,16 @@ MAX_HANDLE_BYTES = 64
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
     def __init__(
-        self, model: Transformer, store: KVStore | None, engine: Engine, metrics: DecodeMetrics, logger: Any
+        self,
+        model: Transformer,
+        info: model_info_pb2.ModelInfo,
+        store: KVStore | None,
+        engine: Engine,
+        metrics: DecodeMetrics,
+        logger: Any,
     ) -> None:
         self.model = model
+        self.info = info
         self.store = store
         self.engine = engine
         self.metrics = metrics
@@ -87,6 +96,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             max_batch=self.engine.settings.max_batch,
             draining=self.draining,
         )
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: model_info_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> model_info_pb2.ModelInfo:
+        return self.info
 
     # ------------------------------------------------------------------------------------------- validation
     def _params(self, request: decode_pb2.GenerateRequest, request_id: str) -> Params:

@@ -17,7 +17,7 @@ MAX_SALT_CHARS = 256
 
 
 class Model(msgspec.Struct, frozen=True):
-    """What requests need to know about the served model (from prefill's GetModelInfo)."""
+    """What requests need to know about the served model (from a replica's GetModelInfo)."""
 
     fingerprint: bytes
     block_tokens: int

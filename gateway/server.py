@@ -128,15 +128,15 @@ class GatewayServer:
         log.info("serving", host=cfg.host, port=self.port, grpc_port=self.grpc_port)
 
     def readiness(self) -> dict[str, Any]:
-        """/health: ready while the model is known (a prefill replica described it), a decode replica answers, and
-        draining has not started."""
+        """/health: ready while the model is known (a replica described it), a decode replica answers, and draining
+        has not started."""
         gateway = self.gateway
         assert gateway is not None
         up = {role: sum(1 for s in pool.states() if s.up) for role, pool in self._pools.items()}
         if gateway.draining:
             status = "draining"
         elif not gateway.model_known:
-            status = "waiting for a prefill replica to describe the model"
+            status = "waiting for a replica to describe the model"
         elif not up["decode"]:
             status = "no decode replica answers"
         else:

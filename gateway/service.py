@@ -22,9 +22,10 @@ from gateway.errors import GatewayError, Kind
 from gateway.generation import Backends
 from gateway.job import Codec, Model
 from gateway.metrics import GatewayMetrics
+from gateway.replicas import ReplicaState
 from gateway.reply import Reply
 from mesh.logging import get_logger
-from proto.prefill.v1 import prefill_pb2
+from proto.mesh.v1 import model_info_pb2
 from recipe import Api
 
 MODEL_INFO_TIMEOUT_S = 2.0
@@ -92,7 +93,7 @@ class Gateway:
             )
 
     async def model(self) -> Model:
-        """The served model's block-key parameters and context, asked of a prefill replica once."""
+        """The served model's block-key parameters and context, asked of the replicas once."""
         if self._model is None:
             async with self._model_lock:
                 if self._model is None:
@@ -100,20 +101,34 @@ class Gateway:
         return self._model
 
     async def _fetch_model(self) -> Model:
+        """Every prefill and decode replica is asked at once; the first answer describes the model. Decode replicas
+        answer too, so a mesh whose prefill replicas are all down still serves (through decode's fallback)."""
+        asks = {
+            asyncio.ensure_future(_describe(role, state))
+            for role, pool in self.backends.router.pools.items()
+            for state in pool.states()
+        }
         errors = []
-        for state in self.backends.router.pools["prefill"].states():
-            try:
-                info = await state.stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                errors.append(f"{state.name}: {exc.code().name}")
-                continue
-            model = Model(bytes(info.fingerprint), info.kv_block_tokens, info.layout_version, info.max_context)
-            log.info("model_info", model=info.model, fingerprint=model.fingerprint.hex(), max_context=model.max_context,
-                     block_tokens=model.block_tokens, vocab_size=info.vocab_size)  # fmt: skip
-            return model
+        try:
+            while asks:
+                done, asks = await asyncio.wait(asks, return_when=asyncio.FIRST_COMPLETED)
+                for answer in (task.result() for task in done):
+                    if isinstance(answer, str):
+                        errors.append(answer)
+                        continue
+                    model = Model(
+                        bytes(answer.fingerprint), answer.kv_block_tokens, answer.layout_version, answer.max_context
+                    )
+                    log.info("model_info", model=answer.model, fingerprint=model.fingerprint.hex(),
+                             max_context=model.max_context, block_tokens=model.block_tokens,
+                             vocab_size=answer.vocab_size)  # fmt: skip
+                    return model
+        finally:
+            for task in asks:
+                task.cancel()
         raise GatewayError(
             Kind.UNAVAILABLE,
-            f"The model is not known yet: no prefill replica answered GetModelInfo ({'; '.join(errors) or 'none'}).",
+            f"The model is not known yet: no replica answered GetModelInfo ({'; '.join(sorted(errors)) or 'none'}).",
         )
 
     async def open(
@@ -149,3 +164,11 @@ class Gateway:
     def close(reply: Reply, ticket: Ticket) -> None:
         reply.close()
         ticket.release()
+
+
+async def _describe(role: str, state: ReplicaState) -> model_info_pb2.ModelInfo | str:
+    """A replica's GetModelInfo answer, or why there is none."""
+    try:
+        return await state.stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        return f"{role} {state.name}: {exc.code().name}"

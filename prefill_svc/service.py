@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,11 +24,12 @@ import grpc
 from cache_svc.client import DOWN, CacheError
 from mesh.logging import bind_request
 from mesh.model_service.kvstore import KVStore, encode_with_past
-from mesh.model_service.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
-from model import LAYOUT_VERSION, Past, PrefillOutput, Transformer
+from mesh.model_service.runtime import RequestError, check_common, invalid, model_info, prompt_error, request_id_of
+from model import Past, PrefillOutput, Transformer
 from prefill_svc.config import PrefillConfig
 from prefill_svc.encoder_queue import EncoderQueue
 from prefill_svc.metrics import PrefillMetrics
+from proto.mesh.v1 import model_info_pb2
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
 SEND_TOKENS = "send the prompt's token ids to decode instead"
@@ -45,6 +45,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.metrics = metrics
         self.log = logger
         self.queue = EncoderQueue(cfg.max_queue, metrics)
+        self.info = model_info(model, cfg.model)
         self.draining = False
         self._cache_down_until = 0.0
 
@@ -81,18 +82,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         )
 
     async def GetModelInfo(  # noqa: N802
-        self, request: prefill_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.ModelInfo:
-        a = self.model.args
-        return prefill_pb2.ModelInfo(
-            model=Path(self.cfg.model).name,
-            fingerprint=self.model.fingerprint,
-            kv_block_tokens=a.kv_block_tokens,
-            layout_version=LAYOUT_VERSION,
-            vocab_size=a.vocab_size,
-            max_context=max_context(self.model),
-            sliding_window=a.sliding_window,
-        )
+        self, request: model_info_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> model_info_pb2.ModelInfo:
+        return self.info
 
     # ------------------------------------------------------------------------------------------ the prefill
     async def _prefill(self, request: prefill_pb2.PrefillRequest, request_id: str) -> prefill_pb2.PrefillResponse:

@@ -24,8 +24,9 @@ from mesh.grpc_server import GrpcServer, Registrar
 from mesh.logging import get_logger
 from mesh.metrics import new_registry, serve_metrics
 from mesh.model_service.config import ModelServiceConfig
-from model import SamplingParams, Transformer, build_model, load_checkpoint, preset
+from model import LAYOUT_VERSION, SamplingParams, Transformer, build_model, load_checkpoint, preset
 from model.transformer import Part
+from proto.mesh.v1 import model_info_pb2
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,6 +87,21 @@ def prompt_error(token_ids: Sequence[int], model: Transformer, *, room: int = 1)
 
 def max_context(model: Transformer) -> int:
     return model.args.max_position_embeddings
+
+
+def model_info(model: Transformer, spec: str) -> model_info_pb2.ModelInfo:
+    """What GetModelInfo answers on every replica (prefill and decode alike): the model's name (the last part of
+    its `--model` spec), fingerprint, and what callers need to compute block keys and validate requests."""
+    a = model.args
+    return model_info_pb2.ModelInfo(
+        model=Path(spec).name,
+        fingerprint=model.fingerprint,
+        kv_block_tokens=a.kv_block_tokens,
+        layout_version=LAYOUT_VERSION,
+        vocab_size=a.vocab_size,
+        max_context=max_context(model),
+        sliding_window=a.sliding_window,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ requests

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mesh.processes import Mesh, free_port, http_ready
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
-from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from proto.mesh.v1 import model_info_pb2
+from proto.prefill.v1 import prefill_pb2_grpc
 
 MODEL = "DeepSeek-V4.1-Flash"
 START_TIMEOUT_S = 300.0
@@ -51,9 +52,9 @@ def decode_load(address: str) -> decode_pb2.Load:
         return decode_pb2_grpc.DecodeStub(channel).GetLoad(decode_pb2.GetLoadRequest(), timeout=5)
 
 
-def model_info(address: str) -> prefill_pb2.ModelInfo:
+def model_info(address: str) -> model_info_pb2.ModelInfo:
     with grpc.insecure_channel(address) as channel:
-        return prefill_pb2_grpc.PrefillStub(channel).GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=5)
+        return prefill_pb2_grpc.PrefillStub(channel).GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=5)
 
 
 def signal_child(mesh: Mesh, name: str, sig: signal.Signals) -> None:
@@ -76,10 +77,14 @@ def killed(mesh: Mesh, *names: str) -> Iterator[None]:
         wait_for(mesh.child("gateway").healthy, "the gateway to see every replica up again")
 
 
-def start_gateway(mesh: Mesh, log: Path, *flags: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """Another gateway process over the mesh's replicas, with `flags`; returns its base URL once it is ready."""
+def start_gateway(
+    mesh: Mesh, log: Path, *flags: str, prefill: str | None = None
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """Another gateway process over the mesh's replicas (or the given prefill addresses), with `flags`; returns its
+    base URL once it is ready."""
     port = free_port()
-    prefill = ",".join(c.address for c in mesh.children if c.name.startswith("prefill"))
+    if prefill is None:
+        prefill = ",".join(c.address for c in mesh.children if c.name.startswith("prefill"))
     decode = ",".join(c.address for c in mesh.children if c.name.startswith("decode"))
     argv = [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--grpc-port", "0",
             "--prefill", prefill, "--decode", decode, "--cache", mesh.child("cache").address, *flags]  # fmt: skip

@@ -29,7 +29,7 @@ import pytest
 from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, start_gateway, wait_for
 
 from cache_svc.client import CacheClient
-from mesh.processes import Mesh, http_ready
+from mesh.processes import Mesh, free_port, http_ready
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
 STREAM_TIMEOUT_S = 120.0
@@ -81,6 +81,31 @@ def test_without_prefill_decode_prefills_itself(mesh: Mesh, oai: openai.OpenAI) 
     assert response.choices[0].finish_reason == "length"
     assert response.usage.prompt_tokens_details.cached_tokens == 0
     assert metric(mesh.base_url, "v41mesh_gateway_fallbacks_total") > fallbacks
+
+
+def test_a_gateway_whose_prefill_is_down_from_its_start_serves_through_decode(mesh: Mesh, tmp_path: Any) -> None:
+    """No prefill replica ever answered this gateway: it learns the model from a decode replica's GetModelInfo,
+    becomes ready, and serves every request by decode's own prefill, each counted as a fallback."""
+    nowhere = f"127.0.0.1:{free_port()}"
+    url, process = start_gateway(mesh, tmp_path / "gateway.log", prefill=nowhere)
+    try:
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["ready"] is True
+        assert health["replicas_up"]["prefill"] == 0
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=STREAM_TIMEOUT_S)
+        response = chat(client, "served with every prefill replica down " * 6)
+        message = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=ask("and through the Messages API")
+        )
+        fallbacks = metric(url, "v41mesh_gateway_fallbacks_total", reason="prefill_unavailable")
+    finally:
+        process.terminate()
+        process.wait(30)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 4
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    assert message.stop_reason == "max_tokens"
+    assert fallbacks == 2
 
 
 def test_without_decode_503_in_the_apis_shape_and_the_unclaimed_handoff_expires(

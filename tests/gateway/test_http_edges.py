@@ -64,7 +64,7 @@ def test_api_key_is_required_in_each_apis_own_way(lone_gateway: InProcessGateway
 
 def test_health_and_metrics_need_no_key_models_do(lone_gateway: InProcessGateway) -> None:
     health = httpx.get(lone_gateway.base_url + "/health")
-    assert health.status_code == 503  # no prefill replica has described the model
+    assert health.status_code == 503  # no replica has described the model
     assert health.json()["ready"] is False
     assert health.json()["replicas_up"] == {"prefill": 0, "decode": 0}
     assert httpx.get(lone_gateway.base_url + "/live").status_code == 200  # alive, though not ready
@@ -112,7 +112,9 @@ def test_no_backend_is_a_503_with_a_clear_message(lone_gateway: InProcessGateway
     with pytest.raises(openai.InternalServerError) as unavailable:
         openai_client(lone_gateway).chat.completions.create(**CHAT)
     assert unavailable.value.status_code == 503
-    assert "no prefill replica answered" in unavailable.value.message
+    assert "no replica answered GetModelInfo" in unavailable.value.message
+    assert "prefill 127.0.0.1:" in unavailable.value.message  # every replica asked is named, with why
+    assert "decode 127.0.0.1:" in unavailable.value.message
     with pytest.raises(anthropic.APIStatusError) as unavailable_a:
         anthropic_client(lone_gateway).messages.create(**MESSAGES)
     assert unavailable_a.value.status_code == 503

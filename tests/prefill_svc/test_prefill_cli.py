@@ -11,7 +11,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_mesh import WAIT_S, Served, free_port, run_cli
 
-from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+from proto.mesh.v1 import model_info_pb2
+from proto.prefill.v1 import prefill_pb2_grpc
 
 
 def test_serve_reports_config_health_and_metrics_and_stops_on_sigterm(serve: Callable[..., Served]) -> None:
@@ -26,7 +27,7 @@ def test_serve_reports_config_health_and_metrics_and_stops_on_sigterm(serve: Cal
     assert loaded["part"] == "encoder"
     assert child.health("prefill.v1.Prefill") == health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(child.address) as channel:
-        info = prefill_pb2_grpc.PrefillStub(channel).GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=WAIT_S)
+        info = prefill_pb2_grpc.PrefillStub(channel).GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=WAIT_S)
         assert info.fingerprint.hex() == loaded["fingerprint"]
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         answer = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([request])))

@@ -15,6 +15,7 @@ from service_mesh import WAIT_S, Mesh, free_port, metric_value, new_id, wait_unt
 
 from mesh.block_keys import block_keys
 from model import EncoderState, GlobalKVBlock, Transformer
+from proto.mesh.v1 import model_info_pb2
 from proto.prefill.v1 import prefill_pb2
 
 
@@ -66,13 +67,15 @@ def test_a_repeated_prefix_comes_from_the_cache(mesh: Mesh, salt: bytes, prompt:
 
 
 def test_model_info_names_what_block_keys_need(mesh: Mesh, models: tuple[Transformer, Transformer]) -> None:
-    info = mesh.prefill_stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=WAIT_S)
+    info = mesh.prefill_stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=WAIT_S)
     args = models[0].args
     assert info.fingerprint == models[0].fingerprint == models[1].fingerprint
     assert (info.kv_block_tokens, info.vocab_size, info.sliding_window) == (16, args.vocab_size, 8)
     assert info.max_context == args.max_position_embeddings
     assert info.layout_version == 1
     assert info.model == "tiny"
+    # decode describes the same model the same way (the gateway asks whichever replica answers)
+    assert mesh.decode_stub.GetModelInfo(model_info_pb2.GetModelInfoRequest(), timeout=WAIT_S) == info
 
 
 BAD_PROMPTS = [

@@ -1,3 +1,4 @@
+from proto.mesh.v1 import model_info_pb2 as _model_info_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

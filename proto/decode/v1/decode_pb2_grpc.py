@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from proto.decode.v1 import decode_pb2 as proto_dot_decode_dot_v1_dot_decode__pb2
+from proto.mesh.v1 import model_info_pb2 as proto_dot_mesh_dot_v1_dot_model__info__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,11 @@ class DecodeStub:
                 request_serializer=proto_dot_decode_dot_v1_dot_decode__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=proto_dot_decode_dot_v1_dot_decode__pb2.Load.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/decode.v1.Decode/GetModelInfo',
+                request_serializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -74,6 +80,14 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The model this replica serves (the same answer as prefill.v1.Prefill/GetModelInfo on a replica of the same
+        model): the gateway learns it from whichever replica answers, so it can serve through decode alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +105,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=proto_dot_decode_dot_v1_dot_decode__pb2.GetLoadRequest.FromString,
                     response_serializer=proto_dot_decode_dot_v1_dot_decode__pb2.Load.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +193,33 @@ class Decode:
             '/decode.v1.Decode/GetLoad',
             proto_dot_decode_dot_v1_dot_decode__pb2.GetLoadRequest.SerializeToString,
             proto_dot_decode_dot_v1_dot_decode__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/decode.v1.Decode/GetModelInfo',
+            proto_dot_mesh_dot_v1_dot_model__info__pb2.GetModelInfoRequest.SerializeToString,
+            proto_dot_mesh_dot_v1_dot_model__info__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from proto.mesh.v1 import model_info_pb2 as proto_dot_mesh_dot_v1_dot_model__info__pb2
 from proto.prefill.v1 import prefill_pb2 as proto_dot_prefill_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -46,8 +47,8 @@ class PrefillStub:
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/prefill.v1.Prefill/GetModelInfo',
-                request_serializer=proto_dot_prefill_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_prefill_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
+                request_serializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -89,8 +90,8 @@ def add_PrefillServicer_to_server(servicer, server):
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=proto_dot_prefill_dot_v1_dot_prefill__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=proto_dot_prefill_dot_v1_dot_prefill__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=proto_dot_mesh_dot_v1_dot_model__info__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,8 +173,8 @@ class Prefill:
             request,
             target,
             '/prefill.v1.Prefill/GetModelInfo',
-            proto_dot_prefill_dot_v1_dot_prefill__pb2.GetModelInfoRequest.SerializeToString,
-            proto_dot_prefill_dot_v1_dot_prefill__pb2.ModelInfo.FromString,
+            proto_dot_mesh_dot_v1_dot_model__info__pb2.GetModelInfoRequest.SerializeToString,
+            proto_dot_mesh_dot_v1_dot_model__info__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
