@@ -12,12 +12,17 @@ Every layer keeps its own window, but the compressed entries that also lie insid
 
 Two forms of the same math: `forward` (whole sequences, fake-quantised floats, dense masked attention,
 differentiable — training and the oracle) and `forward_step` (a `Step` over the packed cache, through
-`model.kernels`).
+`model.kernels`). The dense form rounds the compressed main KV as serving stores it (FP4, the released QAT) unless
+a `main_kv("bf16")` block says otherwise (the no-QAT baseline of training).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +34,27 @@ from model.config import ModelArgs
 from model.indexer import Indexer, Selection, backend
 from model.linear import Linear, RMSNorm, param_dtype, quantize_input
 from model.rope import Rope
+
+MainKV = Literal["fp4", "bf16"]
+_MAIN_KV: ContextVar[MainKV] = ContextVar("main_kv", default="fp4")
+
+
+@contextmanager
+def main_kv(fmt: MainKV) -> Iterator[None]:
+    """Within the block (this thread or task), the dense path rounds the compressed main KV to `fmt`: "fp4" (E2M1 +
+    E4M3 scale per 16: what serving stores, the released QAT) or "bf16" (no QAT). The packed path always stores FP4."""
+    if fmt not in ("fp4", "bf16"):
+        raise ValueError(f"main KV format must be 'fp4' or 'bf16', got {fmt!r}")
+    token = _MAIN_KV.set(fmt)
+    try:
+        yield
+    finally:
+        _MAIN_KV.reset(token)
+
+
+def fake_quant_main_kv(kv: Tensor) -> Tensor:
+    """The dense path's main KV values in the current `main_kv` format (gradient straight through)."""
+    return quant.fake_quant_fp4_e4m3(kv) if _MAIN_KV.get() == "fp4" else quant.fake_quant_bf16(kv)
 
 
 class SharedEntries(Selection):
@@ -149,7 +175,7 @@ class Attention(nn.Module):
         latent = self.compressor(x)
         first = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         kv, k = self.entry_latents(latent, first)
-        shared.kv[self.layer] = quant.fake_quant_fp4_e4m3(kv)
+        shared.kv[self.layer] = fake_quant_main_kv(kv)
         shared.index_k[self.layer] = kernels.quantize_index_fp4(k, backend=backend(k))
 
     # ----------------------------------------------------------------------------------------- packed path

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from model.config import ModelArgs
 from model.indexer import Selection
+from model.mhc import mix_dtype
 
 
 def _grow(t: Tensor, dim: int, size: int) -> Tensor:
@@ -152,7 +153,7 @@ class KVCache:
         }
         hc, C, h = args.hc_mult, args.hidden_size, args.engram_max_ngram_size - 1
         self.hidden = torch.zeros(S, W, hc, C, dtype=dtype, device=self.device)  # H^{L/2}, slot = pos mod W
-        self.hidden_pre = torch.zeros(S, W, hc, dtype=dtype, device=self.device)
+        self.hidden_pre = torch.zeros(S, W, hc, dtype=mix_dtype(dtype), device=self.device)  # its pre-mix
         self.history = torch.full((S, h), -1, dtype=torch.int64, device=self.device)
         self.pos: list[int] = []  # committed positions per active row
 

@@ -8,7 +8,8 @@ Three SWA-only blocks (`mtp.0..2`, mHC + attention + MoE) draft γ = dspark_bloc
               rows attend the ring (positions ≤ p) and every row of the block (bidirectional)
     logits    Uₖ = head(norm(collapse(X)))   (the target's embedding and head are shared)
     Markov    p_k(v) ∝ exp(Uₖ(v) + W2 · W1[x_{k−1}]),  x₀ = y, sampled left to right
-    confidence cₖ = σ(w · [collapse(X)ₖ; W1[x_{k−1}]]) — the probability that draft k is accepted given its prefix is
+    confidence cₖ = σ(w · [collapse(X)ₖ; W1[x_{k−1}]] / Tₖ) — the probability that draft k is accepted given its prefix
+              is; Tₖ: Sequential Temperature Scaling, fitted after training (train.calibrate), 1 = identity
 
 The decode engine may truncate a row's drafts where the running product of confidences falls (adaptive length);
 `Transformer.verify` checks them losslessly (model.sampling).
@@ -28,7 +29,7 @@ from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.indexer import backend
-from model.linear import Embedding, Linear, RMSNorm
+from model.linear import Embedding, Linear, RMSNorm, param_dtype
 from model.mhc import hc_collapse
 
 if TYPE_CHECKING:
@@ -54,9 +55,28 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
+    """Raw confidence logits zₖ = w · [xₖ; eₖ], and the per-draft-position temperatures Tₖ that calibrate them."""
+
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.proj = Linear(args.hidden_size + args.dspark_markov_rank, 1, "bf16", dtype)
+        # A calibration, not a learned weight: checkpoints from before calibration lack it and keep T = 1.
+        fp32 = param_dtype("fp32", dtype or torch.get_default_dtype())
+        self.register_buffer("temperature", torch.ones(args.dspark_block_size, dtype=fp32))
+
+    def forward(self, x: Tensor, e: Tensor) -> Tensor:
+        """fp32 raw logits [..., 1] of collapsed draft rows x [..., C] and Markov embeddings e [..., r]."""
+        return self.proj(torch.cat((x, e.to(x.dtype)), -1)).float()
+
+    def check(self) -> None:
+        """ValueError unless every temperature is positive and finite (a loaded checkpoint's may not be)."""
+        t = self.temperature
+        if not bool((t.isfinite() & (t > 0)).all()):
+            raise ValueError(f"confidence_head.temperature must be positive and finite, got {t.tolist()}")
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        state_dict.setdefault(f"{prefix}temperature", torch.ones_like(self.temperature))  # absent = identity
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class DSparkBlock(Block):
@@ -119,8 +139,8 @@ def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tens
     tokens [B, T] and the frozen target's `taps` [B, T, n·C] (`model(tokens, return_taps=True)`); anchors [A]: last
     committed positions p (p + γ < T). Row k of anchor p drafts token p+2+k from the block [tokens[p+1], noise…], the
     ring of main_x at positions (p−W, p], and the Markov bias of its true predecessor tokens[p+1+k]. Returns (logits
-    [B, A, γ, V] with the Markov bias, confidence logits [B, A, γ]); the greedy drafts of `Transformer.dspark_draft`
-    are the arg-maxes when the drafts are right.
+    [B, A, γ, V] with the Markov bias, raw confidence logits [B, A, γ] — before the temperatures, which calibration
+    fits on them); the greedy drafts of `Transformer.dspark_draft` are the arg-maxes when the drafts are right.
     """
     a = model.args
     B, T = tokens.shape
@@ -146,5 +166,5 @@ def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tens
     prev = tokens[:, anchors.unsqueeze(1) + 1 + steps].flatten(0, 1)  # [B·A, γ] true predecessors
     e = last.markov_head.embed(prev)
     logits = model.head(last.norm(x)).float() + last.markov_head.head(e).float()
-    confidence = last.confidence_head.proj(torch.cat((x, e.to(x.dtype)), -1)).float().squeeze(-1)
+    confidence = last.confidence_head(x, e).squeeze(-1)
     return logits.view(B, A, g, -1), confidence.view(B, A, g)

@@ -57,15 +57,6 @@ class Indexer(nn.Module):
         return q, w * (1.0 / math.sqrt(self.head_dim * self.n_heads))
 
 
-def dense_scores(q: Tensor, w: Tensor, k: Tensor, n_visible: Tensor) -> Tensor:
-    """I [B, T, S] from fake-quantised q [B, T, H, Dᵢ], weights [B, T, H], keys [B, S, Dᵢ] (differentiable)."""
-    compute = w.dtype
-    dots = torch.einsum("bthd,bsd->bths", q.to(compute), k.to(compute)).relu()
-    scores = (dots * w.unsqueeze(-1)).sum(2)
-    hidden = torch.arange(k.shape[1], device=k.device) >= n_visible.unsqueeze(-1)
-    return scores.masked_fill(hidden, float("-inf"))
-
-
 class Selection:
     """The cross-layer slots of one forward: Top-K per index source and the candidate pool (SharedAttentionRuntime)."""
 

@@ -226,13 +226,13 @@ class EncoderState:
     pending: dict[int, tuple[Tensor, Tensor]]  # m>1 source → open group (kv, gate logits) [position mod m, D]
     tail: dict[int, PackedEntries]  # every source → entries of the partial block
     hidden: Tensor  # [min(position, W), n, C]  H^{L/2}, oldest first
-    hidden_pre: Tensor  # [min(position, W), n]  the pre-mix of layer L/2−1's FFN site
+    hidden_pre: Tensor  # [min(position, W), n]  the pre-mix of layer L/2−1's FFN site (≥ fp32, as pending)
     history: Tensor  # int64 [n−1]  last token ids (−1 before the sequence start)
     fingerprint: bytes = b""
 
     @staticmethod
     def layout(args: ModelArgs, position: int, dtype: torch.dtype, wide: torch.dtype) -> Layout:
-        """Payload of a state at `position` whose hidden rows are `dtype` and open groups `wide`."""
+        """Payload of a state at `position` whose hidden rows are `dtype`, open groups and pre-mix `wide` (≥ fp32)."""
         Le, W, D = args.n_encoder_layers, args.sliding_window, args.head_dim
         n_h, Bt = min(position, W), args.kv_block_tokens
         rings: Layout = [(("ring_data", i), torch.uint8, (W, D)) for i in range(Le)]
@@ -246,20 +246,15 @@ class EncoderState:
         tail = _entries_layout(args, {layer: position % Bt // m for layer, m in kv_sources(args)}, "tail")
         rows: Layout = [
             (("hidden",), dtype, (n_h, args.hc_mult, args.hidden_size)),
-            (("hidden_pre",), dtype, (n_h, args.hc_mult)),
+            (("hidden_pre",), wide, (n_h, args.hc_mult)),
             (("history",), torch.int64, (args.engram_max_ngram_size - 1,)),
         ]
         return rings + open_groups + tail + rows
 
-    def _wide(self) -> torch.dtype:
-        return next(
-            (kv.dtype for kv, _ in self.pending.values()), torch.promote_types(self.hidden.dtype, torch.float32)
-        )
-
     def to_bytes(self) -> bytes:
-        a = self.args
+        a, dtype, wide = self.args, self.hidden.dtype, self.hidden_pre.dtype
         Le = a.n_encoder_layers
-        header = struct.pack("<QBB", self.position, _DTYPES[self.hidden.dtype], _DTYPES[self._wide()])
+        header = struct.pack("<QBB", self.position, _DTYPES[dtype], _DTYPES[wide])
         header += struct.pack("<IHIHHB", a.sliding_window, a.head_dim, a.hidden_size, a.hc_mult, Le,
                               a.engram_max_ngram_size - 1)  # fmt: skip
         header += _fingerprint_field(self.fingerprint) + _sources_header(a)
@@ -269,7 +264,7 @@ class EncoderState:
         tensors |= {("ring_scale", i): self.ring_scale[i] for i in range(Le)}
         tensors |= {("pending", layer, p): t for layer, pair in self.pending.items() for p, t in enumerate(pair)}
         tensors |= _entries_tensors(self.tail, "tail")
-        return _pack(_STATE_MAGIC, header, self.layout(a, self.position, self.hidden.dtype, self._wide()), tensors)
+        return _pack(_STATE_MAGIC, header, self.layout(a, self.position, dtype, wide), tensors)
 
     @classmethod
     def from_bytes(cls, data: bytes, args: ModelArgs, fingerprint: bytes | None = None) -> EncoderState:
@@ -392,5 +387,5 @@ def restore(cache: KVCache, row: int, blocks: list[GlobalKVBlock], state: Encode
         cache.pending[layer].score[row, : score.shape[0]] = score.to(cache.device)
     recent = torch.arange(max(0, n - W), n) % W
     cache.hidden[row, recent] = state.hidden.to(cache.device, cache.dtype)
-    cache.hidden_pre[row, recent] = state.hidden_pre.to(cache.device, cache.dtype)
+    cache.hidden_pre[row, recent] = state.hidden_pre.to(cache.device, cache.hidden_pre.dtype)
     cache.history[row] = state.history.to(cache.device)

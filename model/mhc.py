@@ -53,8 +53,14 @@ def hc_expand(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     return (post.to(compute).unsqueeze(-1) * out.to(compute).unsqueeze(-2) + mixed).to(X.dtype)
 
 
-def identity_pre(shape: tuple[int, ...], n: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """The pre-mix entering layer 0 (and DSpark's first block): one-hot on copy 0."""
-    pre = torch.zeros(*shape, n, dtype=dtype, device=device)
+def mix_dtype(stream: torch.dtype) -> torch.dtype:
+    """dtype of the mHC coefficients of a stream: at least fp32, like the hc_* parameters that produce them (a bf16
+    model's pre-mix is fp32, and every copy of it — the identity mix, cached H^{L/2} rows — must be too)."""
+    return torch.promote_types(stream, torch.float32)
+
+
+def identity_pre(shape: tuple[int, ...], n: int, stream: torch.dtype, device: torch.device | str) -> Tensor:
+    """The pre-mix entering layer 0 (and DSpark's first block): one-hot on copy 0, in the stream's `mix_dtype`."""
+    pre = torch.zeros(*shape, n, dtype=mix_dtype(stream), device=device)
     pre[..., 0] = 1.0
     return pre

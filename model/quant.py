@@ -224,6 +224,11 @@ def fake_quant_fp4_e4m3(x: Tensor, block: int = 16) -> Tensor:
     return _straight_through(x, fp4_dequant_e4m3(*fp4_quant_e4m3(x.detach(), block), block, x.dtype))
 
 
+def fake_quant_bf16(x: Tensor) -> Tensor:
+    """x rounded to bf16 (RNE) in x's dtype, gradient straight through (the unquantised-KV baseline)."""
+    return _straight_through(x, x.detach().to(torch.bfloat16).to(x.dtype))
+
+
 def fake_quant_fp4_ue8m0(x: Tensor, block: int = 32) -> Tensor:
     """QAT: dequant(fp4_quant_ue8m0(x)) in x's dtype, gradient straight through."""
     return _straight_through(x, fp4_dequant_ue8m0(*fp4_quant_ue8m0(x.detach(), block), block, x.dtype))

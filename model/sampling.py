@@ -7,14 +7,22 @@ it is the target's arg-max and otherwise emits that arg-max — plain greedy dec
 Acceptance (Leviathan et al. / Chen et al.): accept draft dₖ with probability min(1, p(dₖ)/q(dₖ)); at the first
 rejection emit a sample of norm(max(0, p − q)); when all ℓ drafts pass, emit a bonus sample of p_{ℓ+1}. The emitted
 tokens are distributed exactly as sampling the target autoregressively.
+
+Randomness: one generator for the whole batch (or None: torch's default), or one per row (`Generators`; a None entry
+is the default). Per row, a row draws only from its own generator and always the same count — V exponentials per
+sampled token, and as many uniforms as drafts it verifies — so a seeded request gets the same tokens whatever its
+batch neighbours, with or without speculation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 @dataclass(frozen=True)
@@ -51,15 +59,42 @@ class SamplingParams:
         return torch.where(t > 0, probs, greedy)
 
 
-def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def _per_row(generator: Generators, rows: int) -> Sequence[torch.Generator | None] | None:
+    """The per-row generators of a `Generators` argument (checked against the batch), None for a single one."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return None
+    if len(generator) != rows:
+        raise ValueError(f"{len(generator)} generators for a batch of {rows} rows")
+    return generator
+
+
+def sample(probs: Tensor, generator: Generators = None) -> Tensor:
     """probs [B, V] → token ids [B]: the exponential race argmax(p / Exp(1)) (as the reference samples), one pass
     over the vocabulary; a one-hot row always gives its token."""
-    race = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    race = torch.empty_like(probs, dtype=torch.float32)
+    rows = _per_row(generator, probs.shape[0])
+    if rows is None:
+        race.exponential_(generator=generator)
+    for r, g in enumerate(rows or ()):
+        race[r].exponential_(generator=g)
     return (probs.float() / race).argmax(-1)
 
 
+def _uniforms(lengths: Tensor, K: int, generator: Generators) -> Tensor:
+    """u [B, K] for the acceptance tests; per row, only its first lengths[b] are drawn (the others are never used),
+    so what a row consumes does not depend on how many drafts its neighbours verify."""
+    B, device = lengths.shape[0], lengths.device
+    rows = _per_row(generator, B)
+    if rows is None:
+        return torch.rand(B, K, generator=generator, device=device)
+    u = torch.ones(B, K, device=device)
+    for r, (g, n) in enumerate(zip(rows, lengths.tolist(), strict=True)):
+        u[r, :n].uniform_(generator=g)
+    return u
+
+
 def speculative_accept(
-    target: Tensor, draft: Tensor, drafts: Tensor, lengths: Tensor, generator: torch.Generator | None = None
+    target: Tensor, draft: Tensor, drafts: Tensor, lengths: Tensor, generator: Generators = None
 ) -> tuple[Tensor, Tensor]:
     """Lossless verification of drafts [B, K] (row b uses the first lengths[b]).
 
@@ -69,7 +104,7 @@ def speculative_accept(
     B, K = drafts.shape
     p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     q_d = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    u = torch.rand(B, K, generator=generator, device=target.device)
+    u = _uniforms(lengths.to(target.device), K, generator)
     ok = (u * q_d < p_d) & (torch.arange(K, device=target.device) < lengths.unsqueeze(1))
     n = ok.long().cumprod(-1).sum(-1)  # leading accepted drafts
     rows = torch.arange(B, device=target.device)

@@ -27,7 +27,7 @@ from model.cache import KVCache, Step
 from model.dspark import Draft, absorb
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
 from model.mhc import hc_collapse
-from model.sampling import SamplingParams, sample, speculative_accept
+from model.sampling import Generators, SamplingParams, sample, speculative_accept
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -267,9 +267,12 @@ def decode_step(model: Transformer, batch: DecodeBatch, tokens) -> Tensor:
 
 
 @torch.no_grad()
-def dspark_draft(model: Transformer, batch: DecodeBatch, tokens, sampling: SamplingParams, generator=None) -> Draft:
+def dspark_draft(
+    model: Transformer, batch: DecodeBatch, tokens, sampling: SamplingParams, generator: Generators = None
+) -> Draft:
     """γ drafts per sequence after its pending token y (not yet committed): one forward of the DSpark blocks over
-    [y, noise…] at positions p+1…, then the Markov chain left to right."""
+    [y, noise…] at positions p+1…, then the Markov chain left to right. Confidences are calibrated by the head's
+    per-position temperatures; `generator`: one for the batch or one per row (model.sampling)."""
     a = model.args
     y = _batch_tokens(model, batch, tokens, 1)[:, 0]
     B, g = y.shape[0], a.dspark_block_size
@@ -281,11 +284,12 @@ def dspark_draft(model: Transformer, batch: DecodeBatch, tokens, sampling: Sampl
     last = model.mtp[-1]
     x = hc_collapse(X, pre)
     base = model.head(last.norm(x)).float()
+    head = last.confidence_head
     tokens_out, probs, confidence, prev = [], [], [], y
     for k in range(g):
         e = last.markov_head.embed(prev)
         q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
-        confidence.append(torch.sigmoid(last.confidence_head.proj(torch.cat((x[:, k], e.to(x.dtype)), -1)).float()))
+        confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
         prev = sample(q, generator)
         tokens_out.append(prev)
         probs.append(q)
@@ -300,12 +304,13 @@ def verify(
     draft: Draft,
     sampling: SamplingParams,
     lengths: Tensor | None = None,
-    generator=None,
+    generator: Generators = None,
 ) -> VerifyResult:
     """Target forward over [y, drafts] of every sequence, lossless acceptance, commit of y + accepted drafts.
 
     `lengths` [B] (≤ γ, default γ) lets the engine verify fewer drafts per row, e.g. cut where the running product
-    of confidences drops. The returned tokens of a row are its accepted drafts plus the next pending token.
+    of confidences drops. The returned tokens of a row are its accepted drafts plus the next pending token. With one
+    generator per row, a row's draws depend on its own lengths[b] only, not on the batch's draft width.
     """
     y = _batch_tokens(model, batch, tokens, 1)
     B, g = draft.tokens.shape

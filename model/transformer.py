@@ -30,7 +30,7 @@ from model.dspark import Draft, DSparkBlock
 from model.engram import NgramHash
 from model.linear import Embedding, Linear, RMSNorm
 from model.mhc import hc_collapse, identity_pre
-from model.sampling import SamplingParams
+from model.sampling import Generators, SamplingParams
 from model.serving import DecodeBatch, Past, PrefillOutput, VerifyResult
 
 Part = Literal["full", "encoder"]
@@ -177,7 +177,7 @@ class Transformer(nn.Module):
         return serving.decode_step(self, batch, tokens)
 
     def dspark_draft(
-        self, batch: DecodeBatch, tokens: Tensor | Sequence[int], sampling: SamplingParams, generator=None
+        self, batch: DecodeBatch, tokens: Tensor | Sequence[int], sampling: SamplingParams, generator: Generators = None
     ) -> Draft:
         """γ drafts per sequence after the pending tokens (model.serving)."""
         return serving.dspark_draft(self, batch, tokens, sampling, generator)
@@ -189,7 +189,7 @@ class Transformer(nn.Module):
         draft: Draft,
         sampling: SamplingParams,
         lengths: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> VerifyResult:
         """Lossless verification of the drafts; commits the accepted tokens (model.serving)."""
         return serving.verify(self, batch, tokens, draft, sampling, lengths, generator)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from model import quant
 from model.config import ModelArgs
+from model.dspark import ConfidenceHead
 from model.linear import Embedding, Linear, RMSNorm
 from model.transformer import Part, Transformer
 
@@ -194,6 +195,9 @@ def load_weights(model: Transformer, directory: str | os.PathLike[str], progress
         for shard in _shards(directory):
             f = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
             where |= dict.fromkeys(f.keys(), f)
+        # Buffers are calibrations (the DSpark confidence temperatures), optional: absent, they keep their default.
+        buffers = {name for name, _ in model.named_buffers()}
+        params = {name: t for name, t in params.items() if name in where or name not in buffers}
         missing = [n for n in params if n not in where]
         missing += [s for n in params if n in formats and (s := _scale_name(n)) not in where]
         if missing:
@@ -207,6 +211,9 @@ def load_weights(model: Transformer, directory: str | os.PathLike[str], progress
             if tuple(value.shape) != tuple(target.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
             target.copy_(value.to(target.dtype))
+    for module in model.modules():
+        if isinstance(module, ConfidenceHead):
+            module.check()
     model.fingerprint = checkpoint_fingerprint(directory)
     return model
 

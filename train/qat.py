@@ -7,26 +7,24 @@ FP4 main-KV fake-quant in its dense path. Training adds two switches:
   gradient), so the exported checkpoint holds exactly the weights training evaluated. `torch.nn.utils.parametrize`
   does the bookkeeping; `bake(model)` removes the parametrisations and leaves the snapped values.
 - `main_kv("bf16")`: the compressed main KV is rounded to bf16 instead of FP4 (E2M1 + E4M3 scale per 16). This is
-  the no-QAT baseline of the paper's claim (and the bf16-KV side of its evaluation). It swaps the quantiser the
-  model's dense path calls, for the duration of the block: the model has no switch of its own for it.
+  the no-QAT baseline of the paper's claim (and the bf16-KV side of its evaluation). It is the model's own switch
+  (`model.attention.main_kv`), in force for the block in this thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Literal
 
-import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from model import quant
+from model.attention import MainKV as KVFormat
+from model.attention import main_kv
 from model.engram import Engram
 from model.linear import Linear
 from model.weights import dequantize_weight, quantize_weight
 
-KVFormat = Literal["fp4", "bf16"]
+__all__ = ["KVFormat", "StoredWeight", "bake", "main_kv", "stored_weights"]
 
 
 class StoredWeight(nn.Module):
@@ -63,22 +61,3 @@ def bake(model: nn.Module) -> nn.Module:
         if parametrize.is_parametrized(module, "weight"):
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
     return model
-
-
-def _bf16_kv(x: Tensor, block: int = 16) -> Tensor:
-    del block  # same signature as the FP4 quantiser it replaces
-    return x.to(torch.bfloat16).to(x.dtype) + (x - x.detach())
-
-
-@contextmanager
-def main_kv(fmt: KVFormat) -> Iterator[None]:
-    """Run the dense path with the compressed main KV in `fmt` ("fp4": the released QAT; "bf16": none)."""
-    if fmt not in ("fp4", "bf16"):
-        raise ValueError(f"main KV format must be 'fp4' or 'bf16', got {fmt!r}")
-    original = quant.fake_quant_fp4_e4m3
-    if fmt == "bf16":
-        quant.fake_quant_fp4_e4m3 = _bf16_kv
-    try:
-        yield
-    finally:
-        quant.fake_quant_fp4_e4m3 = original
