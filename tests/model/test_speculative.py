@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from model import SamplingParams, speculative_accept
+from model import Draft, SamplingParams, sample, speculative_accept
 from model.dspark import draft_logits
 
 
@@ -184,3 +185,61 @@ def test_dense_draft_forward_matches_the_packed_draft(tiny, tokens):
         logits, confidence = draft_logits(tiny, sequence, taps, torch.tensor([prompt + 1]))
     assert torch.equal(logits[0, 0].argmax(-1), draft.tokens[0])
     torch.testing.assert_close(torch.sigmoid(confidence[0, 0]), draft.confidence[0], rtol=1e-5, atol=1e-6)
+
+
+def test_per_row_generators_draw_the_same_whatever_the_neighbours(gen, seed):
+    """A row with its own generator draws the same numbers alone and in a batch, also when the batch verifies more
+    drafts than the row (the engine trims drafts to the longest row): same accepted count, token and generator state."""
+    V, K, n = 40, 4, 2
+
+    def dists(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.softmax(torch.randn(*shape, V, generator=gen), -1)  # overlapping p and q: some drafts pass
+
+    target, proposal = dists((3, K + 1)), dists((3, K))
+    drafts = torch.multinomial(proposal.view(-1, V), 1, generator=gen).view(3, K)
+    mine = torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed(seed + 1), mine, None]
+    accepted, token = speculative_accept(target, proposal, drafts, torch.tensor([K, n, 3]), gens)
+    alone = torch.Generator().manual_seed(seed)
+    accepted_alone, token_alone = speculative_accept(
+        target[1:2, : n + 1], proposal[1:2, :n], drafts[1:2, :n], torch.tensor([n]), [alone]
+    )
+    assert (int(accepted[1]), int(token[1])) == (int(accepted_alone[0]), int(token_alone[0]))
+    assert torch.equal(mine.get_state(), alone.get_state())
+    assert torch.equal(sample(target[:, 0], gens)[1], sample(target[1:2, 0], [alone])[0])
+    assert torch.equal(mine.get_state(), alone.get_state())
+    with pytest.raises(ValueError, match="2 generators for a batch of 3 rows"):
+        sample(target[:, 0], gens[:2])
+
+
+def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, tokens, seed):
+    """Sampled decoding, plain and speculative: a row seeded alone emits exactly what it emits between two other rows
+    (one greedy, one on the default generator) that verify more drafts than it does."""
+    outs = [tiny.encode_prefill(tokens(n)) for n in (13, 20, 9)]
+    g, mine = tiny.args.dspark_block_size, 2
+
+    def decode(rows: list[int], temperatures: list[float], lengths: list[int], speculative: bool) -> list[int]:
+        """Tokens of the seeded row (prompt 0) decoded in a batch of `rows` (prompt indices)."""
+        batch = tiny.new_decode_batch()
+        firsts = [batch.join(outs[i].blocks, outs[i].encoder_state)[1] for i in rows]
+        gens = [torch.Generator().manual_seed(seed) if i == 0 else None for i in rows]
+        sampling = SamplingParams(torch.tensor(temperatures), torch.zeros(len(rows)), torch.ones(len(rows)))
+        pending = sample(sampling.probs(torch.stack(firsts)), gens).tolist()
+        out = [pending[rows.index(0)]]
+        for _ in range(3):
+            if speculative:
+                draft = tiny.dspark_draft(batch, pending, sampling, gens)
+                width = max(lengths)  # the engine verifies the longest row's drafts
+                draft = Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width])
+                emitted = tiny.verify(batch, pending, draft, sampling, torch.tensor(lengths), gens).tokens
+            else:
+                emitted = [[t] for t in sample(sampling.probs(tiny.decode_step(batch, pending)), gens).tolist()]
+            out += emitted[rows.index(0)]
+            pending = [row[-1] for row in emitted]
+        return out
+
+    for speculative in (False, True):
+        alone = decode([0], [1.0], [mine], speculative)
+        crowd = decode([1, 0, 2], [1.0, 1.0, 0.0], [g, mine, g - 1], speculative)
+        print(f"speculative={speculative}: {alone}")
+        assert crowd == alone
