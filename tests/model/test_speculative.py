@@ -131,6 +131,28 @@ def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
     assert [x.to_bytes() for x in a.blocks] == [x.to_bytes() for x in b.blocks]
 
 
+def test_confidence_temperatures_scale_the_confidence_logits(tiny, tokens, gen):
+    """Sequential Temperature Scaling: draft k's confidence is σ(zₖ / Tₖ) with the head's temperature of position k;
+    the drafts and their distributions do not change."""
+    out = tiny.encode_prefill(tokens(17))
+    batch = tiny.new_decode_batch()
+    _, logits = batch.join(out.blocks, out.encoder_state)
+    greedy, y = SamplingParams.uniform(1), [int(logits.argmax())]
+    raw = tiny.dspark_draft(batch, y, greedy)  # T = 1 (the seeded model's default)
+    head = tiny.mtp[-1].confidence_head
+    temperature = 0.25 + 3.75 * torch.rand(tiny.args.dspark_block_size, generator=gen, dtype=torch.float64)
+    head.temperature.copy_(temperature)
+    try:
+        scaled = tiny.dspark_draft(batch, y, greedy)
+    finally:
+        head.temperature.fill_(1.0)  # the shared model's default again
+    assert torch.equal(scaled.tokens, raw.tokens)
+    assert torch.equal(scaled.probs, raw.probs)
+    z = torch.logit(raw.confidence.double())
+    torch.testing.assert_close(scaled.confidence.double(), torch.sigmoid(z / temperature), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(scaled.confidence, raw.confidence)
+
+
 def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     """Forks of one sequence each verify one draft: the first emitted token follows the target distribution (from
     decode_step), whether the draft was accepted or rejected and resampled. top_k = 4 keeps the target on four tokens

@@ -121,3 +121,31 @@ def test_fingerprint_identifies_config_and_weights(tiny_args):
     assert fp == model_fingerprint(tiny_args, dict(reversed(w.items())))
     assert fp != model_fingerprint(tiny_args.replace(kv_block_tokens=32), w)
     assert fp != model_fingerprint(tiny_args, {**w, "a": torch.arange(4.0) + 1e-7})
+
+
+def test_confidence_temperatures_load_when_present(checkpoint, tmp_path, model, args):
+    """The calibrated per-position temperatures load from `mtp.{last}.confidence_head.temperature`; a checkpoint from
+    before calibration (no such tensor) loads with T = 1; a non-positive temperature is refused."""
+    name = f"mtp.{args.num_nextn_predict_layers - 1}.confidence_head.temperature"
+    tensors = stored(checkpoint)
+    assert torch.equal(tensors[name], torch.ones(args.dspark_block_size))  # saved with the model
+
+    def load(variant: dict[str, torch.Tensor], where: str):
+        (tmp_path / where).mkdir()
+        save_file(variant, str(tmp_path / where / "model.safetensors"))
+        (tmp_path / where / "config.json").write_text((checkpoint / "config.json").read_text())
+        return load_checkpoint(tmp_path / where)
+
+    calibrated = torch.linspace(0.5, 3.0, args.dspark_block_size)
+    loaded = load({**tensors, name: calibrated}, "calibrated")
+    assert torch.equal(loaded.mtp[-1].confidence_head.temperature, calibrated)
+    old = load({n: t for n, t in tensors.items() if n != name}, "old")
+    assert torch.equal(old.mtp[-1].confidence_head.temperature, torch.ones(args.dspark_block_size))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old.parameters(), strict=True))
+    with pytest.raises(ValueError, match="temperature must be positive and finite"):
+        load({**tensors, name: -calibrated}, "negative")
+    # The same holds for an in-memory state dict (the trainer's saved phases).
+    fresh = build_model(args, seed=None)
+    fresh.mtp[-1].confidence_head.temperature.fill_(2.0)
+    fresh.load_state_dict({n: t for n, t in model.state_dict().items() if n != name})
+    assert torch.equal(fresh.mtp[-1].confidence_head.temperature, torch.ones(args.dspark_block_size))
