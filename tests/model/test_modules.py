@@ -1,13 +1,15 @@
-"""Module math against hand computations: mHC/Sinkhorn, CSA2 compressor, RoPE/YaRN, attention sink, MoE routing."""
+"""Module math against hand computations: mHC/Sinkhorn, CSA2 compressor, RoPE/YaRN, attention sink, MoE routing,
+the dense path's main-KV rounding."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from model import preset
-from model.attention import dense_attention
+from model import preset, quant
+from model.attention import SharedEntries, dense_attention, main_kv
 from model.compressor import Compressor
 from model.mhc import hc_collapse, hc_expand, hc_split_sinkhorn
 from model.moe import Gate
@@ -96,3 +98,29 @@ def test_gate_routes_by_biased_scores_and_weights_by_raw_ones(gen):
     scores = torch.nn.functional.softplus(x @ gate.weight.T).sqrt()
     assert bool((ids == 3).any(-1).all())
     torch.testing.assert_close(weights, scores.gather(-1, ids) / scores.gather(-1, ids).sum(-1, keepdim=True) * 1.5)
+
+
+def test_main_kv_switch_rounds_the_dense_main_kv(tiny, gen):
+    """The dense path's main KV is FP4 (E2M1 + E4M3 per 16) by default and bf16 inside `main_kv("bf16")`; blocks nest
+    and restore the format around them; the indexer keys are FP4 either way."""
+    attn = tiny.layers[2].attn  # a Full m=2 owner
+    x = torch.randn(1, 9, tiny.args.hidden_size, generator=gen, dtype=torch.float64)
+    kv, _ = attn.entry_latents(attn.compressor(x), torch.zeros(1, dtype=torch.int64))
+
+    def main_kv_values() -> torch.Tensor:
+        shared = SharedEntries()
+        attn.dense_entries(x, shared)
+        return shared.kv[2]
+
+    fp4 = main_kv_values()
+    assert torch.equal(fp4, quant.fake_quant_fp4_e4m3(kv))
+    bf16 = kv.to(torch.bfloat16).to(torch.float64)
+    assert not torch.equal(fp4, bf16)
+    with main_kv("bf16"):
+        assert torch.equal(main_kv_values(), bf16)
+        with main_kv("fp4"):
+            assert torch.equal(main_kv_values(), fp4)
+        assert torch.equal(main_kv_values(), bf16)
+    assert torch.equal(main_kv_values(), fp4)
+    with pytest.raises(ValueError, match="got 'fp8'"), main_kv("fp8"):  # type: ignore[arg-type]
+        pass
