@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import msgspec
+from typing import Literal
 
 from mesh.model_service.config import ModelServiceConfig, NonNegativeFloat, Port, Positive, with_shared_settings
 
@@ -21,7 +19,7 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     max_queue: sequences waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED
     speculation: DSpark speculative decoding (a request may still turn it off)
     max_draft: most drafts verified per sequence and step (at most the model's DSpark block size)
-    draft_threshold: keep drafts while the running product of their confidences stays at or above this
+    draft_policy: measured (draft and verify only as far as it pays on this machine's step times) or full (always all)
     grace_s: seconds running generations get to finish after SIGTERM
     """
 
@@ -32,4 +30,4 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     max_queue: Positive = 128
     speculation: bool = True
     max_draft: Positive = 5
-    draft_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    draft_policy: Literal["measured", "full"] = "measured"

@@ -6,7 +6,10 @@
   on top of a cached prefix), which runs the decoder's bounded replay and gives the first token's logits.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
   per step). A request that turns speculation off, and a seeded sampled request, decode in the plain lane: there every
-  row samples from its own generator, whereas draft + verify draw from one generator for the whole lane.
+  row samples from its own generator, whereas draft + verify draw from one generator for the whole lane. Whether a
+  speculative step drafts, and how many drafts it verifies, is DSpark's hardware-aware scheduler's call
+  (scheduler.py), on the step times this engine measures (step_times.py: seeded by a short profile when the thread
+  starts, then every step adds a sample): speculation must never make decoding slower.
 - **Deliver**: tokens go to the sequence's outbox at once (the stream sends them); a stop token or the output budget
   finishes it. A finished sequence leaves its batch, and its new blocks + end-of-sequence SWA record are handed to
   `write_back` (asynchronous: the final message never waits for the cache).
@@ -32,8 +35,10 @@ from torch import Tensor
 
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
+from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
-from decode_svc.speculation import Calibration, draft_lengths, predicted, trim
+from decode_svc.speculation import Calibration, draft_caps, trim
+from decode_svc.step_times import Forward, StepTimes, profile
 from mesh.model_service.kvstore import encode_with_past
 from mesh.model_service.runtime import RequestError
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
@@ -49,13 +54,19 @@ class EngineSettings:
     max_queue: int
     speculation: bool
     max_draft: int
-    draft_threshold: float
+    draft_policy: str  # "measured": the hardware-aware scheduler on measured step times; "full": every draft
     chunk_size: int
 
 
 class Engine:
     def __init__(
-        self, model: Transformer, settings: EngineSettings, metrics: DecodeMetrics, log: Any, write_back: WriteBack
+        self,
+        model: Transformer,
+        settings: EngineSettings,
+        metrics: DecodeMetrics,
+        log: Any,
+        write_back: WriteBack,
+        times: StepTimes | None = None,
     ) -> None:
         self.model = model
         self.settings = settings
@@ -67,6 +78,8 @@ class Engine:
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
         self._generator = torch.Generator(device=model.device).manual_seed(secrets.randbits(63))
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
+        self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
+        self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
         # Shared with the RPC side, under the condition's lock:
         self._cond = threading.Condition(threading.RLock())
         self._registry: dict[str, Sequence] = {}  # live sequences by request id
@@ -144,6 +157,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
+        self._profile()
         while True:
             with self._cond:
                 while not self._stopping and not self._aborts and not self._running and not self._inbox:
@@ -168,6 +182,19 @@ class Engine:
         for seq in left:
             seq.abort_reason = seq.abort_reason or "shutdown"
             self._abort(seq)
+
+    def _profile(self) -> None:
+        """Seed the step times DSpark's scheduler reads (requests that arrive meanwhile wait in the queue)."""
+        if not self.settings.speculation or self.scheduler.full or self.times.measured(*Forward):
+            return
+        started = time.monotonic()
+        try:
+            profile(self.model, self.times, self.max_draft)
+        except Exception:  # a bug: the scheduler measures as it goes instead
+            self.log.exception("profile_failed")
+            return
+        ms = {f.value: {n: round(s * 1e3, 2) for n, s in self.times.known(f).items()} for f in Forward}
+        self.log.info("step_times", seconds=round(time.monotonic() - started, 3), ms_by_tokens=ms)
 
     def _admit(self, seq: Sequence) -> None:
         if seq.abort_reason:
@@ -231,31 +258,41 @@ class Engine:
             self.batches[lane], self.rows[lane] = self.model.new_decode_batch(), {}
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
+        started = time.perf_counter()
         logits = self.model.decode_step(batch, pending)
-        tokens = sample_rows(batch_sampling(rows).probs(logits), rows)
+        tokens = sample_rows(batch_sampling(rows).probs(logits), rows)  # on the host: the forward has run
+        self.times.observe(Forward.PLAIN, len(rows), time.perf_counter() - started)
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
-        threshold = self.settings.draft_threshold
-        records = [seq.draft for seq in rows]
-        if not any(r.due(threshold) for r in records):  # no draft could pay: one token per row
-            for r in records:
-                r.skip()
+        """Draft if the scheduler says it pays, verify the width it chooses on the draft's confidences, commit."""
+        m, records = self.metrics, [seq.draft for seq in rows]
+        budgets = [min(self.max_draft, seq.limit - len(seq.output) - 1) for seq in rows]  # a step emits drafts + 1
+        plan = self.scheduler.plan([r.forecast(self.max_draft) for r in records], budgets)
+        m.draft_steps.labels(plan.value).inc()
+        if plan is Plan.PLAIN:
             return self._plain_step(batch, rows, pending)
         sampling = batch_sampling(rows)
+        started = time.perf_counter()
         draft = self.model.dspark_draft(batch, pending, sampling, self._generator)
-        budgets = [seq.limit - len(seq.output) for seq in rows]
-        stops = [seq.params.stop_token_ids for seq in rows]
-        lengths = draft_lengths(draft, threshold, self.max_draft, budgets, stops, [r.calibration for r in records])
-        promised = predicted(draft, lengths)
-        result = self.model.verify(batch, pending, trim(draft, int(lengths.max())), sampling, lengths, self._generator)
-        for record, *outcome in zip(records, lengths.tolist(), result.accepted.tolist(), promised, strict=True):
-            record.record(*outcome)
-        accepted = int(result.accepted.sum())
-        self.calibration.add(accepted, sum(promised))
-        m = self.metrics
-        m.draft_proposed.inc(int(lengths.sum()))
-        m.draft_accepted.inc(accepted)
+        confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
+        self.times.observe(Forward.DRAFT, len(rows), time.perf_counter() - started)
+        caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
+        width = self.scheduler.width([r.drafted(c) for r, c in zip(records, confidence, strict=True)], caps)
+        m.verify_width.observe(width)
+        if width == 0:  # not worth a verify column after all
+            return self._plain_step(batch, rows, pending)
+        lengths = [min(width, cap) for cap in caps]
+        started = time.perf_counter()
+        result = self.model.verify(
+            batch, pending, trim(draft, width), sampling, torch.tensor(lengths), self._generator
+        )  # its acceptance is read on the host inside
+        self.times.observe(Forward.VERIFY, len(rows) * (1 + width), time.perf_counter() - started)
+        accepted = result.accepted.tolist()
+        promised = sum(r.record(n, a) for r, n, a in zip(records, lengths, accepted, strict=True))
+        self.calibration.add(sum(accepted), promised)
+        m.draft_proposed.inc(sum(lengths))
+        m.draft_accepted.inc(sum(accepted))
         m.speculative_steps.inc(len(rows))
         return result.tokens, result.logits
 

@@ -1,7 +1,9 @@
 """Prometheus metrics of one decode replica (names `v41mesh_decode_*`; the HPA scales on the queue depth).
 
 Mean DSpark accepted length per verify (bonus token included) = (draft_accepted_tokens + speculative_row_steps) /
-speculative_row_steps; acceptance rate = draft_accepted_tokens / draft_proposed_tokens.
+speculative_row_steps; acceptance rate = draft_accepted_tokens / draft_proposed_tokens. What the scheduler decided:
+draft_steps_total{plan} (plain, draft, probe) before a step, verify_width once drafted (0: the draft was not worth
+verifying).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from mesh.metrics import LATENCY_BUCKETS
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WIDTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 
 
 class DecodeMetrics:
@@ -36,6 +39,8 @@ class DecodeMetrics:
         self.draft_proposed = counter("draft_proposed_tokens", "DSpark drafts verified")
         self.draft_accepted = counter("draft_accepted_tokens", "DSpark drafts accepted")
         self.speculative_steps = counter("speculative_row_steps", "Sequence-steps decoded by draft + verify")
+        self.draft_steps = counter("draft_steps", "Speculative-lane steps by the scheduler's plan", ("plan",))
+        self.verify_width = histogram("verify_width", "Drafts per row a drafted step verified", WIDTH_BUCKETS)
         self.aborts = counter("aborts", "Generations ended before their end", ("reason",))
         self.writebacks = counter("writebacks", "Write-backs to the cache by outcome", ("outcome",))
         self.writeback_seconds = histogram("writeback_seconds", "Blocks + SWA record write-back", LATENCY_BUCKETS)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from decode_svc.config import DecodeConfig
 from decode_svc.engine import Engine, EngineSettings
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.service import DecodeService
+from decode_svc.step_times import StepTimes
 from decode_svc.writeback import WriteBack
 from mesh.grpc_server import Registrar
 from mesh.model_service.kvstore import KVStore
 from mesh.model_service.runtime import ModelServer, model_info
+from model import Transformer
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 
@@ -23,6 +26,11 @@ class DecodeServer(ModelServer):
     service = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
     engine: Engine | None = None
     writeback: WriteBack | None = None
+
+    def __init__(self, cfg: DecodeConfig, *, model: Transformer | None = None, times: StepTimes | None = None) -> None:
+        """`times`: the step times DSpark's scheduler starts from (default: measured at start, then as it runs)."""
+        super().__init__(cfg, model=model)
+        self.times = times
 
     def build(self) -> tuple[Any, Registrar]:
         cfg, model = self.cfg, self.model
@@ -37,10 +45,10 @@ class DecodeServer(ModelServer):
             max_queue=cfg.max_queue,
             speculation=cfg.speculation,
             max_draft=cfg.max_draft,
-            draft_threshold=cfg.draft_threshold,
+            draft_policy=cfg.draft_policy,
             chunk_size=cfg.chunk_size,
         )
-        self.engine = Engine(model, settings, metrics, self.log, self.writeback)
+        self.engine = Engine(model, settings, metrics, self.log, self.writeback, self.times)
         self.engine.start()
         servicer = DecodeService(model, model_info(model, cfg.model), store, self.engine, metrics, self.log)
         return servicer, decode_pb2_grpc.add_DecodeServicer_to_server

@@ -35,7 +35,7 @@ def test_prefill_handoff_decode_equals_a_local_prefill(mesh: Mesh, salt: bytes, 
 
 
 def test_speculative_greedy_equals_plain_greedy(start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable):
-    mesh = start_mesh(decode={"draft_threshold": 0.0})  # every step drafts γ and verifies them (all rejected)
+    mesh = start_mesh(decode={"draft_policy": "full"})  # every step drafts γ and verifies them (all rejected)
     ids = prompt(29)
     plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=5, disable_speculation=True, cache_salt=salt + b"1")
     spec, messages = mesh.generate(token_ids=token_ids(ids), max_tokens=5, cache_salt=salt + b"2")

@@ -12,11 +12,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from service_mesh import Mesh, token_ids, wait_until
+from service_mesh import Mesh, metric_value, token_ids, wait_until
 
-from decode_svc.speculation import Calibration, draft_lengths, predicted, trim
+from decode_svc.speculation import Calibration
+from decode_svc.step_times import Forward, StepTimes
 from mesh.block_keys import sequence_key
-from model import Draft, Transformer
+from model import Transformer
 from proto.decode.v1 import decode_pb2
 
 # A Markov-head logit bias that makes the forced token the draft's arg-max whatever the DSpark blocks say.
@@ -87,7 +88,7 @@ def test_sampled_speculation_keeps_the_target_distribution(
     and verifies): the greedy row still emits plain greedy tokens, and the sampled row picks its top-1 token as often
     as the target's probabilities say (a z-test over the logprobs the stream reports: a greedy, or mis-parameterised,
     sampler fails it)."""
-    mesh = start_mesh(decode={"draft_threshold": 0.0})
+    mesh = start_mesh(decode={"draft_policy": "full"})
     ids = prompt(15)
     reference, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=6, disable_speculation=True, cache_salt=salt)
     results: dict[str, list[decode_pb2.GenerateResponse]] = {}
@@ -127,26 +128,6 @@ def test_sampled_speculation_keeps_the_target_distribution(
     assert abs(z) < 4.5
 
 
-def test_draft_lengths_follow_the_calibrated_confidence_product_within_the_caps() -> None:
-    confidence = torch.tensor([[0.9, 0.9, 0.9, 0.9, 0.9], [0.4, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
-    tokens = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
-    draft = Draft(tokens, torch.zeros(3, 5, 10), confidence)
-    free, ones = [frozenset()] * 3, [1.0] * 3
-    # Π 0.9^k ≥ 0.5 for k ≤ 6 → all 5; the second row's first confidence is already below the threshold.
-    assert draft_lengths(draft, 0.5, 5, [100] * 3, free, ones).tolist() == [5, 0, 5]
-    assert draft_lengths(draft, 0.7, 5, [100] * 3, free, ones).tolist() == [3, 0, 5]
-    assert draft_lengths(draft, 0.5, 2, [100] * 3, free, ones).tolist() == [2, 0, 2]  # --max-draft
-    assert draft_lengths(draft, 0.5, 5, [1, 3, 4], free, ones).tolist() == [0, 0, 3]  # ≤ budget − 1
-    stops = [frozenset({7}), frozenset(), frozenset({5, 9})]
-    assert draft_lengths(draft, 0.5, 5, [100] * 3, stops, ones).tolist() == [3, 0, 1]  # up to the first stop draft
-    # A head found over-confident (s < 1) keeps fewer drafts; one found under-confident (s > 1) more.
-    assert draft_lengths(draft, 0.5, 5, [100] * 3, free, [0.7, 1.3, 0.4]).tolist() == [3, 5, 0]
-    lengths = torch.tensor([2, 0, 5])
-    assert predicted(draft, lengths) == pytest.approx([0.9 + 0.81, 0.0, 5.0])
-    assert trim(draft, 2).tokens.tolist() == [[5, 6]] * 3
-    assert trim(draft, 0).probs.shape == (3, 0, 10)
-
-
 def test_the_replica_calibration_is_the_prior_and_forgets() -> None:
     calibration = Calibration(half_life_steps=2)
     assert calibration.ratio == 1.0  # no evidence: trust the head
@@ -157,12 +138,91 @@ def test_the_replica_calibration_is_the_prior_and_forgets() -> None:
     assert calibration.ratio == pytest.approx(1 / 3)  # half the evidence is forgotten after a half-life
 
 
-def test_a_drafter_that_is_always_wrong_soon_stops_drafting(mesh: Mesh, salt: bytes, prompt: Callable) -> None:
-    """The random DSpark's drafts are confidently wrong: the online calibration turns drafting off for the sequence
-    after at most one step's worth of drafts, and its tokens are still plain greedy."""
-    ids = prompt(13)
-    plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=10, disable_speculation=True, cache_salt=salt)
-    spec, messages = mesh.generate(token_ids=token_ids(ids), max_tokens=10, cache_salt=salt + b"/spec")
+class Machine(StepTimes):
+    """The step times of a machine where a forward over n tokens costs cost(forward, n) (linear in n or flat): as if
+    long measured there. The test's own steps, on this CPU, are not that machine's and are not counted."""
+
+    def __init__(self, cost: Callable[[Forward, int], float]) -> None:
+        super().__init__()
+        for forward, n in itertools.product(Forward, (1, 64)):
+            super().observe(forward, n, cost(forward, n))
+
+    def observe(self, forward: Forward, tokens: int, seconds: float) -> None:
+        """Another machine's step: not counted."""
+
+
+def plans(metrics: str) -> dict[str, float]:
+    """The speculative lane's steps by the scheduler's plan, from decode's metrics."""
+    return {
+        p: metric_value(metrics, "v41mesh_decode_draft_steps_total", f'plan="{p}"') for p in ("plain", "draft", "probe")
+    }
+
+
+def free_verification() -> Machine:
+    """A forward costs the same whatever its width: verification is free."""
+    return Machine(lambda forward, n: 0.01)
+
+
+def verification_by_the_token() -> Machine:
+    """Every token costs as much as a plain step: a draft never pays."""
+    return Machine(lambda forward, n: 0.01 * n)
+
+
+def test_the_scheduler_drafts_fully_where_verifying_is_free_and_never_where_it_costs_a_step_per_token(
+    mesh: Mesh, start_mesh: Callable[..., Mesh], models: tuple[Transformer, Transformer], salt: bytes, prompt: Callable
+) -> None:
+    ids, n = prompt(17), 12
+    plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=n, disable_speculation=True, cache_salt=salt)
+    drafter = oracle_drafter(models[1], plain)  # right, and sure of it
+
+    gpu = start_mesh(models=(models[0], drafter), times=free_verification())
+    spec, messages = gpu.generate(token_ids=token_ids(ids), max_tokens=n, cache_salt=salt + b"/gpu")
     assert spec == plain
-    assert messages[-1].usage.draft_tokens_accepted == 0
-    assert messages[-1].usage.draft_tokens_proposed <= 5  # one verify of --max-draft at the most
+    # 1 token at join, then 5 drafts + 1 and (the budget's cap) 4 drafts + 1: every draft verified, and accepted.
+    assert [len(m.token_ids) for m in messages if m.token_ids] == [1, 6, 5]
+    assert (messages[-1].usage.draft_tokens_proposed, messages[-1].usage.draft_tokens_accepted) == (9, 9)
+
+    cpu = start_mesh(models=(models[0], drafter), times=verification_by_the_token())
+    spec, messages = cpu.generate(token_ids=token_ids(ids), max_tokens=n, cache_salt=salt + b"/cpu")
+    assert spec == plain
+    assert messages[-1].usage.draft_tokens_proposed == 0
+    text = cpu.metrics(cpu.decode)
+    plans = {
+        p: metric_value(text, "v41mesh_decode_draft_steps_total", f'plan="{p}"') for p in ("plain", "draft", "probe")
+    }
+    # The forecast never pays; after 8 plain steps the lane drafts once anyway (a probe), which verifies nothing.
+    assert plans == {"plain": n - 2, "draft": 0, "probe": 1}
+    assert metric_value(text, "v41mesh_decode_verify_width_count") == 1
+    assert metric_value(text, "v41mesh_decode_verify_width_bucket", 'le="0.0"') == 1
+
+
+def test_a_drafter_that_is_always_wrong_stops_drafting_even_where_verifying_is_free(
+    start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable
+) -> None:
+    """The random DSpark's drafts are confidently wrong: after one verify, the online calibration makes them worth
+    less than the draft forward costs even on a machine where verifying is free; only probes draft again (at
+    doubling intervals), and the tokens are still plain greedy."""
+    mesh = start_mesh(times=free_verification())
+    ids, n = prompt(13), 40
+    plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=n, disable_speculation=True, cache_salt=salt)
+    spec, messages = mesh.generate(token_ids=token_ids(ids), max_tokens=n, cache_salt=salt + b"/spec")
+    assert spec == plain
+    usage = messages[-1].usage
+    text = mesh.metrics(mesh.decode)
+    drafted, probes = (
+        metric_value(text, "v41mesh_decode_draft_steps_total", f'plan="{p}"') for p in ("draft", "probe")
+    )
+    assert usage.draft_tokens_accepted == 0
+    assert drafted == 1  # the first step, on a new sequence's hopeful forecast
+    assert probes == 2  # after 8, then 16 plain steps
+    assert usage.draft_tokens_proposed == 5 * (drafted + probes)  # free verification: each drafted step verified all
+
+
+def test_the_engine_measures_every_forward_at_start(mesh: Mesh) -> None:
+    """The step times the scheduler starts from: plain, draft, and the narrowest and widest verify, at 1 and 2 rows."""
+    engine = mesh.decode.engine
+    assert engine is not None
+    wait_until(lambda: engine.times.measured(*Forward), "the start-up profile")
+    for forward, sizes in ((Forward.PLAIN, {1, 2}), (Forward.DRAFT, {1, 2}), (Forward.VERIFY, {2, 6, 4, 12})):
+        assert sizes <= set(engine.times.known(forward))
+        assert all(seconds > 0 for seconds in engine.times.known(forward).values())

@@ -36,6 +36,7 @@ from cache_svc.config import CacheConfig, resolve_defaults
 from cache_svc.server import CacheServer
 from decode_svc.config import DecodeConfig
 from decode_svc.server import DecodeServer
+from decode_svc.step_times import StepTimes
 from mesh.grpc_server import CHANNEL_OPTIONS
 from model import Transformer, build_model, preset
 from prefill_svc.config import PrefillConfig
@@ -91,7 +92,8 @@ class Loop:
 class Mesh:
     """A cache (unless `cache` names addresses to use instead), a prefill and a decode replica.
 
-    `prefill` / `decode` override fields of their configurations; `clock` drives the cache's TTLs and leases."""
+    `prefill` / `decode` override fields of their configurations; `clock` drives the cache's TTLs and leases; `times`
+    are the step times decode's DSpark scheduler starts from."""
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class Mesh:
         cache: list[str] | None = None,
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
+        times: StepTimes | None = None,
     ) -> None:
         self.loop = loop
         self.cache: CacheServer | None = None
@@ -120,7 +123,7 @@ class Mesh:
         self.prefill = PrefillServer(PrefillConfig(**{**common, **(prefill or {})}), model=models[0])
         loop.call(self.prefill.start())
         common["metrics_port"] = free_port()
-        self.decode = DecodeServer(DecodeConfig(**{**common, **(decode or {})}), model=models[1])
+        self.decode = DecodeServer(DecodeConfig(**{**common, **(decode or {})}), model=models[1], times=times)
         loop.call(self.decode.start())
         self._channels = [
             grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)

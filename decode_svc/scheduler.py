@@ -1,0 +1,103 @@
+"""DSpark's hardware-aware prefix scheduler (reference §4.4): whether a step of the speculative lane drafts, and how
+many drafts it verifies.
+
+a_{r,j} = s_r·Π_{i≤j} c_{r,i} is the chance row r's draft j is accepted (speculation.DraftRecord). Verifying ℓ_r
+drafts of every row is expected to emit τ = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}) tokens and costs one forward over the verify
+batch B, so the step's throughput is Θ = τ·SPS(B), with SPS(B) = 1 / seconds(B) from the engine's own measured step
+times (step_times.StepTimes): on a CPU a verify column costs about a plain step, on a GPU it is nearly free, and the
+rule reads which from the measurements.
+
+Our verify forward is a rectangle, R rows × (1 + W) tokens for the widest ℓ_r = W: drafts of a row up to the batch's
+width cost nothing more, and widening costs a whole column, B = R·(1 + W). The paper admits (row, position) pairs in
+descending a and stops at the first that does not raise Θ; over a rectangle the pairs that cost something are the
+columns, and what a column adds, Σ_r a_{r,W+1}, falls as W grows (a falls along each row). So the greedy widens W one
+column at a time while Θ(W) = τ(W) / seconds(R·(1 + W)) rises, and stops at the first column that does not raise it;
+every row then verifies min(W, cap_r) drafts (speculation.draft_caps). W = 0 is a plain step (R tokens).
+
+Before drafting, the step would also pay the DSpark forward, and its confidences are not known yet: the lane drafts
+when the best plan on each row's forecast (its a of its latest draft, as production DSpark plans on confidences a
+step or two old; a = s before its first draft, so a new sequence tries) beats a plain step, the draft's seconds
+counted. Once drafted, those seconds are spent and the width is chosen on the real confidences. A forecast goes stale
+while the lane does not draft, so after PROBE_MIN plain steps in a row it drafts once anyway (a probe), doubling the
+wait after each probe up to PROBE_MAX; a step that drafts on its forecast resets the wait.
+
+`full=True` verifies every draft the caps allow, on every step: what the rule does when verification is free, kept as
+a policy for measuring acceptance and for tests.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+from decode_svc.step_times import Forward, StepTimes
+
+PROBE_MIN = 8
+PROBE_MAX = 256
+
+Rows = Sequence[Sequence[float]]  # a_{r,j}: rows × draft positions
+
+
+class Plan(enum.Enum):
+    PLAIN = "plain"  # no draft: one token per row
+    DRAFT = "draft"  # the forecast says drafting pays
+    PROBE = "probe"  # it does not, but the forecast is stale: draft to renew it
+
+
+def expected_tokens(a: Rows, caps: Sequence[int], width: int) -> float:
+    """τ(W): the tokens a verify of width W is expected to emit (each row min(W, cap_r) drafts + one token)."""
+    return sum(1.0 + sum(row[: min(width, cap)]) for row, cap in zip(a, caps, strict=True))
+
+
+def widen(a: Rows, caps: Sequence[int], seconds: Callable[[int], float], width: int) -> tuple[int, float]:
+    """From `width`, add columns while the throughput τ(W) / seconds(W) rises → (the width, its throughput)."""
+    best = expected_tokens(a, caps, width) / seconds(width)
+    while width < max(caps, default=0):
+        rate = expected_tokens(a, caps, width + 1) / seconds(width + 1)
+        if rate <= best:
+            break
+        width, best = width + 1, rate
+    return width, best
+
+
+class DraftScheduler:
+    """The speculative lane's decisions: `plan()` before a step (draft or not), `width()` once drafted."""
+
+    def __init__(self, times: StepTimes, *, full: bool = False) -> None:
+        self.times = times
+        self.full = full
+        self._idle = 0  # plain steps since the lane last drafted
+        self._wait = PROBE_MIN  # plain steps before the next probe
+
+    def plan(self, forecasts: Rows, caps: Sequence[int]) -> Plan:
+        """Whether this step drafts, given each row's forecast a and its cap (budget and --max-draft)."""
+        if max(caps, default=0) == 0:
+            return Plan.PLAIN
+        if self.full or self._pays(forecasts, caps):
+            self._idle, self._wait = 0, PROBE_MIN
+            return Plan.DRAFT
+        self._idle += 1
+        if self._idle < self._wait:
+            return Plan.PLAIN
+        self._idle, self._wait = 0, min(2 * self._wait, PROBE_MAX)
+        return Plan.PROBE
+
+    def width(self, a: Rows, caps: Sequence[int]) -> int:
+        """How many drafts the drafted step verifies (0: none, a plain step), on the draft's own a."""
+        if self.full or not self.times.measured(*Forward):  # a forward never measured: measure it
+            return max(caps, default=0)
+        plain, verify = self.times.seconds(Forward.PLAIN, len(caps)), self._verify(len(caps))
+        return widen(a, caps, lambda w: verify(w) if w else plain, 0)[0]
+
+    def _pays(self, forecasts: Rows, caps: Sequence[int]) -> bool:
+        """Whether drafting beats a plain step on the forecast, the draft's own seconds counted."""
+        if not self.times.measured(*Forward):
+            return True
+        rows = len(caps)
+        draft, verify = self.times.seconds(Forward.DRAFT, rows), self._verify(rows)
+        _, rate = widen(forecasts, caps, lambda w: draft + verify(w), 1)
+        return rate > rows / self.times.seconds(Forward.PLAIN, rows)
+
+    def _verify(self, rows: int) -> Callable[[int], float]:
+        """seconds(W) of a verify of width W over `rows` rows: a forward over the rectangle's R·(1 + W) tokens."""
+        return lambda w: self.times.seconds(Forward.VERIFY, rows * (1 + w))
