@@ -5,11 +5,12 @@
 - **Admit**: restore the prompt into its lane's `DecodeBatch` (a handoff's blocks + encoder state, or a local prefill
   on top of a cached prefix), which runs the decoder's bounded replay and gives the first token's logits.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
-  per step). A request that turns speculation off, and a seeded sampled request, decode in the plain lane: there every
-  row samples from its own generator, whereas draft + verify draw from one generator for the whole lane. Whether a
-  speculative step drafts, and how many drafts it verifies, is DSpark's hardware-aware scheduler's call
-  (scheduler.py), on the step times this engine measures (step_times.py: seeded by a short profile when the thread
-  starts, then every step adds a sample): speculation must never make decoding slower.
+  per step): a request that turns speculation off, or every request under --no-speculation. Every row draws from its
+  own generator, and a seeded sampled row's tokens are fixed by its seed per output position (sampler.py), so seeded
+  and unseeded, greedy and sampled requests share the speculative lane. Whether a speculative step drafts, and how
+  many drafts it verifies, is DSpark's hardware-aware scheduler's call (scheduler.py), on the step times this engine
+  measures (step_times.py: seeded by a short profile when the thread starts, then every step adds a sample):
+  speculation must never make decoding slower.
 - **Deliver**: tokens go to the sequence's outbox at once (the stream sends them); a stop token or the output budget
   finishes it. A finished sequence leaves its batch, and its new blocks + end-of-sequence SWA record are handed to
   `write_back` (asynchronous: the final message never waits for the cache).
@@ -21,7 +22,6 @@ each sequence's `Outbox`. A failing step fails the sequences of its lane only; t
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from collections import deque
@@ -76,7 +76,6 @@ class Engine:
         self.write_back = write_back
         self.batches: dict[Lane, DecodeBatch] = {lane: model.new_decode_batch() for lane in Lane}
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
-        self._generator = torch.Generator(device=model.device).manual_seed(secrets.randbits(63))
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
@@ -201,10 +200,7 @@ class Engine:
             self._abort(seq)
             return
         params = seq.params
-        plain = not (self.settings.speculation and params.speculate) or (
-            not params.sampling.greedy and params.sampling.seed is not None
-        )
-        lane = Lane.PLAIN if plain else Lane.SPECULATIVE
+        lane = Lane.SPECULATIVE if self.settings.speculation and params.speculate else Lane.PLAIN
         try:
             blocks, state = self._restore(seq)
             seq.seq_id, logits = self.batches[lane].join(blocks, state)
@@ -272,9 +268,9 @@ class Engine:
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
             return self._plain_step(batch, rows, pending)
-        sampling = batch_sampling(rows)
+        generators = [seq.generator for seq in rows]
         started = time.perf_counter()
-        draft = self.model.dspark_draft(batch, pending, sampling, self._generator)
+        draft = self.model.dspark_draft(batch, pending, batch_sampling(rows), generators)
         confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
         self.times.observe(Forward.DRAFT, len(rows), time.perf_counter() - started)
         caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
@@ -285,7 +281,7 @@ class Engine:
         lengths = [min(width, cap) for cap in caps]
         started = time.perf_counter()
         result = self.model.verify(
-            batch, pending, trim(draft, width), sampling, torch.tensor(lengths), self._generator
+            batch, pending, trim(draft, width), batch_sampling(rows), torch.tensor(lengths), generators
         )  # its acceptance is read on the host inside
         self.times.observe(Forward.VERIFY, len(rows) * (1 + width), time.perf_counter() - started)
         accepted = result.accepted.tolist()

@@ -1,14 +1,32 @@
 """Per-row sampling over a batch and the logprobs the API reports.
 
-Each sequence owns a generator (seeded by its request, else at random), so a seeded request samples the same tokens
-whatever else shares its batch. Logprobs are those of the model's own distribution (log-softmax of the raw logits,
-before temperature, top-k and top-p), as the OpenAI API reports them.
+Every sequence draws from a generator of its own (model.sampling.Generators): an unseeded sampled row from one
+seeded at random, so its plain samples, DSpark draft and lossless verification never share randomness with a
+neighbour.
+
+A **seeded** sampled row needs more than its own generator to be reproducible. Speculative sampling emits a sample of
+the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each
+step — and that is the scheduler's call, made on the whole batch and on measured step times. So a seeded row's
+randomness is fixed per output position instead: its token at output index i is the model's own exponential race
+(`model.sample`) over a generator seeded by (seed, i), and `StepSampling.probs` collapses its distribution onto that
+token. Every sampler downstream then takes exactly it — a one-hot row is its token for `sample`, and for lossless
+verification a one-hot target accepts a draft exactly when it is that token and otherwise emits it (greedy decoding
+is the same case). DSpark's draft chain is collapsed with the same noise of the same positions, so a draft that
+follows the target's distribution picks the target's token (Gumbel-max coupling) and is accepted. Each token is still
+an exact sample of the target (fresh noise per position, drawn independently of the model); it depends on the seed,
+the prompt and the model only: not on the batch, the drafts, the verify widths, or whether speculation is on.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature, top-k and
+top-p), as the OpenAI API reports them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+import struct
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -17,14 +35,47 @@ from decode_svc.sequence import Sampling, Sequence, TokenLogprob
 from model import SamplingParams, sample
 
 
-def batch_sampling(rows: Seq[Sequence]) -> SamplingParams:
-    """The sampling parameters of a lane's rows, in row order."""
+@dataclass(frozen=True)
+class StepSampling(SamplingParams):
+    """The sampling of one forward's rows, seeded rows collapsed onto the tokens their positions' noise picks.
+
+    Each call of `probs` covers the next positions of every row, from `cursor` on (then advanced): [B, V] logits are
+    one position per row (a plain step, the first token, one link of DSpark's left-to-right draft chain), [B, T, V]
+    are T consecutive positions (a verify over [pending, drafts])."""
+
+    seeds: tuple[int | None, ...] = ()  # per row: the seed of a seeded sampled row, else None
+    cursor: list[int] = field(default_factory=list)  # per row: the output index of the next position covered
+
+    def probs(self, logits: Tensor) -> Tensor:
+        probs = super().probs(logits)
+        positions = probs.view(probs.shape[0], -1, probs.shape[-1])  # [B, T, V], a view: collapsed in place
+        for b, seed in enumerate(self.seeds):
+            for t in range(positions.shape[1] if seed is not None else 0):
+                noise = position_generator(seed, self.cursor[b] + t, probs.device)
+                token = int(sample(positions[b, t : t + 1], [noise])[0])
+                positions[b, t].zero_()[token] = 1.0
+            self.cursor[b] += positions.shape[1]
+        return probs
+
+
+def batch_sampling(rows: Seq[Sequence]) -> StepSampling:
+    """The sampling parameters of a lane's rows, in row order, each from its next output position on (a fresh object
+    per forward: its cursor advances)."""
     s = [row.params.sampling for row in rows]
-    return SamplingParams(
+    return StepSampling(
         torch.tensor([x.temperature for x in s]),
         torch.tensor([x.top_k for x in s]),
         torch.tensor([x.top_p for x in s]),
+        seeds=tuple(x.seed if x.seeded else None for x in s),
+        cursor=[len(row.output) for row in rows],
     )
+
+
+def position_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded row's output position `index`: its own stream, not the next draws of one shared by
+    every position (those would shift whenever a step verified a different number of drafts)."""
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, index), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator:
@@ -33,10 +84,13 @@ def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator:
 
 
 def sample_rows(probs: Tensor, rows: Seq[Sequence]) -> list[int]:
-    """One token per row of probs [B, V], each from its own sequence's generator (a greedy row's one-hot needs none)."""
-    greedy = probs.argmax(-1).tolist()
+    """One token per row of probs [B, V] (from `StepSampling.probs`), each unseeded sampled row from its own
+    generator; a greedy or seeded row's distribution is one-hot: its token needs no draw."""
+    picked = probs.argmax(-1).tolist()
     return [
-        greedy[b] if row.params.sampling.greedy else int(sample(probs[b : b + 1], row.generator)[0])
+        picked[b]
+        if row.params.sampling.greedy or row.params.sampling.seeded
+        else int(sample(probs[b : b + 1], row.generator)[0])
         for b, row in enumerate(rows)
     ]
 

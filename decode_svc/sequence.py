@@ -36,7 +36,7 @@ class State(enum.Enum):
 
 
 class Lane(enum.Enum):
-    """Sequences decoded by DSpark draft + verify, and those decoded one token per step."""
+    """Sequences decoded by DSpark draft + verify, and those that turned speculation off (one token per step)."""
 
     SPECULATIVE = "speculative"
     PLAIN = "plain"
@@ -52,6 +52,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def seeded(self) -> bool:
+        """A seeded sampled request: its randomness is fixed per output position (sampler.StepSampling)."""
+        return self.seed is not None and not self.greedy
 
 
 @dataclass(frozen=True)

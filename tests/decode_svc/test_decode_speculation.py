@@ -14,6 +14,7 @@ import pytest
 import torch
 from service_mesh import Mesh, metric_value, token_ids, wait_until
 
+from decode_svc.sampler import StepSampling
 from decode_svc.speculation import Calibration
 from decode_svc.step_times import Forward, StepTimes
 from mesh.block_keys import sequence_key
@@ -226,3 +227,59 @@ def test_the_engine_measures_every_forward_at_start(mesh: Mesh) -> None:
     for forward, sizes in ((Forward.PLAIN, {1, 2}), (Forward.DRAFT, {1, 2}), (Forward.VERIFY, {2, 6, 4, 12})):
         assert sizes <= set(engine.times.known(forward))
         assert all(seconds > 0 for seconds in engine.times.known(forward).values())
+
+
+def test_a_seeded_sampled_request_emits_the_same_tokens_alone_batched_and_without_speculation(
+    mesh: Mesh, start_mesh: Callable[..., Mesh], models: tuple[Transformer, Transformer], salt: bytes, prompt: Callable
+) -> None:
+    """T = 1 with a seed: its tokens are fixed per output position by the seed (decode_svc.sampler), so speculation on
+    — with its drafts really accepted — emits what speculation off does, alone and between neighbours (greedy, and
+    sampled without a seed) that draft and verify other widths. The drafter proposes the plain run's tokens: standard
+    speculative sampling from the row's own generator would reject most of them (at T = 1 the random model's target
+    is spread over the whole vocabulary) and resample others."""
+    ids, n = prompt(17), 12
+    seeded = decode_pb2.SamplingParams(temperature=1.0, seed=7)
+    request = {"token_ids": token_ids(ids), "max_tokens": n, "sampling": seeded}
+    plain, _ = mesh.generate(**request, disable_speculation=True, cache_salt=salt)
+    reseeded = decode_pb2.SamplingParams(temperature=1.0, seed=8)
+    assert mesh.generate(**{**request, "sampling": reseeded}, disable_speculation=True, cache_salt=salt)[0] != plain
+
+    oracle = start_mesh(models=(models[0], oracle_drafter(models[1], plain)), times=free_verification())
+    alone, messages = oracle.generate(**request, cache_salt=salt + b"/alone")
+    assert alone == plain
+    assert messages[-1].usage.draft_tokens_accepted >= n // 2  # speculation applied to it
+
+    neighbours = [
+        {"token_ids": token_ids(prompt(9)), "max_tokens": 3 * n},
+        {"token_ids": token_ids(prompt(23)), "max_tokens": 3 * n, "sampling": decode_pb2.SamplingParams(temperature=1)},
+    ]
+    threads = [threading.Thread(target=oracle.generate, kwargs={**r, "cache_salt": salt}) for r in neighbours]
+    for t in threads:
+        t.start()
+    wait_until(lambda: oracle.load().running == len(neighbours), "the neighbours decoding")
+    crowd, messages = oracle.generate(**request, cache_salt=salt + b"/crowd")
+    for t in threads:
+        t.join()
+    assert crowd == plain
+    assert messages[-1].usage.draft_tokens_accepted >= n // 2
+
+
+def test_one_verify_covers_the_positions_of_as_many_plain_steps() -> None:
+    """A seeded row collapses onto the same token at each output position whether a forward covers it as one of T
+    positions (a verify) or one at a time (plain steps, the draft chain); rows without a seed keep their
+    distribution."""
+    V, T = 50, 4
+    logits = torch.randn(3, T, V, generator=torch.Generator().manual_seed(0))
+
+    def step(cursor: list[int]) -> StepSampling:
+        return StepSampling(torch.ones(3), torch.zeros(3), torch.ones(3), seeds=(11, None, 12), cursor=cursor)
+
+    together = step([5, 0, 0]).probs(logits)
+    one_at_a_time = step([5, 0, 0])
+    apart = torch.stack([one_at_a_time.probs(logits[:, t]) for t in range(T)], 1)
+    assert torch.equal(together, apart)
+    assert together[[0, 2]].eq(1).sum(-1).eq(1).all()  # seeded rows: one-hot
+    torch.testing.assert_close(together[1], logits[1].softmax(-1))
+    shifted = step([6, 0, 0]).probs(logits[:, 1:])  # the same positions, covered from index 6: the same tokens
+    assert torch.equal(shifted[0].argmax(-1), together[0, 1:].argmax(-1))
+    assert not torch.equal(shifted[2].argmax(-1), together[2, 1:].argmax(-1))  # row 2 started at 0: other noise
