@@ -32,11 +32,12 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
+from cache_svc import frames
+from cache_svc.heap import keep_freed_memory
 from cache_svc.ring import HashRing
 from cache_svc.slices import Assembler, SliceError, pack
 from mesh.grpc_server import CHUNK_BYTES, PEER_CHANNEL_OPTIONS
 from proto.cache.v1 import cache_pb2 as pb
-from proto.cache.v1 import cache_pb2_grpc
 
 DEFAULT_TIMEOUT_S = 5.0
 # The sync stub otherwise starts a thread per server-streaming call (GetBlocks, GetRecord): 3-4x slower.
@@ -64,28 +65,24 @@ def _error(exc: grpc.RpcError, address: str, committed: Sequence[bytes] = ()) ->
     return CacheError(exc.details() or "", code=exc.code(), address=address, committed=committed)
 
 
-def _put_requests(blocks: Sequence[Block], chunk_bytes: int) -> Iterator[pb.PutBlocksRequest]:
-    """Slices of every block, `commit` set on the last message."""
+def _put_requests(blocks: Sequence[Block], chunk_bytes: int) -> Iterator[bytes]:
+    """Encoded PutBlocksRequests: slices of every block, `commit` set on the last message."""
     batches = pack(blocks, chunk_bytes)
     held = next(batches, [])
     for batch in batches:
-        yield pb.PutBlocksRequest(slices=_put_slices(held))
+        yield frames.put_blocks_request(held, commit=False)
         held = batch
-    yield pb.PutBlocksRequest(slices=_put_slices(held), commit=True)
-
-
-def _put_slices(batch: Sequence[tuple[bytes, int, int, bytes]]) -> list[pb.PutSlice]:
-    return [pb.PutSlice(key=k, total_bytes=t, offset=o, data=d) for k, t, o, d in batch]
+    yield frames.put_blocks_request(held, commit=True)
 
 
 def _record_requests(
     key: bytes, payload: bytes, ttl_s: float, lease_s: float | None, chunk_bytes: int
-) -> Iterator[pb.PutRecordRequest]:
-    yield pb.PutRecordRequest(
-        key=key, total_bytes=len(payload), ttl_s=ttl_s, lease_s=lease_s or 0.0, data=payload[:chunk_bytes]
-    )
+) -> Iterator[bytes]:
+    """Encoded PutRecordRequests: the header on the first, then consecutive slices of the payload."""
+    header = {"key": key, "total_bytes": len(payload), "ttl_s": ttl_s, "lease_s": lease_s or 0.0}
+    yield frames.put_record_request(payload[:chunk_bytes], **header)
     for offset in range(chunk_bytes, len(payload), chunk_bytes):
-        yield pb.PutRecordRequest(data=payload[offset : offset + chunk_bytes])
+        yield frames.put_record_request(payload[offset : offset + chunk_bytes])
 
 
 class _Gather:
@@ -151,11 +148,12 @@ class _Replicas:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
+        keep_freed_memory()
         self.ring = HashRing([addresses] if isinstance(addresses, str) else list(addresses))
         self.timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._channels = {address: channel(address) for address in self.ring.nodes}
-        self._stubs = {address: cache_pb2_grpc.KvCacheStub(c) for address, c in self._channels.items()}
+        self._stubs = {address: frames.stub(c) for address, c in self._channels.items()}
 
 
 class CacheClient(_Replicas):
@@ -384,7 +382,7 @@ class AsyncCacheClient(_Replicas):
         return answer.record_found
 
     async def stats(self) -> dict[str, dict[str, Any]]:
-        async def one(stub: cache_pb2_grpc.KvCacheStub) -> dict[str, Any]:
+        async def one(stub: Any) -> dict[str, Any]:
             try:
                 return as_dict(await stub.Stats(pb.StatsRequest(), timeout=self.timeout_s))
             except grpc.RpcError as exc:

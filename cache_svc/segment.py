@@ -7,7 +7,9 @@
     index file    {id:010d}.idx = "V41KVIDX" | version u32 | segment id u64 | count u32
                   | count × (key 16 B | offset u64 | length u32 | crc u32 | committed_at f64) | crc32 u32
 
-An entry's crc is zlib.crc32 over its header fields and payload, so a flipped bit anywhere in it is caught.
+An entry's crc is the CRC-32 of zlib over its header fields and payload, so a flipped bit anywhere in it is caught
+(computed by zlib-ng, whose carry-less-multiply CRC-32 gives the same values 4× faster than the stock zlib module:
+every put and every SSD read checks its whole payload).
 Entries count only once a commit marker covers them: a crash mid-put leaves entries without a marker,
 which recovery cuts off. All integers are little-endian; committed_at is Unix time in seconds.
 """
@@ -19,11 +21,11 @@ import itertools
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+from zlib_ng.zlib_ng import crc32
 
 VERSION = 1
 KEY_BYTES = 16
@@ -73,7 +75,7 @@ def segment_header(segment: int) -> bytes:
 
 def entry_header(key: bytes, payload: bytes, committed_at: float) -> tuple[bytes, int]:
     """The header that precedes `payload` on disk, and the entry's crc."""
-    crc = zlib.crc32(payload, zlib.crc32(ENTRY_FIELDS.pack(key, len(payload), committed_at)))
+    crc = crc32(payload, crc32(ENTRY_FIELDS.pack(key, len(payload), committed_at)))
     return ENTRY_HEADER.pack(ENTRY_TAG, key, len(payload), committed_at, crc), crc
 
 
@@ -82,7 +84,7 @@ def commit_marker(crcs: list[int]) -> bytes:
 
 
 def _group_crc(crcs: Sequence[int]) -> int:
-    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
+    return crc32(struct.pack(f"<{len(crcs)}I", *crcs))
 
 
 def payload_of(entry: Entry, raw: bytes) -> bytes | None:
@@ -103,7 +105,7 @@ _FIELDS = slice(len(ENTRY_TAG), len(ENTRY_TAG) + ENTRY_FIELDS.size)  # where the
 def _entry_crc(view: memoryview, start: int, end: int) -> int:
     """The crc of the entry at view[start:end]: its header fields (stored right after the tag) and payload."""
     fields = view[start + _FIELDS.start : start + _FIELDS.stop]
-    return zlib.crc32(view[start + ENTRY_HEADER.size : end], zlib.crc32(fields))
+    return crc32(view[start + ENTRY_HEADER.size : end], crc32(fields))
 
 
 class Scan(msgspec.Struct, frozen=True):
@@ -168,7 +170,7 @@ def write_index(data_dir: Path, segment: int, entries: list[Entry]) -> None:
     tmp = final.with_suffix(".idx.tmp")
     with open(tmp, "wb") as f:
         f.write(body)
-        f.write(CRC.pack(zlib.crc32(body)))
+        f.write(CRC.pack(crc32(body)))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -184,7 +186,7 @@ def read_index(data_dir: Path, segment: int) -> list[Entry] | None:
     if len(raw) < INDEX_HEADER.size + CRC.size:
         return None
     body = memoryview(raw)[: -CRC.size]
-    if CRC.unpack_from(raw, len(raw) - CRC.size)[0] != zlib.crc32(body):
+    if CRC.unpack_from(raw, len(raw) - CRC.size)[0] != crc32(body):
         return None
     magic, version, seg, count = INDEX_HEADER.unpack_from(raw)
     if (magic, version, seg) != (INDEX_MAGIC, VERSION, segment) or len(

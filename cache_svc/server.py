@@ -9,17 +9,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cache_svc import frames
 from cache_svc.blocks import BlockStore
 from cache_svc.config import CacheConfig
+from cache_svc.heap import keep_freed_memory
 from cache_svc.records import RecordPool
 from cache_svc.service import KvCacheService
 from cache_svc.stats import Counters, Histograms, StatsCollector
 from mesh.grpc_server import GrpcServer
 from mesh.logging import get_logger
 from mesh.metrics import new_registry, serve_metrics
-from proto.cache.v1 import cache_pb2, cache_pb2_grpc
 
-SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["KvCache"].full_name
+SERVICE_NAME = frames.SERVICE.full_name
 SWEEP_INTERVAL_S = 1.0  # how often expired records are dropped when nobody touches the pool
 
 
@@ -37,6 +38,7 @@ class CacheServer:
 
     async def start(self) -> None:
         """Recover the data directory, then start serving."""
+        keep_freed_memory()
         counters = Counters()
         histograms = Histograms(self.registry)
         self._store = await BlockStore.open(
@@ -46,9 +48,7 @@ class CacheServer:
         service = KvCacheService(self.cfg, self._store, records, counters, histograms, self.logger)
         self.registry.register(StatsCollector(service.snapshot, counters))
         try:
-            self._grpc = GrpcServer(
-                [(cache_pb2_grpc.add_KvCacheServicer_to_server, service, SERVICE_NAME)], self.cfg.host, self.cfg.port
-            )
+            self._grpc = GrpcServer([(frames.add_servicer, service, SERVICE_NAME)], self.cfg.host, self.cfg.port)
         except OSError:
             await self._store.close()
             raise

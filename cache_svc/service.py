@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from cache_svc import frames
 from cache_svc.blocks import BlockStore
 from cache_svc.config import CacheConfig
 from cache_svc.errors import InvalidArgumentError, LeaseExpiredError, NotFoundError, ResourceExhaustedError, StatusError
@@ -85,16 +86,14 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
 
     async def GetBlocks(  # noqa: N802
         self, request: pb.GetBlocksRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GetBlocksResponse]:
+    ) -> AsyncIterator[bytes]:  # encoded GetBlocksResponses
         async with self._rpc("GetBlocks", context):
             keys = _block_keys(request.keys)
             for start in range(0, len(keys), GET_WINDOW):
                 payloads = await self._store.get(keys[start : start + GET_WINDOW])
                 found = [(start + i, p) for i, p in enumerate(payloads) if p is not None]
                 for batch in pack(found, CHUNK_BYTES):
-                    yield pb.GetBlocksResponse(
-                        slices=[pb.GetSlice(index=i, total_bytes=t, offset=o, data=d) for i, t, o, d in batch]
-                    )
+                    yield frames.get_blocks_response(batch)
 
     async def PutRecord(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.PutRecordRequest], context: grpc.aio.ServicerContext
@@ -122,7 +121,7 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
 
     async def GetRecord(  # noqa: N802
         self, request: pb.GetRecordRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GetRecordResponse]:
+    ) -> AsyncIterator[bytes]:  # encoded GetRecordResponses
         async with self._rpc("GetRecord", context):
             key = _record_key(request.key)
             payload = self._records.get(key, consume=request.consume)
@@ -130,7 +129,7 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
                 raise NotFoundError(f"no record {key.hex()}: never put, expired, evicted or already consumed")
             for offset in range(0, len(payload), CHUNK_BYTES):
                 total = len(payload) if offset == 0 else 0
-                yield pb.GetRecordResponse(total_bytes=total, data=payload[offset : offset + CHUNK_BYTES])
+                yield frames.get_record_response(total, payload[offset : offset + CHUNK_BYTES])
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:  # noqa: N802
         async with self._rpc("Stats", context):

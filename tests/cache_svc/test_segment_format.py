@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,13 @@ def test_one_process_per_data_directory(tmp_path: Path) -> None:
         SegmentLog.open(tmp_path, BIG)
     log.close()
     SegmentLog.open(tmp_path, BIG)[0].close()
+
+
+def test_entry_checksum_is_zlibs_crc32(tmp_path: Path) -> None:
+    """The format did not change with the faster CRC: an entry's crc is still zlib's CRC-32 of its header fields
+    and payload, as files written before read it."""
+    key = key_of(1)
+    payload = payload_of(key, 100_000)
+    header, crc = fmt.entry_header(key, payload, 1234.5)
+    assert crc == zlib.crc32(fmt.ENTRY_FIELDS.pack(key, len(payload), 1234.5) + payload)
+    assert fmt.ENTRY_HEADER.unpack(header)[-1] == crc
