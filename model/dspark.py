@@ -136,34 +136,39 @@ def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
     """Dense, differentiable DSpark forward for training, teacher-forced.
 
-    tokens [B, T] and the frozen target's `taps` [B, T, n·C] (`model(tokens, return_taps=True)`); anchors [A]: last
-    committed positions p (p + γ < T). Row k of anchor p drafts token p+2+k from the block [tokens[p+1], noise…], the
-    ring of main_x at positions (p−W, p], and the Markov bias of its true predecessor tokens[p+1+k]. Returns (logits
-    [B, A, γ, V] with the Markov bias, raw confidence logits [B, A, γ] — before the temperatures, which calibration
-    fits on them); the greedy drafts of `Transformer.dspark_draft` are the arg-maxes when the drafts are right.
+    tokens [B, T] and the frozen target's `taps` [B, T, n·C] (`model.features(tokens)`); anchors: last committed
+    positions p (p + γ < T), [A] shared by every row or [B, A] per row. Row k of anchor p drafts token p+2+k from the
+    block [tokens[p+1], noise…], the ring of main_x at positions (p−W, p], and the Markov bias of its true
+    predecessor tokens[p+1+k]. Returns (logits [B, A, γ, V] with the Markov bias, raw confidence logits [B, A, γ] —
+    before the temperatures, which calibration fits on them); the greedy drafts of `Transformer.dspark_draft` are the
+    arg-maxes when the drafts are right.
     """
     a = model.args
     B, T = tokens.shape
-    g, W, A = a.dspark_block_size, a.sliding_window, anchors.shape[0]
+    anchors = anchors.expand(B, -1)  # [B, A]: a shared row of anchors serves every sequence
+    g, W, A = a.dspark_block_size, a.sliding_window, anchors.shape[1]
     if bool(((anchors < 0) | (anchors + g >= T)).any()):
         raise ValueError(f"anchors must satisfy 0 ≤ p and p + {g} < {T}")
     main_x = context(model.mtp, taps)
     dev = tokens.device
     steps = torch.arange(g, device=dev)
-    positions = (anchors.unsqueeze(1) + 1 + steps).repeat(B, 1)  # [B·A, γ]
+    block_pos = anchors.unsqueeze(-1) + 1 + steps  # [B, A, γ]: positions p+1 … p+γ
     ids = torch.full((B, A, g), a.dspark_noise_token_id, device=dev)
-    ids[..., 0] = tokens[:, anchors + 1]
-    ring_pos = anchors.unsqueeze(1) - W + 1 + torch.arange(W, device=dev)  # [A, W]
-    ring_mask = (ring_pos >= 0).repeat(B, 1)
+    ids[..., 0] = tokens.gather(1, anchors + 1)
+    ring_pos = (anchors.unsqueeze(-1) - W + 1 + torch.arange(W, device=dev)).flatten(1)  # [B, A·W]
+    ring_mask = (ring_pos >= 0).view(B * A, W)
     X, pre = model.embed_stream(ids.view(B * A, g))
     every = torch.arange(T, device=dev).expand(B, T)
+    rows = ring_pos.clamp_min(0).unsqueeze(-1)
     for block in model.mtp:
         ring_kv = quant.fake_quant_fp8(block.attn.window_kv(block.attn.cast_input(main_x), every))  # [B, T, D]
-        ring = ring_kv[:, ring_pos.clamp_min(0)].flatten(0, 1)  # [B·A, W, D]
-        X, pre = block(X, pre, lambda x, b=block, r=ring: b.dense_block_attention(x, positions, r, ring_mask))
+        ring = ring_kv.gather(1, rows.expand(-1, -1, ring_kv.shape[-1])).view(B * A, W, -1)
+        X, pre = block(
+            X, pre, lambda x, b=block, r=ring: b.dense_block_attention(x, block_pos.view(B * A, g), r, ring_mask)
+        )
     last = model.mtp[-1]
     x = hc_collapse(X, pre)
-    prev = tokens[:, anchors.unsqueeze(1) + 1 + steps].flatten(0, 1)  # [B·A, γ] true predecessors
+    prev = tokens.gather(1, block_pos.flatten(1)).view(B * A, g)  # true predecessors
     e = last.markov_head.embed(prev)
     logits = model.head(last.norm(x)).float() + last.markov_head.head(e).float()
     confidence = last.confidence_head(x, e).squeeze(-1)

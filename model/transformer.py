@@ -113,14 +113,13 @@ class Transformer(nn.Module):
         return X, pre
 
     # ------------------------------------------------------------------------------------------ dense path
-    def forward(
-        self, tokens: Tensor, replay_start: int = 0, return_taps: bool = False
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """Dense forward of whole sequences tokens [B, T] from position 0 → fp32 logits [B, T, V].
+    def features(self, tokens: Tensor, replay_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """Dense forward of whole sequences tokens [B, T] up to the head: (final stream X [B, T, n, C], its pre-mix
+        [B, T, n], DSpark target features [B, T, n_targets·C]); `self.logits(X, pre)` gives the logits.
 
-        `replay_start` s truncates every decoder layer's window at s (a query at i sees [max(s, i−W+1), i]): the
-        cold-run semantics of the serving path, where decode rebuilds decoder windows by a bounded replay of the
-        last W tokens. With `return_taps`, also the DSpark target features [B, T, n_targets·C].
+        Training takes the logits of the positions it learns only (the head is [C, 129,280]). `replay_start` s
+        truncates every decoder layer's window at s (a query at i sees [max(s, i−W+1), i]): the cold-run semantics
+        of the serving path, where decode rebuilds decoder windows by a bounded replay of the last W tokens.
         """
         if self.part != "full":
             raise ValueError("the dense forward needs the full model (part='full')")
@@ -133,8 +132,18 @@ class Transformer(nn.Module):
             return block.attn(x, shared, replay_start if block.layer >= L2 else 0)
 
         X, pre = self.run_layers(range(len(self.layers)), X, pre, attend, self.engram_rows(tokens, history), taps)
+        return X, pre, torch.cat(taps, -1)
+
+    def forward(
+        self, tokens: Tensor, replay_start: int = 0, return_taps: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Dense forward of whole sequences tokens [B, T] from position 0 → fp32 logits [B, T, V] (see `features`).
+
+        With `return_taps`, also the DSpark target features [B, T, n_targets·C].
+        """
+        X, pre, taps = self.features(tokens, replay_start)
         logits = self.logits(X, pre)
-        return (logits, torch.cat(taps, -1)) if return_taps else logits
+        return (logits, taps) if return_taps else logits
 
     # ----------------------------------------------------------------------------------------- packed path
     def new_cache(self, capacity: int = 1, encoder_only: bool = False) -> KVCache:
