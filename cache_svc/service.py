@@ -70,10 +70,10 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             async for message in self._within_lease(request_iterator):
                 if committed:
                     raise InvalidArgumentError("message after commit: commit must be set on the last message only")
-                slices = message.slices
-                stage(sum(len(s.data) for s in slices))
-                for s in slices:
-                    _add(staged, _block_key(s.key), s.total_bytes, s.offset, s.data)
+                slices = [(s.key, s.total_bytes, s.offset, s.data) for s in message.slices]  # `.data` copies: once
+                stage(sum(len(data) for *_, data in slices))
+                for key, total, offset, data in slices:
+                    _add(staged, _block_key(key), total, offset, data)
                 committed = message.commit
             if not committed:
                 raise InvalidArgumentError("stream ended without commit; its staged blocks were discarded")
