@@ -79,6 +79,7 @@ class Engine:
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
+        metrics.draft_trust.set(self.scheduler.trust)
         # Shared with the RPC side, under the condition's lock:
         self._cond = threading.Condition(threading.RLock())
         self._registry: dict[str, Sequence] = {}  # live sequences by request id
@@ -277,6 +278,7 @@ class Engine:
         width = self.scheduler.width([r.drafted(c) for r, c in zip(records, confidence, strict=True)], caps)
         m.verify_width.observe(width)
         if width == 0:  # not worth a verify column after all
+            self._realised(len(rows), len(rows), 0)
             return self._plain_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
         started = time.perf_counter()
@@ -285,12 +287,17 @@ class Engine:
         )  # its acceptance is read on the host inside
         self.times.observe(Forward.VERIFY, len(rows) * (1 + width), time.perf_counter() - started)
         accepted = result.accepted.tolist()
+        self._realised(len(rows), len(rows) + sum(accepted), width)
         promised = sum(r.record(n, a) for r, n, a in zip(records, lengths, accepted, strict=True))
         self.calibration.add(sum(accepted), promised)
         m.draft_proposed.inc(sum(lengths))
         m.draft_accepted.inc(sum(accepted))
         m.speculative_steps.inc(len(rows))
         return result.tokens, result.logits
+
+    def _realised(self, rows: int, tokens: int, width: int) -> None:
+        self.scheduler.realised(rows, tokens, width)
+        self.metrics.draft_trust.set(self.scheduler.trust)
 
     def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
         """Emit a step's tokens up to a stop token or the budget; finish the sequence there."""

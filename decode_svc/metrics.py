@@ -3,7 +3,7 @@
 Mean DSpark accepted length per verify (bonus token included) = (draft_accepted_tokens + speculative_row_steps) /
 speculative_row_steps; acceptance rate = draft_accepted_tokens / draft_proposed_tokens. What the scheduler decided:
 draft_steps_total{plan} (plain, draft, probe) before a step, verify_width once drafted (0: the draft was not worth
-verifying).
+verifying), draft_trust how far its forecasts have held lately (realised over promised speed-up).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class DecodeMetrics:
         self.speculative_steps = counter("speculative_row_steps", "Sequence-steps decoded by draft + verify")
         self.draft_steps = counter("draft_steps", "Speculative-lane steps by the scheduler's plan", ("plan",))
         self.verify_width = histogram("verify_width", "Drafts per row a drafted step verified", WIDTH_BUCKETS)
+        self.draft_trust = Gauge(
+            p + "draft_trust", "Realised over promised speed-up of recent drafted steps (scheduler)", registry=registry
+        )
         self.aborts = counter("aborts", "Generations ended before their end", ("reason",))
         self.writebacks = counter("writebacks", "Write-backs to the cache by outcome", ("outcome",))
         self.writeback_seconds = histogram("writeback_seconds", "Blocks + SWA record write-back", LATENCY_BUCKETS)

@@ -21,6 +21,15 @@ counted. Once drafted, those seconds are spent and the width is chosen on the re
 while the lane does not draft, so after PROBE_MIN plain steps in a row it drafts once anyway (a probe), doubling the
 wait after each probe up to PROBE_MAX; a step that drafts on its forecast resets the wait.
 
+The forecast can be wrong in ways the per-row calibration s does not see: the chance of a sequence's first draft
+(a = s at every position), step times read off sizes never measured (a batch wider than the start-up profile's), a
+width that the real confidences then cut to 0. So the scheduler calibrates its own forecasts, as s calibrates the
+head: after each drafted step it compares the throughput gain the step realised (its tokens over its forwards'
+measured seconds, against a plain step's rate) with the gain its forecast promised, and `trust` — realised over
+promised, over recent drafted steps (a half-life of TRUST_HALF_LIFE of them, starting from 1) — scales every
+forecast. Drafts that keep losing to plain steps thus stop after a step or two, and a probe that wins earns trust
+back.
+
 `full=True` verifies every draft the caps allow, on every step: what the rule does when verification is free, kept as
 a policy for measuring acceptance and for tests.
 """
@@ -28,12 +37,14 @@ a policy for measuring acceptance and for tests.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 
 from decode_svc.step_times import Forward, StepTimes
 
 PROBE_MIN = 8
 PROBE_MAX = 256
+TRUST_HALF_LIFE = 8.0  # drafted steps
 
 Rows = Sequence[Sequence[float]]  # a_{r,j}: rows × draft positions
 
@@ -61,19 +72,30 @@ def widen(a: Rows, caps: Sequence[int], seconds: Callable[[int], float], width: 
 
 
 class DraftScheduler:
-    """The speculative lane's decisions: `plan()` before a step (draft or not), `width()` once drafted."""
+    """The speculative lane's decisions: `plan()` before a step (draft or not), `width()` once drafted, `realised()`
+    after a drafted step."""
 
     def __init__(self, times: StepTimes, *, full: bool = False) -> None:
         self.times = times
         self.full = full
         self._idle = 0  # plain steps since the lane last drafted
         self._wait = PROBE_MIN  # plain steps before the next probe
+        self._promised = 0.0  # the forecast gain of the drafted step under way
+        self._gains = [0.0, 0.0]  # decayed sums of realised and promised gains of drafted steps
+        self._decay = 0.5 ** (1.0 / TRUST_HALF_LIFE)
+
+    @property
+    def trust(self) -> float:
+        """Realised over promised throughput gain of recent drafted steps (1 before any)."""
+        realised, promised = self._gains
+        return (realised + 1.0) / (promised + 1.0)
 
     def plan(self, forecasts: Rows, caps: Sequence[int]) -> Plan:
         """Whether this step drafts, given each row's forecast a and its cap (budget and --max-draft)."""
         if max(caps, default=0) == 0:
             return Plan.PLAIN
-        if self.full or self._pays(forecasts, caps):
+        self._promised = self._gain(forecasts, caps)
+        if self.full or self._promised * self.trust > 1.0:
             self._idle, self._wait = 0, PROBE_MIN
             return Plan.DRAFT
         self._idle += 1
@@ -89,14 +111,26 @@ class DraftScheduler:
         plain, verify = self.times.seconds(Forward.PLAIN, len(caps)), self._verify(len(caps))
         return widen(a, caps, lambda w: verify(w) if w else plain, 0)[0]
 
-    def _pays(self, forecasts: Rows, caps: Sequence[int]) -> bool:
-        """Whether drafting beats a plain step on the forecast, the draft's own seconds counted."""
+    def realised(self, rows: int, tokens: int, width: int) -> None:
+        """A drafted step emitted `tokens` verifying `width` columns (0: a plain step after the draft): its gain over
+        a plain step, on the measured seconds of its forwards, against the gain its forecast promised."""
+        if not self.times.measured(*Forward) or self._promised == math.inf:
+            return
+        seconds = self.times.seconds(Forward.DRAFT, rows) + (
+            self._verify(rows)(width) if width else self.times.seconds(Forward.PLAIN, rows)
+        )
+        gain = tokens / seconds * self.times.seconds(Forward.PLAIN, rows) / rows
+        self._gains = [self._gains[0] * self._decay + gain, self._gains[1] * self._decay + self._promised]
+
+    def _gain(self, forecasts: Rows, caps: Sequence[int]) -> float:
+        """The throughput of drafting on the forecast over a plain step's, the draft's own seconds counted (∞ while a
+        forward was never measured: measure it)."""
         if not self.times.measured(*Forward):
-            return True
+            return math.inf
         rows = len(caps)
         draft, verify = self.times.seconds(Forward.DRAFT, rows), self._verify(rows)
         _, rate = widen(forecasts, caps, lambda w: draft + verify(w), 1)
-        return rate > rows / self.times.seconds(Forward.PLAIN, rows)
+        return rate * self.times.seconds(Forward.PLAIN, rows) / rows
 
     def _verify(self, rows: int) -> Callable[[int], float]:
         """seconds(W) of a verify of width W over `rows` rows: a forward over the rectangle's R·(1 + W) tokens."""

@@ -7,11 +7,20 @@ import itertools
 
 import pytest
 
-from decode_svc.scheduler import PROBE_MAX, PROBE_MIN, DraftScheduler, Plan, expected_tokens, widen
+from decode_svc.scheduler import (
+    PROBE_MAX,
+    PROBE_MIN,
+    TRUST_HALF_LIFE,
+    DraftScheduler,
+    Plan,
+    expected_tokens,
+    widen,
+)
 from decode_svc.speculation import DraftRecord, draft_caps
 from decode_svc.step_times import Forward, StepTimes
 
 MS = 1e-3
+DECAY = 0.5 ** (1 / TRUST_HALF_LIFE)
 
 
 def measured(plain: dict[int, float], draft: dict[int, float], verify: dict[int, float]) -> StepTimes:
@@ -78,6 +87,25 @@ def test_a_step_drafts_when_its_forecast_pays_and_probes_after_a_run_of_plain_st
     assert cpu.plan([[1.0] * 5], [5]) is Plan.DRAFT  # drafting on the forecast resets the wait
     assert [cpu.plan(stale, [5]) for _ in range(PROBE_MIN)][-1] is Plan.PROBE
     assert cpu.plan([[1.0] * 5], [0, 0]) is Plan.PLAIN  # no room for a draft: nothing to decide, nothing counted
+
+
+def test_drafted_steps_that_lose_to_plain_steps_cost_the_forecast_its_trust() -> None:
+    """A hopeful forecast (every draft accepted: 2.4× a plain step on this CPU) whose drafts the real confidences
+    then never verify: each such step emits one token per row for a draft and a plain step's seconds (0.6×). After
+    two of them the scheduler no longer believes the forecast; a probe that realises more than promised restores it."""
+    cpu = DraftScheduler(CPU)
+    hopeful = [[1.0] * 5]
+    drafted = 0
+    while cpu.plan(hopeful, [5]) is Plan.DRAFT:
+        drafted += 1
+        cpu.realised(rows=1, tokens=1, width=0)
+    assert drafted == 2
+    assert cpu.trust == pytest.approx((0.597 * (1 + DECAY) + 1) / (2.41 * (1 + DECAY) + 1), rel=0.01)
+    plans = [cpu.plan(hopeful, [5]) for _ in range(PROBE_MIN - 1)]
+    assert plans == [Plan.PLAIN] * (PROBE_MIN - 2) + [Plan.PROBE]  # the step that stopped drafting counted
+    cpu.realised(rows=1, tokens=6, width=5)  # every draft accepted: 6 tokens for 199 ms, the promise kept
+    cpu.realised(rows=1, tokens=6, width=5)
+    assert cpu.plan(hopeful, [5]) is Plan.DRAFT
 
 
 def test_probes_back_off_to_the_longest_wait() -> None:

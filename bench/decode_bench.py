@@ -1,0 +1,248 @@
+"""Decode speed with DSpark speculation — DSpark's scheduler (`measured`), every draft verified (`full`) — against the
+peer, speculation off, side by side in one run.
+
+    OMP_NUM_THREADS=1 python bench/decode_bench.py [--model model/checkpoints/v41-demo] [--batches 1,8]
+        [--samplings greedy,t1,t1-seeded] [--max-tokens 48] [--repeats 3] [--out bench/out/decode_bench.json]
+
+Three decode replicas in this process (decode_svc.server.DecodeServer, no cache, real gRPC on loopback) share one
+loaded model: `off` (--no-speculation), `measured` and `full` (--draft-policy). Each run sends B prompts at once
+(held-out conversations of the demo checkpoint's training data, cut before their last answer: train.eval) as token-id
+Generate streams with `max_tokens` and no stop token, so every row decodes the whole budget. Decode tokens/s of a run
+= tokens received after the last stream's first token (every prompt prefilled and joined) / the time from then to the
+last stream's end. Runs interleave: each repeat runs every (batch, sampling) on the three replicas in turn, in a
+rotating order, so a machine whose load changes (other jobs on a shared host) weighs on all three alike; the table
+gives the medians. Samplings: greedy; T = 1 (speculative sampling from each row's own generator); T = 1 with a seed
+per row (decode_svc.sampler: tokens fixed per output position, so all three replicas must emit the same tokens).
+
+Reported per (replica, batch, sampling): median decode tokens/s and its ratio to `off`, mean accepted length per
+verify (accepted drafts + 1, over the rows a drafted step verified), the share of the speculative lane's steps that
+drafted (plan draft or probe), and whether greedy and seeded outputs equal `off`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from serve_bench import machine  # noqa: E402
+
+from decode_svc.config import DecodeConfig  # noqa: E402
+from decode_svc.server import DecodeServer  # noqa: E402
+from decode_svc.step_times import Forward  # noqa: E402
+from mesh.logging import configure_logging  # noqa: E402
+from mesh.model_service.runtime import load_model  # noqa: E402
+from mesh.up import DEFAULT_MODEL  # noqa: E402
+from proto.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
+from train.eval import chat_prompts  # noqa: E402
+
+REPLICAS: dict[str, dict[str, Any]] = {
+    "off": {"speculation": False},
+    "measured": {"draft_policy": "measured"},
+    "full": {"draft_policy": "full"},
+}
+PEER = "off"
+SAMPLINGS = {"greedy": (0.0, False), "t1": (1.0, False), "t1-seeded": (1.0, True)}
+PLANS = ("plain", "draft", "probe")
+console = Console(width=160)
+
+
+@dataclass
+class Run:
+    replica: str
+    batch: int
+    sampling: str
+    repeat: int
+    tokens: int  # decoded after every row had joined
+    seconds: float
+    accepted: float  # drafts accepted, over the run
+    row_steps: float  # rows of drafted steps that verified
+    plans: dict[str, float]
+    outputs: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+class Replicas:
+    """The decode replicas, serving on a background event loop; `generate` runs one batch of streams on one."""
+
+    def __init__(self, model_spec: str, device: str, max_batch: int) -> None:
+        self.model = load_model(model_spec, "full", device=device)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.servers: dict[str, DecodeServer] = {}
+        self.stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        for name, fields in REPLICAS.items():
+            cfg = DecodeConfig(
+                model=model_spec, port=0, metrics_port=0, max_batch=max_batch, log_level="warning", **fields
+            )
+            server = self.servers[name] = DecodeServer(cfg, model=self.model)
+            self._call(server.start())
+            engine = server.engine
+            assert engine is not None
+            while cfg.speculation and cfg.draft_policy == "measured" and not engine.times.measured(*Forward):
+                time.sleep(0.05)  # its start-up profile: alone on the machine, not beside another replica's runs
+            self.stubs[name] = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def counters(self, name: str) -> dict[str, float]:
+        registry = self.servers[name].registry
+
+        def value(metric: str, **labels: str) -> float:
+            return registry.get_sample_value(f"v41mesh_decode_{metric}", labels) or 0.0
+
+        found = {f"plan_{p}": value("draft_steps_total", plan=p) for p in PLANS}
+        found["accepted"] = value("draft_accepted_tokens_total")
+        found["row_steps"] = value("speculative_row_steps_total")
+        return found
+
+    def generate(self, name: str, prompts: list[list[int]], sampling: str, max_tokens: int, repeat: int) -> Run:
+        temperature, seeded = SAMPLINGS[sampling]
+        first: list[float] = [0.0] * len(prompts)
+        stamps: list[list[tuple[float, int]]] = [[] for _ in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+
+        def stream(i: int) -> None:
+            params = decode_pb2.SamplingParams(temperature=temperature)
+            if seeded:
+                params.seed = 1000 + i
+            request = decode_pb2.GenerateRequest(
+                token_ids=decode_pb2.TokenIds(ids=prompts[i]), max_tokens=max_tokens, sampling=params
+            )
+            for message in self.stubs[name].Generate(request, timeout=3600):
+                now = time.perf_counter()
+                if message.token_ids and not outputs[i]:
+                    first[i] = now
+                outputs[i] += message.token_ids
+                stamps[i].append((now, len(message.token_ids)))
+
+        before = self.counters(name)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = self.counters(name)
+        joined, ended = max(first), max(s[-1][0] for s in stamps)
+        tokens = sum(n for s in stamps for at, n in s if at > joined)
+        delta = {k: after[k] - before[k] for k in after}
+        plans = {p: delta[f"plan_{p}"] for p in PLANS}
+        return Run(name, len(prompts), sampling, repeat, tokens, ended - joined, delta["accepted"],
+                   delta["row_steps"], plans, outputs)  # fmt: skip
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            self._call(server.stop(5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """Per (replica, batch, sampling): median tokens/s, its ratio to the peer's, accepted length, drafted share, and
+    whether its outputs equal the peer's in the same repeat."""
+    groups: dict[tuple[str, int, str], list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[run.replica, run.batch, run.sampling].append(run)
+    peer_outputs = {(r.batch, r.sampling, r.repeat): r.outputs for r in runs if r.replica == PEER}
+    summary: dict[str, dict[str, Any]] = {}
+    for (replica, batch, sampling), group in groups.items():
+        rate = statistics.median(r.tokens_per_s for r in group)
+        peer = statistics.median(r.tokens_per_s for r in groups[PEER, batch, sampling])
+        row_steps = sum(r.row_steps for r in group)
+        steps = sum(sum(r.plans.values()) for r in group)
+        drafted = sum(r.plans["draft"] + r.plans["probe"] for r in group)
+        summary[f"{replica}/b{batch}/{sampling}"] = {
+            "replica": replica,
+            "batch": batch,
+            "sampling": sampling,
+            "tokens_per_s_median": rate,
+            "tokens_per_s": [r.tokens_per_s for r in group],
+            "vs_off": rate / peer,
+            "mean_accepted_length": (sum(r.accepted for r in group) + row_steps) / row_steps if row_steps else None,
+            "drafted_share": drafted / steps if steps else None,
+            "plans": {p: sum(r.plans[p] for r in group) for p in PLANS},
+            "same_tokens_as_off": all(r.outputs == peer_outputs[r.batch, r.sampling, r.repeat] for r in group),
+        }
+    return summary
+
+
+def show(summary: dict[str, dict[str, Any]]) -> None:
+    table = Table(title=f"decode tokens/s: DSpark vs speculation off (median of the repeats; peer = {PEER})")
+    for column in ("batch", "sampling", "replica", "tok/s", "vs off", "accepted length", "drafted steps", "= off"):
+        table.add_column(column, justify="right")
+    for s in sorted(summary.values(), key=lambda s: (s["batch"], list(SAMPLINGS).index(s["sampling"]), s["replica"])):
+        length, share = s["mean_accepted_length"], s["drafted_share"]
+        table.add_row(str(s["batch"]), s["sampling"], s["replica"], f"{s['tokens_per_s_median']:.2f}",
+                      f"{s['vs_off']:.2f}×", "–" if length is None else f"{length:.2f}",
+                      "–" if share is None else f"{share:.0%}",
+                      "–" if s["sampling"] == "t1" else ("yes" if s["same_tokens_as_off"] else "no"))  # fmt: skip
+    console.print(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="tiny, small or a checkpoint directory")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--samplings", default=",".join(SAMPLINGS))
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out conversations (train.eval)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/out/decode_bench.json")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    samplings = [s for s in args.samplings.split(",") if s]
+    unknown = [s for s in samplings if s not in SAMPLINGS]
+    if unknown or min(batches) < 1:
+        parser.error(f"batches must be ≥ 1; samplings one of {', '.join(SAMPLINGS)} (got {unknown})")
+    torch.set_num_threads(args.threads)
+    configure_logging("decode_bench", level="warning")
+
+    prompts = chat_prompts(args.prompt_seed, max(batches))
+    console.print(f"model {args.model}; prompts of {[len(p) for p in prompts]} tokens; max_tokens {args.max_tokens}")
+    replicas = Replicas(args.model, args.device, max(batches))
+    runs: list[Run] = []
+    order = list(REPLICAS)
+    try:
+        for name in order:  # first calls pay one-off costs (allocations, lazy initialisation): not measured
+            replicas.generate(name, prompts, samplings[0], 4, -1)
+        work = [(r, b, s) for r in range(args.repeats) for b in batches for s in samplings]
+        for i, (repeat, batch, sampling) in enumerate(tqdm(work, desc="runs")):
+            for name in order[i % len(order) :] + order[: i % len(order)]:  # rotate who goes first
+                runs.append(replicas.generate(name, prompts[:batch], sampling, args.max_tokens, repeat))
+    finally:
+        replicas.stop()
+    summary = summarise(runs)
+    show(summary)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "results": summary,
+              "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} | {"tokens_per_s": r.tokens_per_s}
+                       for r in runs]}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
