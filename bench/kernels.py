@@ -1,21 +1,29 @@
 """Kernel benchmarks and checks at real sizes (issue 4): ours (Triton) beside the torch peers, in one run.
 
-    python bench/kernels.py --check            # the CPU tests' checks at real sizes on the GPU; exit 1 on a failure
-    python bench/kernels.py                    # the performance table (stdout), JSON and PNG plots
-    python bench/kernels.py --check --bench    # both, in one process (one GPU lease)
-    python bench/kernels.py --tiny --check --bench   # smoke run of this script on CPU (Triton interpreter)
+    python bench/kernels.py --check                        # the CPU tests' checks at real sizes; exit 1 on a failure
+    python bench/kernels.py --bench all                    # every section, then the table, JSON and plots
+    python bench/kernels.py --bench topk,attention-1 --parts DIR   # some sections, each writing DIR/<section>.json
+    python bench/kernels.py --report --parts DIR           # merge DIR/*.json: table (stdout), kernels.json, PNGs
+    python bench/kernels.py --tiny --check --bench all     # smoke run of this script on CPU (Triton interpreter)
 
-For each kernel: median time (CUDA-graph replay), effective bandwidth = bytes it must move / time, that as a % of
-the device-to-device copy bandwidth measured in the same run, and the speed-up over the torch peer. Imports only
-torch, triton, numpy, matplotlib and the standard library besides model.kernels (the GPU image has nothing else).
+A CUDA fault (an illegal address) poisons the process's context, so a GPU run starts one process per section
+(`--bench SECTION --parts DIR`) and merges them with `--report`. For each kernel: median time (CUDA-graph replay),
+effective bandwidth = bytes it must move / time, that as a % of the device-to-device copy bandwidth (section
+`copy`), and the speed-up over the torch peer measured in the same process. The `step-*` sections time a whole
+`small`-preset decode step against a dense-attention model of the same size (`decode_step_bench`).
+
+Imports only torch, triton, numpy, matplotlib and the standard library besides the model (the GPU image has
+nothing else).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +43,7 @@ from model import kernels, quant
 from model.kernels import indexer, sparse_attn, topk
 
 GiB = 1 << 30
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -54,26 +63,34 @@ def median_ms(fn: Callable[[], object]) -> float:
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-def copy_bandwidth(nbytes: int) -> float:
-    """Device-to-device copy of fp32 (16-byte vector accesses), bytes read + written per second."""
-    src = torch.randn(nbytes // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * nbytes / (ms * 1e-3)
+def wall_ms(fn: Callable[[], object], repeat: int) -> float:
+    """Median wall-clock milliseconds of fn (synchronised) after two warm-up calls: for code with host syncs."""
+    times = []
+    for i in range(repeat + 2):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 @dataclass
 class Row:
     kernel: str
     shape: str
-    ours_ms: float
+    ours_ms: float | None
     peer: str
     peer_ms: float | None
     bytes_moved: int
+    params: dict[str, int] = field(default_factory=dict)  # the shape as numbers (plots)
     extra: dict[str, float] = field(default_factory=dict)
 
-    def bandwidth(self) -> float:
-        return self.bytes_moved / (self.ours_ms * 1e-3)
+    def bandwidth(self) -> float | None:
+        return self.bytes_moved / (self.ours_ms * 1e-3) if self.ours_ms and self.bytes_moved else None
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -84,15 +101,17 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def random_bytes(*shape: int) -> torch.Tensor:
-    return torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE)  # every byte is two valid E2M1 codes
 
 
-def valid_fp4_bytes(*shape: int) -> torch.Tensor:
-    return random_bytes(*shape)  # every byte is two valid E2M1 codes
+def valid_e4m3(*shape: int) -> torch.Tensor:
+    """E4M3 bytes of magnitude 2^-3 … 2^2 with random signs (no NaN): scales, or FP8 ring values."""
+    sign = torch.randint(0, 2, shape, dtype=torch.uint8, device=DEVICE) << 7
+    return torch.randint(0x20, 0x48, shape, dtype=torch.uint8, device=DEVICE) | sign
 
 
 def valid_e4m3_scales(*shape: int) -> torch.Tensor:
-    return torch.randint(0x20, 0x48, shape, dtype=torch.uint8, device=DEVICE)  # 2^-3 … 2^2: no NaN
+    return torch.randint(0x20, 0x48, shape, dtype=torch.uint8, device=DEVICE)
 
 
 def valid_ue8m0_scales(*shape: int) -> torch.Tensor:
@@ -111,12 +130,29 @@ def attention_inputs(B: int, T: int, H: int, D: int, W: int, N: int, K: int, rag
     q = randn(B, T, H, D, dtype=torch.bfloat16)
     swa_data, swa_scale = kernels.quantize_swa_fp8(randn(B, W, D), backend="triton")
     swa_mask = torch.rand(B, T, W, device=DEVICE) < (0.8 if ragged else 2.0)
-    kv_data, kv_scale = valid_fp4_bytes(B, N, D // 2), valid_e4m3_scales(B, N, D // 16)
+    kv_data, kv_scale = random_bytes(B, N, D // 2), valid_e4m3_scales(B, N, D // 16)
     idx = torch.randint(0, N, (B, T, K), device=DEVICE, dtype=torch.int32)  # repeats allowed: the kernel may see any
     if ragged:
         idx = torch.where(torch.rand(B, T, K, device=DEVICE) < 0.1, -1, idx)
     sink = randn(H)
     return q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, D**-0.5
+
+
+# ----------------------------------------------------------------------------------------------- peers
+
+
+def candidate_mask_topk(scores: torch.Tensor, n_visible: torch.Tensor, block_size: int, topk_blocks: int):
+    """The natural torch form of the candidate pool: block maxima by reshape + amax, newest block pinned,
+    torch.topk, scatter, expand (ties broken as torch.topk likes; the checks compare it on tie-free scores)."""
+    S = scores.shape[-1]
+    positions = torch.arange(S, device=scores.device)
+    visible = scores.float().masked_fill(positions >= n_visible[..., None], float("-inf"))
+    blocks = F.pad(visible, (0, -S % block_size), value=float("-inf")).unflatten(-1, (-1, block_size)).amax(-1)
+    newest = ((n_visible.long() - 1).clamp(min=0) // block_size)[..., None]
+    blocks.scatter_(-1, newest, torch.where(n_visible[..., None] > 0, float("inf"), blocks.gather(-1, newest)))
+    values, picked = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+    kept = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, picked, values > float("-inf"))
+    return kept.repeat_interleave(block_size, dim=-1)[..., :S] & (positions < n_visible[..., None])
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -177,7 +213,9 @@ def check_candidates(c: Checks, B: int, T: int, S: int, topk_blocks: int) -> Non
     n_visible[0, 0] = S
     want = kernels.candidate_mask(scores, n_visible, 8, topk_blocks, backend="torch")
     got = kernels.candidate_mask(scores, n_visible, 8, topk_blocks, backend="triton")
-    c.report(f"candidate_mask B={B} T={T} S={S}", bool(torch.equal(got, want)), f"{int((got != want).sum())} differ")
+    peer = candidate_mask_topk(scores, n_visible, 8, topk_blocks)  # the benchmark's peer computes the same mask
+    c.report(f"candidate_mask B={B} T={T} S={S}", bool(torch.equal(got, want)) and bool(torch.equal(peer, want)),
+             f"{int((got != want).sum())} differ, torch.topk peer: {int((peer != want).sum())} differ")  # fmt: skip
 
 
 def topk_is_valid(scores: torch.Tensor, lengths: torch.Tensor, k: int, got: torch.Tensor) -> tuple[bool, str]:
@@ -216,9 +254,14 @@ def check_topk(c: Checks, shapes: list[tuple[int, int, int]]) -> None:
                 ok, detail = ok and same, f"{detail}, equal to reference {same}"
             c.report(f"topk R={R} L={L} k={k} {dtype}", ok, detail)
     R, L, k = shapes[-1]
+    full = torch.full((R,), L, device=DEVICE)
+    trend = torch.arange(L, device=DEVICE).float() / L + 0.01 * randn(R, L)  # the best at the end: k·group candidates
+    got = kernels.topk_indices(trend, k, None, backend="triton")
+    same = bool(torch.equal(got, kernels.topk_indices(trend, k, None, backend="torch")))
+    c.report(f"topk trending rows R={R} L={L} k={k}", same, f"equal to reference {same}")
     ties = torch.randint(0, 3, (R, L), device=DEVICE).to(torch.bfloat16)  # a third of each row ties at the top
     got = kernels.topk_indices(ties, k, None, backend="triton")
-    ok, detail = topk_is_valid(ties, torch.full((R,), L, device=DEVICE), k, got)
+    ok, detail = topk_is_valid(ties, full, k, got)
     positions = torch.arange(L, device=DEVICE, dtype=torch.float64)
     ranked = (ties.double() * 4 * L - positions).topk(k, dim=-1).indices  # exact: value first, then lowest position
     lowest = bool(torch.equal(got, ranked.sort(dim=-1).values.int()))
@@ -236,27 +279,41 @@ def check_attention(c: Checks, B: int, T: int, N: int) -> None:
     )
 
 
-def run_checks(tiny: bool) -> list[str]:
+def run_checks(names: list[str], tiny: bool) -> list[str]:
+    """The checks of the named kernels (`all`: every one) at real sizes (`tiny`: CPU sizes)."""
     print("checks (Triton against the torch references)", flush=True)
-    c = Checks()
     if tiny:
-        plan = [(check_quantisers, 16), (check_indexer, 2, 3, 100), (check_candidates, 1, 2, 200, 4),
-                (check_topk, [(3, 300, 8)]), (check_attention, 1, 2, 100)]  # fmt: skip
+        plans = {"quant": [(check_quantisers, 16)], "indexer": [(check_indexer, 2, 3, 100)],
+                 "candidates": [(check_candidates, 1, 2, 200, 4)], "topk": [(check_topk, [(3, 300, 8)])],
+                 "attention": [(check_attention, 1, 2, 100)]}  # fmt: skip
     else:
-        plan = [(check_quantisers, 1 << 16), (check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
-                (check_candidates, 4, 2, 200_003, 2048),
-                (check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
-                              (64, 131_072, 512)]),
-                (check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)]  # fmt: skip
-    for check, *args in plan:
-        c.run(check, *args)
+        plans = {"quant": [(check_quantisers, 1 << 16)],
+                 "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000)],
+                 "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
+                 "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
+                                        (2, 20_000_000, 512), (64, 131_072, 512)])],
+                 "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)]}  # fmt: skip
+    c = Checks()
+    for name in plans if names == ["all"] else names:
+        for check, *args in plans[name]:
+            c.run(check, *args)
     return c.failures
 
 
-# ----------------------------------------------------------------------------------------------- benchmarks
+# ----------------------------------------------------------------------------------------------- kernel sections
 
 
-def bench_quantisers(rows: int) -> list[Row]:
+def bench_copy(tiny: bool) -> list[Row]:
+    """Device-to-device copy of fp32 (16-byte vector accesses): the bandwidth ceiling of the % copy column."""
+    nbytes = 1 << 20 if tiny else 2 * GiB
+    src = randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return [Row("copy", f"{nbytes / GiB:.2f} GiB fp32", ms, "", None, 2 * nbytes)]
+
+
+def bench_quantisers(tiny: bool) -> list[Row]:
+    rows = 64 if tiny else 1 << 20
     out = []
     x = randn(rows, 512, dtype=torch.bfloat16)
     shape = f"{rows}×512 bf16 ({x.numel() * 2 / GiB:.2f} GiB)"
@@ -272,44 +329,66 @@ def bench_quantisers(rows: int) -> list[Row]:
     return out
 
 
-def bench_indexer(B: int, T: int, S: int) -> Row:
-    case = indexer_inputs(B, T, 32, 128, S, ragged=False)
-    ours = median_ms(lambda: kernels.indexer_scores(*case, backend="triton"))
-    peer = median_ms(lambda: kernels.indexer_scores(*case, backend="torch"))
-    return Row("indexer_scores", f"B={B} T={T} H=32 Di=128 S={S}", ours, "torch reference", peer, B * S * 68,
-               {"flops": 2.0 * B * T * 32 * 128 * S})  # fmt: skip
+def bench_indexer(tiny: bool) -> list[Row]:
+    out = []
+    for B, T, S in [(2, 1, 256)] if tiny else [(64, 1, 65_536), (8, 1, 1_048_576), (1, 1024, 65_536)]:
+        case = indexer_inputs(B, T, 32, 128, S, ragged=False)
+        ours = median_ms(lambda case=case: kernels.indexer_scores(*case, backend="triton"))
+        peer = median_ms(lambda case=case: kernels.indexer_scores(*case, backend="torch"))
+        out.append(Row("indexer_scores", f"B={B} T={T} H=32 Di=128 S={S}", ours, "torch reference", peer,
+                       B * S * 68, {"B": B, "T": T, "S": S}, {"flops": 2.0 * B * T * 32 * 128 * S}))  # fmt: skip
+    return out
 
 
-def bench_candidates(B: int, S: int) -> Row:
+def bench_candidates(tiny: bool) -> list[Row]:
+    B, S, top = (2, 4096, 16) if tiny else (64, 1_048_576, 2048)
     scores = randn(B, 1, S)
     n_visible = torch.full((B, 1), S, device=DEVICE)
-    ours = median_ms(lambda: kernels.candidate_mask(scores, n_visible, 8, 2048, backend="triton"))
-    peer = median_ms(lambda: kernels.candidate_mask(scores, n_visible, 8, 2048, backend="torch"))
-    return Row("candidate_mask", f"B={B} S={S} 2048 blocks of 8", ours, "torch reference", peer, B * S * 5)
+    ours = median_ms(lambda: kernels.candidate_mask(scores, n_visible, 8, top, backend="triton"))
+    peer = median_ms(lambda: candidate_mask_topk(scores, n_visible, 8, top))
+    return [Row("candidate_mask", f"B={B} S={S} {top} blocks of 8", ours, "torch.topk form", peer, B * S * 5)]
 
 
-def bench_topk(R: int, L: int, k: int) -> Row:
-    scores = randn(R, L, dtype=torch.bfloat16)
-    ours = median_ms(lambda: kernels.topk_indices(scores, k, backend="triton"))
-    peer = median_ms(lambda: torch.topk(scores, k, dim=-1))
-    return Row("topk_indices", f"R={R} L={L} k={k} bf16", ours, "torch.topk", peer, R * L * 2 + R * k * 4)
+def bench_topk(tiny: bool) -> list[Row]:
+    out = []
+    k = 16 if tiny else 512
+    for R in [1, 6] if tiny else [1, 6, 256]:
+        for L in [512, 2048] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]:
+            scores = randn(R, L, dtype=torch.bfloat16)
+            ours = median_ms(lambda s=scores: kernels.topk_indices(s, k, backend="triton"))
+            peer = median_ms(lambda s=scores: torch.topk(s, k, dim=-1))
+            out.append(Row("topk_indices", f"R={R} L={L} k={k} bf16", ours, "torch.topk", peer, R * L * 2 + R * k * 4,
+                           {"R": R, "L": L}))  # fmt: skip
+    return out
 
 
-def bench_attention(B: int, context: int, dense_budget: int) -> Row:
-    H, D, W, K = 64, 512, 128, 512
-    case = attention_inputs(B, 1, H, D, W, context, K, ragged=False)
-    ours = median_ms(lambda: kernels.sparse_attention(*case, backend="triton"))
-    peer = median_ms(lambda: kernels.sparse_attention(*case, backend="torch"))
-    row = Row("sparse_attention", f"B={B} ctx={context} H=64 D=512 W=128 K=512", ours, "torch reference", peer,
-              B * (W * 528 + K * 288 + 2 * H * D * 2))  # fmt: skip
-    # dense SDPA decode, 64 heads × 128 dims, bf16 K = V over the whole context (kept under 2^31 elements per
-    # tensor: torch's SDPA kernels index with 32-bit offsets and fault beyond, seen at 1 M tokens on the H200)
-    dense_elements = B * context * 64 * 128
-    if dense_elements * 2 <= dense_budget and dense_elements < 2**31:
-        q = randn(B, 64, 1, 128, dtype=torch.bfloat16)
-        kv = randn(B, 64, context, 128, dtype=torch.bfloat16)
-        row.extra["dense_sdpa_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, kv, kv))
-    return row
+def bench_attention(B: int, tiny: bool) -> list[Row]:
+    """Sparse decode attention at batch B against dense SDPA decode over the same context (64 heads × 128, bf16
+    K/V), where the dense K/V fits in memory; ours is timed first, so a fault in a peer leaves its figure."""
+    H, D, W, K = (16, 64, 16, 32) if tiny else (64, 512, 128, 512)
+    out = []
+    for context in [256, 1024] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]:
+        case = attention_inputs(B, 1, H, D, W, context, K, ragged=False)
+        ours = median_ms(lambda case=case: kernels.sparse_attention(*case, backend="triton"))
+        row = Row("sparse_attention", f"B={B} ctx={context} H=64 D=512 W=128 K=512", ours, "torch reference", None,
+                  B * (W * 528 + K * 288 + 2 * H * D * 2), {"B": B, "ctx": context})  # fmt: skip
+        print(f"  sparse_attention B={B} ctx={context}: {ours:.4f} ms", flush=True)
+        row.peer_ms = median_ms(lambda case=case: kernels.sparse_attention(*case, backend="torch"))
+        del case
+        # dense K/V under 2^31 elements per tensor: torch's SDPA kernels index with 32-bit offsets
+        dense_elements = B * context * 64 * 128
+        budget = 1 << 22 if tiny else 40 * GiB
+        if dense_elements * 2 <= budget and dense_elements < 2**31:
+            q = randn(B, 64, 1, 128, dtype=torch.bfloat16)
+            kv = randn(B, 64, context, 128, dtype=torch.bfloat16)
+            row.extra["dense_sdpa_ms"] = median_ms(lambda q=q, kv=kv: F.scaled_dot_product_attention(q, kv, kv))
+            del q, kv
+        else:  # a floor: the dense K and V bytes at the copy bandwidth of this H200 (4.28 TB/s read + write)
+            row.extra["dense_floor_ms"] = 2 * dense_elements * 2 / 4.28e12 * 1e3
+        out.append(row)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
 
 
 def bench_tuning(tiny: bool) -> list[Row]:
@@ -317,46 +396,182 @@ def bench_tuning(tiny: bool) -> list[Row]:
     rows = []
     B, S = (2, 256) if tiny else (64, 65_536)
     case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
-    for block_s, warps in [(64, 4), (128, 4), (128, 8), (256, 8)]:
-        ms = median_ms(lambda b=block_s, w=warps: indexer.indexer_scores_triton(*case, block_s=b, num_warps=w))
+    for block_s, warps in [(64, 4), (128, 4)] if tiny else [(64, 4), (128, 4), (128, 8), (256, 8), (256, 4), (512, 8)]:
+        try:
+            ms = median_ms(lambda b=block_s, w=warps: indexer.indexer_scores_triton(*case, block_s=b, num_warps=w))
+        except Exception as error:  # a launch shape that does not compile or fit: noted, not fatal
+            print(f"  tune indexer block_s={block_s} warps={warps}: {type(error).__name__}", flush=True)
+            continue
         rows.append(Row("tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", ms, "", None,
                         B * S * 68))  # fmt: skip
-    for B in [1, 64]:
-        case = attention_inputs(B, 1, 64, 512, 128, 4096 if tiny else 65_536, 512, ragged=False)
-        for block_n in (16, 32, 64):
-            ms = median_ms(lambda b=block_n, c=case: sparse_attn.sparse_attention_triton(*c, block_n=b))
-            rows.append(Row("tune attention", f"B={B} block_n={block_n}", ms, "", None, B * (128 * 528 + 512 * 288)))
+    shapes = [(16, 32, 8), (16, 64, 8), (32, 32, 8), (64, 16, 8), (64, 32, 8), (64, 32, 16), (64, 64, 16)]
+    for B in [1] if tiny else [1, 64]:
+        case = (
+            attention_inputs(B, 1, 64, 64, 16, 256, 32, False)
+            if tiny
+            else attention_inputs(B, 1, 64, 512, 128, 65_536, 512, ragged=False)
+        )
+        for block_h, block_n, warps in shapes[:2] if tiny else shapes:
+            try:
+                ms = median_ms(
+                    lambda c=case, h=block_h, n=block_n, w=warps: sparse_attn.sparse_attention_triton(
+                        *c, block_n=n, block_h=h, num_warps=w
+                    )
+                )
+            except Exception as error:
+                print(f"  tune attention {block_h}/{block_n}/{warps}: {type(error).__name__}", flush=True)
+                continue
+            rows.append(Row("tune attention", f"B={B} block_h={block_h} block_n={block_n} warps={warps}", ms, "",
+                            None, B * (128 * 528 + 512 * 288)))  # fmt: skip
     return rows
 
 
-def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
-    copy_bytes = 1 << 20 if tiny else 2 * GiB
-    copy = copy_bandwidth(copy_bytes)
-    print(f"device-to-device copy: {copy / 1e12:.2f} TB/s (read + write, {copy_bytes / GiB:.2f} GiB)", flush=True)
-    plan: list[tuple[Callable[..., Row | list[Row]], tuple]] = [(bench_quantisers, (64 if tiny else 1 << 20,))]
-    for B, T, S in [(2, 1, 256)] if tiny else [(64, 1, 65_536), (8, 1, 1_048_576), (1, 1024, 65_536)]:
-        plan.append((bench_indexer, (B, T, S)))
-    plan.append((bench_candidates, (2, 4096) if tiny else (64, 1_048_576)))
-    lengths = [512, 2048] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]
-    plan += [(bench_topk, (R, L, 16 if tiny else 512)) for R in ([1, 6] if tiny else [1, 6, 256]) for L in lengths]
-    contexts = [256, 1024] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]
-    plan += [(bench_attention, (B, ctx, 1 << 20 if tiny else 40 * GiB)) for B in ([1, 2] if tiny else [1, 64, 256])
-             for ctx in contexts]  # fmt: skip
-    plan.append((bench_tuning, (tiny,)))
-    rows: list[Row] = []
-    for bench, args in plan:
-        try:
-            result = bench(*args)
-        except Exception as error:  # keep going: report what ran
-            detail = f"raised {type(error).__name__}: {error} (cause: {error.__cause__!r})"
-            print(f"  {bench.__name__}{args} {detail[-3000:]}", flush=True)
-            continue
-        rows += result if isinstance(result, list) else [result]
-        print(f"  {bench.__name__}{args} done", flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+# ----------------------------------------------------------------------------------------------- decode step
+
+
+def decode_model(tiny: bool, context: int):
+    """The `small` preset (`tiny` on CPU) in bf16 (fp32 on CPU), random weights, its context limit raised."""
+    from model import build_model, preset
+
+    args = preset("tiny" if tiny else "small")
+    args = dataclasses.replace(args, max_position_embeddings=max(args.max_position_embeddings, 2 * context))
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return build_model(args, device=DEVICE, dtype=dtype)
+
+
+def filled_decode_batch(model, B: int, context: int, steps: int):
+    """A decode batch of B sequences at `context` tokens, its packed state synthesised instead of prefilled: random
+    FP8 ring entries holding the last W positions, random packed FP4 main-KV / indexer-K entries (room for `steps`
+    more), random Engram look-back ids. Decode reads exactly these tensors; their values only shape the scores."""
+    a = model.args
+    batch = model.new_decode_batch(B)
+    cache = batch.cache
+    for _ in range(B):
+        cache.add_row()
+    W, D, Di = a.sliding_window, a.head_dim, a.index_head_dim
+    positions = torch.arange(context - W, context, device=DEVICE)
+    for ring in cache.rings.values():
+        ring.data.copy_(valid_e4m3(*ring.data.shape))
+        ring.scale.copy_(valid_ue8m0_scales(*ring.scale.shape))
+        ring.pos[:, positions % W] = positions
+    for layer, entries in cache.entries.items():
+        n = context // a.compress_ratios[layer] + steps
+        entries.kv_data, entries.kv_scale = random_bytes(B, n, D // 2), valid_e4m3_scales(B, n, D // 16)
+        entries.k_data, entries.k_scale = random_bytes(B, n, Di // 2), valid_ue8m0_scales(B, n, Di // 32)
+    cache.history.copy_(torch.randint(0, a.vocab_size, cache.history.shape, device=DEVICE))
+    cache.pos[:] = [context] * B
+    batch.seq_ids = list(range(B))
+    return batch
+
+
+def dense_decode_step(model, tokens: torch.Tensor, position: int, history: torch.Tensor, kv: torch.Tensor):
+    """The dense-attention baseline of the same size: the same embedding, layers, Engram, MoE and head, but every
+    attention layer's 8 heads attend to all `position` past tokens' 512-dim K = V latents in bf16 (one KV head, as
+    the model's shared latent) with torch SDPA, instead of window + selected FP4 entries. `kv` [B, 1, ctx, D] is
+    one buffer that every layer reads (each read is far beyond the L2, so it costs what 12 buffers would)."""
+    positions = torch.full(tokens.shape, position, device=DEVICE)
+
+    def attend(block, x: torch.Tensor) -> torch.Tensor:
+        attn = block.attn
+        _qr, q = attn.query(attn.cast_input(x), positions)  # [B, 1, H, D]: the heads as queries of one KV head
+        return attn.project_out(F.scaled_dot_product_attention(q, kv, kv), positions)
+
+    X, pre = model.embed_stream(tokens)
+    rows = model.engram_rows(tokens, history)
+    X, pre = model.run_layers(range(model.args.num_hidden_layers), X, pre, attend, rows)
+    return model.logits(X[:, -1:], pre[:, -1:])
+
+
+def ours_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
+    """`model.serving.decode_step` over a synthesised decode batch at `context` tokens."""
+    from model import serving
+
+    batch = filled_decode_batch(model, B, context, steps)
+    tokens = torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE)
+    return lambda: serving.decode_step(model, batch, tokens)
+
+
+def dense_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
+    """The dense baseline's decode step at `context` tokens (random bf16 K = V latents)."""
+    tokens = torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE)
+    history = torch.randint(0, model.args.vocab_size, (B, model.ngram.history_len), device=DEVICE)
+    kv = randn(B, 1, context, model.args.head_dim, dtype=model.dtype)
+    return lambda: dense_decode_step(model, tokens, context, history, kv)
+
+
+def decode_step_bench(name: str, make_step: Callable[..., Callable[[], object]], tiny: bool) -> list[Row]:
+    """Median wall time of one whole decode step (one token per sequence, synchronised: the serving path has host
+    syncs, so no CUDA graph) at batch 1 and 64 and each context; a configuration that fails is reported and
+    skipped."""
+    contexts = [64, 256] if tiny else [4096, 131_072, 1_048_576]
+    repeat = 2 if tiny else 5
+    model = decode_model(tiny, contexts[-1])
+    out = []
+    for B in [1, 4] if tiny else [1, 64]:
+        for context in contexts:
+            try:
+                with torch.no_grad():
+                    ms = wall_ms(make_step(model, B, context, repeat + 2), repeat)
+            except Exception as error:  # e.g. out of memory: the other configurations still run
+                print(f"  {name} B={B} ctx={context} raised {type(error).__name__}: {error}"[:2000], flush=True)
+                continue
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            out.append(Row(name, f"{'tiny' if tiny else 'small'} B={B} ctx={context}", ms, "", None, 0,
+                           {"B": B, "ctx": context}))  # fmt: skip
+            print(f"  {name} B={B} ctx={context}: {ms:.2f} ms", flush=True)
+    return out
+
+
+SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
+    "copy": bench_copy,
+    "quant": bench_quantisers,
+    "indexer": bench_indexer,
+    "candidates": bench_candidates,
+    "topk": bench_topk,
+    "attention-1": lambda tiny: bench_attention(1, tiny),
+    "attention-64": lambda tiny: bench_attention(64 if not tiny else 2, tiny),
+    "attention-256": lambda tiny: bench_attention(256 if not tiny else 3, tiny),
+    "tuning": bench_tuning,
+    "step-ours": lambda tiny: decode_step_bench("decode step", ours_step, tiny),
+    "step-dense": lambda tiny: decode_step_bench("decode step, dense", dense_step, tiny),
+}
+
+
+def run_section(name: str, tiny: bool, parts: Path) -> None:
+    """One section → parts/<name>.json (rows, environment); an exception is reported in the file, not raised."""
+    print(f"section {name}", flush=True)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    result: dict[str, object] = {"section": name, "environment": environment()}
+    try:
+        result["rows"] = [asdict(r) for r in SECTIONS[name](tiny)]
+    except Exception as error:  # keep going: report what ran
+        result["rows"], result["error"] = [], f"{type(error).__name__}: {error}"[-3000:]
+        print(f"  section {name} raised {result['error']}", flush=True)
+    result["seconds"] = time.perf_counter() - started
+    parts.mkdir(parents=True, exist_ok=True)
+    (parts / f"{name}.json").write_text(json.dumps(result, indent=1))
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def report(parts: Path, out_dir: Path) -> dict:
+    order = list(SECTIONS)
+    sections = [json.loads(p.read_text()) for p in parts.glob("*.json") if p.stem in order]
+    sections.sort(key=lambda s: order.index(s["section"]))
+    rows = [Row(**r) for s in sections for r in s["rows"]]
+    copy = next((r.bandwidth() for r in rows if r.kernel == "copy"), None) or 4.28e12
+    pair_dense_baseline(rows)
     print_table(rows, copy)
-    result = {"environment": environment(), "copy_bandwidth_Bps": copy,
+    errors = {s["section"]: s["error"] for s in sections if "error" in s}
+    for name, error in errors.items():
+        print(f"section {name} failed: {error}")
+    env = next((s["environment"] for s in sections), environment())
+    result = {"environment": env, "copy_bandwidth_Bps": copy, "section_errors": errors,
+              "section_seconds": {s["section"]: s["seconds"] for s in sections},
               "rows": [asdict(r) | {"bandwidth_Bps": r.bandwidth()} for r in rows]}  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels.json").write_text(json.dumps(result, indent=1))
@@ -364,18 +579,32 @@ def run_benchmarks(tiny: bool, out_dir: Path) -> dict:
     return result
 
 
+def pair_dense_baseline(rows: list[Row]) -> None:
+    """The dense decode steps (their own process) become the peer of ours at the same batch and context."""
+    ours = {(r.params["B"], r.params["ctx"]): r for r in rows if r.kernel == "decode step"}
+    paired = []
+    for r in rows:
+        key = (r.params.get("B"), r.params.get("ctx"))
+        if r.kernel == "decode step, dense" and key in ours:
+            ours[key].peer, ours[key].peer_ms = "dense model", r.ours_ms
+            paired.append(r)
+    rows[:] = [r for r in rows if all(r is not p for p in paired)]
+
+
 def print_table(rows: list[Row], copy: float) -> None:
     head = f"{'kernel':<20} {'shape':<44} {'ours ms':>9} {'GB/s':>8} {'% copy':>7} {'peer':<16} {'peer ms':>9} {'×':>6}"
-    print("\n" + head + "\n" + "-" * len(head))
+    print(f"\ndevice-to-device copy: {copy / 1e12:.2f} TB/s (read + write)\n" + head + "\n" + "-" * len(head))
     for r in rows:
-        speedup = f"{r.peer_ms / r.ours_ms:6.2f}" if r.peer_ms else "     –"
+        bandwidth = r.bandwidth()
+        speedup = f"{r.peer_ms / r.ours_ms:6.2f}" if r.peer_ms and r.ours_ms else "     –"
         peer_ms = f"{r.peer_ms:9.4f}" if r.peer_ms else "        –"
-        print(f"{r.kernel:<20} {r.shape:<44} {r.ours_ms:9.4f} {r.bandwidth() / 1e9:8.0f} "
-              f"{100 * r.bandwidth() / copy:6.1f}% {r.peer:<16} {peer_ms} {speedup}")  # fmt: skip
-        if "dense_sdpa_ms" in r.extra:
-            dense = r.extra["dense_sdpa_ms"]
-            print(f"{'':<20} {'  vs dense SDPA decode (64×128, bf16)':<44} {'':>9} {'':>8} {'':>7} "
-                  f"{'dense SDPA':<16} {dense:9.4f} {dense / r.ours_ms:6.2f}")  # fmt: skip
+        gbs = f"{bandwidth / 1e9:8.0f} {100 * bandwidth / copy:6.1f}%" if bandwidth else f"{'–':>8} {'–':>7}"
+        print(f"{r.kernel:<20} {r.shape:<44} {r.ours_ms or 0:9.4f} {gbs} {r.peer:<16} {peer_ms} {speedup}")
+        for key, label in (("dense_sdpa_ms", "dense SDPA"), ("dense_floor_ms", "dense floor")):
+            if key in r.extra:
+                dense = r.extra[key]
+                print(f"{'':<20} {'  vs dense decode (64×128, bf16)':<44} {'':>9} {'':>8} {'':>7} "
+                      f"{label:<16} {dense:9.4f} {dense / r.ours_ms:6.2f}")  # fmt: skip
     print(flush=True)
 
 
@@ -385,38 +614,48 @@ def plot(rows: list[Row], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def series(kernel: str, key: str) -> dict[int, list[tuple[int, Row]]]:
+    def series(kernel: str, group: str, x: str) -> dict[int, list[tuple[int, Row]]]:
         groups: dict[int, list[tuple[int, Row]]] = {}
         for r in rows:
-            if r.kernel == kernel:
-                fields = dict(part.split("=") for part in r.shape.split() if "=" in part)
-                groups.setdefault(int(fields[key]), []).append(
-                    (int(fields["L" if kernel == "topk_indices" else "ctx"]), r)
-                )
+            if r.kernel == kernel and r.ours_ms:
+                groups.setdefault(r.params[group], []).append((r.params[x], r))
         return groups
 
+    def save(fig, ax, name: str, **labels: str) -> None:
+        ax.set(xscale="log", yscale="log", **labels)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for R, points in series("topk_indices", "R").items():
+    for R, points in series("topk_indices", "R", "L").items():
         xs = [x for x, _ in points]
         line = ax.plot(xs, [r.ours_ms for _, r in points], "o-", label=f"ours, batch {R}")[0]
         ax.plot(xs, [r.peer_ms for _, r in points], "x--", color=line.get_color(), label=f"torch.topk, batch {R}")
-    ax.set(xscale="log", yscale="log", xlabel="row length", ylabel="ms (median)", title="top-512 of bf16 rows")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "kernels_topk.png", dpi=120)
+    save(fig, ax, "kernels_topk.png", xlabel="row length", ylabel="ms (median)", title="top-512 of bf16 rows")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for B, points in series("sparse_attention", "B").items():
+    for B, points in series("sparse_attention", "B", "ctx").items():
         xs = [x for x, _ in points]
         line = ax.plot(xs, [r.ours_ms for _, r in points], "o-", label=f"sparse FP4/FP8 (ours), batch {B}")[0]
         dense = [(x, r.extra["dense_sdpa_ms"]) for x, r in points if "dense_sdpa_ms" in r.extra]
         if dense:
             ax.plot(*zip(*dense, strict=True), "x--", color=line.get_color(), label=f"dense SDPA decode, batch {B}")
-    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms (median)",
-           title="decode attention, 64 heads: sparse 128 + 512 keys vs dense")  # fmt: skip
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "kernels_attention.png", dpi=120)
+        floor = [(x, r.extra["dense_floor_ms"]) for x, r in points if "dense_floor_ms" in r.extra]
+        if floor:
+            ax.plot(*zip(*floor, strict=True), ":", color=line.get_color(), label=f"dense K/V read floor, batch {B}")
+    save(fig, ax, "kernels_attention.png", xlabel="context (tokens)", ylabel="ms (median)",
+         title="decode attention, 64 heads: sparse 128 + 512 keys vs dense")  # fmt: skip
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for B, points in series("decode step", "B", "ctx").items():
+        xs = [x for x, _ in points]
+        line = ax.plot(xs, [r.ours_ms for _, r in points], "o-", label=f"V4.1 sparse (ours), batch {B}")[0]
+        dense = [(x, r.peer_ms) for x, r in points if r.peer_ms]
+        if dense:
+            ax.plot(*zip(*dense, strict=True), "x--", color=line.get_color(), label=f"dense attention, batch {B}")
+    save(fig, ax, "kernels_decode_step.png", xlabel="context (tokens)", ylabel="ms per step (median)",
+         title="whole decode step, `small` preset")  # fmt: skip
 
 
 def environment() -> dict[str, str]:
@@ -432,23 +671,37 @@ def environment() -> dict[str, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="run the correctness checks at real sizes")
-    parser.add_argument("--bench", action="store_true", help="with --check: also run the benchmarks")
+    parser.add_argument(
+        "--check",
+        nargs="?",
+        const="all",
+        default="",
+        help="run the correctness checks at real "
+        "sizes: all, or some of quant, indexer, candidates, topk, attention (comma-separated)",
+    )
+    parser.add_argument("--bench", default="", help=f"sections, comma-separated, or 'all': {', '.join(SECTIONS)}")
+    parser.add_argument("--report", action="store_true", help="merge the sections' JSON in --parts (after --bench)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: a CPU smoke run of this script")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")), help="JSON / PNG folder")
+    out = Path(os.environ.get("OUT", "bench/out"))
+    parser.add_argument("--out", type=Path, default=out, help="kernels.json and the PNG plots")
+    parser.add_argument("--parts", type=Path, default=out / "kernels_parts", help="one JSON per section")
     args = parser.parse_args()
+    names = list(SECTIONS) if args.bench == "all" else [n for n in args.bench.split(",") if n]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)} or 'all'")
     print(json.dumps(environment()), flush=True)
     torch.manual_seed(0)
-    failures = run_checks(args.tiny) if args.check else []
-    if args.bench or not args.check:
-        run_benchmarks(args.tiny, args.out)
+    failures = run_checks(args.check.split(","), args.tiny) if args.check else []
+    for name in names:
+        run_section(name, args.tiny, args.parts)
+    if args.report or args.bench == "all":
+        report(args.parts, args.out)
     if failures:
         print(f"{len(failures)} check(s) FAILED: {', '.join(failures)}")
         return 1
     return 0
 
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 if __name__ == "__main__":
     sys.exit(main())

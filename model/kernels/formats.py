@@ -101,6 +101,16 @@ def e2m1_decode(code):
     return e2m1_to_f16(code).to(tl.float32) * 16384.0
 
 
+def dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [B, N, X] as a kernel reads it: each batch row dense (strides X, 1), any stride between rows.
+
+    The packed cache hands kernels `[:, :n]` views of buffers with room for more entries; those are not contiguous
+    when B > 1, and `.contiguous()` would copy the whole compressed KV on every layer of every step."""
+    if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]:
+        return t
+    return t.contiguous()
+
+
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (where low-precision tl.dot is unreliable: kernels dot in fp32)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import e2m1_to_f16, interpreting, ue8m0_decode
+from model.kernels.formats import dense_rows, e2m1_to_f16, interpreting, ue8m0_decode
 from model.kernels.kv_quant import dequantize_index_fp4_torch
 
 
@@ -42,7 +42,7 @@ def _unpacked_block(ptr, row_offsets, row_ok, j: tl.constexpr, DOT_F32: tl.const
 @triton.jit
 def _indexer_kernel(
     q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, nv_ptr, out_ptr,
-    T, H, S,
+    T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     NBK: tl.constexpr = DI // 32
@@ -55,14 +55,14 @@ def _indexer_kernel(
     qrow = (b * T + t) * H + h  # [M] row of q_data / q_scale / weights
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
-    krow = b * S + s
+    k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * NBK  # a batch row's entries are dense
     acc = tl.zeros((BLOCK_T * HP, BLOCK_S), dtype=tl.float32)
     for j in tl.static_range(NBK):
         q_even, q_odd = _unpacked_block(q_ptr, qrow * (DI // 2), row_ok, j, DOT_F32)
-        k_even, k_odd = _unpacked_block(k_ptr, krow * (DI // 2), s_ok, j, DOT_F32)
+        k_even, k_odd = _unpacked_block(k_ptr, k_row, s_ok, j, DOT_F32)
         part = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # Σ codes · 2^-28, exact
         q_scale = ue8m0_decode(tl.load(qs_ptr + qrow * NBK + j, mask=row_ok, other=127)) * 268435456.0  # · 2^28
-        k_scale = ue8m0_decode(tl.load(ks_ptr + krow * NBK + j, mask=s_ok, other=127))
+        k_scale = ue8m0_decode(tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127))
         acc += part * q_scale[:, None] * k_scale[None, :]
     w = tl.load(w_ptr + qrow, mask=row_ok, other=0.0).to(tl.float32)
     per_head = tl.maximum(acc, 0.0) * w[:, None]
@@ -96,8 +96,10 @@ def indexer_scores_triton(
     block_t = max(min(max(1, rows_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
     block_s = block_s or (32 if interpreting() else 128)
     grid = (triton.cdiv(S, block_s), triton.cdiv(T, block_t), B)
+    k_data, k_scale = dense_rows(k_data), dense_rows(k_scale)
     _indexer_kernel[grid](
-        q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data.contiguous(), k_scale.contiguous(),
-        n_visible.contiguous(), out, T, H, S, 2 * half, HP, block_t, block_s, interpreting(), num_warps=num_warps,
+        q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, n_visible.contiguous(), out,
+        T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, HP, block_t, block_s, interpreting(),
+        num_warps=num_warps,
     )  # fmt: skip
     return out

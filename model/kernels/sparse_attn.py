@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
+from model.kernels.formats import dense_rows, e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
 
 LOG2E = math.log2(math.e)
@@ -76,26 +76,29 @@ def _ring_tile(swa_ptr, swas_ptr, mask_ptr, b, bt, W, tile, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _entry_tile(kv_ptr, kvs_ptr, idx_ptr, b, bt, N, K, tile, BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+def _entry_tile(
+    kv_ptr, kvs_ptr, idx_ptr, b, bt, kv_stride, kvs_stride, K, tile,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):  # fmt: skip
     """Selected compressed entries of one key tile → (latents [BLOCK_N, DP] fp32, valid [BLOCK_N])."""
     e = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     entry = tl.load(idx_ptr + bt * K + e, mask=e < K, other=-1)
     valid = entry >= 0
-    row = b * N + tl.maximum(entry, 0)
+    entry = tl.maximum(entry, 0)
     half = tl.arange(0, DP // 2)
     ok_half = valid[:, None] & (half[None, :] < D // 2)
-    packed = tl.load(kv_ptr + row[:, None] * (D // 2) + half[None, :], mask=ok_half, other=0)
+    packed = tl.load(kv_ptr + b * kv_stride + entry[:, None] * (D // 2) + half[None, :], mask=ok_half, other=0)
     codes = tl.reshape(tl.join(e2m1_decode(packed & 0xF), e2m1_decode(packed >> 4)), (BLOCK_N, DP))
     d = tl.arange(0, DP)
     ok = valid[:, None] & (d[None, :] < D)
-    scale = tl.load(kvs_ptr + row[:, None] * (D // 16) + d[None, :] // 16, mask=ok, other=0x38)
+    scale = tl.load(kvs_ptr + b * kvs_stride + entry[:, None] * (D // 16) + d[None, :] // 16, mask=ok, other=0x38)
     return codes * e4m3_decode(scale), valid
 
 
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr, swa_ptr, swas_ptr, mask_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
-    T, H, W, N, K, qk_scale, tiles_per_split,
+    T, H, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):  # fmt: skip
@@ -117,7 +120,9 @@ def _sparse_attention_kernel(
         if tile < ring_tiles:
             kv, valid = _ring_tile(swa_ptr, swas_ptr, mask_ptr, b, bt, W, tile, BLOCK_N, D, DP)
         else:
-            kv, valid = _entry_tile(kv_ptr, kvs_ptr, idx_ptr, b, bt, N, K, tile - ring_tiles, BLOCK_N, D, DP)
+            kv, valid = _entry_tile(
+                kv_ptr, kvs_ptr, idx_ptr, b, bt, kv_stride, kvs_stride, K, tile - ring_tiles, BLOCK_N, D, DP
+            )
         kv = kv.to(tl.float32 if DOT_F32 else tl.bfloat16)  # exact: ≤ 6 significant bits
         s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * qk_scale, float("-inf"))  # log2 units: exp2 below
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -182,16 +187,18 @@ def sparse_attention_triton(
     softmax_scale: float,
     splits: int | None = None,
     block_n: int | None = None,
+    block_h: int = 16,
+    num_warps: int = 8,
 ) -> Tensor:
-    """`splits` (key-range splits; tests use it to reach both output paths) and `block_n` (keys per tile) override
-    the launch shape."""
+    """`splits` (key-range splits; tests use it to reach both output paths), `block_n` (keys per tile), `block_h`
+    (heads per program) and `num_warps` override the launch shape (bench/kernels.py tunes them)."""
     B, T, H, D = q.shape
-    W, N, K = swa_data.shape[1], kv_data.shape[1], idx.shape[2]
+    W, K = swa_data.shape[1], idx.shape[2]
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
     DP = triton.next_power_of_2(D)
-    block_h, block_n = 16, block_n or (16 if interpreting() else 32)
+    block_n = block_n or (16 if interpreting() else 32)
     head_groups = triton.cdiv(H, block_h)
     tiles = max(1, triton.cdiv(W, block_n) + triton.cdiv(K, block_n))
     n_splits = max(1, min(splits or _splits(B * T * head_groups, tiles), tiles))
@@ -201,10 +208,12 @@ def sparse_attention_triton(
     partial_m = torch.empty((B * T, n_splits, H) if n_splits > 1 else (0,), device=q.device)
     partial_l = torch.empty_like(partial_m)
     args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), swa_mask.contiguous())
-    args += (kv_data.contiguous(), kv_scale.contiguous(), idx.to(torch.int32).contiguous(), sink.contiguous())
+    kv_data, kv_scale = dense_rows(kv_data), dense_rows(kv_scale)  # the cache's [:, :n] views, never copied
+    args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
     _sparse_attention_kernel[(B * T, head_groups, n_splits)](
-        *args, out, partial_o, partial_m, partial_l, T, H, W, N, K, softmax_scale * LOG2E, tiles_per_split,
-        D, DP, block_h, block_n, n_splits, interpreting(), num_warps=8,
+        *args, out, partial_o, partial_m, partial_l, T, H, W, kv_data.stride(0), kv_scale.stride(0), K,
+        softmax_scale * LOG2E, tiles_per_split,
+        D, DP, block_h, block_n, n_splits, interpreting(), num_warps=num_warps,
     )  # fmt: skip
     if n_splits > 1:
         _combine_kernel[(B * T, head_groups)](sink, partial_o, partial_m, partial_l, out, H, D, DP, block_h, n_splits)

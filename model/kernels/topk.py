@@ -25,8 +25,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import interpreting, multiprocessors
-
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
     """Entries that may be chosen: inside the row's length and above −inf (NaN counts as −inf)."""
@@ -54,9 +52,9 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 
 # ---------------------------------------------------------------------------------------------- Triton
 
-_DIRECT_MAX = 4096  # rows this short are selected in one pass of one program
-_SELECT_TILE = 4096  # items the select kernel holds per step
-_CHUNK = 8192  # scores per step of a streaming pass (16–32 KiB in flight per program)
+_TILE = 4096  # items the select kernel holds in registers (a short row, or the candidates); the group-max tile
+_MAX_GROUPS = 16384  # group maxima per row that the select kernel holds in registers at once
+_GATHER = 4096  # scores of passing groups the select kernel gathers per step
 
 
 @triton.jit
@@ -74,23 +72,17 @@ def _order_key(x, valid, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
+def _row_length(len_ptr, r, L, HAS_LENGTHS: tl.constexpr):
+    if HAS_LENGTHS:
+        return tl.maximum(tl.minimum(tl.load(len_ptr + r), L), 0)
+    return L
+
+
+@triton.jit
 def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
     pos = start + tl.arange(0, TILE)
     x = tl.load(x_row + pos, mask=pos < length, other=float("-inf"))
     return _order_key(x, pos < length, LOW_BIT), pos
-
-
-@triton.jit
-def _group_max_kernel(x_ptr, len_ptr, part_ptr, L, P, G: tl.constexpr, U: tl.constexpr, LOW_BIT: tl.constexpr):
-    """part[r, p, g] = max key over positions ≡ g (mod G) of the chunks p, p + P, … (U·G positions each) of row r."""
-    r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    length = tl.minimum(tl.load(len_ptr + r), L)
-    running = tl.zeros((G,), dtype=tl.uint32)
-    for chunk in range(p, tl.cdiv(length, U * G), P):  # U tiles per step: more bytes in flight per program
-        key, _pos = _row_keys(x_ptr + r * L, length, chunk * U * G, U * G, LOW_BIT)
-        running = tl.maximum(running, tl.max(tl.reshape(key, (U, G)), axis=0))
-    tl.store(part_ptr + (r * P + p) * G + tl.arange(0, G), running)
 
 
 @triton.jit
@@ -106,41 +98,58 @@ def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _threshold_kernel(part_ptr, thr_ptr, P, k, G: tl.constexpr, LOW_BIT: tl.constexpr):
-    """thr[r] = the k-th largest group maximum of row r (1 when fewer than k groups hold a selectable score)."""
-    r = tl.program_id(0).to(tl.int64)
-    groups = tl.arange(0, G)
-    maxima = tl.zeros((G,), dtype=tl.uint32)
-    for p in range(P):
-        maxima = tl.maximum(maxima, tl.load(part_ptr + (r * P + p) * G + groups))
-    occupied = tl.sum((maxima > 0).to(tl.int32), axis=0)
-    threshold = tl.where(occupied > k, _kth_largest_key(maxima, k, LOW_BIT), 1)
-    tl.store(thr_ptr + r, threshold.to(tl.uint32))
+def _group_max_kernel(
+    x_ptr, len_ptr, gmax_ptr, L, NG, tiles,
+    HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr,
+):  # fmt: skip
+    """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r; one TILE of one row per program."""
+    r = (tl.program_id(0) // tiles).to(tl.int64)
+    t = tl.program_id(0) % tiles
+    key, _pos = _row_keys(x_ptr + r * L, _row_length(len_ptr, r, L, HAS_LENGTHS), t * TILE, TILE, LOW_BIT)
+    g = t * (TILE // GS) + tl.arange(0, TILE // GS)
+    tl.store(gmax_ptr + r * NG + g, tl.max(tl.reshape(key, (TILE // GS, GS)), axis=1), mask=g < NG)
 
 
 @triton.jit
-def _gather_kernel(
-    x_ptr, len_ptr, thr_ptr, count_ptr, ckey_ptr, cpos_ptr, L, P, C, CHUNK: tl.constexpr, LOW_BIT: tl.constexpr
-):
-    """Append every (key, position) of row r with key ≥ thr[r] to the row's candidate buffer (slots < C kept)."""
-    r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    length = tl.minimum(tl.load(len_ptr + r), L)
-    threshold = tl.load(thr_ptr + r)
-    for chunk in range(p, tl.cdiv(length, CHUNK), P):
-        key, pos = _row_keys(x_ptr + r * L, length, chunk * CHUNK, CHUNK, LOW_BIT)
-        passed = key >= threshold
-        n = tl.sum(passed.to(tl.int32), axis=0)
-        if n > 0:
-            slot = tl.atomic_add(count_ptr + r, n) + tl.cumsum(passed.to(tl.int32), axis=0) - 1
-            kept = passed & (slot < C)
-            tl.store(ckey_ptr + r * C + slot, key, mask=kept)
-            tl.store(cpos_ptr + r * C + slot, pos, mask=kept)
+def _gather_candidates(
+    x_row, length, gmax_row, glist_row, ckey_row, cpos_row, NG, C, k,
+    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
+    """Candidates of one row from its group maxima, in ascending position order → their count (> C: overflowed).
+
+    T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
+    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read."""
+    g = tl.arange(0, NGP)
+    gmax = tl.load(gmax_row + g, mask=g < NG, other=0)
+    occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
+    threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
+    passed = gmax >= threshold
+    n_groups = tl.sum(passed.to(tl.int32), axis=0)
+    tl.store(glist_row + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
+    tl.debug_barrier()
+    n = 0
+    if n_groups <= C:  # each passing group holds at least one candidate: more groups than slots overflow anyway
+        CG: tl.constexpr = GATHER // GS
+        for start in range(0, n_groups, CG):
+            i = start + tl.arange(0, CG)
+            group = tl.load(glist_row + i, mask=i < n_groups, other=0)
+            pos = tl.reshape(group[:, None] * GS + tl.arange(0, GS)[None, :], (GATHER,))
+            ok = tl.reshape(tl.broadcast_to((i < n_groups)[:, None], (CG, GS)), (GATHER,)) & (pos < length)
+            key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf")), ok, LOW_BIT)
+            keep = key >= threshold
+            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(ckey_row + slot, key, mask=keep & (slot < C))
+            tl.store(cpos_row + slot, pos, mask=keep & (slot < C))
+            n += tl.sum(keep.to(tl.int32), axis=0)
+    else:
+        n = C + 1
+    tl.debug_barrier()
+    return n
 
 
 @triton.jit
 def _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
-    """Tile of (key, position) items: straight from the scores, or from the candidate buffer."""
+    """Tile of (key, position) items in ascending position order: from the scores, or from the candidates."""
     if from_row:
         key, pos = _row_keys(x_row, length, start, TILE, LOW_BIT)
     else:
@@ -151,69 +160,68 @@ def _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE: tl.const
 
 
 @triton.jit
+def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k):
+    """Append the chosen items of one tile (in position order) to the output: keys above T, and the first
+    `missing` keys equal to T (the lowest positions); returns the updated (ties seen, written) counts."""
+    tie = key == threshold
+    tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0)
+    chosen = (key > threshold) | (tie & (tie_rank <= missing))
+    slot = written + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(out_row + slot, pos, mask=chosen & (slot < k))  # never past the row, whatever the keys
+    return ties_before + tl.sum(tie.to(tl.int32), axis=0), written + tl.sum(chosen.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _select_kernel(
-    x_ptr, len_ptr, count_ptr, ckey_ptr, cpos_ptr, out_ptr, L, C, k,
-    pos_bits, DIRECT: tl.constexpr, LOW_BIT: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
+    x_ptr, len_ptr, gmax_ptr, glist_ptr, ckey_ptr, cpos_ptr, out_ptr, L, NG, C, k,
+    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
+    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
+    """One row: candidates from the group maxima (unless DIRECT), then the exact selection, written in position
+    order and −1 padded."""
     r = tl.program_id(0).to(tl.int64)
-    x_row, ckey_row, cpos_row = x_ptr + r * L, ckey_ptr + r * C, cpos_ptr + r * C
-    length = tl.minimum(tl.load(len_ptr + r), L)
+    x_row, ckey_row, cpos_row, out_row = x_ptr + r * L, ckey_ptr + r * C, cpos_ptr + r * C, out_ptr + r * k
+    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     n = length
     from_row = DIRECT
     if not DIRECT:
-        n = tl.load(count_ptr + r)
-        from_row = n > C  # the buffer overflowed: select from the scores themselves
+        n = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C, k,
+                               GS, NGP, LOW_BIT, GATHER)  # fmt: skip
+        from_row = n > C  # the buffer overflowed (adversarial ties): select from the scores themselves
         n = tl.where(from_row, length, n)
 
-    # how many can be chosen, then the k-th largest key T (all passes below stream the items in tiles)
-    selectable = 0
-    for start in range(0, n, TILE):
-        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
-        selectable += tl.sum((key > 0).to(tl.int32), axis=0)
-    kk = tl.minimum(k, selectable)
-    threshold = tl.zeros((), dtype=tl.uint32)
-    step = tl.full((), 1 << 31, tl.uint32)
-    for _bit in range(32 - LOW_BIT):
-        trial = threshold | step
-        count = 0
+    if n <= TILE:  # everything in registers
+        key, pos = _items(x_row, length, ckey_row, cpos_row, n, 0, from_row, TILE, LOW_BIT)
+        kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
+        threshold = _kth_largest_key(key, kk, LOW_BIT)
+        missing = kk - tl.sum((key > threshold).to(tl.int32), axis=0)
+        _write_chosen(out_row, key, pos, threshold, missing, 0, 0, k)
+    else:  # streamed in tiles: the same steps, each a pass over the items
+        selectable = 0
         for start in range(0, n, TILE):
             key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
-            count += tl.sum((key >= trial).to(tl.int32), axis=0)
-        threshold = tl.where(count >= kk, trial, threshold)
-        step = step >> 1
-
-    # keys equal to T: keep the lowest positions, as many as are still missing (cut = the last one kept)
-    above = 0
-    equal = 0
-    for start in range(0, n, TILE):
-        key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
-        above += tl.sum((key > threshold).to(tl.int32), axis=0)
-        equal += tl.sum((key == threshold).to(tl.int32), axis=0)
-    missing = kk - above
-    cut = tl.full((), 2147483647, tl.int32)
-    if equal > missing:
-        cut = 0
-        for bit in range(pos_bits - 1, -1, -1):
-            trial = cut | (1 << bit)
+            selectable += tl.sum((key > 0).to(tl.int32), axis=0)
+        kk = tl.minimum(k, selectable)
+        threshold = tl.zeros((), dtype=tl.uint32)
+        step = tl.full((), 1 << 31, tl.uint32)
+        for _bit in range(32 - LOW_BIT):
+            trial = threshold | step
             count = 0
             for start in range(0, n, TILE):
-                key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
-                count += tl.sum(((key == threshold) & (pos < trial)).to(tl.int32), axis=0)
-            cut = tl.where(count < missing, trial, cut)
-
-    # write the kk chosen positions, then sort them (the buffer holds them in arrival order)
-    out_row = out_ptr + r * k
-    written = 0
-    for start in range(0, n, TILE):
-        key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
-        chosen = ((key > threshold) | ((key == threshold) & (pos <= cut))) & (kk > 0)
-        slot = written + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(out_row + slot, pos, mask=chosen & (slot < k))  # never past the row, whatever the keys
-        written += tl.sum(chosen.to(tl.int32), axis=0)
-    tl.debug_barrier()
+                key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+                count += tl.sum((key >= trial).to(tl.int32), axis=0)
+            threshold = tl.where(count >= kk, trial, threshold)
+            step = step >> 1
+        above = 0
+        for start in range(0, n, TILE):
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+            above += tl.sum((key > threshold).to(tl.int32), axis=0)
+        ties, written = 0, 0
+        for start in range(0, n, TILE):
+            key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+            ties, written = _write_chosen(out_row, key, pos, threshold, kk - above, ties, written, k)
     i = tl.arange(0, KP)
-    positions = tl.sort(tl.load(out_row + i, mask=i < kk, other=2147483647))
-    tl.store(out_row + i, tl.where(i < kk, positions, -1), mask=i < k)
+    tl.store(out_row + i, tl.full((KP,), -1, tl.int32), mask=(i >= kk) & (i < k))
 
 
 def _low_bit(dtype: torch.dtype) -> int:
@@ -222,52 +230,53 @@ def _low_bit(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
-def _programs_per_row(rows: int, chunks: int) -> int:
-    """Programs per row for a streaming pass: about eight per multiprocessor in all."""
-    return max(1, min(chunks, triton.cdiv(8 * multiprocessors(), rows)))
+def _group_size(L: int, k: int) -> int:
+    """Positions per group: at most _MAX_GROUPS groups (the select kernel holds them in registers), at least 16
+    positions (the group maxima stay a small fraction of the scores' bytes), but at least 4k groups when the row
+    allows (so that few groups beyond the k best pass the threshold)."""
+    size = max(16, triton.next_power_of_2(triton.cdiv(L, _MAX_GROUPS)))
+    while size > 1 and L // size < 4 * k:
+        size //= 2
+    return size
 
 
 def topk_indices_triton(
     scores: Tensor,
     k: int,
     lengths: Tensor | None,
-    direct_max: int = _DIRECT_MAX,
-    groups: int | None = None,
+    direct_max: int = _TILE,
+    group_size: int | None = None,
     capacity: int | None = None,
+    tile: int = _TILE,
 ) -> Tensor:
-    """Rows longer than `direct_max` take the group-max / gather path with G = `groups` (a power of two) and
-    `capacity` candidate slots per row; the defaults suit k ≤ 4096 (tests shrink them to reach every path)."""
+    """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two)
+    and `capacity` candidate slots per row; `tile` is the select kernel's register tile. The defaults suit
+    k ≤ 4096; tests shrink them to reach every path."""
     R, L = scores.shape
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:
         return out
     x = scores.contiguous()
-    lengths = torch.full((R,), L, device=device) if lengths is None else lengths
-    lengths = lengths.to(torch.int32).contiguous()
-    KP = triton.next_power_of_2(k)
-    low_bit, pos_bits = _low_bit(scores.dtype), max(1, (L - 1).bit_length())
-    tile = 256 if interpreting() else _SELECT_TILE
-    count = torch.zeros(R, dtype=torch.int32, device=device)
-    if scores.shape[1] <= direct_max:
-        no_keys, no_positions = torch.empty(0, dtype=torch.uint32, device=device), count[:0]
-        _select_kernel[(R,)](x, lengths, count, no_keys, no_positions, out, L, 0, k, pos_bits, True, low_bit, tile, KP,
-                             num_warps=8)  # fmt: skip
-        return out
-    G = groups or max(1024, triton.next_power_of_2(4 * k))
-    C = capacity or 8 * KP
-    U = max(1, (64 if interpreting() else _CHUNK) // G)
-    chunks = triton.cdiv(L, U * G)
-    # the group-max pass writes P·G partial maxima per row that one program then reads: keep them ≤ L/8
-    P = min(_programs_per_row(R, chunks), max(1, L // (8 * G)))
-    P_gather = _programs_per_row(R, chunks)
-    part = torch.empty((R, P, G), dtype=torch.uint32, device=device)
-    threshold = torch.empty(R, dtype=torch.uint32, device=device)
+    has_lengths = lengths is not None
+    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
+    KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
+    direct = scores.shape[1] <= direct_max
+    GS = 1 if direct else (group_size or _group_size(L, k))
+    NG = triton.cdiv(L, GS)
+    NGP = 1 if direct else triton.next_power_of_2(NG)
+    C = 0 if direct else (capacity or max(2 * tile, 4 * KP))
+    gather = max(tile, GS)
+    gmax = torch.empty((R, NG) if not direct else (0,), dtype=torch.uint32, device=device)
+    glist = torch.empty((R, NGP) if not direct else (0,), dtype=torch.int32, device=device)
     ckey = torch.empty((R, C), dtype=torch.uint32, device=device)
     cpos = torch.empty((R, C), dtype=torch.int32, device=device)
-    _group_max_kernel[(R, P)](x, lengths, part, L, P, G, U, low_bit, num_warps=8)
-    _threshold_kernel[(R,)](part, threshold, P, k, G, low_bit, num_warps=8)
-    _gather_kernel[(R, P_gather)](x, lengths, threshold, count, ckey, cpos, L, P_gather, C, U * G, low_bit,
-                                  num_warps=8)  # fmt: skip
-    _select_kernel[(R,)](x, lengths, count, ckey, cpos, out, L, C, k, pos_bits, False, low_bit, tile, KP, num_warps=8)
+    if not direct:
+        group_tile = max(tile, GS)
+        tiles = triton.cdiv(L, group_tile)
+        _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
+                                        num_warps=4)  # fmt: skip
+    _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
+                         has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
+                         num_warps=16 if NGP >= 8192 else 8)  # fmt: skip
     return out

@@ -19,6 +19,7 @@ from kernel_cases import (
 )
 
 from model import kernels, quant
+from model.kernels.formats import dense_rows
 from model.kernels.sparse_attn import sparse_attention_triton
 from model.kernels.topk import topk_indices_triton
 
@@ -102,26 +103,35 @@ def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int, tied
     assert torch.equal(got, want)
 
 
+# every path of the Triton top-k, reached on small rows by shrinking its launch parameters
+DIRECT = {}  # one program per row, the row in registers
+DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tiles
+GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
+GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
+OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
+
+
 @pytest.mark.parametrize(
     ("R", "L", "k", "dtype", "paths"),
     [
-        (3, 50, 8, torch.float32, {}),  # one program per row, straight from the scores
-        (4, 300, 16, torch.bfloat16, {}),
-        (2, 7, 16, torch.float32, {}),  # k beyond the row: −1 padding
-        (3, 300, 8, torch.float32, {"direct_max": 64, "groups": 32}),  # group max → threshold → gather → select
-        (5, 1000, 20, torch.float16, {"direct_max": 64, "groups": 128}),
-        (3, 300, 8, torch.bfloat16, {"direct_max": 64, "groups": 16, "capacity": 16}),  # candidate overflow
+        (3, 50, 8, torch.float32, DIRECT),
+        (4, 300, 16, torch.bfloat16, DIRECT),
+        (2, 7, 16, torch.float32, DIRECT),  # k beyond the row: −1 padding
+        (2, 150, 8, torch.float16, DIRECT_STREAMED),
+        (3, 300, 8, torch.float32, GROUPS),
+        (5, 1000, 20, torch.float16, GROUPS),
+        (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
+        (3, 300, 8, torch.bfloat16, OVERFLOW),
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
     scores, lengths = topk_case(generator(L + k), R, L, dtype)
     got = topk_indices_triton(scores, k, lengths, **paths)
     assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
+    assert torch.equal(topk_indices_triton(scores, k, None, **paths), kernels.topk_indices(scores, k))
 
 
-@pytest.mark.parametrize(
-    "paths", [{}, {"direct_max": 16, "groups": 8}, {"direct_max": 16, "groups": 8, "capacity": 8}]
-)  # one program per row; group max → threshold → gather → select; candidate overflow
+@pytest.mark.parametrize("paths", [DIRECT, GROUPS, GROUPS_STREAMED, OVERFLOW])
 def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
     scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
     for k in (1, 7, 40):
@@ -132,7 +142,7 @@ def test_topk_ties_go_to_the_lowest_positions() -> None:
     scores = torch.zeros(3, 130, dtype=torch.bfloat16)
     scores[1, ::3] = 1.0
     scores[2, 40:] = float("-inf")
-    for paths in ({}, {"direct_max": 64, "groups": 16, "capacity": 32}):
+    for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "capacity": 32}):
         got = topk_indices_triton(scores, 10, None, **paths)
         assert got[0].tolist() == list(range(10))
         assert got[1].tolist() == list(range(0, 30, 3))
@@ -168,3 +178,21 @@ def test_sparse_attention_keeps_the_query_dtype() -> None:
 
 def test_default_backend_without_gpu() -> None:
     assert kernels.default_backend() == ("triton" if torch.cuda.is_available() else "torch")
+
+
+def test_kernels_read_the_cache_views_in_place() -> None:
+    """The packed cache passes `[:, :n]` views of buffers with room for more entries (not contiguous for B > 1):
+    the indexer and attention kernels read them where they lie, with the results of contiguous copies."""
+    case = list(attention_case(generator(6), 2, 2, 3, 64, 5, 9, 4))
+    views = [torch.cat((t, torch.zeros_like(t[:, :7])), dim=1)[:, :9] for t in case[4:6]]  # [B, 9 of 16, ·]
+    assert not views[0].is_contiguous()
+    assert dense_rows(views[0]).data_ptr() == views[0].data_ptr()
+    want = kernels.sparse_attention(*case)
+    case[4:6] = views
+    torch.testing.assert_close(sparse_attention_triton(*case), want, rtol=1e-5, atol=1e-6)
+
+    index = list(indexer_case(generator(7), 2, 1, 4, 64, 30))
+    want = kernels.indexer_scores(*index)
+    index[3:5] = [torch.cat((t, torch.ones_like(t[:, :5])), dim=1)[:, :30] for t in index[3:5]]
+    got = kernels.indexer_scores(*index, backend="triton")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
