@@ -137,6 +137,7 @@ class Sequence:
     submitted: bool = False  # handed to the engine thread
     abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
     draft: DraftRecord = field(default_factory=DraftRecord)
+    writebacks: list[asyncio.Task[None]] = field(default_factory=list)  # its writes to the cache (event loop only)
 
     @property
     def request_id(self) -> str:

@@ -9,7 +9,9 @@ describes the model (as prefill's does: the gateway learns it from whichever rep
               with finish_reason and usage.
 
 A stream whose client goes away (cancelled RPC) is aborted at once, like an Abort: its sequence leaves the batch at
-the next step boundary. Failure semantics and flags: docs/services.md.
+the next step boundary. A finished stream closes after its final message only once the sequence's write-back is done
+(writeback.py): the close tells a caller that the conversation's next turn will find this turn's SWA record.
+Failure semantics and flags: docs/services.md.
 """
 
 from __future__ import annotations
@@ -227,6 +229,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
                 aborted = message.finish_reason == decode_pb2.FINISH_REASON_ABORT
                 self.metrics.requests.labels("aborted" if aborted else "ok").inc()
+                if seq.writebacks:  # close the stream once what the next turn needs is in the cache (or failed)
+                    await asyncio.wait(seq.writebacks)
                 return
 
 

@@ -1,9 +1,11 @@
 """Write-back: what a sequence adds to the cache — its new complete blocks, and at its end the SWA record that makes
 the next turn of the conversation an exact prefix hit.
 
-The engine hands an export over and goes on; the writes run as tasks on the event loop, after the sequence's final
-message was queued, so a slow or unreachable cache never delays a stream. Failures are counted and logged, never
-raised: the next turn then recomputes (or bounded-replays) what is missing.
+The engine hands an export over and goes on; the writes run as tasks on the event loop, started before the sequence's
+final message is queued, so a slow or unreachable cache never delays a token. The sequence keeps its tasks: its
+stream closes once they are done (service.py), after the final message, so a caller that waits for the close — the
+gateway, before the conversation's next turn — knows the next turn will find what this one wrote. Failures are
+counted and logged, never raised: the next turn then recomputes (or bounded-replays) what is missing.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ class WriteBack:
             return
         args = (seq.request_id, seq.params.salt, token_ids, blocks, state)
         try:
-            self.loop.call_soon_threadsafe(self._spawn, *args)
+            self.loop.call_soon_threadsafe(self._spawn, seq, *args)
         except RuntimeError:  # the loop is gone: the replica stopped
             self.metrics.writebacks.labels("dropped").inc()
 
-    def _spawn(self, *args: Any) -> None:
+    def _spawn(self, seq: Sequence, *args: Any) -> None:
+        """On the loop, before the sequence's final message (queued after this by the engine thread)."""
         task = self.loop.create_task(self._write(*args))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        seq.writebacks.append(task)
 
     async def _write(
         self,

@@ -1,13 +1,18 @@
 """Generate through real servers: prefill → cache → decode equals decode's own prefill; batching changes nothing;
-stop tokens, budgets, logprobs and seeds behave; a finished turn is written back so the next turn is an exact hit."""
+stop tokens, budgets, logprobs and seeds behave; a finished turn is written back, before its stream closes, so the next
+turn is an exact hit."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from service_mesh import Mesh, metric_value, token_ids, wait_until
+import grpc
+import pytest
+from service_mesh import WAIT_S, Mesh, Served, metric_value, new_id, token_ids
 
 from mesh.block_keys import block_keys, sequence_key
 from proto.decode.v1 import decode_pb2
@@ -118,10 +123,10 @@ def test_a_finished_turn_makes_the_next_an_exact_prefix_hit(mesh: Mesh, salt: by
     # The record covers the prompt and every reply token but the last (sampled, never run through the model).
     covered = ids + reply[:-1]
     record = sequence_key(covered, block_tokens=Bt, fingerprint=mesh.fingerprint, salt=salt)
-    with mesh.cache_client() as cache:
-        wait_until(lambda: cache.has_record(record), "the end-of-sequence SWA record")
+    with mesh.cache_client() as cache:  # the stream closed once they were written: the next turn cannot miss them
+        assert cache.has_record(record)
         keys = block_keys(covered, block_tokens=Bt, fingerprint=mesh.fingerprint, salt=salt)
-        wait_until(lambda: cache.lookup(keys) == len(keys), "the sequence's blocks")
+        assert cache.lookup(keys) == len(keys)
     turn2 = ids + reply + prompt(Bt)
     warm = mesh.prefill_tokens(turn2, salt)
     assert warm.swa_restored
@@ -132,3 +137,36 @@ def test_a_finished_turn_makes_the_next_an_exact_prefix_hit(mesh: Mesh, salt: by
     cold_reply, cold = mesh.generate(token_ids=token_ids(turn2), max_tokens=4, cache_salt=salt + b"/cold")
     assert cold[-1].usage.cached_tokens == 0
     assert warm_reply == cold_reply
+
+
+def test_a_finished_stream_closes_once_its_write_back_is_in_the_cache(
+    serve: Callable[..., Served], start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable, tmp_path: Path
+) -> None:
+    """The final message goes out at once; the stream closes only once the sequence's blocks and SWA record are in the
+    cache, so a caller that waits for the close (the gateway, before the conversation's next turn) cannot miss them.
+    The cache is a real process, stopped (SIGSTOP) while the sequence finishes: the stream stays open until it runs
+    again."""
+    cache = serve("cache_svc", "--data-dir", str(tmp_path))
+    mesh = start_mesh(cache=[cache.address], decode={"cache_timeout_s": WAIT_S})
+    ids = prompt(12)
+    request = decode_pb2.GenerateRequest(request_id=new_id(), token_ids=token_ids(ids), max_tokens=40, cache_salt=salt)
+    stream = mesh.decode_stub.Generate(request, timeout=WAIT_S)
+    tokens = list(next(stream).token_ids)  # the prompt is restored: decode is done reading the cache
+    cache.proc.send_signal(signal.SIGSTOP)
+    try:
+        for message in stream:
+            tokens += message.token_ids
+            if message.finish_reason:
+                break
+        assert len(tokens) == 40
+        with pytest.raises(grpc.FutureTimeoutError):  # still open: its write-back waits for the cache
+            stream.exception(timeout=0.5)
+    finally:
+        cache.proc.send_signal(signal.SIGCONT)
+    assert next(stream, None) is None  # closed once the cache took the writes
+    covered = ids + tokens[:-1]
+    Bt, fp = mesh.block_tokens, mesh.fingerprint
+    with mesh.cache_client() as client:
+        assert client.has_record(sequence_key(covered, block_tokens=Bt, fingerprint=fp, salt=salt))
+        keys = block_keys(covered, block_tokens=Bt, fingerprint=fp, salt=salt)
+        assert client.lookup(keys) == len(keys) == 3

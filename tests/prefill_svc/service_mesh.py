@@ -236,10 +236,12 @@ def prompt() -> Callable[[int], list[int]]:
 
 # ---------------------------------------------------------------------------------------------- subprocesses
 class Served:
-    """`python -m <package> serve ...` in a child process (port 0: it logs the one it bound)."""
+    """`python -m <package> serve ...` in a child process (port 0: it logs the one it bound); a model service serves
+    `tiny` on one thread."""
 
     def __init__(self, package: str, *flags: str, env: dict[str, str] | None = None) -> None:
-        command = [sys.executable, "-m", package, "serve", "--port", "0", "--model", "tiny", "--threads", "1", *flags]
+        model = ["--model", "tiny", "--threads", "1"] if package != "cache_svc" else []
+        command = [sys.executable, "-m", package, "serve", "--port", "0", *model, *flags]
         self.proc = subprocess.Popen(
             command,
             cwd=ROOT,
