@@ -6,6 +6,9 @@
   of 16, a 1,024-token prefill) and 1 MiB payloads, at 1, 8 and 32 concurrent clients, GB/s and p50/p99
   latency. Peers: Redis as LMCache would use it (in memory, no persistence) and Redis with the durability
   we give (AOF, fsync on every write). Ours fsyncs every commit (group commit) and reads from its DRAM tier.
+  Our client library keeps freed payload memory for reuse (cache_svc.heap); for gets a third peer, `redis+heap`,
+  is the in-memory Redis read by client processes with that same malloc setting, so that the comparison shows
+  what comes from the store and transport rather than from glibc's defaults.
 - restart: 1 M blocks on disk, time from process start to serving, and the p99 of a 64-key lookup with
   1 M blocks indexed; Redis reloading the same 1 M keys from its RDB, and 64 EXISTS in one pipeline.
 - trace: replay of the Mooncake conversation trace (512-token blocks → 8 of our blocks each) through a
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cache_svc.client import CacheClient  # noqa: E402
+from cache_svc.heap import keep_freed_memory  # noqa: E402
 from cache_svc.segment_log import SegmentLog  # noqa: E402
 
 BLOCK = 56_960  # 64 tokens × 890 B
@@ -169,6 +173,7 @@ class Cell:
     p50_ms: float = 0.0
     p99_ms: float = 0.0
     errors: int = 0
+    load_1m: float = 0.0  # the machine's 1-minute load average when the cell started
 
 
 def _payload(size: int, seed: int) -> bytes:
@@ -180,6 +185,7 @@ def _key(prefix: str, n: int) -> bytes:
 
 
 PUT_DB = 1  # Redis database of the put cells (flushed after each)
+HEAP_SUFFIX = "+heap"  # a Redis peer whose client processes use our malloc setting (cache_svc.heap)
 
 
 def _redis(address: str, db: int = 0) -> Any:
@@ -192,6 +198,8 @@ def _redis(address: str, db: int = 0) -> Any:
 def _client_ops(system: str, address: str, op: str, size: int, batch: int, keys: list[bytes]) -> Iterator[Any]:
     """A generator of zero-argument callables, each one operation of `batch` payloads."""
     payload = _payload(size, 1)
+    if system.endswith(HEAP_SUFFIX):
+        keep_freed_memory()
     if system == "ours":
         client = CacheClient(address, timeout_s=60)
         if op == "put":
@@ -258,6 +266,7 @@ def measure(
     system: str, address: str, op: str, size: int, batch: int, clients: int, seconds: float, keys: list[bytes], tag: str
 ) -> Cell:
     """Run `clients` concurrent clients spread over up to 4 processes; time `seconds` after a 20 % warm-up."""
+    load = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     processes = min(clients, 4)
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -292,7 +301,7 @@ def measure(
     for p in procs:
         p.join()
     kept = np.array([lat for _, lat in samples])
-    cell = Cell(system, op, size, batch, clients, errors=errors)
+    cell = Cell(system, op, size, batch, clients, errors=errors, load_1m=load)
     if kept.size:
         cell.ops = int(kept.size)
         cell.gb_s = kept.size * batch * size / seconds / 1e9
@@ -321,7 +330,7 @@ THROUGHPUT_SHAPES = [(BLOCK, 1), (BLOCK, 16), (MIB, 1)]
 def throughput(work: Path, seconds: float, clients: list[int], with_redis: bool) -> list[Cell]:
     """Every cell runs ours and the peers back to back, so load drift on the machine hits all of them."""
     cells: list[Cell] = []
-    total = len(THROUGHPUT_SHAPES) * len(clients) * 2 * (3 if with_redis else 1)
+    total = len(THROUGHPUT_SHAPES) * len(clients) * (4 + 3 if with_redis else 2)
     with tqdm(total=total, desc="throughput", unit="cell", disable=None) as progress:
         for size, batch in THROUGHPUT_SHAPES:
             run_dir = Path(tempfile.mkdtemp(dir=work))
@@ -332,11 +341,15 @@ def throughput(work: Path, seconds: float, clients: list[int], with_redis: bool)
             for n in clients:
                 for op in ("put", "get"):
                     for server in servers:
-                        tag = f"{op}/{size}/{batch}/{n}"
-                        cells.append(
-                            measure(server.name, server.address, op, size, batch, n, seconds, keys[server.name], tag)
-                        )
-                        progress.update()
+                        systems = [server.name]
+                        if op == "get" and server.name == "redis":
+                            systems.append(server.name + HEAP_SUFFIX)
+                        for system in systems:
+                            tag = f"{op}/{size}/{batch}/{n}"
+                            cells.append(
+                                measure(system, server.address, op, size, batch, n, seconds, keys[server.name], tag)
+                            )
+                            progress.update()
                         if op == "put" and server.name != "ours":
                             _redis(server.address, PUT_DB).flushdb()  # keep Redis memory to what gets need
             for server in servers:
@@ -347,7 +360,8 @@ def throughput(work: Path, seconds: float, clients: list[int], with_redis: bool)
 
 def _throughput_table(cells: list[Cell]) -> Table:
     table = Table(title="put / get: GB/s and latency (ratio = ours ÷ peer GB/s)")
-    for column in ("op", "payload", "batch", "clients", "system", "GB/s", "p50 ms", "p99 ms", "ours ÷ this"):
+    columns = ("op", "payload", "batch", "clients", "system", "GB/s", "p50 ms", "p99 ms", "ours ÷ this", "load")
+    for column in columns:
         table.add_column(column, justify="right")
     ours = {(c.op, c.size, c.batch, c.clients): c for c in cells if c.system == "ours"}
     for c in cells:
@@ -364,6 +378,7 @@ def _throughput_table(cells: list[Cell]) -> Table:
             f"{c.p50_ms:.2f}",
             f"{c.p99_ms:.2f}",
             ratio,
+            f"{c.load_1m:.1f}",
         )
     return table
 
