@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -391,38 +392,51 @@ def bench_attention(B: int, tiny: bool) -> list[Row]:
     return out
 
 
+def tuning_row(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want: torch.Tensor, nbytes: int) -> Row:
+    """One launch shape: its median time, and whether it computes what the default launch shape does."""
+    got = fn()
+    same = torch.equal(got, want) if got.dtype in (torch.int32, torch.bool) else torch.allclose(got, want, 1e-2, 1e-2)
+    return Row(kernel, shape, median_ms(fn), "", None, nbytes, extra={"same_as_default": float(same)})
+
+
+def tune(rows: list[Row], kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: int) -> None:
+    try:
+        rows.append(tuning_row(kernel, shape, fn, want, nbytes))
+    except Exception as error:  # a launch shape that does not compile or fit: noted, not fatal
+        print(f"  {kernel} {shape}: {type(error).__name__}: {error}"[:500], flush=True)
+
+
 def bench_tuning(tiny: bool) -> list[Row]:
-    """Launch shapes of the indexer and attention kernels, side by side (the defaults come from this table)."""
-    rows = []
+    """Launch shapes of the indexer, attention and top-k kernels side by side, each checked against the default
+    shape's output (the defaults come from this table)."""
+    rows: list[Row] = []
     B, S = (2, 256) if tiny else (64, 65_536)
     case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
+    want = indexer.indexer_scores_triton(*case)
     for block_s, warps in [(64, 4), (128, 4)] if tiny else [(64, 4), (128, 4), (128, 8), (256, 8), (256, 4), (512, 8)]:
-        try:
-            ms = median_ms(lambda b=block_s, w=warps: indexer.indexer_scores_triton(*case, block_s=b, num_warps=w))
-        except Exception as error:  # a launch shape that does not compile or fit: noted, not fatal
-            print(f"  tune indexer block_s={block_s} warps={warps}: {type(error).__name__}", flush=True)
-            continue
-        rows.append(Row("tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", ms, "", None,
-                        B * S * 68))  # fmt: skip
+        fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps)
+        tune(rows, "tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", fn, want, B * S * 68)
     shapes = [(16, 32, 8), (16, 64, 8), (32, 32, 8), (64, 16, 8), (64, 32, 8), (64, 32, 16), (64, 64, 16)]
     for B in [1] if tiny else [1, 64]:
-        case = (
-            attention_inputs(B, 1, 64, 64, 16, 256, 32, False)
-            if tiny
-            else attention_inputs(B, 1, 64, 512, 128, 65_536, 512, ragged=False)
-        )
+        if tiny:
+            case = attention_inputs(B, 1, 64, 64, 16, 256, 32, False)
+        else:
+            case = attention_inputs(B, 1, 64, 512, 128, 65_536, 512, ragged=False)
+        want = sparse_attn.sparse_attention_triton(*case)
         for block_h, block_n, warps in shapes[:2] if tiny else shapes:
-            try:
-                ms = median_ms(
-                    lambda c=case, h=block_h, n=block_n, w=warps: sparse_attn.sparse_attention_triton(
-                        *c, block_n=n, block_h=h, num_warps=w
-                    )
-                )
-            except Exception as error:
-                print(f"  tune attention {block_h}/{block_n}/{warps}: {type(error).__name__}", flush=True)
-                continue
-            rows.append(Row("tune attention", f"B={B} block_h={block_h} block_n={block_n} warps={warps}", ms, "",
-                            None, B * (128 * 528 + 512 * 288)))  # fmt: skip
+            fn = functools.partial(sparse_attn.sparse_attention_triton, *case, block_n=block_n, block_h=block_h,
+                                   num_warps=warps)  # fmt: skip
+            tune(rows, "tune attention", f"B={B} block_h={block_h} block_n={block_n} warps={warps}", fn, want,
+                 B * (128 * 528 + 512 * 288))  # fmt: skip
+    variants = [{}, {"num_warps": 8}, {"gather": 16384}, {"max_groups": 4096, "gather": 16384},
+                {"max_groups": 8192, "gather": 8192, "num_warps": 8},
+                {"max_groups": 4096, "gather": 8192, "num_warps": 4}]  # fmt: skip
+    for R, L in [(2, 4096)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]:
+        scores = randn(R, L, dtype=torch.bfloat16)
+        want = topk.topk_indices_triton(scores, 16 if tiny else 512, None)
+        for variant in variants[:2] if tiny else variants:
+            fn = functools.partial(topk.topk_indices_triton, scores, 16 if tiny else 512, None, **variant)
+            tune(rows, "tune topk", f"R={R} L={L} {variant or 'default'}", fn, want, R * L * 2)
     return rows
 
 
@@ -467,14 +481,17 @@ def filled_decode_batch(model, B: int, context: int, steps: int):
 def dense_decode_step(model, tokens: torch.Tensor, position: int, history: torch.Tensor, kv: torch.Tensor):
     """The dense-attention baseline of the same size: the same embedding, layers, Engram, MoE and head, but every
     attention layer's 8 heads attend to all `position` past tokens' 512-dim K = V latents in bf16 (one KV head, as
-    the model's shared latent) with torch SDPA, instead of window + selected FP4 entries. `kv` [B, 1, ctx, D] is
-    one buffer that every layer reads (each read is far beyond the L2, so it costs what 12 buffers would)."""
+    the model's shared latent) instead of window + selected FP4 entries: softmax(q·Kᵀ)·V as two batched matmuls
+    (torch's SDPA kernel for 512-dim heads does not split a long context over the GPU at batch 1). `kv` [B, ctx, D]
+    is one buffer that every layer reads (each read is far beyond the L2, so it costs what 12 buffers would)."""
     positions = torch.full(tokens.shape, position, device=DEVICE)
 
     def attend(block, x: torch.Tensor) -> torch.Tensor:
         attn = block.attn
-        _qr, q = attn.query(attn.cast_input(x), positions)  # [B, 1, H, D]: the heads as queries of one KV head
-        return attn.project_out(F.scaled_dot_product_attention(q, kv, kv), positions)
+        _qr, q = attn.query(attn.cast_input(x), positions)  # [B, 1, H, D]
+        logits = torch.bmm(q[:, 0], kv.transpose(1, 2)).float() * attn.softmax_scale  # [B, H, ctx]
+        o = torch.bmm(logits.softmax(-1).to(kv.dtype), kv)  # [B, H, D]
+        return attn.project_out(o[:, None], positions)
 
     X, pre = model.embed_stream(tokens)
     rows = model.engram_rows(tokens, history)
@@ -495,7 +512,7 @@ def dense_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
     """The dense baseline's decode step at `context` tokens (random bf16 K = V latents)."""
     tokens = torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE)
     history = torch.randint(0, model.args.vocab_size, (B, model.ngram.history_len), device=DEVICE)
-    kv = randn(B, 1, context, model.args.head_dim, dtype=model.dtype)
+    kv = randn(B, context, model.args.head_dim, dtype=model.dtype)
     return lambda: dense_decode_step(model, tokens, context, history, kv)
 
 
@@ -600,6 +617,8 @@ def print_table(rows: list[Row], copy: float) -> None:
         peer_ms = f"{r.peer_ms:9.4f}" if r.peer_ms else "        –"
         gbs = f"{bandwidth / 1e9:8.0f} {100 * bandwidth / copy:6.1f}%" if bandwidth else f"{'–':>8} {'–':>7}"
         print(f"{r.kernel:<20} {r.shape:<44} {r.ours_ms or 0:9.4f} {gbs} {r.peer:<16} {peer_ms} {speedup}")
+        if r.extra.get("same_as_default") == 0.0:
+            print(f"{'':<20}   ^ its output DIFFERS from the default launch shape's", flush=True)
         for key, label in (("dense_sdpa_ms", "dense SDPA"), ("dense_floor_ms", "dense floor")):
             if key in r.extra:
                 dense = r.extra[key]

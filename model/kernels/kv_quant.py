@@ -17,7 +17,6 @@ from model.kernels.formats import (
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
-    interpreting,
     ue8m0_decode,
     ue8m0_encode,
 )
@@ -32,7 +31,6 @@ FP4_UE8M0 = tl.constexpr(1)  # indexer q / K
 FP8_UE8M0 = tl.constexpr(2)  # SWA ring
 _BLOCKS = {FP4_E4M3.value: KV_BLOCK, FP4_UE8M0.value: INDEX_BLOCK, FP8_UE8M0.value: SWA_BLOCK}
 _TILE_ELEMENTS = 4096  # per program: a few KiB in, enough independent loads in flight
-INTERPRETING = tl.constexpr(interpreting())
 
 
 def quantize_kv_fp4_torch(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,19 +73,6 @@ def _block_scale(amax, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _divide(x, s):
-    """x / s correctly rounded, with one division per block instead of one per element (Markstein): y = RN(1/s),
-    q0 = RN(x·y) is within an ulp of x/s, the residual x − s·q0 is exact in an fma, and RN(q0 + r·y) is then x/s
-    correctly rounded. The interpreter has no fused multiply-add (it rounds twice), so it divides."""
-    if INTERPRETING:
-        return tl.math.div_rn(x, s)
-    y = tl.math.div_rn(1.0, s)
-    q0 = x * y
-    q = tl.fma(tl.fma(-q0, s, x), y, q0)
-    return tl.where(tl.abs(q0) == float("inf"), q0, q)  # an infinite x (its block scale saturates at 448)
-
-
-@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
 ):
@@ -108,7 +93,7 @@ def _quantize_kernel(
         tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], codes, mask=ok)
     else:
         # E4M3 scales need a correctly rounded division (as torch divides); 1/2^k is exact, so UE8M0 multiplies
-        q = _divide(xb, scale[:, :, None]) if FORMAT == FP4_E4M3 else xb * (1.0 / scale[:, :, None])
+        q = tl.math.div_rn(xb, scale[:, :, None]) if FORMAT == FP4_E4M3 else xb * (1.0 / scale[:, :, None])
         even, odd = tl.split(tl.reshape(e2m1_encode(q), (BLOCK_M, DP // 2, 2)))
         half = tl.arange(0, DP // 2)
         half_ok = (rows[:, None] < M) & (half[None, :] < D // 2)

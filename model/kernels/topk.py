@@ -54,7 +54,6 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 
 _TILE = 4096  # items the select kernel holds in registers (a short row, or the candidates); the group-max tile
 _MAX_GROUPS = 16384  # group maxima per row that the select kernel holds in registers at once
-_GATHER = 4096  # scores of passing groups the select kernel gathers per step
 
 
 @triton.jit
@@ -230,11 +229,11 @@ def _low_bit(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
-def _group_size(L: int, k: int) -> int:
-    """Positions per group: at most _MAX_GROUPS groups (the select kernel holds them in registers), at least 16
+def _group_size(L: int, k: int, max_groups: int) -> int:
+    """Positions per group: at most `max_groups` groups (the select kernel holds them in registers), at least 16
     positions (the group maxima stay a small fraction of the scores' bytes), but at least 4k groups when the row
     allows (so that few groups beyond the k best pass the threshold)."""
-    size = max(16, triton.next_power_of_2(triton.cdiv(L, _MAX_GROUPS)))
+    size = max(16, triton.next_power_of_2(triton.cdiv(L, max_groups)))
     while size > 1 and L // size < 4 * k:
         size //= 2
     return size
@@ -248,10 +247,14 @@ def topk_indices_triton(
     group_size: int | None = None,
     capacity: int | None = None,
     tile: int = _TILE,
+    max_groups: int = _MAX_GROUPS,
+    gather: int | None = None,
+    num_warps: int | None = None,
 ) -> Tensor:
-    """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two)
-    and `capacity` candidate slots per row; `tile` is the select kernel's register tile. The defaults suit
-    k ≤ 4096; tests shrink them to reach every path."""
+    """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
+    default: at most `max_groups` groups) and `capacity` candidate slots per row, gathering `gather` scores per step;
+    `tile` is the select kernel's register tile, `num_warps` its warps. The defaults suit k ≤ 4096; tests shrink
+    them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
@@ -262,11 +265,11 @@ def topk_indices_triton(
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
     direct = scores.shape[1] <= direct_max
-    GS = 1 if direct else (group_size or _group_size(L, k))
+    GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
     NGP = 1 if direct else triton.next_power_of_2(NG)
     C = 0 if direct else (capacity or max(2 * tile, 4 * KP))
-    gather = max(tile, GS)
+    gather = max(gather or tile, GS)
     gmax = torch.empty((R, NG) if not direct else (0,), dtype=torch.uint32, device=device)
     glist = torch.empty((R, NGP) if not direct else (0,), dtype=torch.int32, device=device)
     ckey = torch.empty((R, C), dtype=torch.uint32, device=device)
@@ -278,5 +281,5 @@ def topk_indices_triton(
                                         num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
                          has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
-                         num_warps=16 if NGP >= 8192 else 8)  # fmt: skip
+                         num_warps=num_warps or (16 if NGP >= 8192 else 8))  # fmt: skip
     return out
