@@ -41,6 +41,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     stall_timeout_s: the longest wait for the next decode message before the stream is declared dead
     request_timeout_s: deadline of a whole generation
     handoff_lease_s: how long a handoff record waits for its decode (0: the prefill's default)
+    writeback_wait_s: how long a conversation's next turn waits for its previous turn's write-back (0: never)
     load_interval_s: how often every replica's load (GetLoad) and the cache's health are polled
     inhibit_s: a replica that failed a call gets no new work for this long
     affinity_entries: conversations (prefix keys) whose replica is remembered
@@ -72,6 +73,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     stall_timeout_s: Seconds = 60.0
     request_timeout_s: Seconds = 1800.0
     handoff_lease_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    writeback_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     load_interval_s: Seconds = 0.5
     inhibit_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     affinity_entries: Positive = 100_000

@@ -14,6 +14,7 @@ decode message must come within `stall_timeout_s` of the previous one, so a froz
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -26,6 +27,7 @@ from gateway.errors import GatewayError, Kind
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import CacheHealth, ReplicaState
 from gateway.router import Router
+from gateway.writebacks import WriteBacks
 from mesh.logging import get_logger
 from proto.decode.v1 import decode_pb2
 from proto.prefill.v1 import prefill_pb2
@@ -46,6 +48,7 @@ class Settings(msgspec.Struct, frozen=True):
     stall_timeout_s: float
     request_timeout_s: float
     handoff_lease_s: float
+    writeback_wait_s: float
 
 
 class Backends:
@@ -56,13 +59,15 @@ class Backends:
         self.router = router
         self.cache = cache
         self.metrics = metrics
+        self.writebacks = WriteBacks()
         self._background: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run `coro` detached from the request (it must outlive a cancelled one); failures are logged."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._done)
+        return task
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -70,7 +75,7 @@ class Backends:
             log.warning("background_call_failed", error=repr(task.exception()))
 
     async def drain(self) -> None:
-        """Wait for the aborts already sent."""
+        """Wait for the aborts already sent and the finished streams still closing."""
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
@@ -105,6 +110,7 @@ class Generation:
         self._deadline = time.monotonic() + backends.settings.request_timeout_s
 
     async def open(self) -> None:
+        await self._settle()
         handle = await self._prefill()
         self._first = await self._open_decode(handle)
 
@@ -113,8 +119,11 @@ class Generation:
         message = self._first
         while True:
             final = message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED
-            if final:
-                self._call = None  # finished: nothing to stop any more
+            if final and self._call is not None:  # finished: nothing to stop any more, its write-back under way
+                call, self._call = self._call, None
+                if self.backends.settings.writeback_wait_s > 0:
+                    closing = self.backends.spawn(_closed(call, self.backends.settings.writeback_wait_s))
+                    self.backends.writebacks.track(self.prompt.affinity, closing)
             yield message
             if final or self._call is None:
                 return
@@ -130,6 +139,15 @@ class Generation:
         self._abort(self.replica, reason)
 
     # -- prefill -------------------------------------------------------------------------------------------
+
+    async def _settle(self) -> None:
+        """Let the conversation's previous turn finish writing its SWA record first (gateway/writebacks.py)."""
+        b = self.backends
+        if b.settings.writeback_wait_s <= 0:
+            return
+        settled = await b.writebacks.settle(self.prompt.affinity, b.settings.writeback_wait_s)
+        if settled is not None:
+            b.metrics.writeback_waits.labels("settled" if settled else "timeout").inc()
 
     async def _prefill(self) -> bytes | None:
         """The handoff handle, or None when decode must prefill from the token ids (a fallback)."""
@@ -276,6 +294,12 @@ class Generation:
         request_id = self.prompt.request_id
         log.info("decode_abort", request_id=request_id, replica=state.name, reason=reason)
         self.backends.spawn(_send_abort(state, request_id))
+
+
+async def _closed(call: Any, wait_s: float) -> None:
+    """Until decode closes a finished stream, which it does once the sequence's write-back is done (at most wait_s)."""
+    with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+        await asyncio.wait_for(call.read(), wait_s)
 
 
 async def _send_abort(state: ReplicaState, request_id: str) -> None:

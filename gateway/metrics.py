@@ -36,6 +36,9 @@ class GatewayMetrics:
         self.retries = counter("retries", "Calls re-sent to another replica (or path)", ("role", "reason"))
         self.fallbacks = counter("fallbacks", "Requests decode prefilled itself, without reuse", ("reason",))
         self.cancellations = counter("cancellations", "Generations stopped early (decode aborted)", ("reason",))
+        self.writeback_waits = counter(
+            "writeback_waits", "Turns that waited for their previous turn's write-back, by outcome", ("outcome",)
+        )
         self.bounded_replays = counter("bounded_replays", "Generations whose SWA state was rebuilt by bounded replay")
         self.decode_messages = counter("decode_messages", "Decode messages carrying tokens (one per engine step)")
         self.draft_proposed = counter("dspark_draft_tokens_proposed", "DSpark draft tokens proposed (decode usage)")

@@ -91,6 +91,7 @@ class GatewayServer:
             stall_timeout_s=cfg.stall_timeout_s,
             request_timeout_s=cfg.request_timeout_s,
             handoff_lease_s=cfg.handoff_lease_s,
+            writeback_wait_s=cfg.writeback_wait_s,
         )
         admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s, self._admission_changed)
         codec = Codec(
