@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     log = configure_logging("train", level=cfg.log_level, json=not sys.stderr.isatty())
     log.info("config", **config_dict(cfg))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # data-loader workers fork after the parent tokenised
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # batches of many shapes
     from train.trainer import Trainer  # torch is imported only once the flags are valid
 
     try:

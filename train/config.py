@@ -24,10 +24,10 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     base_steps: backbone steps (0: by time)
     qat_steps: QAT steps (0: by time)
     dspark_steps: DSpark steps (0: by time)
-    batch_budget: tokens per backbone batch (rows × padded length)
-    dspark_batch_budget: tokens per DSpark batch
+    batch_budget: tokens per backbone batch (rows × padded length); fewer where the GPU's memory is short
+    dspark_batch_budget: tokens per DSpark batch (likewise)
     draft_rows: at most this many draft rows (rows × anchors × block) per DSpark batch
-    anchors: anchors per DSpark batch (shared by its rows)
+    anchors: anchors per row of a DSpark batch
     max_len: longest training sequence
     lr: peak learning rate of the backbone
     qat_lr: peak learning rate of the QAT phase and the twin
@@ -36,6 +36,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     replay_share: share of conversation batches trained with a truncated decoder window (bounded replay)
     twin: also train the no-QAT twin for the QAT claim
     eval_every: steps between held-out evaluations
+    heldout_tokens: tokens per held-out batch (two of text, two of tool conversations: the same sets in every run)
     save_every: steps between resumable saves
     workers: data-loader processes
     log_level: debug, info, warning or error
@@ -45,28 +46,29 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     work_dir: str = ""
     preset: str = "demo"
     init: str = ""
-    mix: tuple[float, float, float, float] = (0.25, 0.45, 0.10, 0.20)
+    mix: tuple[float, float, float, float] = (0.20, 0.55, 0.10, 0.15)
     seed: int = 0
     device: str = "auto"
-    minutes: float = 6.0
-    base_share: float = 0.45
-    qat_share: float = 0.15
-    dspark_share: float = 0.22
+    minutes: float = 7.5
+    base_share: float = 0.60
+    qat_share: float = 0.06
+    dspark_share: float = 0.28
     base_steps: int = 0
     qat_steps: int = 0
     dspark_steps: int = 0
-    batch_budget: int = 32768
-    dspark_batch_budget: int = 16384
-    draft_rows: int = 8192
+    batch_budget: int = 131072
+    dspark_batch_budget: int = 32768
+    draft_rows: int = 12288
     anchors: int = 48
-    max_len: int = 1024
-    lr: float = 3e-3
+    max_len: int = 768
+    lr: float = 4e-3
     qat_lr: float = 1e-3
     dspark_lr: float = 3e-3
     warmup: int = 30
     replay_share: float = 0.25
     twin: bool = True
     eval_every: int = 50
+    heldout_tokens: int = 8192
     save_every: int = 200
     workers: int = 4
     log_level: str = "info"

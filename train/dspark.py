@@ -3,7 +3,7 @@
 For an anchor p (the newest committed position), serving drafts γ tokens from the block [t_{p+1}, noise × (γ−1)]
 at positions p+1 … p+γ against the DSpark ring of positions (p−W, p]; `model.dspark.draft_logits` is the dense,
 differentiable, teacher-forced form of that draft (x_{k−1} = t_{p+k} for the Markov head). Training picks A
-anchors per batch where the pending token is one the model learns, and scores the drafts of learned tokens:
+anchors per row where the pending token is one the model learns, and scores the drafts of learned tokens:
 
     L = 0.1·CE(p_d, t) + 0.9·Σₖ wₖ ‖p_d,k − p_t,k‖₁ + 1.0·BCE(cₖ, 1 − ½‖p_d,k − p_t,k‖₁),   wₖ = exp(−(k−1)/γ)
 
@@ -37,27 +37,34 @@ class DraftOutput:
 
 
 def pick_anchors(targets: Tensor, n: int, gamma: int, generator: torch.Generator | None = None) -> Tensor:
-    """[≤ n] anchor positions p (p + γ < T), drawn without replacement, weighted by how many rows learn t_{p+1}."""
+    """[B, ≤ n] anchor positions p per row (p + γ < T, sorted), drawn without replacement among the positions whose
+    next token the row learns; a row with fewer such positions fills up with others (their drafts are invalid)."""
     T = targets.shape[1]
     count = T - gamma - 1
     if count < 1:
         raise ValueError(f"sequences of {T} tokens are too short for a block of {gamma} drafts")
-    weights = targets[:, 1 : count + 1].float().sum(0) + 1e-6  # every position stays possible
-    return torch.multinomial(weights, min(n, count), replacement=False, generator=generator).sort().values
+    weights = targets[:, 1 : count + 1].float() + 1e-6  # every position stays possible
+    return torch.multinomial(weights, min(n, count), replacement=False, generator=generator).sort(-1).values
 
 
 def draft_forward(model: Transformer, tokens: Tensor, targets: Tensor, anchors: Tensor) -> DraftOutput:
-    """The frozen target's forward, then DSpark's draft of every anchor's block."""
+    """The frozen target's forward, then DSpark's draft of every anchor's block (anchors [B, A] or shared [A])."""
     g = model.args.dspark_block_size
+    B, T = tokens.shape
+    anchors = anchors.expand(B, -1)
+    A = anchors.shape[1]
     with torch.no_grad():
-        target_logits, taps = model(tokens, return_taps=True)
+        X, pre, taps = model.features(tokens)
     logits, confidence = draft_logits(model, tokens, taps, anchors)
-    B, A = tokens.shape[0], anchors.shape[0]
-    rows = anchors.unsqueeze(1) + 1 + torch.arange(g, device=tokens.device)  # positions p+1 … p+γ
-    drafted = (rows + 1).clamp(max=tokens.shape[1] - 1)  # the token each row predicts
-    valid = targets[:, drafted] & (rows + 1 < tokens.shape[1]) & targets[:, anchors + 1].unsqueeze(-1)
-    target = target_logits[:, rows.flatten()].view(B, A, g, -1).softmax(-1)
-    return DraftOutput(logits, confidence, target, tokens[:, drafted], valid)
+    rows = (anchors.unsqueeze(-1) + 1 + torch.arange(g, device=tokens.device)).flatten(1)  # [B, A·γ]: p+1 … p+γ
+    drafted = (rows + 1).clamp(max=T - 1)  # the token each row predicts
+    learned = targets.gather(1, drafted) & (rows + 1 < T) & targets.gather(1, anchors + 1).repeat_interleave(g, 1)
+    with torch.no_grad():
+        at = rows.unsqueeze(-1).unsqueeze(-1)
+        streams = X.gather(1, at.expand(-1, -1, *X.shape[2:]))  # [B, A·γ, n, C]
+        mix = pre.gather(1, at.squeeze(-1).expand(-1, -1, pre.shape[-1]))
+        target = model.logits(streams, mix).softmax(-1).view(B, A, g, -1)
+    return DraftOutput(logits, confidence, target, tokens.gather(1, drafted).view(B, A, g), learned.view(B, A, g))
 
 
 def dspark_loss(out: DraftOutput) -> tuple[Tensor, dict[str, float]]:

@@ -40,6 +40,7 @@ from recipe import Assistant, Conversation, ToolCall, render, render_history
 from train import batches as batching
 from train import calibrate, data, tools
 from train.export import REPORT_FILE
+from train.loss import learned_token_loss
 from train.parse import parse_assistant
 
 
@@ -50,11 +51,8 @@ def heldout_losses(model: Transformer, sets: dict[str, list[batching.Batch]]) ->
     for kind, batches in sets.items():
         total, count = 0.0, 0
         for batch in batches:
-            batch = batch.to(model.device)
-            logits = model(batch.tokens)
-            mask = batch.targets[:, 1:]
-            losses = F.cross_entropy(logits[:, :-1][mask].float(), batch.tokens[:, 1:][mask], reduction="sum")
-            total, count = total + float(losses), count + int(mask.sum())
+            loss, n = learned_token_loss(model, batch.to(model.device))
+            total, count = total + float(loss), count + n
         out[kind] = total / count if count else math.nan  # a set may hold no learned token (truncation)
     return out
 

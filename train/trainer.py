@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -37,8 +36,10 @@ from train.batches import CONVERSATION_KINDS, Batch, StepBatches, held_out_batch
 from train.config import TrainConfig
 from train.eval import heldout_losses
 from train.export import export_checkpoint
+from train.loss import learned_token_loss
 
 BIAS_SPEED = 1e-3  # noaux_tc routing-bias update per step (reference §2.7)
+MEMORY_SHARE = 0.8  # a phase's worst-case step may take this share of the GPU's memory (room for fragmentation)
 
 
 @dataclass
@@ -47,14 +48,29 @@ class PhaseResult:
     seconds: float
     last_loss: float
     heldout: dict[str, float]
+    batch_tokens: int  # token budget per batch (rows × padded length)
+    throughput: dict[str, float]
+
+
+class Throughput:
+    """Token slots (padding included) and learned tokens per second since the first batch was taken."""
+
+    def __init__(self) -> None:
+        self.start, self.slots, self.learned = time.monotonic(), 0, 0
+
+    def add(self, batch: Batch) -> None:
+        self.slots += batch.tokens.numel()
+        self.learned += batch.n_targets
+
+    def rates(self) -> dict[str, float]:
+        seconds = max(time.monotonic() - self.start, 1e-9)
+        return {"tokens_per_s": round(self.slots / seconds), "learned_per_s": round(self.learned / seconds)}
 
 
 def lm_loss(model: Transformer, batch: Batch, replay_start: int = 0) -> Tensor:
     """Mean next-token cross-entropy over the learned tokens of a batch."""
-    logits = model(batch.tokens, replay_start=replay_start)
-    labels = torch.where(batch.targets[:, 1:], batch.tokens[:, 1:], -100)
-    labels = F.pad(labels, (0, 1), value=-100)  # the last position predicts nothing
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+    total, count = learned_token_loss(model, batch, replay_start)
+    return total / max(count, 1)
 
 
 class RoutingBalance:
@@ -106,8 +122,9 @@ class Trainer:
         self.work = cfg.work
         self.work.mkdir(parents=True, exist_ok=True)
         self.report: dict[str, Any] = self._load_report()
+        self.fitted: dict[tuple[str, int], int] = {}  # (footprint, requested) → tokens per batch (fit_budget)
         self.heldout = {
-            kind: held_out_batches(cfg.seed, kind, 2, cfg.batch_budget // 4, cfg.max_len) for kind in ("text", "tool")
+            kind: held_out_batches(cfg.seed, kind, 2, cfg.heldout_tokens, cfg.max_len) for kind in ("text", "tool")
         }
 
     # ------------------------------------------------------------------------------------------ bookkeeping
@@ -152,6 +169,48 @@ class Trainer:
             yield batch.to(self.device)
 
     # -------------------------------------------------------------------------------------------- the loop
+    def fit_budget(
+        self, name: str, model: Transformer, requested: int, trial: Callable[[Batch], Tensor], footprint: str
+    ) -> int:
+        """The largest of `requested`, ¾ of it, ¾ of that, … tokens per batch whose worst case (rows of max_len
+        tokens, every one learned) trains within MEMORY_SHARE of the GPU's memory; `requested` on a CPU.
+
+        `trial(batch)` is the phase's loss of a batch; its gradients are dropped. Phases of the same `footprint`
+        asking for the same budget share the first one's answer (QAT's stored-format weights add little to the
+        backbone's memory).
+        """
+        if self.device.type != "cuda":
+            return requested
+        if (footprint, requested) in self.fitted:
+            return self.fitted[footprint, requested]
+        cfg, budget = self.cfg, requested
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        generator = torch.Generator().manual_seed(cfg.seed)
+        while True:
+            rows = max(1, budget // cfg.max_len)
+            tokens = torch.randint(3, self.args.vocab_size, (rows, cfg.max_len), generator=generator)
+            worst = Batch("probe", tokens, torch.ones_like(tokens, dtype=torch.bool)).to(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            try:
+                self._trial_step(trial, worst)
+                peak = torch.cuda.max_memory_allocated(self.device)
+            except torch.cuda.OutOfMemoryError:
+                peak = math.inf
+            model.zero_grad(set_to_none=True)
+            fits = peak <= MEMORY_SHARE * total
+            self.log.info("batch fit", phase=name, tokens=budget, peak_gib=round(peak / 2**30, 1), fits=fits)
+            if fits or rows == 1:
+                torch.cuda.empty_cache()
+                self.fitted[footprint, requested] = budget
+                return budget
+            budget = (rows * 3 // 4) * cfg.max_len
+
+    def _trial_step(self, trial: Callable[[Batch], Tensor], batch: Batch) -> None:
+        with self.autocast():
+            loss = trial(batch)
+        loss.backward()
+
     def run_phase(
         self,
         name: str,
@@ -161,23 +220,30 @@ class Trainer:
         schedule: Schedule,
         kinds: tuple[str, ...],
         tokens: int,
+        footprint: str,
         evaluate: Callable[[], dict[str, float]] | None = None,
     ) -> PhaseResult:
         """Optimise `params` on `step_loss` until the schedule ends; resumable from `<name>.partial.pt`.
 
-        Every `eval_every` steps the step is logged, with `evaluate()`'s held-out figures when given.
+        `tokens` per batch, or fewer where the worst case would not fit in GPU memory (`fit_budget`). Every
+        `eval_every` steps the step is logged with the throughput, and with `evaluate()`'s held-out figures when given.
         """
         cfg = self.cfg
-        optimizer = torch.optim.AdamW(params, lr=schedule.peak, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            params, lr=schedule.peak, betas=(0.9, 0.95), weight_decay=0.0, fused=self.device.type == "cuda"
+        )
         step, elapsed, loss_value = 0, 0.0, math.nan
         partial = self._state(f"{name}.partial")
         if partial is not None:
             model.load_state_dict(partial["model"])
             optimizer.load_state_dict(partial["optimizer"])
-            step, elapsed = partial["step"], partial["elapsed"]
-            self.log.info("resume", phase=name, step=step, elapsed=round(elapsed, 1))
+            step, elapsed, tokens = partial["step"], partial["elapsed"], partial["tokens"]
+            self.log.info("resume", phase=name, step=step, elapsed=round(elapsed, 1), tokens=tokens)
+        else:
+            tokens = self.fit_budget(name, model, tokens, lambda batch: step_loss(batch, 0)[0], footprint)
         balance = RoutingBalance(model)
         start = time.monotonic() - elapsed
+        seen = Throughput()
         bar = tqdm(desc=name, total=schedule.steps or None, initial=step, unit="step", dynamic_ncols=True)
         for batch in self.batches(step, kinds, tokens):
             elapsed = time.monotonic() - start
@@ -193,20 +259,21 @@ class Trainer:
             optimizer.step()
             balance.update()
             loss_value, step = float(loss.detach()), step + 1
+            seen.add(batch)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", kind=batch.kind)
             if step % cfg.eval_every == 0 or step == 1:
                 heldout = evaluate() if evaluate is not None and step % cfg.eval_every == 0 else {}
                 self.log.info("step", phase=name, step=step, loss=round(loss_value, 4), kind=batch.kind,
                               grad_norm=round(grad_norm, 3), lr=f"{optimizer.param_groups[0]['lr']:.2e}",
-                              elapsed=round(elapsed, 1), **{k: round(v, 4) for k, v in info.items()},
+                              elapsed=round(elapsed, 1), **seen.rates(), **{k: round(v, 4) for k, v in info.items()},
                               **{f"heldout_{k}": round(v, 4) for k, v in heldout.items()})  # fmt: skip
             if step % cfg.save_every == 0:
                 self._save(f"{name}.partial", {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                               "step": step, "elapsed": elapsed})  # fmt: skip
+                                               "step": step, "elapsed": elapsed, "tokens": tokens})  # fmt: skip
         bar.close()
         balance.close()
-        return PhaseResult(step, time.monotonic() - start, loss_value, {})
+        return PhaseResult(step, time.monotonic() - start, loss_value, {}, tokens, seen.rates())
 
     def lm_phase(self, name: str, model: Transformer, peak: float, steps: int, seconds: float) -> PhaseResult:
         cfg = self.cfg
@@ -226,7 +293,9 @@ class Trainer:
 
         params = [p for p in model.parameters() if p.requires_grad]
         schedule = Schedule(peak, cfg.warmup, steps, seconds)
-        result = self.run_phase(name, model, params, step_loss, schedule, data.KINDS, cfg.batch_budget, evaluate)
+        result = self.run_phase(
+            name, model, params, step_loss, schedule, data.KINDS, cfg.batch_budget, "backbone", evaluate
+        )
         result.heldout = evaluate()
         return result
 
@@ -291,6 +360,12 @@ class Trainer:
         self.log.info("qat claim", **claim)
         return claim
 
+    def anchors(self, batch: Batch, generator: torch.Generator) -> Tensor:
+        """Per-row DSpark anchors: `anchors` per row, fewer where rows × anchors × γ would pass `draft_rows`."""
+        g = self.args.dspark_block_size
+        n = max(1, min(self.cfg.anchors, self.cfg.draft_rows // (batch.tokens.shape[0] * g)))
+        return dspark.pick_anchors(batch.targets.cpu(), n, g, generator).to(self.device)
+
     def dspark(self, model: Transformer) -> Transformer:
         done = self._state("dspark")
         if done is not None:
@@ -303,31 +378,27 @@ class Trainer:
         generator = torch.Generator().manual_seed(cfg.seed)
 
         def step_loss(batch: Batch, step: int) -> tuple[Tensor, dict[str, float]]:
-            n = max(1, min(cfg.anchors, cfg.draft_rows // (batch.tokens.shape[0] * self.args.dspark_block_size)))
-            anchors = dspark.pick_anchors(batch.targets.cpu(), n, self.args.dspark_block_size, generator)
-            out = dspark.draft_forward(model, batch.tokens, batch.targets, anchors.to(self.device))
+            out = dspark.draft_forward(model, batch.tokens, batch.targets, self.anchors(batch, generator))
             loss, parts = dspark.dspark_loss(out)
             return loss, {**parts, "accepted_length": dspark.expected_accepted_length(out)}
 
         params = [p for p in model.mtp.parameters() if p.requires_grad]
         schedule = Schedule(cfg.dspark_lr, cfg.warmup, cfg.dspark_steps, self.budget(cfg.dspark_share))
         result = self.run_phase(
-            "dspark", model, params, step_loss, schedule, CONVERSATION_KINDS, cfg.dspark_batch_budget
+            "dspark", model, params, step_loss, schedule, CONVERSATION_KINDS, cfg.dspark_batch_budget, "dspark"
         )
         self.finish_phase("dspark", model, result)
         return model
 
     def calibrate(self, model: Transformer) -> calibrate.Calibration:
-        cfg, g = self.cfg, self.args.dspark_block_size
+        cfg = self.cfg
         generator = torch.Generator().manual_seed(cfg.seed + 1)
         logits, accepted, valid, lengths = [], [], [], []
         with torch.no_grad(), self.autocast():
             for kind in CONVERSATION_KINDS:
                 for batch in held_out_batches(cfg.seed, kind, 2, cfg.dspark_batch_budget, cfg.max_len):
                     batch = batch.to(self.device)
-                    n = max(1, min(cfg.anchors, cfg.draft_rows // (batch.tokens.shape[0] * g)))
-                    anchors = dspark.pick_anchors(batch.targets.cpu(), n, g, generator).to(self.device)
-                    out = dspark.draft_forward(model, batch.tokens, batch.targets, anchors)
+                    out = dspark.draft_forward(model, batch.tokens, batch.targets, self.anchors(batch, generator))
                     rows = out.valid[..., 0]
                     logits.append(out.confidence[rows])
                     accepted.append(dspark.greedy_acceptance(out)[rows])

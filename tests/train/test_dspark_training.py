@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model import SamplingParams, Transformer
+from model import SamplingParams, Transformer, draft_logits
 from train import calibrate, dspark
 
 
@@ -30,6 +30,24 @@ def test_dense_draft_equals_the_serving_draft(tiny: Transformer) -> None:
     )
     assert bool(out.valid[0, 0].all())
     assert out.labels[0, 0].tolist() == tokens[0, p + 2 : p + 2 + a.dspark_block_size].tolist()
+    with torch.no_grad():  # the target distribution of draft k is the full forward's at position p+1+k
+        full = tiny(tokens)[0, p + 1 : p + 1 + a.dspark_block_size].softmax(-1)
+    torch.testing.assert_close(out.target[0, 0], full)
+
+
+def test_per_row_anchors_draft_as_each_row_alone(tiny: Transformer) -> None:
+    """Anchors [B, A] (one set per row) give each row the draft it gets alone with its anchors shared."""
+    torch.manual_seed(5)
+    tokens = torch.randint(3, 5000, (2, 40))
+    with torch.no_grad():
+        _, _, taps = tiny.features(tokens)
+        anchors = torch.tensor([[3, 17, 30], [0, 21, 34]])
+        logits, confidence = draft_logits(tiny, tokens, taps, anchors)
+        for row in range(2):
+            alone, alone_confidence = draft_logits(tiny, tokens[row : row + 1], taps[row : row + 1], anchors[row])
+            torch.testing.assert_close(logits[row], alone[0])
+            torch.testing.assert_close(confidence[row], alone_confidence[0])
+    assert not torch.allclose(logits[0], logits[1])
 
 
 def test_loss_trains_only_dspark_and_drops_invalid_drafts(tiny: Transformer) -> None:
@@ -39,13 +57,15 @@ def test_loss_trains_only_dspark_and_drops_invalid_drafts(tiny: Transformer) -> 
     targets = torch.zeros(2, 24, dtype=torch.bool)
     targets[0, 10:20] = True  # row 1 has nothing to learn
     anchors = dspark.pick_anchors(targets, 6, a.dspark_block_size, torch.Generator().manual_seed(0))
-    assert bool(targets[0, anchors + 1].all())
+    assert anchors.shape == (2, 6)
+    assert bool(targets[0].gather(0, anchors[0] + 1).all())  # row 0 anchors where its next token is learned
     out = dspark.draft_forward(tiny, tokens, targets, anchors)
     assert not bool(out.valid[1].any())
     drafted = anchors.unsqueeze(-1) + 2 + torch.arange(a.dspark_block_size)
     for i, k in out.valid[0].nonzero().tolist():
-        assert drafted[i, k] < 24
-        assert targets[0, drafted[i, k]]
+        assert drafted[0, i, k] < 24
+        assert targets[0, drafted[0, i, k]]
+        assert out.labels[0, i, k] == tokens[0, drafted[0, i, k]]
     assert bool(out.valid[0].any())
     tiny.zero_grad(set_to_none=True)
     loss, parts = dspark.dspark_loss(out)
