@@ -4,13 +4,17 @@
     python bench/kernels.py --bench all                    # every section, then the table, JSON and plots
     python bench/kernels.py --bench topk,attention-1 --parts DIR   # some sections, each writing DIR/<section>.json
     python bench/kernels.py --report --parts DIR           # merge DIR/*.json: table (stdout), kernels.json, PNGs
+    python bench/kernels.py --check --bench all --isolated --deadline 300   # one process per item (the GPU run)
     python bench/kernels.py --tiny --check --bench all     # smoke run of this script on CPU (Triton interpreter)
 
 A CUDA fault (an illegal address) poisons the process's context, so a GPU run starts one process per section
-(`--bench SECTION --parts DIR`) and merges them with `--report`. For each kernel: median time (CUDA-graph replay),
-effective bandwidth = bytes it must move / time, that as a % of the device-to-device copy bandwidth (section
-`copy`), and the speed-up over the torch peer measured in the same process. The `step-*` sections time a whole
-`small`-preset decode step against a dense-attention model of the same size (`decode_step_bench`).
+(`--isolated`: the checks, then each section, each under a time limit, none started after `--deadline` seconds)
+and merges them with `--report`; a section rewrites its JSON after every row, so a stopped one keeps its rows.
+
+For each kernel: median time (CUDA-graph replay), effective bandwidth = bytes it must move / time, that as a % of
+the device-to-device copy bandwidth (section `copy`), and the speed-up over the torch peer measured in the same
+process. The `step-*` sections time a whole `small`-preset decode step against a dense-attention model of the same
+size (`decode_step_bench`); the `tune-*` sections compare launch shapes, each checked against the default's output.
 
 Imports only torch, triton, numpy, matplotlib and the standard library besides the model (the GPU image has
 nothing else).
@@ -25,9 +29,10 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -304,70 +309,63 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
 # ----------------------------------------------------------------------------------------------- kernel sections
 
 
-def bench_copy(tiny: bool) -> list[Row]:
+def bench_copy(tiny: bool) -> Iterator[Row]:
     """Device-to-device copy of fp32 (16-byte vector accesses): the bandwidth ceiling of the % copy column."""
     nbytes = 1 << 20 if tiny else 2 * GiB
     src = randn(nbytes // 4)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
-    return [Row("copy", f"{nbytes / GiB:.2f} GiB fp32", ms, "", None, 2 * nbytes)]
+    yield Row("copy", f"{nbytes / GiB:.2f} GiB fp32", ms, "", None, 2 * nbytes)
 
 
-def bench_quantisers(tiny: bool) -> list[Row]:
+def bench_quantisers(tiny: bool) -> Iterator[Row]:
     rows = 64 if tiny else 1 << 20
-    out = []
     x = randn(rows, 512, dtype=torch.bfloat16)
     shape = f"{rows}×512 bf16 ({x.numel() * 2 / GiB:.2f} GiB)"
     for fmt, out_bytes in (("kv_fp4", 288), ("index_fp4", 256 + 16), ("swa_fp8", 528)):
         fn = getattr(kernels, f"quantize_{fmt}")
         ours = median_ms(lambda fn=fn: fn(x, backend="triton"))
         peer = median_ms(lambda fn=fn: fn(x, backend="torch"))
-        out.append(Row(f"quantise {fmt}", shape, ours, "torch reference", peer, rows * (1024 + out_bytes)))
+        yield Row(f"quantise {fmt}", shape, ours, "torch reference", peer, rows * (1024 + out_bytes))
     data, scale = kernels.quantize_kv_fp4(x, backend="triton")
     ours = median_ms(lambda: kernels.dequantize_kv_fp4(data, scale, torch.bfloat16, backend="triton"))
     peer = median_ms(lambda: kernels.dequantize_kv_fp4(data, scale, torch.bfloat16, backend="torch"))
-    out.append(Row("dequantise kv_fp4", shape, ours, "torch reference", peer, rows * (288 + 1024)))
-    return out
+    yield Row("dequantise kv_fp4", shape, ours, "torch reference", peer, rows * (288 + 1024))
 
 
-def bench_indexer(tiny: bool) -> list[Row]:
-    out = []
+def bench_indexer(tiny: bool) -> Iterator[Row]:
     for B, T, S in [(2, 1, 256)] if tiny else [(64, 1, 65_536), (8, 1, 1_048_576), (1, 1024, 65_536)]:
         case = indexer_inputs(B, T, 32, 128, S, ragged=False)
         ours = median_ms(lambda case=case: kernels.indexer_scores(*case, backend="triton"))
         peer = median_ms(lambda case=case: kernels.indexer_scores(*case, backend="torch"))
-        out.append(Row("indexer_scores", f"B={B} T={T} H=32 Di=128 S={S}", ours, "torch reference", peer,
-                       B * S * 68, {"B": B, "T": T, "S": S}, {"flops": 2.0 * B * T * 32 * 128 * S}))  # fmt: skip
-    return out
+        yield Row("indexer_scores", f"B={B} T={T} H=32 Di=128 S={S}", ours, "torch reference", peer,
+                  B * S * 68, {"B": B, "T": T, "S": S}, {"flops": 2.0 * B * T * 32 * 128 * S})  # fmt: skip
 
 
-def bench_candidates(tiny: bool) -> list[Row]:
+def bench_candidates(tiny: bool) -> Iterator[Row]:
     B, S, top = (2, 4096, 16) if tiny else (64, 1_048_576, 2048)
     scores = randn(B, 1, S)
     n_visible = torch.full((B, 1), S, device=DEVICE)
     ours = median_ms(lambda: kernels.candidate_mask(scores, n_visible, 8, top, backend="triton"))
     peer = median_ms(lambda: candidate_mask_topk(scores, n_visible, 8, top))
-    return [Row("candidate_mask", f"B={B} S={S} {top} blocks of 8", ours, "torch.topk form", peer, B * S * 5)]
+    yield Row("candidate_mask", f"B={B} S={S} {top} blocks of 8", ours, "torch.topk form", peer, B * S * 5)
 
 
-def bench_topk(tiny: bool) -> list[Row]:
-    out = []
+def bench_topk(tiny: bool) -> Iterator[Row]:
     k = 16 if tiny else 512
     for R in [1, 6] if tiny else [1, 6, 256]:
         for L in [512, 2048] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]:
             scores = randn(R, L, dtype=torch.bfloat16)
             ours = median_ms(lambda s=scores: kernels.topk_indices(s, k, backend="triton"))
             peer = median_ms(lambda s=scores: torch.topk(s, k, dim=-1))
-            out.append(Row("topk_indices", f"R={R} L={L} k={k} bf16", ours, "torch.topk", peer, R * L * 2 + R * k * 4,
-                           {"R": R, "L": L}))  # fmt: skip
-    return out
+            yield Row("topk_indices", f"R={R} L={L} k={k} bf16", ours, "torch.topk", peer, R * L * 2 + R * k * 4,
+                      {"R": R, "L": L})  # fmt: skip
 
 
-def bench_attention(B: int, tiny: bool) -> list[Row]:
+def bench_attention(B: int, tiny: bool) -> Iterator[Row]:
     """Sparse decode attention at batch B against dense SDPA decode over the same context (64 heads × 128, bf16
     K/V), where the dense K/V fits in memory; ours is timed first, so a fault in a peer leaves its figure."""
     H, D, W, K = (16, 64, 16, 32) if tiny else (64, 512, 128, 512)
-    out = []
     for context in [256, 1024] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]:
         case = attention_inputs(B, 1, H, D, W, context, K, ragged=False)
         ours = median_ms(lambda case=case: kernels.sparse_attention(*case, backend="triton"))
@@ -386,36 +384,42 @@ def bench_attention(B: int, tiny: bool) -> list[Row]:
             del q, kv
         else:  # a floor: the dense K and V bytes at the copy bandwidth of this H200 (4.28 TB/s read + write)
             row.extra["dense_floor_ms"] = 2 * dense_elements * 2 / 4.28e12 * 1e3
-        out.append(row)
+        yield row
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return out
 
 
 def tuning_row(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want: torch.Tensor, nbytes: int) -> Row:
-    """One launch shape: its median time, and whether it computes what the default launch shape does."""
+    """One launch shape (the defaults come from these rows): its median time, and whether it computes what the
+    default launch shape does."""
     got = fn()
     same = torch.equal(got, want) if got.dtype in (torch.int32, torch.bool) else torch.allclose(got, want, 1e-2, 1e-2)
     return Row(kernel, shape, median_ms(fn), "", None, nbytes, extra={"same_as_default": float(same)})
 
 
-def tune(rows: list[Row], kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: int) -> None:
+def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: int) -> Iterator[Row]:
     try:
-        rows.append(tuning_row(kernel, shape, fn, want, nbytes))
+        yield tuning_row(kernel, shape, fn, want, nbytes)
     except Exception as error:  # a launch shape that does not compile or fit: noted, not fatal
         print(f"  {kernel} {shape}: {type(error).__name__}: {error}"[:500], flush=True)
 
 
-def bench_tuning(tiny: bool) -> list[Row]:
-    """Launch shapes of the indexer, attention and top-k kernels side by side, each checked against the default
-    shape's output (the defaults come from this table)."""
-    rows: list[Row] = []
-    B, S = (2, 256) if tiny else (64, 65_536)
-    case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
-    want = indexer.indexer_scores_triton(*case)
-    for block_s, warps in [(64, 4), (128, 4)] if tiny else [(64, 4), (128, 4), (128, 8), (256, 8), (256, 4), (512, 8)]:
-        fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps)
-        tune(rows, "tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", fn, want, B * S * 68)
+def tune_topk(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of the top-k select kernel (warps, gather step, group count) at batch 256 and 1."""
+    variants = [{}, {"num_warps": 8}, {"gather": 16384}, {"max_groups": 4096, "gather": 16384},
+                {"max_groups": 8192, "gather": 8192, "num_warps": 8},
+                {"max_groups": 4096, "gather": 8192, "num_warps": 4}]  # fmt: skip
+    k = 16 if tiny else 512
+    for R, L in [(2, 4096)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]:
+        scores = randn(R, L, dtype=torch.bfloat16)
+        want = topk.topk_indices_triton(scores, k, None)
+        for variant in variants[:2] if tiny else variants:
+            fn = functools.partial(topk.topk_indices_triton, scores, k, None, **variant)
+            yield from tune("tune topk", f"R={R} L={L} {variant or 'default'}", fn, want, R * L * 2)
+
+
+def tune_attention(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of sparse attention (heads per program, keys per tile, warps) at batch 1 and 64."""
     shapes = [(16, 32, 8), (16, 64, 8), (32, 32, 8), (64, 16, 8), (64, 32, 8), (64, 32, 16), (64, 64, 16)]
     for B in [1] if tiny else [1, 64]:
         if tiny:
@@ -424,20 +428,21 @@ def bench_tuning(tiny: bool) -> list[Row]:
             case = attention_inputs(B, 1, 64, 512, 128, 65_536, 512, ragged=False)
         want = sparse_attn.sparse_attention_triton(*case)
         for block_h, block_n, warps in shapes[:2] if tiny else shapes:
-            fn = functools.partial(sparse_attn.sparse_attention_triton, *case, block_n=block_n, block_h=block_h,
-                                   num_warps=warps)  # fmt: skip
-            tune(rows, "tune attention", f"B={B} block_h={block_h} block_n={block_n} warps={warps}", fn, want,
-                 B * (128 * 528 + 512 * 288))  # fmt: skip
-    variants = [{}, {"num_warps": 8}, {"gather": 16384}, {"max_groups": 4096, "gather": 16384},
-                {"max_groups": 8192, "gather": 8192, "num_warps": 8},
-                {"max_groups": 4096, "gather": 8192, "num_warps": 4}]  # fmt: skip
-    for R, L in [(2, 4096)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]:
-        scores = randn(R, L, dtype=torch.bfloat16)
-        want = topk.topk_indices_triton(scores, 16 if tiny else 512, None)
-        for variant in variants[:2] if tiny else variants:
-            fn = functools.partial(topk.topk_indices_triton, scores, 16 if tiny else 512, None, **variant)
-            tune(rows, "tune topk", f"R={R} L={L} {variant or 'default'}", fn, want, R * L * 2)
-    return rows
+            fn = functools.partial(
+                sparse_attn.sparse_attention_triton, *case, block_n=block_n, block_h=block_h, num_warps=warps
+            )
+            shape = f"B={B} block_h={block_h} block_n={block_n} warps={warps}"
+            yield from tune("tune attention", shape, fn, want, B * (128 * 528 + 512 * 288))
+
+
+def tune_indexer(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of the decode indexer (positions per program, warps)."""
+    B, S = (2, 256) if tiny else (64, 65_536)
+    case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
+    want = indexer.indexer_scores_triton(*case)
+    for block_s, warps in [(64, 4), (128, 4)] if tiny else [(64, 4), (128, 4), (128, 8), (256, 8), (256, 4), (512, 8)]:
+        fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps)
+        yield from tune("tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", fn, want, B * S * 68)
 
 
 # ----------------------------------------------------------------------------------------------- decode step
@@ -516,14 +521,13 @@ def dense_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
     return lambda: dense_decode_step(model, tokens, context, history, kv)
 
 
-def decode_step_bench(name: str, make_step: Callable[..., Callable[[], object]], tiny: bool) -> list[Row]:
+def decode_step_bench(name: str, make_step: Callable[..., Callable[[], object]], tiny: bool) -> Iterator[Row]:
     """Median wall time of one whole decode step (one token per sequence, synchronised: the serving path has host
     syncs, so no CUDA graph) at batch 1 and 64 and each context; a configuration that fails is reported and
     skipped."""
     contexts = [64, 256] if tiny else [4096, 131_072, 1_048_576]
     repeat = 2 if tiny else 5
     model = decode_model(tiny, contexts[-1])
-    out = []
     for B in [1, 4] if tiny else [1, 64]:
         for context in contexts:
             try:
@@ -535,13 +539,12 @@ def decode_step_bench(name: str, make_step: Callable[..., Callable[[], object]],
             finally:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            out.append(Row(name, f"{'tiny' if tiny else 'small'} B={B} ctx={context}", ms, "", None, 0,
-                           {"B": B, "ctx": context}))  # fmt: skip
+            yield Row(name, f"{'tiny' if tiny else 'small'} B={B} ctx={context}", ms, "", None, 0,
+                      {"B": B, "ctx": context})  # fmt: skip
             print(f"  {name} B={B} ctx={context}: {ms:.2f} ms", flush=True)
-    return out
 
 
-SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
+SECTIONS: dict[str, Callable[[bool], Iterator[Row]]] = {
     "copy": bench_copy,
     "quant": bench_quantisers,
     "indexer": bench_indexer,
@@ -550,26 +553,35 @@ SECTIONS: dict[str, Callable[[bool], list[Row]]] = {
     "attention-1": lambda tiny: bench_attention(1, tiny),
     "attention-64": lambda tiny: bench_attention(64 if not tiny else 2, tiny),
     "attention-256": lambda tiny: bench_attention(256 if not tiny else 3, tiny),
-    "tuning": bench_tuning,
+    "tune-topk": tune_topk,
+    "tune-attention": tune_attention,
+    "tune-indexer": tune_indexer,
     "step-ours": lambda tiny: decode_step_bench("decode step", ours_step, tiny),
     "step-dense": lambda tiny: decode_step_bench("decode step, dense", dense_step, tiny),
 }
 
 
 def run_section(name: str, tiny: bool, parts: Path) -> None:
-    """One section → parts/<name>.json (rows, environment); an exception is reported in the file, not raised."""
+    """One section → parts/<name>.json (rows, environment), rewritten after every row, so that a section stopped
+    by a time limit keeps what it measured; an exception is reported in the file, not raised."""
     print(f"section {name}", flush=True)
     torch.manual_seed(0)
-    started = time.perf_counter()
-    result: dict[str, object] = {"section": name, "environment": environment()}
-    try:
-        result["rows"] = [asdict(r) for r in SECTIONS[name](tiny)]
-    except Exception as error:  # keep going: report what ran
-        result["rows"], result["error"] = [], f"{type(error).__name__}: {error}"[-3000:]
-        print(f"  section {name} raised {result['error']}", flush=True)
-    result["seconds"] = time.perf_counter() - started
     parts.mkdir(parents=True, exist_ok=True)
-    (parts / f"{name}.json").write_text(json.dumps(result, indent=1))
+    started = time.perf_counter()
+    result: dict[str, object] = {"section": name, "environment": environment(), "rows": [], "seconds": 0.0}
+
+    def save() -> None:
+        result["seconds"] = time.perf_counter() - started
+        (parts / f"{name}.json").write_text(json.dumps(result, indent=1))
+
+    try:
+        for row in SECTIONS[name](tiny):
+            result["rows"].append(asdict(row))
+            save()
+    except Exception as error:  # keep going: report what ran
+        result["error"] = f"{type(error).__name__}: {error}"[-3000:]
+        print(f"  section {name} raised {result['error']}", flush=True)
+    save()
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -704,12 +716,17 @@ def main() -> int:
     out = Path(os.environ.get("OUT", "bench/out"))
     parser.add_argument("--out", type=Path, default=out, help="kernels.json and the PNG plots")
     parser.add_argument("--parts", type=Path, default=out / "kernels_parts", help="one JSON per section")
+    parser.add_argument("--isolated", action="store_true", help="one process per check run and section")
+    parser.add_argument("--deadline", type=float, default=float("inf"), help="--isolated: start nothing after (s)")
+    parser.add_argument("--item-limit", type=float, default=150, help="--isolated: seconds per process")
     args = parser.parse_args()
     names = list(SECTIONS) if args.bench == "all" else [n for n in args.bench.split(",") if n]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)} or 'all'")
     print(json.dumps(environment()), flush=True)
+    if args.isolated:
+        return run_isolated(args, names)
     torch.manual_seed(0)
     failures = run_checks(args.check.split(","), args.tiny) if args.check else []
     for name in names:
@@ -720,6 +737,28 @@ def main() -> int:
         print(f"{len(failures)} check(s) FAILED: {', '.join(failures)}")
         return 1
     return 0
+
+
+def run_isolated(args: argparse.Namespace, names: list[str]) -> int:
+    """The checks, then each section, in a process of its own under `--item-limit` seconds; nothing starts after
+    `--deadline` seconds; then the report. Exit status: the checks'."""
+    started = time.perf_counter()
+    common = [sys.executable, __file__, "--parts", str(args.parts)] + (["--tiny"] if args.tiny else [])
+    items = ([["--check", args.check]] if args.check else []) + [["--bench", name] for name in names]
+    status = 0
+    for item in items:
+        if time.perf_counter() - started > args.deadline:
+            print(f"skipped {' '.join(item)}: past the {args.deadline:.0f} s deadline", flush=True)
+            continue
+        try:
+            rc = subprocess.run(common + item, timeout=args.item_limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        print(f"{' '.join(item)}: exit {rc} at {time.perf_counter() - started:.0f} s", flush=True)
+        if item[0] == "--check" and rc != 0:
+            status = 1
+    report(args.parts, args.out)
+    return status
 
 
 if __name__ == "__main__":

@@ -4,20 +4,19 @@ Ties go to the lowest positions, in both backends: the chosen set is then a func
 the row length or the batch, so chunked prefill, batching and verification select exactly as one-shot runs do.
 The torch reference is a stable descending sort.
 
-Triton: a threshold select in the spirit of DeepSelect, reading each score twice at most.
+Triton: a threshold select in the spirit of DeepSelect, each score read once, on order-preserving uint32 keys.
 
-1. Group maxima. Positions are dealt into G groups (position mod G); any T such that k groups have a maximum ≥ T
-   bounds the k-th largest score from below (those k maxima are k distinct scores ≥ T). The best such T is the
-   k-th largest group maximum, and every score ≥ T lies in one of those k groups, so only about k(1 + ε) scores
-   pass it on ordinary rows (striding the groups keeps sorted or trending rows cheap too).
-2. Threshold: per row, the k-th largest of the G maxima by a bitwise radix search on order-preserving uint32 keys.
-3. Gather: one more pass appends every score ≥ T with its position to a per-row candidate buffer (an atomic
-   counter hands out slots, a prefix sum places them).
-4. Select: exact radix select on the candidates (bitwise search for the k-th key, then for the position cut among
-   keys equal to it, so ties go to the lowest positions), compaction, and a sort of the k positions. A row whose
-   candidates overflow the buffer (adversarial ties) is selected the same way straight from its scores.
+1. Group maxima (a streaming kernel over every row): the maximum key of each group of GS consecutive positions.
+2. Threshold (one program per row from here on): T = the k-th largest group maximum. k groups reach T, so the k-th
+   largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about k groups on ordinary rows, and
+   never more than k·GS scores whatever the row (ties at T aside).
+3. Gather: the passing groups' scores, read in position order; every score ≥ T is appended to a candidate buffer.
+4. Select: exact radix select among the candidates (bitwise search for the k-th key; keys equal to it are taken in
+   position order, so ties go to the lowest positions), held in registers when they fit. The candidates are in
+   position order, so the chosen ones are written sorted. A row whose candidates overflow the buffer (adversarial
+   ties) is selected the same way straight from its scores.
 
-Rows of at most `_DIRECT_MAX` scores skip steps 1–3: one program selects straight from the row.
+Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 """
 
 import torch
