@@ -369,7 +369,7 @@ def bench_attention(B: int, tiny: bool) -> Iterator[Row]:
     for context in [256, 1024] if tiny else [4096, 16_384, 65_536, 262_144, 1_048_576]:
         case = attention_inputs(B, 1, H, D, W, context, K, ragged=False)
         ours = median_ms(lambda case=case: kernels.sparse_attention(*case, backend="triton"))
-        row = Row("sparse_attention", f"B={B} ctx={context} H=64 D=512 W=128 K=512", ours, "torch reference", None,
+        row = Row("sparse_attention", f"B={B} ctx={context} H={H} D={D} W={W} K={K}", ours, "torch reference", None,
                   B * (W * 528 + K * 288 + 2 * H * D * 2), {"B": B, "ctx": context})  # fmt: skip
         print(f"  sparse_attention B={B} ctx={context}: {ours:.4f} ms", flush=True)
         row.peer_ms = median_ms(lambda case=case: kernels.sparse_attention(*case, backend="torch"))
