@@ -24,7 +24,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     base_steps: backbone steps (0: by time)
     qat_steps: QAT steps (0: by time)
     dspark_steps: DSpark steps (0: by time)
-    batch_budget: tokens per backbone batch (rows × padded length); fewer where the GPU's memory is short
+    batch_budget: tokens per batch (rows × padded length); ≤ 65,535 on a GPU (a kernel's grid), less if short of memory
     dspark_batch_budget: tokens per DSpark batch (likewise)
     draft_rows: at most this many draft rows (rows × anchors × block) per DSpark batch
     anchors: anchors per row of a DSpark batch
@@ -56,7 +56,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     base_steps: int = 0
     qat_steps: int = 0
     dspark_steps: int = 0
-    batch_budget: int = 131072
+    batch_budget: int = 65280
     dspark_batch_budget: int = 32768
     draft_rows: int = 12288
     anchors: int = 48

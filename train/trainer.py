@@ -40,6 +40,8 @@ from train.loss import learned_token_loss
 
 BIAS_SPEED = 1e-3  # noaux_tc routing-bias update per step (reference §2.7)
 MEMORY_SHARE = 0.8  # a phase's worst-case step may take this share of the GPU's memory (room for fragmentation)
+# model.kernels.candidate_mask (Triton) launches one program row per token on grid axis 1, which CUDA caps at 65,535
+MAX_BATCH_TOKENS = 65535
 
 
 @dataclass
@@ -58,9 +60,9 @@ class Throughput:
     def __init__(self) -> None:
         self.start, self.slots, self.learned = time.monotonic(), 0, 0
 
-    def add(self, batch: Batch) -> None:
-        self.slots += batch.tokens.numel()
-        self.learned += batch.n_targets
+    def add(self, slots: int, learned: int) -> None:
+        self.slots += slots
+        self.learned += learned
 
     def rates(self) -> dict[str, float]:
         seconds = max(time.monotonic() - self.start, 1e-9)
@@ -155,7 +157,8 @@ class Trainer:
             model.load_state_dict(state)
         return model
 
-    def batches(self, start: int, kinds: tuple[str, ...], tokens: int) -> Iterator[Batch]:
+    def batches(self, start: int, kinds: tuple[str, ...], tokens: int) -> Iterator[tuple[Batch, int]]:
+        """Batches from step `start` on, on the device, each with its number of learned tokens (counted on the host)."""
         dataset = StepBatches(self.cfg.seed, tokens, self.cfg.max_len, kinds, self.cfg.mix)
         loader = DataLoader(
             dataset,
@@ -166,7 +169,7 @@ class Trainer:
             prefetch_factor=4 if self.cfg.workers else None,
         )
         for batch in loader:
-            yield batch.to(self.device)
+            yield batch.to(self.device), batch.n_targets
 
     # -------------------------------------------------------------------------------------------- the loop
     def fit_budget(
@@ -183,7 +186,8 @@ class Trainer:
             return requested
         if (footprint, requested) in self.fitted:
             return self.fitted[footprint, requested]
-        cfg, budget = self.cfg, requested
+        cfg = self.cfg
+        budget = min(requested, MAX_BATCH_TOKENS // cfg.max_len * cfg.max_len)
         total = torch.cuda.get_device_properties(self.device).total_memory
         generator = torch.Generator().manual_seed(cfg.seed)
         while True:
@@ -232,7 +236,7 @@ class Trainer:
         optimizer = torch.optim.AdamW(
             params, lr=schedule.peak, betas=(0.9, 0.95), weight_decay=0.0, fused=self.device.type == "cuda"
         )
-        step, elapsed, loss_value = 0, 0.0, math.nan
+        step, elapsed, last_loss = 0, 0.0, torch.tensor(math.nan)
         partial = self._state(f"{name}.partial")
         if partial is not None:
             model.load_state_dict(partial["model"])
@@ -245,7 +249,7 @@ class Trainer:
         start = time.monotonic() - elapsed
         seen = Throughput()
         bar = tqdm(desc=name, total=schedule.steps or None, initial=step, unit="step", dynamic_ncols=True)
-        for batch in self.batches(step, kinds, tokens):
+        for batch, learned in self.batches(step, kinds, tokens):
             elapsed = time.monotonic() - start
             if schedule.progress(step, elapsed) >= 1.0:
                 break
@@ -255,17 +259,17 @@ class Trainer:
                 loss, info = step_loss(batch, step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             balance.update()
-            loss_value, step = float(loss.detach()), step + 1
-            seen.add(batch)
+            last_loss, step = loss.detach(), step + 1
+            seen.add(batch.tokens.numel(), learned)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}", kind=batch.kind)
-            if step % cfg.eval_every == 0 or step == 1:
+            if step % cfg.eval_every == 0 or step == 1:  # the only host syncs of a step, besides the model's own
                 heldout = evaluate() if evaluate is not None and step % cfg.eval_every == 0 else {}
-                self.log.info("step", phase=name, step=step, loss=round(loss_value, 4), kind=batch.kind,
-                              grad_norm=round(grad_norm, 3), lr=f"{optimizer.param_groups[0]['lr']:.2e}",
+                bar.set_postfix(loss=f"{float(last_loss):.3f}", kind=batch.kind)
+                self.log.info("step", phase=name, step=step, loss=round(float(last_loss), 4), kind=batch.kind,
+                              grad_norm=round(float(grad_norm), 3), lr=f"{optimizer.param_groups[0]['lr']:.2e}",
                               elapsed=round(elapsed, 1), **seen.rates(), **{k: round(v, 4) for k, v in info.items()},
                               **{f"heldout_{k}": round(v, 4) for k, v in heldout.items()})  # fmt: skip
             if step % cfg.save_every == 0:
@@ -273,7 +277,7 @@ class Trainer:
                                                "step": step, "elapsed": elapsed, "tokens": tokens})  # fmt: skip
         bar.close()
         balance.close()
-        return PhaseResult(step, time.monotonic() - start, loss_value, {}, tokens, seen.rates())
+        return PhaseResult(step, time.monotonic() - start, float(last_loss), {}, tokens, seen.rates())
 
     def lm_phase(self, name: str, model: Transformer, peak: float, steps: int, seconds: float) -> PhaseResult:
         cfg = self.cfg
