@@ -192,9 +192,8 @@ class Attention(nn.Module):
             if role.owns_kv and not step.replay:
                 self.write_entries(x, step)
             n_visible = step.n_visible(role.ratio)
-            kv_data, kv_scale, k_data, k_scale = step.cache.entries[role.kv_source].view(
-                step.rows, int(n_visible.max())
-            )
+            entries = step.cache.entries[role.kv_source]
+            kv_data, kv_scale, k_data, k_scale = entries.view(step.rows, step.max_visible(role.ratio))
             if role.owns_index_query:
                 q_data, q_scale, w = self.index_queries(x, qr, positions)
                 scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)
@@ -225,8 +224,8 @@ class Attention(nn.Module):
 
     def write_entries(self, x: Tensor, step: Step) -> None:
         """Owner: compress this step's complete groups and write their packed entries ahead into the cache."""
-        latent, first, count = self.compressor.forward_step(x, step)
-        kv, k = self.entry_latents(latent, torch.tensor(first, device=x.device))
+        latent, first, end = self.compressor.forward_step(x, step)
+        kv, k = self.entry_latents(latent, first)
         be = backend(x)
         packed = (*kernels.quantize_kv_fp4(kv, backend=be), *kernels.quantize_index_fp4(k, backend=be))
-        step.cache.entries[self.layer].write(step.rows, first, count, packed)
+        step.cache.entries[self.layer].write(step.rows, first, end, packed)

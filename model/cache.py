@@ -60,14 +60,31 @@ class Ring:
         k, q = kpos.unsqueeze(1), new_pos.unsqueeze(2)
         return data, scale, (k >= 0) & (k <= q) & (k > q - W)
 
-    def commit(self, rows: slice, data: Tensor, scale: Tensor, pos: Tensor, keep: Tensor) -> None:
-        """Write the last ≤ W kept positions of each row into their slots (pos mod W)."""
-        b, t = _kept(keep, pos.shape[1], self.data.shape[1])
-        slots = pos[b, t] % self.data.shape[1]
-        b_cache = b + rows.start
-        self.data[b_cache, slots] = data[b, t]
-        self.scale[b_cache, slots] = scale[b, t]
-        self.pos[b_cache, slots] = pos[b, t]
+    def commit(self, rows: slice, data: Tensor, scale: Tensor, pos: Tensor, keep: Tensor | None) -> None:
+        """Write the last ≤ W kept positions of each row (keep: None = all) into their slots (pos mod W)."""
+        _write_kept(((self.data, data), (self.scale, scale), (self.pos, pos)), rows, pos, keep, self.data.shape[1])
+
+
+def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) -> None:
+    """dst[rows.start + b, pos mod W] = src[b, t] for the last ≤ W of the first keep[b] columns t of each row.
+
+    A step no longer than the ring (every decode and verify step) writes all its columns at once, a dropped column
+    rewriting its slot's old value: the same bytes as writing only the kept ones, without a host sync (nonzero).
+    """
+    B, T = pos.shape
+    if T > W:  # a long prefill chunk: several of a row's columns share a slot, so only the last W may be written
+        b, t = _kept(keep if keep is not None else pos.new_full((B,), T), T, W)
+        at = (b + rows.start, pos[b, t] % W)
+        for dst, src in pairs:
+            dst[at] = src[b, t]
+        return
+    b = torch.arange(rows.start, rows.start + B, device=pos.device).unsqueeze(1)
+    slots = pos % W
+    kept = None if keep is None else torch.arange(T, device=pos.device) < keep.unsqueeze(1)
+    for dst, src in pairs:
+        if kept is not None:
+            src = torch.where(kept.view(B, T, *(1,) * (src.dim() - 2)), src, dst[b, slots])
+        dst[b, slots] = src
 
 
 def _kept(keep: Tensor, T: int, W: int) -> tuple[Tensor, Tensor]:
@@ -91,13 +108,18 @@ class Entries:
         for name in self.FIELDS:
             setattr(self, name, _grow(getattr(self, name), 1, n))
 
-    def write(self, rows: slice, first: list[int], count: list[int], packed: tuple[Tensor, ...]) -> None:
-        """Step row b takes packed[...][b, :count[b]] at entries first[b]…"""
-        self.reserve(max((f + c for f, c in zip(first, count, strict=True)), default=0))
-        for b, (f, c) in enumerate(zip(first, count, strict=True)):
-            if c:
-                for name, value in zip(self.FIELDS, packed, strict=True):
-                    getattr(self, name)[rows.start + b, f : f + c] = value[b, :c]
+    def write(self, rows: slice, first: Tensor, end: int, packed: tuple[Tensor, ...]) -> None:
+        """Step row b takes packed[...][b, j] at entry first[b] + j for every j; `end` bounds first + G on the host.
+
+        Entries past a row's complete groups are written too (latents of open groups): no query sees them (their
+        index is ≥ its visibility count), no export reads them, and the completed group overwrites them later.
+        """
+        self.reserve(end)
+        G = packed[0].shape[1]
+        b = torch.arange(rows.start, rows.start + first.shape[0], device=first.device).unsqueeze(1)
+        at = (b, first.unsqueeze(1) + torch.arange(G, device=first.device))
+        for name, value in zip(self.FIELDS, packed, strict=True):
+            getattr(self, name)[at] = value
 
     def view(self, rows: slice, n: int) -> tuple[Tensor, ...]:
         return tuple(getattr(self, name)[rows, :n] for name in self.FIELDS)
@@ -156,6 +178,10 @@ class KVCache:
         self.hidden_pre = torch.zeros(S, W, hc, dtype=mix_dtype(dtype), device=self.device)  # its pre-mix
         self.history = torch.full((S, h), -1, dtype=torch.int64, device=self.device)
         self.pos: list[int] = []  # committed positions per active row
+        # The same on the device, valid while it was built from (or advanced with) `pos`: steps read their
+        # positions from it instead of copying the host list every step.
+        self._next = torch.zeros(S, dtype=torch.int64, device=self.device)
+        self._next_of: list[int] = []
 
     # ------------------------------------------------------------------------------------------------ rows
     @property
@@ -225,9 +251,29 @@ class KVCache:
         """
         rows = slice(0, self.n_rows) if rows is None else rows
         if positions is None:
-            start = torch.tensor(self.pos[rows], dtype=torch.int64, device=self.device)
-            positions = start.unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device)
-        return Step(self, rows, tokens, positions, replay, self.history[rows] if history is None else history)
+            start = self.pos[rows]
+            positions = self.next_positions(rows).unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device)
+        else:
+            start = positions[:, 0].tolist()
+        history = self.history[rows] if history is None else history
+        return Step(self, rows, tokens, positions, start, replay, history)
+
+    def next_positions(self, rows: slice) -> Tensor:
+        """int64 [B]: the next position of each row (its committed length), on the device."""
+        if self._next_of != self.pos:  # rows joined, left or forked, or `pos` was set directly
+            self._next = _grow(self._next, 0, self.capacity)
+            self._next[: self.n_rows] = torch.tensor(self.pos, dtype=torch.int64)
+            self._next_of = list(self.pos)
+        return self._next[rows]
+
+    def advance(self, rows: slice, start: list[int], keep: list[int], keep_t: Tensor | None) -> None:
+        """Rows' positions move past their kept tokens, on the host and (in place) on the device."""
+        in_sync = self._next_of == self.pos
+        for b, k in enumerate(keep):
+            self.pos[rows.start + b] = start[b] + k
+        if in_sync:
+            self._next[rows] += keep_t if keep_t is not None else keep[0]
+            self._next_of = list(self.pos)
 
 
 @dataclass
@@ -238,6 +284,7 @@ class Step:
     rows: slice  # cache rows of the step's rows 0..B−1
     tokens: Tensor | None  # [B, T]
     positions: Tensor  # int64 [B, T]
+    start: list[int]  # positions[:, 0] on the host (shapes and bounds never wait for the device)
     replay: bool
     history: Tensor  # int64 [B, n−1] token ids before the step (Engram look-back)
     selection: Selection = field(default_factory=Selection)  # Top-K per index source, candidate pool
@@ -253,13 +300,13 @@ class Step:
     def length(self) -> int:
         return self.positions.shape[1]
 
-    @property
-    def start(self) -> list[int]:
-        return self.positions[:, 0].tolist()
-
     def n_visible(self, ratio: int) -> Tensor:
         """[B, T] compressed entries visible to each query: entry j once j < ⌊(t+1)/m⌋."""
         return torch.div(self.positions + 1, ratio, rounding_mode="floor")
+
+    def max_visible(self, ratio: int) -> int:
+        """The largest n_visible(ratio), from the host positions."""
+        return (max(self.start) + self.length) // ratio
 
     def window(self, layer: int, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Stage this step's ring entries of a layer; return its attention keys and window mask."""
@@ -269,36 +316,37 @@ class Step:
     def commit(self, keep: list[int] | None = None) -> None:
         """Keep the first keep[b] positions of row b (all by default) and advance the rows' positions."""
         cache, B, T = self.cache, self.batch, self.length
-        keep = [T] * B if keep is None else keep
-        keep_t = torch.tensor(keep, dtype=torch.int64, device=cache.device)
+        keep_t = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=cache.device)
         for layer, (data, scale) in self.rings.items():
             cache.rings[layer].commit(self.rows, data, scale, self.positions, keep_t)
         for layer, (kv, score, n_open) in self.groups.items():
-            self._commit_group(layer, kv, score, n_open, keep)
+            self._commit_group(layer, kv, score, n_open, keep_t)
         if self.hidden is not None:
-            self._commit_hidden(keep_t)
+            X, pre = self.hidden
+            pairs = ((cache.hidden, X), (cache.hidden_pre, pre))
+            _write_kept(pairs, self.rows, self.positions, keep_t, cache.args.sliding_window)
         if not self.replay:
-            h = cache.history.shape[1]
-            for b, k in enumerate(keep):
-                r = self.rows.start + b
-                seen = torch.cat((cache.history[r], self.tokens[b, :k]))
-                cache.history[r] = seen[seen.shape[0] - h :]
-                cache.pos[r] = int(self.positions[b, 0]) + k
+            self._commit_history(keep_t)
+            cache.advance(self.rows, self.start, [T] * B if keep is None else keep, keep_t)
 
-    def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: list[int], keep: list[int]) -> None:
-        """New open group = the kept tokens after the last complete group (kv/score are group-aligned)."""
+    def _commit_history(self, keep: Tensor | None) -> None:
+        """Each row's look-back ends with its kept tokens."""
+        history = self.cache.history
+        h = history.shape[1]
+        seen = torch.cat((history[self.rows], self.tokens), dim=1)
+        if keep is None:
+            history[self.rows] = seen[:, seen.shape[1] - h :]
+        else:
+            history[self.rows] = seen.gather(1, keep.unsqueeze(1) + torch.arange(h, device=keep.device))
+
+    def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: Tensor, keep: Tensor | None) -> None:
+        """New open group = the kept tokens after the last complete group (kv/score are group-aligned [B, L, D])."""
         m = self.cache.args.compress_ratios[layer]
         pending = self.cache.pending[layer]
-        for b, (o, k) in enumerate(zip(n_open, keep, strict=True)):
-            end = o + k
-            lo = end // m * m
-            pending.kv[self.rows.start + b, : end - lo] = kv[b, lo:end]
-            pending.score[self.rows.start + b, : end - lo] = score[b, lo:end]
-
-    def _commit_hidden(self, keep: Tensor) -> None:
-        X, pre = self.hidden
-        W = self.cache.args.sliding_window
-        b, t = _kept(keep, self.length, W)
-        slots = self.positions[b, t] % W
-        self.cache.hidden[b + self.rows.start, slots] = X[b, t]
-        self.cache.hidden_pre[b + self.rows.start, slots] = pre[b, t]
+        end = n_open + (self.length if keep is None else keep)  # [B]
+        j = torch.arange(m - 1, device=end.device)
+        lo = end - end % m
+        take = (lo.unsqueeze(1) + j).clamp_max(kv.shape[1] - 1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+        open_ = (j < (end - lo).unsqueeze(1)).unsqueeze(-1)
+        for dst, src in ((pending.kv, kv), (pending.score, score)):
+            dst[self.rows] = torch.where(open_, src.gather(1, take).to(dst.dtype), dst[self.rows])

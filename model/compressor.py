@@ -42,27 +42,34 @@ class Compressor(nn.Module):
         groups = (x.shape[0], G, m, kv.shape[-1])
         return self.pool(kv[:, : G * m].reshape(groups), self.wgate(x)[:, : G * m].reshape(groups))
 
-    def forward_step(self, x: Tensor, step: Step) -> tuple[Tensor, list[int], list[int]]:
-        """Latents completed by this step: (latents [B, G, D], first entry index per row, count per row).
+    def forward_step(self, x: Tensor, step: Step) -> tuple[Tensor, Tensor, int]:
+        """Latents of this step's groups: (latents [B, G, D], first entry index per row [B], max first + G).
 
-        An m>1 group may straddle steps: the open group's tokens are prepended (group-aligned per row) and the
-        step stages the aligned kv/gate sequence so that commit can keep the new open group.
+        Latents past a row's complete groups (its open group) are computed too; see `Entries.write`. An m>1 group
+        may straddle steps: the open group's tokens are prepended (group-aligned per row) and the step stages the
+        aligned kv/gate sequence so that commit can keep the new open group.
         """
-        m, start = self.ratio, step.start
+        m, T = self.ratio, step.length
         kv = self.wkv(x)
+        first = torch.div(step.positions[:, 0], m, rounding_mode="floor")
         if m == 1:
-            return self.norm(kv), start, [step.length] * step.batch
+            return self.norm(kv), first, max(step.start) + T
         score = self.wgate(x)
         pending = step.cache.pending[self.layer]
-        n_open = [s % m for s in start]
-        L = -(-(m - 1 + step.length) // m) * m
-        aligned_kv = kv.new_zeros(step.batch, L, kv.shape[-1])
-        aligned_score = score.new_zeros(step.batch, L, kv.shape[-1])
-        for b, o in enumerate(n_open):
-            r = step.rows.start + b
-            aligned_kv[b, :o], aligned_score[b, :o] = pending.kv[r, :o], pending.score[r, :o]
-            aligned_kv[b, o : o + step.length], aligned_score[b, o : o + step.length] = kv[b], score[b]
+        n_open = step.positions[:, 0] % m
+        L = -(-(m - 1 + T) // m) * m
+        # aligned[b] = [the row's n_open pending tokens, its T new ones, zeros], gathered from one concatenation
+        i = torch.arange(L, device=x.device)
+        o = n_open.unsqueeze(1)
+        take = torch.where(i < o, i, torch.where(i < o + T, m - 1 + i - o, m - 1 + T))
+        take = take.unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+
+        def aligned(open_group: Tensor, new: Tensor) -> Tensor:
+            zero = new.new_zeros(new.shape[0], 1, new.shape[-1])
+            return torch.cat((open_group[step.rows].to(new.dtype), new, zero), dim=1).gather(1, take)
+
+        aligned_kv, aligned_score = aligned(pending.kv, kv), aligned(pending.score, score)
         step.groups[self.layer] = (aligned_kv, aligned_score, n_open)
         groups = (step.batch, L // m, m, kv.shape[-1])
         latents = self.pool(aligned_kv.view(groups), aligned_score.view(groups))
-        return latents, [s // m for s in start], [(o + step.length) // m for o in n_open]
+        return latents, first, max(step.start) // m + L // m

@@ -364,13 +364,14 @@ def restore(cache: KVCache, row: int, blocks: list[GlobalKVBlock], state: Encode
     n = state.position if state is not None else len(blocks) * Bt
     if state is not None and state.position // Bt != len(blocks):
         raise ValueError(f"an encoder state at position {n} needs {n // Bt} preceding blocks, got {len(blocks)}")
-    for layer, m in kv_sources(args):
+    for layer, _ in kv_sources(args):
         if layer not in cache.entries:
             continue
         parts = [b.entries[layer] for b in blocks] + ([state.tail[layer]] if state is not None else [])
         if parts:
             packed = tuple(torch.cat([p.tensors()[i] for p in parts]).to(cache.device).unsqueeze(0) for i in range(4))
-            cache.entries[layer].write(slice(row, row + 1), [0], [n // m], packed)
+            first = torch.zeros(1, dtype=torch.int64, device=cache.device)
+            cache.entries[layer].write(slice(row, row + 1), first, packed[0].shape[1], packed)
     cache.pos[row] = n
     if state is None:
         return
