@@ -54,3 +54,10 @@ def test_a_full_size_slice_parses_back() -> None:
     message = pb.GetBlocksResponse.FromString(frames.get_blocks_response([(7, 3 << 20, 1 << 20, payload)]))
     (s,) = message.slices
     assert (s.index, s.total_bytes, s.offset, s.data) == (7, 3 << 20, 1 << 20, payload)
+
+
+def test_data_is_the_last_field_of_every_payload_message() -> None:
+    """What makes frames' encoding protobuf's own: a field added after `data` would be written before it."""
+    for message in (pb.PutSlice, pb.GetSlice, pb.PutRecordRequest, pb.GetRecordResponse):
+        numbers = [f.number for f in message.DESCRIPTOR.fields]
+        assert message.DESCRIPTOR.fields_by_name["data"].number == max(numbers), message.DESCRIPTOR.name
