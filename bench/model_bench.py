@@ -12,24 +12,38 @@ For each preset, over the same random prompt:
   the same after a half-prompt cache hit whose SWA record is gone (encoder replay);
 - decode tokens/s at batch 1 and 16 (`decode_step`, one token per sequence per step).
 Prints a table, writes JSON (default bench/out/model_bench.json). Imports only torch and the model.
+
+    python bench/model_bench.py --decode-step --baseline 7cfa99c     # the decode step, ours vs a git revision
+
+The decode-step section times one `decode_step` and one `dspark_draft` + `verify` round (greedy, full width) on a
+filled DecodeBatch (a prompt joined, forked to the batch), per preset and batch, together with the aten ops one
+call dispatches (torch.profiler): the host work of a step. The peer is the same code path at another git revision
+(checked out into a temporary worktree); ours and the peer run in alternating child processes, `--rounds` times,
+and each figure is the median over rounds (CPU time of the child: the shared cores' other load does not count).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# A --decode-step child of --baseline imports another revision's model.
+sys.path.insert(0, os.environ.get("MODEL_BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
 
 from model import Transformer, build_model, preset, serving
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
@@ -132,6 +146,89 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------- decode step
+def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """Median CPU seconds of a decode step and of a draft + verify round, and the aten ops each dispatches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from model import SamplingParams
+
+    model = build_model(preset(name), seed=0, device=device, dtype=dtype)
+    tokens = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
+    out = model.encode_prefill(tokens.to(device), chunk_tokens=256)
+    b = model.new_decode_batch(capacity=batch)
+    seq, _ = b.join(out.blocks, out.encoder_state)
+    for _ in range(batch - 1):
+        b.fork(seq)
+    ids, sampling = [1] * batch, SamplingParams.uniform(batch)
+
+    def speculate() -> None:
+        model.verify(b, ids, model.dspark_draft(b, ids, sampling), sampling)
+
+    row = {"preset": name, "batch": batch, "prompt_tokens": prompt}
+    for key, fn in (("decode_step", lambda: model.decode_step(b, ids)), ("draft_verify", speculate)):
+        fn()
+        times = []
+        for _ in range(steps):
+            start = time.process_time()
+            fn()
+            times.append(time.process_time() - start)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        row[f"{key}_s"] = statistics.median(times)
+        row[f"{key}_aten_ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return row
+
+
+def child(ns: argparse.Namespace, tree: Path) -> list[dict]:
+    """One round of the decode-step section in a child process importing the model from `tree`."""
+    argv = [sys.executable, __file__, "--decode-step-child", "--presets", ns.presets, "--batches", ns.batches]
+    argv += ["--prompt", str(ns.prompt), "--steps", str(ns.steps), "--device", ns.device, "--dtype", ns.dtype]
+    env = {**os.environ, "MODEL_BENCH_TREE": str(tree), "OMP_NUM_THREADS": str(ns.threads)}
+    done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def decode_step_section(ns: argparse.Namespace) -> list[dict]:
+    """Ours (this tree) and the baseline revision, alternating, `ns.rounds` rounds → rows with medians and ratios."""
+    from tqdm.auto import tqdm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(peer), ns.baseline], check=True,
+                       capture_output=True)  # fmt: skip
+        try:
+            rounds = [(child(ns, REPO), child(ns, peer)) for _ in tqdm(range(ns.rounds), desc="decode-step rounds")]
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(peer)], check=True)
+    rows = []
+    for i, ours in enumerate(rounds[0][0]):
+        row = {k: ours[k] for k in ("preset", "batch", "prompt_tokens")}
+        for key in ("decode_step", "draft_verify"):
+            for side, j in (("ours", 0), ("peer", 1)):
+                row[f"{key}_{side}_s"] = statistics.median(r[j][i][f"{key}_s"] for r in rounds)
+                row[f"{key}_{side}_aten_ops"] = rounds[0][j][i][f"{key}_aten_ops"]
+            row[f"{key}_speedup"] = row[f"{key}_peer_s"] / row[f"{key}_ours_s"]
+        rows.append(row)
+    return rows
+
+
+def decode_step_table(rows: list[dict], baseline: str) -> str:
+    head = f"{'preset':<6} {'B':>3} | {'step ms':>8} {baseline[:10]:>10} {'×':>5} {'aten ops':>15} | "
+    head += f"{'draft+verify ms':>15} {baseline[:10]:>10} {'×':>5} {'aten ops':>15}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for key in ("decode_step", "draft_verify"):
+            ops = f"{r[f'{key}_ours_aten_ops']}/{r[f'{key}_peer_aten_ops']}"
+            cells.append(
+                f"{r[f'{key}_ours_s'] * 1e3:>{8 if key == 'decode_step' else 15}.1f} "
+                f"{r[f'{key}_peer_s'] * 1e3:>10.1f} {r[f'{key}_speedup']:>5.2f} {ops:>15}"
+            )
+        lines.append(f"{r['preset']:<6} {r['batch']:>3} | {cells[0]} | {cells[1]}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="tiny,small", help="comma-separated presets")
@@ -142,12 +239,27 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (CPU time is summed over them)")
-    parser.add_argument("--out", default="bench/out/model_bench.json")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/out/model_bench[_decode_step].json)")
+    parser.add_argument("--decode-step", action="store_true", help="the decode-step section against --baseline")
+    parser.add_argument("--baseline", default="HEAD", help="git revision of the decode-step peer")
+    parser.add_argument("--batches", default="1,8", help="decode-step batch sizes")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating decode-step rounds (median)")
+    parser.add_argument("--decode-step-child", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
-    rows = [bench(name, ns.prompt, ns.chunk, ns.steps, device, dtype, ns.repeat) for name in ns.presets.split(",")]
-    print(table(rows))
+    if ns.decode_step_child:
+        grid = [(p, int(b)) for p in ns.presets.split(",") for b in ns.batches.split(",")]
+        print(json.dumps([step_costs(p, b, ns.prompt, ns.steps, device, dtype) for p, b in grid]))
+        return 0
+    if ns.decode_step:
+        rows = decode_step_section(ns)
+        print(decode_step_table(rows, ns.baseline))
+        ns.out = ns.out or "bench/out/model_bench_decode_step.json"
+    else:
+        rows = [bench(name, ns.prompt, ns.chunk, ns.steps, device, dtype, ns.repeat) for name in ns.presets.split(",")]
+        print(table(rows))
+        ns.out = ns.out or "bench/out/model_bench.json"
     machine = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"

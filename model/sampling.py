@@ -45,13 +45,13 @@ class SamplingParams:
         greedy = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         scaled = logits / t.clamp_min(1e-6)
         k = self.top_k.to(logits.device).view(shape)
-        if bool((k > 0).any()):
+        if bool((self.top_k > 0).any()):  # asked of the parameters where they live (the host), not of the device
             k = k.clamp(0, logits.shape[-1]).expand(*scaled.shape[:-1], 1)
             kth = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp_min(0))
             scaled = torch.where((k > 0) & (scaled < kth), -torch.inf, scaled)
         probs = scaled.softmax(-1)
         p = self.top_p.to(logits.device).view(shape)
-        if bool((p < 1).any()):
+        if bool((self.top_p < 1).any()):
             sorted_probs, order = probs.sort(-1, descending=True)
             outside = sorted_probs.cumsum(-1) - sorted_probs >= p  # keep the smallest prefix reaching top_p
             probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))

@@ -277,7 +277,7 @@ def dspark_draft(
     y = _batch_tokens(model, batch, tokens, 1)[:, 0]
     B, g = y.shape[0], a.dspark_block_size
     ids = torch.cat((y.unsqueeze(1), torch.full((B, g - 1), a.dspark_noise_token_id, device=y.device)), dim=1)
-    positions = torch.tensor(batch.cache.pos, device=y.device).unsqueeze(1) + torch.arange(g, device=y.device)
+    positions = batch.cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(g, device=y.device)
     X, pre = model.embed_stream(ids)
     for block in model.mtp:
         X, pre = block(X, pre, lambda x, block=block: block.block_attention(x, batch.cache, positions))
@@ -324,6 +324,7 @@ def verify(
     device = logits.device
     target, proposal = sampling.probs(logits), draft.probs.to(device)
     accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths.to(device), generator)
-    step.commit((accepted + 1).tolist())
-    emitted = [[*draft.tokens[b, : int(accepted[b])].tolist(), int(nxt[b])] for b in range(B)]
+    n = accepted.tolist()  # the one wait for the device: the host needs the accepted tokens
+    step.commit([k + 1 for k in n])
+    emitted = [[*row[:k], t] for row, k, t in zip(draft.tokens.tolist(), n, nxt.tolist(), strict=True)]
     return VerifyResult(accepted.cpu(), emitted, logits)

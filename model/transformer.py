@@ -74,11 +74,12 @@ class Transformer(nn.Module):
 
     def check_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
         """int64 tensor of token ids; ValueError naming the first id outside the vocabulary."""
-        t = torch.as_tensor(tokens, dtype=torch.int64, device=self.device)
+        # Ids given as a list are checked on the host before the copy, so decoding never waits for the device here.
+        t = torch.as_tensor(tokens, dtype=torch.int64, device=tokens.device if isinstance(tokens, Tensor) else "cpu")
         bad = (t < 0) | (t >= self.args.vocab_size)
         if bool(bad.any()):
             raise ValueError(f"token id {int(t[bad][0])} is outside the vocabulary [0, {self.args.vocab_size})")
-        return t
+        return t.to(self.device, torch.int64)
 
     def embed_stream(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """tokens [B, T] → (X [B, T, n, C] with the embedding in every copy, one-hot pre-mix [B, T, n])."""
