@@ -77,7 +77,14 @@ class MoE(nn.Module):
         xq = quantize_input(x) if self.shared_experts.w1.quantized else x  # one FP8 cast for every expert
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation over experts
         y = self.shared_experts(xq).to(compute)
-        for e in ids.unique().tolist():
-            token, slot = torch.nonzero(ids == e, as_tuple=True)
+        # (token, slot) pairs grouped by expert, tokens ascending within each (a stable sort of the row-major ids):
+        # the host waits for the device once per layer (the group sizes), not once per expert.
+        k = ids.shape[1]
+        order = torch.argsort(ids.flatten(), stable=True)
+        sizes = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        for e, pairs in enumerate(order.split(sizes)):
+            if not sizes[e]:
+                continue
+            token, slot = pairs // k, pairs % k
             y.index_add_(0, token, self.experts[e](xq[token], weights[token, slot]).to(compute))
         return y.to(x.dtype).view(shape)
