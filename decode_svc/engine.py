@@ -207,7 +207,7 @@ class Engine:
             seq.seq_id, logits = self.batches[lane].join(blocks, state)
             seq.lane, seq.state = lane, State.RUNNING
             seq.generator = new_generator(params.sampling, self.model.device)
-            seq.draft.prior = self.calibration.ratio
+            seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
             self.rows[lane][seq.seq_id] = seq
             with self._cond:
                 self._running += 1
@@ -275,7 +275,10 @@ class Engine:
         confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
         self.times.observe(Forward.DRAFT, len(rows), time.perf_counter() - started)
         caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
-        width = self.scheduler.width([r.drafted(c) for r, c in zip(records, confidence, strict=True)], caps)
+        a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
+        for r in records:
+            self.calibration.drafted(r.last or ())
+        width = self.scheduler.width(a, caps)
         m.verify_width.observe(width)
         if width == 0:  # not worth a verify column after all
             self._realised(len(rows), len(rows), 0)

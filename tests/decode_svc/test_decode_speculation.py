@@ -15,7 +15,7 @@ import torch
 from service_mesh import Mesh, metric_value, token_ids, wait_until
 
 from decode_svc.sampler import StepSampling
-from decode_svc.speculation import Calibration
+from decode_svc.speculation import Calibration, DraftRecord
 from decode_svc.step_times import Forward, StepTimes
 from mesh.block_keys import sequence_key
 from model import Transformer
@@ -137,6 +137,19 @@ def test_the_replica_calibration_is_the_prior_and_forgets() -> None:
     for _ in range(2):
         calibration.tick()
     assert calibration.ratio == pytest.approx(1 / 3)  # half the evidence is forgotten after a half-life
+
+
+def test_new_sequences_are_forecast_from_the_replicas_typical_draft() -> None:
+    calibration = Calibration(half_life_steps=2)
+    assert calibration.typical is None  # a replica that never drafted: a new sequence's forecast is hopeful
+    calibration.drafted([0.8, 0.4])
+    calibration.drafted([0.6, 0.2, 0.1])
+    assert calibration.typical == pytest.approx([0.7, 0.3, 0.05])
+    for _ in range(2):
+        calibration.tick()
+    calibration.drafted([0.1, 0.0, 0.0])  # weighs twice the older two after a half-life
+    assert calibration.typical == pytest.approx([0.4, 0.15, 0.025])
+    assert DraftRecord(prior=0.5, last=calibration.typical).forecast(3) == pytest.approx([0.2, 0.075, 0.0125])
 
 
 class Machine(StepTimes):
