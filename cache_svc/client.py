@@ -42,10 +42,6 @@ from proto.cache.v1 import cache_pb2 as pb
 DEFAULT_TIMEOUT_S = 5.0
 # The sync stub otherwise starts a thread per server-streaming call (GetBlocks, GetRecord): 3-4x slower.
 SYNC_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
-# Each client connects on its own. gRPC otherwise shares one connection per address among all the channels of a
-# process, and a new client inherited the reconnect backoff of an older one's attempts at a replica that has just
-# come back, reading its keys as misses for up to 2 s.
-OWN_CONNECTIONS = (("grpc.use_local_subchannel_pool", 1),)
 # Codes meaning "this replica cannot answer now": reads treat its keys as misses.
 DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
@@ -166,7 +162,7 @@ class CacheClient(_Replicas):
     def __init__(
         self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
     ) -> None:
-        options = PEER_CHANNEL_OPTIONS + OWN_CONNECTIONS + SYNC_OPTIONS
+        options = PEER_CHANNEL_OPTIONS + SYNC_OPTIONS
         channel = functools.partial(grpc.insecure_channel, options=options)
         super().__init__(addresses, channel, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
 
@@ -302,7 +298,7 @@ class AsyncCacheClient(_Replicas):
     def __init__(
         self, addresses: str | Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES
     ) -> None:
-        channel = functools.partial(grpc.aio.insecure_channel, options=PEER_CHANNEL_OPTIONS + OWN_CONNECTIONS)
+        channel = functools.partial(grpc.aio.insecure_channel, options=PEER_CHANNEL_OPTIONS)
         super().__init__(addresses, channel, timeout_s=timeout_s, chunk_bytes=chunk_bytes)
 
     async def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:

@@ -123,7 +123,6 @@ def stub(channel: grpc.Channel | grpc.aio.Channel) -> Any:
             f"/{SERVICE.full_name}/{name}",
             request_serializer=_pass_through(request.SerializeToString, name, PRE_ENCODED_REQUESTS),
             response_deserializer=response.FromString,
-            _registered_method=True,  # as generated stubs do: the method is looked up once, not on every call
         )
     return SimpleNamespace(**calls)
 
