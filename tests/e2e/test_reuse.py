@@ -1,6 +1,7 @@
 """Prefix reuse through the mesh: a second turn reports the first turn's blocks as cached, in each API's own usage
 field, and, with the first turn's SWA record in the cache, its greedy output equals a cold run of the same
-conversation (a fresh `cache_salt` shares nothing)."""
+conversation (a fresh `cache_salt` shares nothing). The second turn is sent as soon as the first is answered: the
+gateway waits for the first turn's write-back, so it never misses the record."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 
 import anthropic
 import openai
-from e2e_helpers import MODEL, model_info, wait_for
+from e2e_helpers import MODEL, metric, model_info
 
 from cache_svc.client import CacheClient
 from mesh.block_keys import sequence_key
@@ -54,14 +55,10 @@ def test_second_turn_reuses_the_first_and_equals_a_cold_run(
     full_blocks = len(first_prompt) // info.kv_block_tokens * info.kv_block_tokens
     assert full_blocks >= 2 * info.kv_block_tokens
 
-    record = sequence_key(
-        first_prompt, block_tokens=info.kv_block_tokens, fingerprint=info.fingerprint, salt=salt.encode()
-    )
-    with CacheClient(mesh.child("cache").address) as cache:
-        wait_for(lambda: cache.has_record(record), "decode to write the first turn's SWA record back")
-
+    # Sent at once: decode may still be writing the first turn's SWA record back; the gateway waits for it.
     second = [*history, {"role": "assistant", "content": first.choices[0].message.content}, *[
         {"role": "user", "content": "Now give a short example."}]]  # fmt: skip
+    replays = metric(mesh.base_url, "v41mesh_gateway_bounded_replays_total")
     warm = oai.chat.completions.create(
         model=MODEL, messages=second, max_tokens=8, temperature=0, extra_body={**NO_THINKING, "cache_salt": salt},
         extra_headers={"x-request-id": f"{salt}-turn-2"},
@@ -70,6 +67,12 @@ def test_second_turn_reuses_the_first_and_equals_a_cold_run(
         model=MODEL, messages=second, max_tokens=8, temperature=0,
         extra_body={**NO_THINKING, "cache_salt": f"cold-{uuid.uuid4().hex}"},
     )  # fmt: skip
+    assert metric(mesh.base_url, "v41mesh_gateway_bounded_replays_total") == replays  # exact SWA: the record was there
+    record = sequence_key(
+        first_prompt, block_tokens=info.kv_block_tokens, fingerprint=info.fingerprint, salt=salt.encode()
+    )
+    with CacheClient(mesh.child("cache").address) as cache:
+        assert cache.has_record(record)
     assert warm.usage.prompt_tokens_details.cached_tokens >= full_blocks
     assert warm.usage.model_extra["prompt_cache_hit_tokens"] == warm.usage.prompt_tokens_details.cached_tokens
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
