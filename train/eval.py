@@ -274,13 +274,17 @@ def dspark_figures(
 
 def confidence_calibration(stats: DecodeStats, temperatures: list[float]) -> dict[str, Any]:
     """ECE of the running product of confidences against the serving path's greedy acceptance, per position:
-    raw (T = 1) and with the checkpoint's calibrated temperatures."""
-    logits = torch.logit(torch.tensor(stats.confidences).clamp(1e-6, 1 - 1e-6))
+    raw (T = 1) and with the checkpoint's calibrated temperatures.
+
+    The serving draft's confidences already carry the temperatures (σ(z/T)): z is recovered before either is scored.
+    """
+    t = torch.tensor(temperatures)
+    logits = torch.logit(torch.tensor(stats.confidences, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)).float() * t
     g = logits.shape[1]
     all_accepted = torch.arange(g).unsqueeze(0) < torch.tensor(stats.accepted).unsqueeze(1)
     figures: dict[str, Any] = {"steps": len(stats.accepted)}
-    for label, t in (("raw", torch.ones(g)), ("calibrated", torch.tensor(temperatures))):
-        a = calibrate.running_product(logits, t)
+    for label, scale in (("raw", torch.ones(g)), ("calibrated", t)):
+        a = calibrate.running_product(logits, scale)
         figures[f"ece_{label}"] = [calibrate.ece(a[:, k], all_accepted[:, k]) for k in range(g)]
     return figures
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
 from recipe import Assistant, Conversation, ToolCall, render_history
 from train import data
-from train.eval import judge_call
+from train.eval import DecodeStats, confidence_calibration, judge_call
 
 
 def _answer_text(conv: Conversation, reply: Assistant) -> str:
@@ -43,3 +44,20 @@ def test_verdicts(tool: str) -> None:
     assert missing["right_tool"]
     assert not missing["schema_valid"]
     assert not any(verdict(None).values())
+
+
+def test_confidence_calibration_scores_the_raw_and_the_calibrated_confidences() -> None:
+    """The serving draft's confidences carry the temperatures: raw is σ(z), calibrated σ(z/T), whatever T is stored."""
+    g = torch.Generator().manual_seed(2)
+    z = 3 * torch.randn(20000, 1, generator=g)
+    accepted = torch.rand(20000, generator=g) < torch.sigmoid(z[:, 0] / 2.0)  # the head is over-confident by 2
+    stats = DecodeStats(confidences=torch.sigmoid(z / 2.0).tolist(), accepted=accepted.long().tolist())
+    figures = confidence_calibration(stats, [2.0])
+    assert figures["ece_calibrated"][0] < 0.01  # σ(z/2) is the truth
+    assert figures["ece_raw"][0] > 0.05  # σ(z) is not
+    assert figures["ece_raw"][0] == pytest.approx(
+        confidence_calibration(DecodeStats(confidences=torch.sigmoid(z).tolist(), accepted=stats.accepted), [1.0])[
+            "ece_raw"
+        ][0],
+        abs=1e-4,
+    )
