@@ -88,7 +88,7 @@ def load_config(
                 dest=field.name,
                 default=None,
                 action=argparse.BooleanOptionalAction,
-                help=f"{help_text} (default {default})",
+                help=_literal(f"{help_text} (default {default})"),
             )
         else:
             parser.add_argument(
@@ -96,7 +96,7 @@ def load_config(
                 dest=field.name,
                 default=None,
                 metavar=field.name.upper(),
-                help=f"{help_text} (default {default!r})",
+                help=_literal(f"{help_text} (default {default!r})"),
             )
     parsed = vars(parser.parse_args(argv))
 
@@ -129,3 +129,8 @@ def config_dict(cfg: msgspec.Struct) -> dict[str, Any]:
 def _is_secret(name: str) -> bool:
     """Names of settings whose values never reach a log: api_key, *_secret, *_password, auth_token, …"""
     return name.endswith(("api_key", "secret", "password", "auth_token", "access_token"))
+
+
+def _literal(text: str) -> str:
+    """A help string as argparse prints it verbatim (it %-formats help strings: "10 %" would crash --help)."""
+    return text.replace("%", "%%")

@@ -16,6 +16,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     max_batch: how many requests share a step
     name: what the service calls itself
+    ratio: share of the batch kept, e.g. 0.5 = 50 %
     """
 
     max_batch: Annotated[int, msgspec.Meta(ge=1)] = 8
@@ -67,7 +68,9 @@ def test_bad_values_exit_2_naming_the_setting(
 def test_help_shows_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         load_config(Settings, ["--help"], env_prefix="X", environ={})
-    assert "how many requests share a step (default 8)" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "how many requests share a step (default 8)" in out
+    assert "e.g. 0.5 = 50 % (default 0.5)" in out  # a % in a description is printed, not %-formatted
 
 
 def test_config_dict_masks_secrets() -> None:
