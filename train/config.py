@@ -49,7 +49,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     mix: tuple[float, float, float, float] = (0.20, 0.55, 0.10, 0.15)
     seed: int = 0
     device: str = "auto"
-    minutes: float = 7.5
+    minutes: float = 7.0
     base_share: float = 0.60
     qat_share: float = 0.06
     dspark_share: float = 0.28
