@@ -47,8 +47,8 @@ def candidate_mask_torch(scores: Tensor, n_visible: Tensor, block_size: int, top
 
 @triton.jit
 def _block_max_kernel(scores_ptr, nv_ptr, out_ptr, S, NB, BS: tl.constexpr, BSP: tl.constexpr, TILE: tl.constexpr):
-    r = tl.program_id(1).to(tl.int64)
-    blocks = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    r = tl.program_id(0).to(tl.int64)  # rows on axis 0: up to 2³¹ − 1 programs (axis 1 stops at 65,535)
+    blocks = tl.program_id(1) * TILE + tl.arange(0, TILE)
     n_visible = tl.load(nv_ptr + r)
     pos = blocks[:, None] * BS + tl.arange(0, BSP)[None, :]
     visible = (pos < n_visible) & (pos < S) & (tl.arange(0, BSP)[None, :] < BS)
@@ -69,8 +69,8 @@ def _keep_blocks_kernel(picked_ptr, kept_ptr, K, NB, TILE: tl.constexpr):
 
 @triton.jit
 def _expand_kernel(kept_ptr, nv_ptr, mask_ptr, S, NB, BS: tl.constexpr, TILE: tl.constexpr):
-    r = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    r = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
     kept = tl.load(kept_ptr + r * NB + pos // BS, mask=pos < S, other=0)
     tl.store(mask_ptr + r * S + pos, (kept != 0) & (pos < tl.load(nv_ptr + r)), mask=pos < S)
 
@@ -85,11 +85,11 @@ def candidate_mask_triton(scores: Tensor, n_visible: Tensor, block_size: int, to
     nv = n_visible.to(torch.int32).contiguous()
     blocks = torch.empty((R, NB), dtype=torch.float32, device=scores.device)
     block_tile = max(1, tile // triton.next_power_of_2(block_size))
-    _block_max_kernel[(triton.cdiv(NB, block_tile), R)](
+    _block_max_kernel[(R, triton.cdiv(NB, block_tile))](
         scores.contiguous(), nv, blocks, S, NB, block_size, triton.next_power_of_2(block_size), block_tile
     )
     picked = topk_indices_triton(blocks, topk_blocks, None)
     kept = torch.zeros((R, NB), dtype=torch.int8, device=scores.device)
     _keep_blocks_kernel[(R,)](picked, kept, topk_blocks, NB, tile)
-    _expand_kernel[(triton.cdiv(S, tile), R)](kept, nv, mask, S, NB, block_size, tile)
+    _expand_kernel[(R, triton.cdiv(S, tile))](kept, nv, mask, S, NB, block_size, tile)
     return mask
