@@ -40,7 +40,8 @@ from train.loss import learned_token_loss
 
 BIAS_SPEED = 1e-3  # noaux_tc routing-bias update per step (reference §2.7)
 MEMORY_SHARE = 0.8  # a phase's worst-case step may take this share of the GPU's memory (room for fragmentation)
-# model.kernels.candidate_mask (Triton) launches one program row per token on grid axis 1, which CUDA caps at 65,535
+# The largest batch trained on a GPU so far: model.kernels.candidate_mask had one program row per token on grid axis 1
+# (CUDA caps it at 65,535). Its rows are on axis 0 now (d3eac91); lift this once a larger batch has run on a GPU.
 MAX_BATCH_TOKENS = 65535
 
 
