@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +30,7 @@ import pytest
 from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, start_gateway, wait_for
 
 from cache_svc.client import CacheClient
-from mesh.processes import Mesh, free_port, http_ready
+from mesh.processes import Mesh, http_ready
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
 STREAM_TIMEOUT_S = 120.0
@@ -86,7 +87,12 @@ def test_without_prefill_decode_prefills_itself(mesh: Mesh, oai: openai.OpenAI) 
 def test_a_gateway_whose_prefill_is_down_from_its_start_serves_through_decode(mesh: Mesh, tmp_path: Any) -> None:
     """No prefill replica ever answered this gateway: it learns the model from a decode replica's GetModelInfo,
     becomes ready, and serves every request by decode's own prefill, each counted as a fallback."""
-    nowhere = f"127.0.0.1:{free_port()}"
+    with socket.socket() as held:  # bound, never listening: refused, and no other test's server can take the port
+        held.bind(("127.0.0.1", 0))
+        _served_through_decode(mesh, tmp_path, f"127.0.0.1:{held.getsockname()[1]}")
+
+
+def _served_through_decode(mesh: Mesh, tmp_path: Any, nowhere: str) -> None:
     url, process = start_gateway(mesh, tmp_path / "gateway.log", prefill=nowhere)
     try:
         health = httpx.get(url + "/health", timeout=10).json()
