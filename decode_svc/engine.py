@@ -255,10 +255,9 @@ class Engine:
             self.batches[lane], self.rows[lane] = self.model.new_decode_batch(), {}
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
-        started = time.perf_counter()
-        logits = self.model.decode_step(batch, pending)
-        tokens = sample_rows(batch_sampling(rows).probs(logits), rows)  # on the host: the forward has run
-        self.times.observe(Forward.PLAIN, len(rows), time.perf_counter() - started)
+        with self.times.timed(Forward.PLAIN, len(rows)):
+            logits = self.model.decode_step(batch, pending)
+            tokens = sample_rows(batch_sampling(rows).probs(logits), rows)  # on the host: the forward has run
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
@@ -270,10 +269,9 @@ class Engine:
         if plan is Plan.PLAIN:
             return self._plain_step(batch, rows, pending)
         generators = [seq.generator for seq in rows]
-        started = time.perf_counter()
-        draft = self.model.dspark_draft(batch, pending, batch_sampling(rows), generators)
-        confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
-        self.times.observe(Forward.DRAFT, len(rows), time.perf_counter() - started)
+        with self.times.timed(Forward.DRAFT, len(rows)):
+            draft = self.model.dspark_draft(batch, pending, batch_sampling(rows), generators)
+            confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
         caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
         for r in records:
@@ -284,11 +282,10 @@ class Engine:
             self._realised(len(rows), len(rows), 0)
             return self._plain_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
-        started = time.perf_counter()
-        result = self.model.verify(
-            batch, pending, trim(draft, width), batch_sampling(rows), torch.tensor(lengths), generators
-        )  # its acceptance is read on the host inside
-        self.times.observe(Forward.VERIFY, len(rows) * (1 + width), time.perf_counter() - started)
+        with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
+            result = self.model.verify(
+                batch, pending, trim(draft, width), batch_sampling(rows), torch.tensor(lengths), generators
+            )  # its acceptance is read on the host inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)
         promised = sum(r.record(n, a) for r, n, a in zip(records, lengths, accepted, strict=True))

@@ -19,10 +19,12 @@ scheduler reads which from here rather than being told.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from decode_svc.speculation import trim
 from model import SamplingParams, Transformer
@@ -55,6 +57,14 @@ class StepTimes:
             bisect.insort(self._sizes[forward], tokens)
         samples.append(seconds)
         self._medians[forward][tokens] = statistics.median(samples)
+
+    @contextlib.contextmanager
+    def timed(self, forward: Forward, tokens: int) -> Iterator[None]:
+        """Observe the seconds the block takes (a block that raises is not observed). It must end by reading a result
+        on the host: on a GPU the kernels are queued, only then have they run."""
+        started = time.perf_counter()
+        yield
+        self.observe(forward, tokens, time.perf_counter() - started)
 
     def known(self, forward: Forward) -> dict[int, float]:
         """{tokens: median seconds} of the sizes measured, by size."""
@@ -92,14 +102,11 @@ def profile(model: Transformer, times: StepTimes, max_draft: int) -> None:
             batch.join(prompt.blocks, prompt.encoder_state)
         pending, greedy = [0] * rows, SamplingParams.uniform(rows)
         for _ in range(PROFILE_REPEATS):
-            started = time.perf_counter()
-            model.decode_step(batch, pending).argmax(-1).tolist()
-            times.observe(Forward.PLAIN, rows, time.perf_counter() - started)
-            started = time.perf_counter()
-            draft = model.dspark_draft(batch, pending, greedy)
-            draft.confidence.tolist()
-            times.observe(Forward.DRAFT, rows, time.perf_counter() - started)
+            with times.timed(Forward.PLAIN, rows):
+                model.decode_step(batch, pending).argmax(-1).tolist()
+            with times.timed(Forward.DRAFT, rows):
+                draft = model.dspark_draft(batch, pending, greedy)
+                draft.confidence.tolist()
             for width in sorted({1, max_draft}):
-                started = time.perf_counter()
-                model.verify(batch, pending, trim(draft, width), greedy)  # reads its acceptance on the host
-                times.observe(Forward.VERIFY, rows * (1 + width), time.perf_counter() - started)
+                with times.timed(Forward.VERIFY, rows * (1 + width)):
+                    model.verify(batch, pending, trim(draft, width), greedy)  # reads its acceptance on the host
