@@ -31,12 +31,14 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 # For channels to mesh peers: a restarted peer is reached again within a second or two, not after gRPC's default
-# 2-minute reconnect backoff.
+# 2-minute reconnect backoff; and each channel owns its connections, so a new client of a peer that just came back
+# connects at once instead of inheriting the backoff of a process-wide shared subchannel.
 PEER_CHANNEL_OPTIONS = (
     *CHANNEL_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 Registrar = Callable[[Any, grpc.aio.Server], None]

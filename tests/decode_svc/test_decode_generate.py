@@ -56,6 +56,15 @@ def test_sequences_of_different_lengths_batched_equal_each_alone(mesh: Mesh, sal
     alone = [mesh.generate(**r)[0] for r in requests]
     before = metric_value(mesh.metrics(mesh.decode), "v41mesh_decode_batch_size_sum", 'lane="speculative"')
     steps = metric_value(mesh.metrics(mesh.decode), "v41mesh_decode_batch_size_count", 'lane="speculative"')
+    # A companion sequence streams until cancelled, so each request below joins a running batch however slowly the
+    # threads start (a loaded machine once ran three short requests one after another).
+    companion = mesh.decode_stub.Generate(
+        decode_pb2.GenerateRequest(
+            request_id=new_id(), token_ids=token_ids(prompt(9)), max_tokens=3000, cache_salt=salt + b"/companion"
+        ),
+        timeout=WAIT_S,
+    )
+    assert next(companion).token_ids  # it is running
     together: list[list[int]] = [[] for _ in requests]
 
     def run(i: int) -> None:
@@ -66,6 +75,7 @@ def test_sequences_of_different_lengths_batched_equal_each_alone(mesh: Mesh, sal
         t.start()
     for t in threads:
         t.join()
+    companion.cancel()
     assert together == alone
     text = mesh.metrics(mesh.decode)
     rows = metric_value(text, "v41mesh_decode_batch_size_sum", 'lane="speculative"') - before
