@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import platform
@@ -408,7 +409,8 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
     """Launch shapes of the top-k select kernel (warps, gather step, group count) at batch 256 and 1."""
     variants = [{}, {"num_warps": 8}, {"gather": 16384}, {"max_groups": 4096, "gather": 16384},
                 {"max_groups": 8192, "gather": 8192, "num_warps": 8},
-                {"max_groups": 4096, "gather": 8192, "num_warps": 4}]  # fmt: skip
+                {"max_groups": 4096, "gather": 8192, "num_warps": 4}, {"digit_bits": 2}, {"digit_bits": 3},
+                {"digit_bits": 2, "num_warps": 16}, {"digit_bits": 2, "max_groups": 4096, "gather": 16384}]  # fmt: skip
     k = 16 if tiny else 512
     for R, L in [(2, 4096)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]:
         scores = randn(R, L, dtype=torch.bfloat16)
@@ -436,13 +438,17 @@ def tune_attention(tiny: bool) -> Iterator[Row]:
 
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of the decode indexer (positions per program, warps)."""
+    """Launch shapes of the decode indexer (positions per program, warps) and its operand type (FP8 / FP16)."""
     B, S = (2, 256) if tiny else (64, 65_536)
     case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
     want = indexer.indexer_scores_triton(*case)
-    for block_s, warps in [(64, 4), (128, 4)] if tiny else [(64, 4), (128, 4), (128, 8), (256, 8), (256, 4), (512, 8)]:
-        fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps)
-        yield from tune("tune indexer", f"B={B} T=1 S={S} block_s={block_s} warps={warps}", fn, want, B * S * 68)
+    operands = [None] if tiny else [indexer.FP8.value, indexer.FP16.value]
+    shapes = [(64, 4), (128, 4)] if tiny else [(128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
+    for operand, (block_s, warps) in itertools.product(operands, shapes):
+        fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps, operand=operand)
+        name = {None: "default", indexer.FP8.value: "fp8", indexer.FP16.value: "fp16"}[operand]
+        shape = f"B={B} T=1 S={S} block_s={block_s} warps={warps} {name}"
+        yield from tune("tune indexer", shape, fn, want, B * S * 68)
 
 
 # ----------------------------------------------------------------------------------------------- decode step

@@ -26,6 +26,13 @@ def ceil_pow2(x):
 
 
 @triton.jit
+def abs_bits(x):
+    """|x| as int32 bits: ordered as the magnitudes are, every NaN above inf (so a max over them propagates NaN, as
+    torch's amax does, where a float max would drop it)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
 def ue8m0_encode(scale):
     """Power-of-two fp32 → biased exponent byte (the fp32 exponent field)."""
     return ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)

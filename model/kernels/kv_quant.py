@@ -3,6 +3,10 @@
 The torch side is model/quant.py itself; the Triton side reproduces its bytes exactly. One quantise kernel and one
 dequantise kernel serve the three formats (a constexpr picks the format); each program handles BLOCK_M rows of a
 [M, D] view, so leading dimensions are flattened and any D that is a multiple of the block works.
+
+bf16 input (what serving stores) takes a faster FP4 kernel: it reads the rows as 32-bit words, so each word already is
+the (even, odd) pair one packed byte holds and bf16 → fp32 is a shift; and it divides by the E4M3 scale with one
+multiply by its reciprocal plus a snap (`snap_bf16_quotient`) instead of a correctly rounded division per element.
 """
 
 import torch
@@ -12,6 +16,7 @@ from torch import Tensor
 
 from model import quant
 from model.kernels.formats import (
+    abs_bits,
     ceil_pow2,
     e2m1_decode,
     e2m1_encode,
@@ -84,7 +89,7 @@ def _quantize_kernel(
     ok = (rows[:, None] < M) & (cols[None, :] < D)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
-    scale, byte = _block_scale(tl.max(tl.abs(xb), axis=2), FORMAT)
+    scale, byte = _block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
     blocks = tl.arange(0, NBP)
     scale_ok = (rows[:, None] < M) & (blocks[None, :] < NB)
     tl.store(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], byte, mask=scale_ok)
@@ -125,6 +130,47 @@ def _dequantize_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def snap_bf16_quotient(q):
+    """x · (1/s) → the E2M1 code of the correctly rounded x / s, for bf16 x and E4M3 s (q = x · fl(1/s)).
+
+    x has 8 significant bits and each rounding midpoint m · s at most 7, so x / s is either exactly a midpoint m
+    or at least 2^-9 (relative) away from every one; x · fl(1/s) is within 2^-23 of x / s. Rounding q to 16
+    significant bits therefore lands exactly on m in the first case and stays on the same side of every midpoint
+    in the second: the code is the one of the correctly rounded quotient. NaN stays NaN (→ code 0, as torch)."""
+    snapped = ((q.to(tl.int32, bitcast=True) + 0x40) & -128).to(tl.float32, bitcast=True)
+    return tl.where(q != q, q, snapped)
+
+
+@triton.jit
+def _quantize_fp4_bf16_kernel(
+    w_ptr, data_ptr, scale_ptr, M, W: tl.constexpr, WP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
+):
+    """FP4 quantise + pack of bf16 rows read as W = D/2 int32 words: word i holds elements 2i (low half) and 2i + 1
+    (high half), the two nibbles of output byte i."""
+    WORDS: tl.constexpr = 8 if FORMAT == FP4_E4M3 else 16  # words per scale block
+    NB: tl.constexpr = W // WORDS
+    NBP: tl.constexpr = WP // WORDS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    words = tl.arange(0, WP)
+    ok = (rows[:, None] < M) & (words[None, :] < W)
+    offsets = rows[:, None].to(tl.int64) * W + words[None, :]
+    w = tl.load(w_ptr + offsets, mask=ok, other=0)
+    even = tl.reshape((w << 16).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
+    odd = tl.reshape((w & -65536).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
+    amax = tl.max(tl.maximum(abs_bits(even), abs_bits(odd)), axis=2).to(tl.float32, bitcast=True)
+    scale, byte = _block_scale(amax, FORMAT)
+    blocks = tl.arange(0, NBP)
+    scale_ok = (rows[:, None] < M) & (blocks[None, :] < NB)
+    tl.store(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], byte, mask=scale_ok)
+    inverse = (tl.math.div_rn(1.0, scale) if FORMAT == FP4_E4M3 else 1.0 / scale)[:, :, None]  # UE8M0: exact
+    q_even, q_odd = even * inverse, odd * inverse
+    if FORMAT == FP4_E4M3:
+        q_even, q_odd = snap_bf16_quotient(q_even), snap_bf16_quotient(q_odd)
+    packed = e2m1_encode(q_even) | (e2m1_encode(q_odd) << 4)
+    tl.store(data_ptr + offsets, tl.reshape(packed, (BLOCK_M, WP)), mask=ok)
+
+
 def _launch_shape(M: int, D: int) -> tuple[int, int, tuple[int]]:
     DP = triton.next_power_of_2(D)
     block_m = max(1, _TILE_ELEMENTS // DP)
@@ -140,7 +186,10 @@ def _quantize_triton(x: Tensor, fmt: int) -> tuple[Tensor, Tensor]:
     width = D if fmt == FP8_UE8M0.value else D // 2
     data = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*x.shape[:-1], D // block), dtype=torch.uint8, device=x.device)
-    if M:
+    if M and fmt != FP8_UE8M0.value and x2.dtype == torch.bfloat16:
+        WP, block_m, grid = _launch_shape(M, D // 2)
+        _quantize_fp4_bf16_kernel[grid](x2.view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt)
+    elif M:
         DP, block_m, grid = _launch_shape(M, D)
         _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt)
     return data, scale

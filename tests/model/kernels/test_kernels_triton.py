@@ -54,17 +54,36 @@ def test_quantise_bytes_are_exact(fmt: str, shape: tuple[int, ...], dtype: torch
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy warns about the inf block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantise_ties_saturation_and_specials(fmt: str) -> None:
-    """Blocks made of exact rounding midpoints (ties to even), saturated maxima, zeros and infinities."""
+def test_quantise_ties_saturation_and_specials(fmt: str, dtype: torch.dtype) -> None:
+    """Blocks made of exact rounding midpoints (ties to even), saturated maxima, zeros, infinities and NaN."""
     g = generator(1)
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 17.0, 19.0, 447.0, 448.0, 0.0, -0.0])
     x = midpoints[torch.randint(0, len(midpoints), (16, 64), generator=g)]
     x = x * torch.where(torch.rand(16, 64, generator=g) < 0.5, -1.0, 1.0) * 2.0 ** torch.randint(-8, 8, (16, 1))
     x[3, :32] = 0.0  # an all-zero block: the amax floor decides the scale
     x[5, 7] = float("inf")  # a non-finite block
+    x[6, 40] = float("nan")
+    x = x.to(dtype)
     want = quantise(fmt, x, "torch")
     got = quantise(fmt, x, "triton")
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+def test_fp4_kv_quotients_on_midpoints_of_odd_scales_are_exact() -> None:
+    """bf16 blocks whose E4M3 scale is not a power of two (1.125, 1.75, …) and whose values are midpoints × scale:
+    the quotient the fast bf16 kernel forms by a reciprocal lands exactly on each tie, as the division does."""
+    g = generator(2)
+    scales = quant.e4m3_decode(torch.randint(40, 120, (32, 4, 1), generator=g, dtype=torch.uint8))
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0])
+    x = midpoints[torch.randint(0, len(midpoints), (32, 4, 16), generator=g)] * scales
+    x[..., 0] = 6.0 * scales[..., 0]  # the block maximum that makes the scale exactly `scales`
+    x = (x * torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)).reshape(32, 64).to(torch.bfloat16)
+    want = quantise("kv_fp4", x, "torch")
+    assert torch.equal(quant.e4m3_decode(want[1]), scales.reshape(32, 4))  # the case is what it claims
+    got = quantise("kv_fp4", x, "triton")
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
 
@@ -109,6 +128,7 @@ DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tile
 GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
 GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
 OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
+DIGITS_3 = {"direct_max": 64, "digit_bits": 3}  # the radix searches in registers take 3 bits per pass (19 fp16 bits)
 
 
 @pytest.mark.parametrize(
@@ -122,6 +142,8 @@ OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many cand
         (5, 1000, 20, torch.float16, GROUPS),
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
+        (5, 1000, 20, torch.float16, DIGITS_3),
+        (3, 300, 8, torch.float32, {**DIRECT, "digit_bits": 2}),
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
@@ -131,7 +153,7 @@ def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[st
     assert torch.equal(topk_indices_triton(scores, k, None, **paths), kernels.topk_indices(scores, k))
 
 
-@pytest.mark.parametrize("paths", [DIRECT, GROUPS, GROUPS_STREAMED, OVERFLOW])
+@pytest.mark.parametrize("paths", [DIRECT, GROUPS, GROUPS_STREAMED, OVERFLOW, DIGITS_3])
 def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
     scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
     for k in (1, 7, 40):
