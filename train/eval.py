@@ -35,7 +35,7 @@ from rich.table import Table
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from model import SamplingParams, Transformer, load_checkpoint, sample
+from model import SamplingParams, Transformer, draft_logits, load_checkpoint, sample
 from recipe import Assistant, Conversation, ToolCall, render, render_history
 from train import batches as batching
 from train import calibrate, data, tools
@@ -91,7 +91,9 @@ class DecodeStats:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0  # verification steps (speculative) or decode steps
-    emitted_per_step: list[int] = field(default_factory=list)
+    emitted_per_step: list[int] = field(default_factory=list)  # per (row, step): tokens kept (to EOS / max_new)
+    step_prompts: list[int] = field(default_factory=list)  # per (row, step): the row's prompt index
+    final_steps: list[bool] = field(default_factory=list)  # per (row, step): the row's last step (EOS / max_new)
     confidences: list[list[float]] = field(default_factory=list)  # per step: the drafts' confidences
     accepted: list[int] = field(default_factory=list)  # per step: accepted drafts
 
@@ -101,7 +103,27 @@ class DecodeStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return sum(self.emitted_per_step) / len(self.emitted_per_step) if self.emitted_per_step else math.nan
+        return self.accepted_length()
+
+    def accepted_length(self, prompts: set[int] | None = None, final: bool = True) -> float:
+        """Mean tokens kept per verification step of the rows of `prompts` (all: None), each row's last step —
+        cut short by EOS or the budget — counted or not."""
+        kept = [
+            n
+            for n, i, last in zip(self.emitted_per_step, self.step_prompts, self.final_steps, strict=True)
+            if (prompts is None or i in prompts) and (final or not last)
+        ]
+        return sum(kept) / len(kept) if kept else math.nan
+
+    def add(self, other: DecodeStats, first_prompt: int = 0) -> None:
+        """Append the figures of a later run whose prompts are numbered from `first_prompt`."""
+        self.tokens, self.seconds = self.tokens + other.tokens, self.seconds + other.seconds
+        self.steps += other.steps
+        self.emitted_per_step += other.emitted_per_step
+        self.step_prompts += [first_prompt + i for i in other.step_prompts]
+        self.final_steps += other.final_steps
+        self.confidences += other.confidences
+        self.accepted += other.accepted
 
 
 def generate(
@@ -113,15 +135,20 @@ def generate(
     speculative: bool = False,
     seed: int = 0,
 ) -> tuple[list[list[int]], DecodeStats]:
-    """Decode all prompts as one continuous batch through the serving path; EOS ends a sequence."""
+    """Decode all prompts as one continuous batch through the serving path; EOS or `max_new` tokens end a
+    sequence. Tokens a step emits past its end (drafts accepted after EOS or beyond the budget) are dropped."""
+    if max_new < 1:
+        raise ValueError(f"max_new must be at least 1, got {max_new}")
     eos = model.args.eos_token_id
     generator = torch.Generator(device=model.device).manual_seed(seed)
     batch = model.new_decode_batch(capacity=len(prompts))
     seqs: dict[int, Generation] = {}
+    prompt_of: dict[int, int] = {}
     with torch.no_grad():
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             prefill = model.encode_prefill(prompt)
             seq_id, logits = batch.join(prefill.blocks, prefill.encoder_state)
+            prompt_of[seq_id] = index
             first = sample(SamplingParams.uniform(1, temperature).probs(logits[None]), generator)
             seqs[seq_id] = Generation([int(first)])
         stats = DecodeStats()
@@ -143,20 +170,24 @@ def generate(
             stats.steps += 1
             for seq_id, new in zip(list(batch.seq_ids), emitted, strict=True):
                 g = seqs[seq_id]
-                g.tokens += new
-                stats.emitted_per_step.append(len(new))
+                kept = _kept(g.tokens, new, eos, max_new)
+                g.tokens += kept
                 _finish_if_done(batch, seq_id, g, eos, max_new)
+                stats.emitted_per_step.append(len(kept))
+                stats.step_prompts.append(prompt_of[seq_id])
+                stats.final_steps.append(g.done)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         stats.seconds = time.perf_counter() - start
-    outputs = [_trim(seqs[s].tokens, eos, max_new) for s in sorted(seqs)]
+    outputs = [seqs[s].tokens for s in sorted(seqs)]
     stats.tokens = sum(len(o) for o in outputs)
     return outputs, stats
 
 
-def _trim(tokens: list[int], eos: int, max_new: int) -> list[int]:
-    tokens = tokens[:max_new]
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+def _kept(tokens: list[int], new: list[int], eos: int, max_new: int) -> list[int]:
+    """The part of a step's `new` tokens that continues `tokens`: up to the first EOS and `max_new` in all."""
+    new = new[: max_new - len(tokens)]
+    return new[: new.index(eos) + 1] if eos in new else new
 
 
 def _finish_if_done(batch: Any, seq_id: int, g: Generation, eos: int, max_new: int) -> None:
@@ -216,16 +247,82 @@ def tool_call_validity(model: Transformer, seed: int, prompts: int, batch_size: 
 
 
 # ----------------------------------------------------------------------------------------------- DSpark
+PROMPT_KINDS = ("chat", "tool", "json")  # held-out prompt i is of kind PROMPT_KINDS[i % 3]
+
+
 def chat_prompts(seed: int, count: int) -> list[list[int]]:
-    """Held-out conversations of the chat domain, cut before their last answer (its generation header kept)."""
+    """Held-out conversations cut before their last answer (its generation header kept), of the kinds
+    PROMPT_KINDS in turn."""
     tok, prompts = data.tokenizer(), []
-    kinds = ("chat", "tool", "json")
     for i in range(count):
-        conv = data.sample(seed, i, kinds[i % 3], held_out=True).conversation
+        conv = data.sample(seed, i, PROMPT_KINDS[i % 3], held_out=True).conversation
         last = max(j for j, m in enumerate(conv.messages) if isinstance(m, Assistant))
         prompt = msgspec.structs.replace(conv, messages=conv.messages[:last])
         prompts.append(render(prompt, tokenizer=tok).token_ids)
     return prompts
+
+
+def teacher_forced_acceptance(model: Transformer, prompt: list[int], output: list[int]) -> list[int]:
+    """Drafts accepted at every anchor of a greedy `output`, teacher-forced (`model.dspark.draft_logits`, the
+    training form): entry j is for output[j] pending, capped by the tokens that follow it in `output`.
+
+    The decoder windows start where the serving path's bounded replay after the prompt starts, so the figures are
+    those of the served drafts (checked by tests/train/test_eval.py)."""
+    g = model.args.dspark_block_size
+    P, n = len(prompt), len(output)
+    seq = torch.tensor([prompt + output + [model.args.eos_token_id] * g], device=model.device)  # a block per anchor
+    with torch.no_grad():
+        _, _, taps = model.features(seq, replay_start=max(0, P - model.args.sliding_window))
+        logits, _ = draft_logits(model, seq, taps, torch.arange(P - 1, P + n - 1, device=model.device))
+    drafts = logits[0].argmax(-1).tolist()  # [n, γ]
+    accepted = []
+    for j, row in enumerate(drafts):
+        k = 0
+        while k < min(g, n - 1 - j) and row[k] == output[j + 1 + k]:
+            k += 1
+        accepted.append(k)
+    return accepted
+
+
+def walk(accepted: list[int]) -> list[int]:
+    """Tokens per verification step of a greedy decode with these acceptances: a step at anchor j keeps its
+    accepted drafts and the next token — the tokens left, if fewer —, and the next step drafts after the last one
+    kept (the first pending token comes from the prompt's logits)."""
+    steps, j = [], 0
+    while j < len(accepted) - 1:
+        steps.append(min(accepted[j] + 1, len(accepted) - 1 - j))
+        j += steps[-1]
+    return steps
+
+
+def dspark_teacher_forced(model: Transformer, prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, Any]:
+    """Per prompt kind, on the model's own greedy outputs: the mean over every anchor of (accepted drafts + 1) —
+    the training-time figure (`train.dspark.expected_accepted_length`) — and the mean over the anchors a greedy
+    decode visits, which is what the serving path realises."""
+    out: dict[str, Any] = {}
+    per_anchor: dict[str, list[int]] = {k: [] for k in PROMPT_KINDS}
+    walked: dict[str, list[int]] = {k: [] for k in PROMPT_KINDS}
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        accepted = teacher_forced_acceptance(model, prompt, output)
+        kind = PROMPT_KINDS[i % 3]
+        per_anchor[kind] += [min(a + 1, len(output) - 1 - j) for j, a in enumerate(accepted[:-1])]
+        walked[kind] += walk(accepted)
+    for kind in PROMPT_KINDS:
+        a, w = per_anchor[kind], walked[kind]
+        out[kind] = {"anchors": len(a), "per_anchor": sum(a) / len(a) if a else math.nan,
+                     "steps": len(w), "walked": sum(w) / len(w) if w else math.nan}  # fmt: skip
+    return out
+
+
+def per_kind(stats: DecodeStats, count: int) -> dict[str, Any]:
+    """Accepted length per prompt kind, with and without each row's last (EOS- or budget-cut) step."""
+    out = {}
+    for kind in PROMPT_KINDS:
+        rows = {i for i in range(count) if PROMPT_KINDS[i % 3] == kind}
+        out[kind] = {"steps": sum(i in rows for i in stats.step_prompts),
+                     "mean_accepted_length": stats.accepted_length(rows),
+                     "without_final_step": stats.accepted_length(rows, final=False)}  # fmt: skip
+    return out
 
 
 def dspark_figures(
@@ -234,23 +331,21 @@ def dspark_figures(
     prompts = chat_prompts(seed, count)
     single = prompts[: max(1, count // 4)]
     out: dict[str, Any] = {}
-    plain_1, plain_stats_1 = [], DecodeStats()
-    for p in single:  # batch 1: the latency setting speculation is for
+    plain_1, plain_stats_1, spec_1, spec_stats_1 = [], DecodeStats(), [], DecodeStats()
+    for i, p in enumerate(single):  # batch 1: the latency setting speculation is for
         o, s = generate(model, [p], max_new)
         plain_1 += o
-        plain_stats_1.tokens, plain_stats_1.seconds = plain_stats_1.tokens + s.tokens, plain_stats_1.seconds + s.seconds
-    spec_1, spec_stats_1 = [], DecodeStats()
-    for p in single:
+        plain_stats_1.add(s, i)
         o, s = generate(model, [p], max_new, speculative=True)
         spec_1 += o
-        spec_stats_1.tokens, spec_stats_1.seconds = spec_stats_1.tokens + s.tokens, spec_stats_1.seconds + s.seconds
-        spec_stats_1.emitted_per_step += s.emitted_per_step
+        spec_stats_1.add(s, i)
     out["batch1_greedy"] = {
         "prompts": len(single),
         "plain_tokens_per_s": plain_stats_1.tokens_per_second,
         "dspark_tokens_per_s": spec_stats_1.tokens_per_second,
         "speedup": spec_stats_1.tokens_per_second / plain_stats_1.tokens_per_second,
         "mean_accepted_length": spec_stats_1.mean_accepted_length,
+        "per_kind": per_kind(spec_stats_1, len(single)),
         "identical_to_plain": plain_1 == spec_1,
     }
     for label, temperature in (("greedy", 0.0), ("t1", 1.0)):
@@ -264,10 +359,12 @@ def dspark_figures(
             "dspark_tokens_per_s": spec_stats.tokens_per_second,
             "speedup": spec_stats.tokens_per_second / plain_stats.tokens_per_second,
             "mean_accepted_length": spec_stats.mean_accepted_length,
+            "per_kind": per_kind(spec_stats, min(batch, len(prompts))),
         }
         if temperature == 0.0:
             figures["identical_to_plain"] = plain == spec
             figures["calibration"] = confidence_calibration(spec_stats, temperatures)
+            figures["teacher_forced"] = dspark_teacher_forced(model, prompts[:batch], plain)
         out[f"batch_{label}"] = figures
     return out
 
@@ -310,6 +407,9 @@ def stored_temperatures(directory: Path, model: Transformer) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
+SECTIONS = ("bounded_replay", "dspark", "tool_calls")
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Every figure; with `--out`, the JSON is rewritten after each section (a cut-short run keeps what it has)."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -328,11 +428,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         if args.out:
             args.out.write_text(json.dumps(figures, indent=2, default=float) + "\n")
 
-    with torch.no_grad(), autocast:
-        done("bounded_replay", bounded_replay_gap(model, args.seed, args.replay_conversations))
-    temperatures = stored_temperatures(args.checkpoint, model)
-    done("dspark", dspark_figures(model, args.seed, args.dspark_prompts, args.batch, args.max_new, temperatures))
-    done("tool_calls", tool_call_validity(model, args.seed, args.prompts, args.batch, args.max_new))
+    if "bounded_replay" in args.sections:
+        with torch.no_grad(), autocast:
+            done("bounded_replay", bounded_replay_gap(model, args.seed, args.replay_conversations))
+    if "dspark" in args.sections:
+        temperatures = stored_temperatures(args.checkpoint, model)
+        done("dspark", dspark_figures(model, args.seed, args.dspark_prompts, args.batch, args.max_new, temperatures))
+    if "tool_calls" in args.sections:
+        done("tool_calls", tool_call_validity(model, args.seed, args.prompts, args.batch, args.max_new))
     return figures
 
 
@@ -354,7 +457,8 @@ def summary(figures: dict[str, Any]) -> Table:
         table.add_row("loss, bounded replay vs exact SWA", f"{r['bounded_loss']:.4f}", f"{r['exact_loss']:.4f}",
                       f"{r['relative_percent']:+.3f} %")  # fmt: skip
     for label, d in (figures.get("dspark") or {}).items():
-        row = f"DSpark {label}: tokens/s (accepted length {d['mean_accepted_length']:.2f})"
+        chat = d["per_kind"]["chat"]["mean_accepted_length"]
+        row = f"DSpark {label}: tokens/s (accepted length {d['mean_accepted_length']:.2f}, chat {chat:.2f})"
         table.add_row(row, f"{d['dspark_tokens_per_s']:.1f}", f"{d['plain_tokens_per_s']:.1f}", f"{d['speedup']:.2f}×")
     return table
 
@@ -370,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay-conversations", type=int, default=64)
     parser.add_argument("--dspark-prompts", type=int, default=32)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="figures to measure")
     args = parser.parse_args(argv)
     if not (args.checkpoint / "config.json").exists():
         parser.error(f"{args.checkpoint} is not a checkpoint directory (no config.json)")

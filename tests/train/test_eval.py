@@ -1,14 +1,28 @@
-"""The tool-call verdicts of train.eval, on answers rendered by recipe (right, wrong tool, wrong values, broken)."""
+"""train.eval: the tool-call verdicts on answers rendered by recipe (right, wrong tool, wrong values, broken), and
+the DSpark figures on the committed demo checkpoint (served acceptance equals the teacher-forced walk)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 
+from model import Transformer, load_checkpoint
 from recipe import Assistant, Conversation, ToolCall, render_history
 from train import data
-from train.eval import DecodeStats, confidence_calibration, judge_call
+from train.eval import (
+    DecodeStats,
+    chat_prompts,
+    confidence_calibration,
+    generate,
+    judge_call,
+    teacher_forced_acceptance,
+    walk,
+)
+
+CHECKPOINT = Path(__file__).resolve().parents[2] / "model" / "checkpoints" / "v41-demo"
 
 
 def _answer_text(conv: Conversation, reply: Assistant) -> str:
@@ -61,3 +75,41 @@ def test_confidence_calibration_scores_the_raw_and_the_calibrated_confidences() 
         ][0],
         abs=1e-4,
     )
+
+
+@pytest.fixture(scope="module")
+def demo() -> Transformer:
+    return load_checkpoint(CHECKPOINT, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("prompt", "max_new"), [(6, 48), (9, 20)])
+def test_served_drafts_accept_what_the_teacher_forced_drafts_do(demo: Transformer, prompt: int, max_new: int) -> None:
+    """On the model's own greedy answer to a held-out chat prompt, greedy speculation through the serving path
+    (draft + verify, rollback of rejected drafts) keeps per step exactly what the training form of the draft,
+    teacher-forced at every anchor, accepts along the walk; every kept token is counted once (none past EOS or the
+    budget), so the per-step figure is the output's length over the steps."""
+    p = chat_prompts(0, prompt + 1)[prompt]
+    (plain,), _ = generate(demo, [p], max_new)
+    (spec,), stats = generate(demo, [p], max_new, speculative=True)
+    assert spec == plain
+    assert sum(stats.emitted_per_step) == len(plain) - 1  # the first token comes from the prompt's logits
+    assert stats.final_steps == [False] * (stats.steps - 1) + [True]
+    accepted = teacher_forced_acceptance(demo, p, plain)
+    assert stats.emitted_per_step == walk(accepted)
+    assert max(accepted) >= 2  # the checkpoint drafts this answer well: the comparison covers accepted runs
+
+
+def test_accepted_length_per_row_and_without_the_final_step() -> None:
+    stats = DecodeStats(emitted_per_step=[6, 2, 6, 1, 3], step_prompts=[0, 1, 0, 0, 1],
+                        final_steps=[False, False, False, True, True])  # fmt: skip
+    assert stats.accepted_length() == pytest.approx(18 / 5)
+    assert stats.accepted_length({0}) == pytest.approx(13 / 3)
+    assert stats.accepted_length({0}, final=False) == pytest.approx(6.0)
+    assert stats.accepted_length({1}, final=False) == pytest.approx(2.0)
+
+
+def test_walk_visits_the_anchor_after_each_steps_tokens() -> None:
+    # anchors 0…6 accept 2, 0, 0, 1, 0, 3, 0 drafts: steps at 0 (3 tokens), 3 (2), 5 (1: only one token follows)
+    assert walk([2, 0, 0, 1, 0, 3, 0]) == [3, 2, 1]
+    assert walk([2, 1, 0]) == [2]  # both tokens after the first accepted: no token left for a bonus
+    assert walk([0]) == []
