@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 
 from model import kernels, quant
-from model.kernels import indexer, sparse_attn, topk
+from model.kernels import indexer, kv_quant, sparse_attn, topk
 
 GiB = 1 << 30
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -437,13 +437,25 @@ def tune_attention(tiny: bool) -> Iterator[Row]:
             yield from tune("tune attention", shape, fn, want, B * (128 * 528 + 512 * 288))
 
 
+def tune_quantisers(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of the quantisers (elements, or bf16 pairs, per program; warps) on 1 GiB of bf16."""
+    rows = 64 if tiny else 1 << 20
+    x = randn(rows, 512, dtype=torch.bfloat16)
+    for name, fmt, out_bytes in (("kv_fp4", kv_quant.FP4_E4M3, 288), ("swa_fp8", kv_quant.FP8_UE8M0, 528)):
+        want = kv_quant.quantize_triton(x, fmt.value)[0]
+        for tile, warps in [(4096, 4)] if tiny else [(1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (2048, 2)]:
+            fn = functools.partial(kv_quant.quantize_triton, x, fmt.value, tile, warps)
+            shape = f"{name} {rows}×512 bf16 tile={tile} warps={warps}"
+            yield from tune("tune quantise", shape, lambda fn=fn: fn()[0], want, rows * (1024 + out_bytes))
+
+
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """Launch shapes of the decode indexer (positions per program, warps) and its operand type (FP8 / FP16)."""
     B, S = (2, 256) if tiny else (64, 65_536)
     case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
     want = indexer.indexer_scores_triton(*case)
     operands = [None] if tiny else [indexer.FP8.value, indexer.FP16.value]
-    shapes = [(64, 4), (128, 4)] if tiny else [(128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]
+    shapes = [(64, 4), (128, 4)] if tiny else [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8)]
     for operand, (block_s, warps) in itertools.product(operands, shapes):
         fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps, operand=operand)
         name = {None: "default", indexer.FP8.value: "fp8", indexer.FP16.value: "fp16"}[operand]
@@ -562,6 +574,7 @@ SECTIONS: dict[str, Callable[[bool], Iterator[Row]]] = {
     "tune-topk": tune_topk,
     "tune-attention": tune_attention,
     "tune-indexer": tune_indexer,
+    "tune-quant": tune_quantisers,
     "step-ours": lambda tiny: decode_step_bench("decode step", ours_step, tiny),
     "step-dense": lambda tiny: decode_step_bench("decode step, dense", dense_step, tiny),
 }

@@ -41,12 +41,20 @@ def _codes_block(ptr, row_offsets, row_ok, j: tl.constexpr, OPERAND: tl.constexp
     """Bytes 16j..16j+15 of each row → [rows, 32] dot operand holding the codes of channel block j (as stored:
     low nibble = even channel) times 2^-shift."""
     packed = tl.load(ptr + row_offsets[:, None] + j * 16 + tl.arange(0, 16)[None, :], mask=row_ok[:, None], other=0)
-    low, high = packed & 0xF, packed >> 4
     if OPERAND == FP8:  # E2M1 s|e1e0|m → E4M3 s|0 0 e1 e0|m 0 0: the same number · 2^-6 (bias 7 instead of 1)
-        low = (((low & 0x8) << 4) | ((low & 0x7) << 2)).to(tl.float8e4nv, bitcast=True)
-        high = (((high & 0x8) << 4) | ((high & 0x7) << 2)).to(tl.float8e4nv, bitcast=True)
+        # four bytes per 32-bit instruction (PTX), where byte-wise Triton would spend one per byte
+        low = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; and.b32 t, $1, 0x08080808; shl.b32 t, t, 4; and.b32 $0, $1, 0x07070707; "
+            "shl.b32 $0, $0, 2; or.b32 $0, $0, t; }",
+            "=r,r", [packed], dtype=tl.uint8, is_pure=True, pack=4,
+        ).to(tl.float8e4nv, bitcast=True)  # fmt: skip
+        high = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; and.b32 t, $1, 0x70707070; shr.b32 t, t, 2; and.b32 $0, $1, 0x80808080; "
+            "or.b32 $0, $0, t; }",
+            "=r,r", [packed], dtype=tl.uint8, is_pure=True, pack=4,
+        ).to(tl.float8e4nv, bitcast=True)  # fmt: skip
     else:
-        low, high = e2m1_to_f16(low), e2m1_to_f16(high)
+        low, high = e2m1_to_f16(packed & 0xF), e2m1_to_f16(packed >> 4)
         if OPERAND == FP32:
             low, high = low.to(tl.float32), high.to(tl.float32)
     return tl.reshape(tl.join(low, high), (packed.shape[0], 32))

@@ -171,13 +171,14 @@ def _quantize_fp4_bf16_kernel(
     tl.store(data_ptr + offsets, tl.reshape(packed, (BLOCK_M, WP)), mask=ok)
 
 
-def _launch_shape(M: int, D: int) -> tuple[int, int, tuple[int]]:
+def _launch_shape(M: int, D: int, tile: int = _TILE_ELEMENTS) -> tuple[int, int, tuple[int]]:
     DP = triton.next_power_of_2(D)
-    block_m = max(1, _TILE_ELEMENTS // DP)
+    block_m = max(1, tile // DP)
     return DP, block_m, (triton.cdiv(M, block_m),)
 
 
-def _quantize_triton(x: Tensor, fmt: int) -> tuple[Tensor, Tensor]:
+def quantize_triton(x: Tensor, fmt: int, tile: int = _TILE_ELEMENTS, num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """`tile` (elements, or bf16 pairs, per program) and `num_warps` override the launch (bench/kernels.py tunes)."""
     block = _BLOCKS[fmt]
     quant.check_block(x, block, "quantize")
     D = x.shape[-1]
@@ -187,11 +188,13 @@ def _quantize_triton(x: Tensor, fmt: int) -> tuple[Tensor, Tensor]:
     data = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)
     scale = torch.empty((*x.shape[:-1], D // block), dtype=torch.uint8, device=x.device)
     if M and fmt != FP8_UE8M0.value and x2.dtype == torch.bfloat16:
-        WP, block_m, grid = _launch_shape(M, D // 2)
-        _quantize_fp4_bf16_kernel[grid](x2.view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt)
+        WP, block_m, grid = _launch_shape(M, D // 2, tile)
+        _quantize_fp4_bf16_kernel[grid](
+            x2.view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt, num_warps=num_warps
+        )
     elif M:
-        DP, block_m, grid = _launch_shape(M, D)
-        _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt)
+        DP, block_m, grid = _launch_shape(M, D, tile)
+        _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt, num_warps=num_warps)
     return data, scale
 
 
@@ -208,15 +211,15 @@ def _dequantize_triton(data: Tensor, scale: Tensor, dtype: torch.dtype, fmt: int
 
 
 def quantize_kv_fp4_triton(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _quantize_triton(x, FP4_E4M3.value)
+    return quantize_triton(x, FP4_E4M3.value)
 
 
 def quantize_index_fp4_triton(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _quantize_triton(x, FP4_UE8M0.value)
+    return quantize_triton(x, FP4_UE8M0.value)
 
 
 def quantize_swa_fp8_triton(x: Tensor) -> tuple[Tensor, Tensor]:
-    return _quantize_triton(x, FP8_UE8M0.value)
+    return quantize_triton(x, FP8_UE8M0.value)
 
 
 def dequantize_kv_fp4_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

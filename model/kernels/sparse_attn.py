@@ -198,7 +198,7 @@ def sparse_attention_triton(
     if out.numel() == 0:
         return out
     DP = triton.next_power_of_2(D)
-    block_n = block_n or (16 if interpreting() else 32)
+    block_n = block_n or (16 if interpreting() else 64)
     head_groups = triton.cdiv(H, block_h)
     tiles = max(1, triton.cdiv(W, block_n) + triton.cdiv(K, block_n))
     n_splits = max(1, min(splits or _splits(B * T * head_groups, tiles), tiles))

@@ -91,10 +91,10 @@ def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr, DIGIT_BITS: tl.constexpr):
     digits = tl.arange(0, 1 << DIGIT_BITS).to(tl.uint32)
     threshold = tl.zeros((), dtype=tl.uint32)
     for p in tl.static_range(PASSES):
-        SHIFT: tl.constexpr = 32 - (p + 1) * DIGIT_BITS
-        trials = threshold | (digits << SHIFT)  # counts fall as the digit grows; digit 0 keeps ≥ k (the invariant)
+        shift = 32 - (p + 1) * DIGIT_BITS
+        trials = threshold | (digits << shift)  # counts fall as the digit grows; digit 0 keeps ≥ k (the invariant)
         counts = tl.sum((keys[:, None] >= trials[None, :]).to(tl.int32), axis=0)
-        threshold = threshold | (tl.max(tl.where(counts >= k, digits, 0), axis=0) << SHIFT)
+        threshold = threshold | (tl.max(tl.where(counts >= k, digits, 0), axis=0) << shift)
     return threshold
 
 
