@@ -74,18 +74,11 @@ def make_batch(
 class StepBatches(Dataset):
     """Map-style dataset: item `step` is `make_batch(seed, step, …)`."""
 
-    def __init__(
-        self,
-        seed: int,
-        token_budget: int,
-        max_len: int,
-        kinds: tuple[str, ...] = data.KINDS,
-        weights: tuple[float, ...] = data.WEIGHTS,
-    ) -> None:
-        """`weights` are those of data.KINDS; kinds outside `kinds` are left out."""
+    def __init__(self, seed: int, token_budget: int, max_len: int, weights: tuple[float, ...] = data.WEIGHTS) -> None:
+        """`weights` are those of data.KINDS; kinds of weight 0 are left out."""
         self.seed, self.token_budget, self.max_len = seed, token_budget, max_len
-        self.kinds = kinds
-        self.weights = tuple(w for k, w in zip(data.KINDS, weights, strict=True) if k in kinds)
+        kept = [(k, w) for k, w in zip(data.KINDS, weights, strict=True) if w > 0]
+        self.kinds, self.weights = tuple(k for k, _ in kept), tuple(w for _, w in kept)
 
     def __len__(self) -> int:
         return 2**31 - 1

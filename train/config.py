@@ -15,6 +15,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     preset: model preset or config.json to train
     init: continue from this checkpoint directory instead of seeded weights
     mix: share of training batches of each kind (chat, tool, json, text)
+    dspark_mix: share of DSpark batches of each conversation kind (chat, tool, json); the default is `mix`'s
     seed: seed of the weights and of the data stream
     device: cuda, cpu or auto
     minutes: wall-clock budget of the training phases; a phase with steps 0 runs for its share of it
@@ -47,6 +48,7 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
     preset: str = "demo"
     init: str = ""
     mix: tuple[float, float, float, float] = (0.20, 0.55, 0.10, 0.15)
+    dspark_mix: tuple[float, float, float] = (0.20, 0.55, 0.10)
     seed: int = 0
     device: str = "auto"
     minutes: float = 7.0
@@ -79,6 +81,8 @@ class TrainConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise msgspec.ValidationError("phase shares must be ≥ 0 and (with the twin) add up to at most 1")
         if any(w < 0 for w in self.mix) or sum(self.mix) <= 0:
             raise msgspec.ValidationError("mix must be four shares ≥ 0 (chat, tool, json, text), not all 0")
+        if any(w < 0 for w in self.dspark_mix) or sum(self.dspark_mix) <= 0:
+            raise msgspec.ValidationError("dspark_mix must be three shares ≥ 0 (chat, tool, json), not all 0")
         if self.minutes <= 0 or self.batch_budget < self.max_len or self.anchors < 1:
             raise msgspec.ValidationError("minutes must be > 0, batch_budget ≥ max_len and anchors ≥ 1")
 

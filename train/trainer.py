@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from model import ModelArgs, Transformer, build_model, load_checkpoint, preset
 from model.moe import Gate
-from train import calibrate, data, dspark, qat
+from train import calibrate, dspark, qat
 from train.batches import CONVERSATION_KINDS, Batch, StepBatches, held_out_batches
 from train.config import TrainConfig
 from train.eval import heldout_losses
@@ -158,9 +158,10 @@ class Trainer:
             model.load_state_dict(state)
         return model
 
-    def batches(self, start: int, kinds: tuple[str, ...], tokens: int) -> Iterator[tuple[Batch, int]]:
-        """Batches from step `start` on, on the device, each with its number of learned tokens (counted on the host)."""
-        dataset = StepBatches(self.cfg.seed, tokens, self.cfg.max_len, kinds, self.cfg.mix)
+    def batches(self, start: int, mix: tuple[float, ...], tokens: int) -> Iterator[tuple[Batch, int]]:
+        """Batches from step `start` on, on the device, each with its number of learned tokens (counted on the host);
+        `mix`: the share of each of data.KINDS (0: none)."""
+        dataset = StepBatches(self.cfg.seed, tokens, self.cfg.max_len, mix)
         loader = DataLoader(
             dataset,
             batch_size=None,
@@ -223,15 +224,16 @@ class Trainer:
         params: list[nn.Parameter],
         step_loss: Callable[[Batch, int], tuple[Tensor, dict[str, float]]],
         schedule: Schedule,
-        kinds: tuple[str, ...],
+        mix: tuple[float, ...],
         tokens: int,
         footprint: str,
         evaluate: Callable[[], dict[str, float]] | None = None,
     ) -> PhaseResult:
         """Optimise `params` on `step_loss` until the schedule ends; resumable from `<name>.partial.pt`.
 
-        `tokens` per batch, or fewer where the worst case would not fit in GPU memory (`fit_budget`). Every
-        `eval_every` steps the step is logged with the throughput, and with `evaluate()`'s held-out figures when given.
+        Batches of data.KINDS in the shares `mix`, `tokens` per batch, or fewer where the worst case would not fit in
+        GPU memory (`fit_budget`). Every `eval_every` steps the step is logged with the throughput, and with
+        `evaluate()`'s held-out figures when given.
         """
         cfg = self.cfg
         optimizer = torch.optim.AdamW(
@@ -250,7 +252,7 @@ class Trainer:
         start = time.monotonic() - elapsed
         seen = Throughput()
         bar = tqdm(desc=name, total=schedule.steps or None, initial=step, unit="step", dynamic_ncols=True)
-        for batch, learned in self.batches(step, kinds, tokens):
+        for batch, learned in self.batches(step, mix, tokens):
             elapsed = time.monotonic() - start
             if schedule.progress(step, elapsed) >= 1.0:
                 break
@@ -299,7 +301,7 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         schedule = Schedule(peak, cfg.warmup, steps, seconds)
         result = self.run_phase(
-            name, model, params, step_loss, schedule, data.KINDS, cfg.batch_budget, "backbone", evaluate
+            name, model, params, step_loss, schedule, cfg.mix, cfg.batch_budget, "backbone", evaluate
         )
         result.heldout = evaluate()
         return result
@@ -389,9 +391,8 @@ class Trainer:
 
         params = [p for p in model.mtp.parameters() if p.requires_grad]
         schedule = Schedule(cfg.dspark_lr, cfg.warmup, cfg.dspark_steps, self.budget(cfg.dspark_share))
-        result = self.run_phase(
-            "dspark", model, params, step_loss, schedule, CONVERSATION_KINDS, cfg.dspark_batch_budget, "dspark"
-        )
+        mix = (*cfg.dspark_mix, 0.0)  # no text
+        result = self.run_phase("dspark", model, params, step_loss, schedule, mix, cfg.dspark_batch_budget, "dspark")
         self.finish_phase("dspark", model, result)
         return model
 

@@ -9,6 +9,8 @@ import pytest
 
 from recipe import Assistant, render_history
 from train import data, tools
+from train.batches import StepBatches
+from train.config import TrainConfig
 from train.parse import parse_assistant
 
 CONVERSATION_KINDS = ("chat", "tool", "json")
@@ -86,3 +88,15 @@ def test_text_samples_come_from_the_corpus() -> None:
     assert len(s.tokens) == 257
     assert tok.decode(s.tokens[1:]).strip() in "\n".join(data.corpus.split()[0])
     assert data.sample(0, 0, "text").tokens == s.tokens
+
+
+def test_step_batches_follow_the_mix_and_leave_out_kinds_of_share_0() -> None:
+    """The DSpark phase draws its batches by `--dspark-mix` (chat, tool, json; no text)."""
+    chat_only = StepBatches(0, 1024, 256, (1.0, 0.0, 0.0, 0.0))
+    assert {chat_only[i].kind for i in range(12)} == {"chat"}
+    default = StepBatches(0, 1024, 256, (*TrainConfig().dspark_mix, 0.0))
+    kinds = [default[i].kind for i in range(40)]
+    assert "text" not in kinds
+    assert {"chat", "tool"} <= set(kinds)
+    with pytest.raises(msgspec.ValidationError, match="dspark_mix"):
+        msgspec.convert({"dspark_mix": [0.0, 0.0, 0.0]}, TrainConfig)
