@@ -399,7 +399,8 @@ class Trainer:
     def calibrate(self, model: Transformer) -> calibrate.Calibration:
         cfg = self.cfg
         generator = torch.Generator().manual_seed(cfg.seed + 1)
-        logits, accepted, valid, lengths = [], [], [], []
+        logits, accepted, valid = [], [], []
+        lengths: dict[str, list[float]] = {kind: [] for kind in CONVERSATION_KINDS}  # per held-out batch, per anchor
         with torch.no_grad(), self.autocast():
             for kind in CONVERSATION_KINDS:
                 for batch in held_out_batches(cfg.seed, kind, 2, cfg.dspark_batch_budget, cfg.max_len):
@@ -409,7 +410,7 @@ class Trainer:
                     logits.append(out.confidence[rows])
                     accepted.append(dspark.greedy_acceptance(out)[rows])
                     valid.append(out.valid[rows])
-                    lengths.append(dspark.expected_accepted_length(out))
+                    lengths[kind].append(dspark.expected_accepted_length(out))
         result = calibrate.sequential_temperature_scaling(torch.cat(logits), torch.cat(accepted), torch.cat(valid))
         self.report["calibration"] = {**asdict(result), "teacher_forced_accepted_length": lengths}
         self._save_report()
