@@ -124,7 +124,7 @@ def indexer_scores_triton(
     # columns = queries × heads: tl.dot needs ≥ 16; prefill tiles share each K tile among up to 64 columns
     columns_wanted = 16 if T == 1 else 64
     block_t = max(min(max(1, columns_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
-    block_s = block_s or (32 if interpreting() else 128)
+    block_s = block_s or (32 if interpreting() else 256)  # H200 (tune-indexer): 256 × 4 warps, 1.4× over 128
     grid = (triton.cdiv(S, block_s), triton.cdiv(T, block_t), B)
     k_data, k_scale = dense_rows(k_data), dense_rows(k_scale)
     _indexer_kernel[grid](

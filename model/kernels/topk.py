@@ -84,17 +84,14 @@ def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr, DIGIT_BITS: tl.constexpr):
-    """Radix search, DIGIT_BITS per pass (each pass counts all 2^DIGIT_BITS trials in one reduction): the largest T
-    with #(keys ≥ T) ≥ k (k ≥ 1); keys below bit LOW_BIT are all zero, so the search may run past it harmlessly."""
-    PASSES: tl.constexpr = (32 - LOW_BIT + DIGIT_BITS - 1) // DIGIT_BITS
-    digits = tl.arange(0, 1 << DIGIT_BITS).to(tl.uint32)
+def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
+    """Bitwise radix search: the largest T with #(keys ≥ T) ≥ k (k ≥ 1); keys below bit LOW_BIT are all zero."""
     threshold = tl.zeros((), dtype=tl.uint32)
-    for p in tl.static_range(PASSES):
-        shift = 32 - (p + 1) * DIGIT_BITS
-        trials = threshold | (digits << shift)  # counts fall as the digit grows; digit 0 keeps ≥ k (the invariant)
-        counts = tl.sum((keys[:, None] >= trials[None, :]).to(tl.int32), axis=0)
-        threshold = threshold | (tl.max(tl.where(counts >= k, digits, 0), axis=0) << shift)
+    step = tl.full((), 1 << 31, tl.uint32)
+    for _bit in range(32 - LOW_BIT):
+        trial = threshold | step
+        threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
+        step = step >> 1
     return threshold
 
 
@@ -114,7 +111,7 @@ def _group_max_kernel(
 @triton.jit
 def _gather_candidates(
     x_row, length, gmax_row, glist_row, ckey_row, cpos_row, NG, C, k,
-    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr, DIGIT_BITS: tl.constexpr,
+    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     """Candidates of one row from its group maxima, in ascending position order → their count (> C: overflowed).
 
@@ -123,7 +120,7 @@ def _gather_candidates(
     g = tl.arange(0, NGP)
     gmax = tl.load(gmax_row + g, mask=g < NG, other=0)
     occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
-    threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT, DIGIT_BITS), 1)  # 1: every selectable score
+    threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
     passed = gmax >= threshold
     n_groups = tl.sum(passed.to(tl.int32), axis=0)
     tl.store(glist_row + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
@@ -176,7 +173,7 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 def _select_kernel(
     x_ptr, len_ptr, gmax_ptr, glist_ptr, ckey_ptr, cpos_ptr, out_ptr, L, NG, C, k,
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr, DIGIT_BITS: tl.constexpr,
+    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
     """One row: candidates from the group maxima (unless DIRECT), then the exact selection, written in position
     order and −1 padded."""
@@ -187,14 +184,14 @@ def _select_kernel(
     from_row = DIRECT
     if not DIRECT:
         n = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C, k,
-                               GS, NGP, LOW_BIT, GATHER, DIGIT_BITS)  # fmt: skip
+                               GS, NGP, LOW_BIT, GATHER)  # fmt: skip
         from_row = n > C  # the buffer overflowed (adversarial ties): select from the scores themselves
         n = tl.where(from_row, length, n)
 
     if n <= TILE:  # everything in registers
         key, pos = _items(x_row, length, ckey_row, cpos_row, n, 0, from_row, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
-        threshold = _kth_largest_key(key, kk, LOW_BIT, DIGIT_BITS)
+        threshold = _kth_largest_key(key, kk, LOW_BIT)
         missing = kk - tl.sum((key > threshold).to(tl.int32), axis=0)
         _write_chosen(out_row, key, pos, threshold, missing, 0, 0, k)
     else:  # streamed in tiles: the same steps, each a pass over the items
@@ -252,12 +249,10 @@ def topk_indices_triton(
     max_groups: int = _MAX_GROUPS,
     gather: int | None = None,
     num_warps: int | None = None,
-    digit_bits: int = 1,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
     default: at most `max_groups` groups) and `capacity` candidate slots per row, gathering `gather` scores per step;
-    `tile` is the select kernel's register tile, `num_warps` its warps, `digit_bits` the radix searches' digit (bits
-    per pass) over registers. The defaults suit k ≤ 4096; tests shrink
+    `tile` is the select kernel's register tile, `num_warps` its warps. The defaults suit k ≤ 4096; tests shrink
     them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
     device = scores.device
@@ -284,6 +279,6 @@ def topk_indices_triton(
         _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
                                         num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
-                         has_lengths, direct, GS, NGP, low_bit, tile, gather, KP, digit_bits,
+                         has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
                          num_warps=num_warps or (16 if NGP >= 8192 else 8))  # fmt: skip
     return out
