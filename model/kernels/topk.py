@@ -85,20 +85,13 @@ def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
 
 @triton.jit
 def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
-    """Radix search, two bits per pass: the largest T with #(keys ≥ T) ≥ k (k ≥ 1); keys below bit LOW_BIT are all
-    zero, so a pass may run one bit past it harmlessly.
-
-    A select program's time is its chain of block-wide reductions, so each pass counts its three trials in one:
-    three 21-bit counts packed in an int64 (a row holds fewer than 2^21 keys)."""
+    """Bitwise radix search: the largest T with #(keys ≥ T) ≥ k (k ≥ 1); keys below bit LOW_BIT are all zero."""
     threshold = tl.zeros((), dtype=tl.uint32)
-    for p in range((33 - LOW_BIT) // 2):
-        shift = 30 - 2 * p
-        one = (keys >= (threshold | (1 << shift))).to(tl.int64)
-        two = (keys >= (threshold | (2 << shift))).to(tl.int64)
-        three = (keys >= (threshold | (3 << shift))).to(tl.int64)
-        counts = tl.sum(one | (two << 21) | (three << 42), axis=0)
-        digit = ((counts & 0x1FFFFF) >= k).to(tl.uint32) + (((counts >> 21) & 0x1FFFFF) >= k).to(tl.uint32)
-        threshold = threshold | ((digit + ((counts >> 42) >= k).to(tl.uint32)) << shift)
+    step = tl.full((), 1 << 31, tl.uint32)
+    for _bit in range(32 - LOW_BIT):
+        trial = threshold | step
+        threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
+        step = step >> 1
     return threshold
 
 
