@@ -1,5 +1,5 @@
-"""The HTTP face (Starlette): the three generation endpoints, /v1/models, /health (ready), /live (the process
-answers), /metrics and /openapi.json.
+"""The HTTP face (Starlette): the three generation endpoints, /v1/messages/count_tokens, /v1/models, /health
+(ready), /live (the process answers), /metrics and /openapi.json.
 
 Every error leaves in the caller's API shape: OpenAI `{"error": {...}}` on /v1/chat/completions and /v1/responses,
 Anthropic `{"type": "error", "error": {...}}` on /v1/messages, with the request id in `x-request-id`.
@@ -96,6 +96,22 @@ def _generate(gateway: Gateway, api: Api) -> Callable[[Request], Any]:
     return endpoint
 
 
+def _count_tokens(gateway: Gateway) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Response:
+        rid = request_id(request.headers.get("x-request-id"))
+        key = presented_key(request.headers)
+        try:
+            gateway.authorize(key)
+            count = await gateway.count_tokens(await _read_body(request, gateway), api_key=key)
+        except GatewayError as error:
+            return _error(error, "messages", rid)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        return _json({"input_tokens": count}, headers={"x-request-id": rid})
+
+    return endpoint
+
+
 def create_app(gateway: Gateway, registry: CollectorRegistry, readiness: Callable[[], dict[str, Any]]) -> Starlette:
     """The Starlette app. `readiness()` reports {"ready": bool, ...} for /health."""
     started = int(time.time())
@@ -144,6 +160,7 @@ def create_app(gateway: Gateway, registry: CollectorRegistry, readiness: Callabl
 
     routes = [Route(path, _generate(gateway, api), methods=["POST"]) for path, api in ROUTES.items()]
     routes += [
+        Route("/v1/messages/count_tokens", _count_tokens(gateway), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),

@@ -88,6 +88,18 @@ def _operation(operation_id: str, request: str, error: str, secured: bool) -> di
     return operation
 
 
+def _count_tokens_operation(secured: bool) -> dict[str, Any]:
+    """A Messages request (its `max_tokens` optional) → {"input_tokens": n}."""
+    operation = _operation("countMessageTokens", MessagesRequest.__name__, "AnthropicError", secured)
+    counted = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+    operation["responses"]["200"] = {
+        "description": "Input tokens of the request as the model reads it",
+        "content": {"application/json": {"schema": counted}},
+    }
+    del operation["responses"]["429"], operation["responses"]["503"]  # counting takes no queue slot nor replica
+    return operation
+
+
 def openapi_document(model_names: Sequence[str], max_output_tokens: int, secured: bool) -> dict[str, Any]:
     types = [request for _, request, _, _ in ENDPOINTS.values()]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
@@ -103,6 +115,7 @@ def openapi_document(model_names: Sequence[str], max_output_tokens: int, secured
         limit = {"type": "integer", "minimum": 1, **({"maximum": max_output_tokens} if max_output_tokens else {})}
         properties[budget] = {"anyOf": [limit, {"type": "null"}]}
         paths[path] = {"post": _operation(operation_id, request.__name__, error, secured)}
+    paths["/v1/messages/count_tokens"] = {"post": _count_tokens_operation(secured)}
     paths["/v1/models"] = {"get": {"operationId": "listModels", "responses": {"200": {"description": "Served models"}}}}
     health = {"200": {"description": "Ready"}, "503": {"description": "Starting or draining"}}
     paths["/health"] = {"get": {"operationId": "health", "responses": health}}

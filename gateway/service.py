@@ -154,6 +154,18 @@ class Gateway:
             raise
         return reply, ticket
 
+    async def count_tokens(self, body: bytes, *, api_key: str | None) -> int:
+        """Input tokens of an Anthropic Messages request as this model reads it (system, tools and the generation
+        header included): the rendered prompt's length. Needs no replica: the tokenizer is the gateway's own."""
+        try:
+            self.authorize(api_key)
+            self.check_size(len(body))
+            rendered = await asyncio.to_thread(self.codec.render, "messages", body)
+        except GatewayError as error:
+            self.refused("messages", error)
+            raise
+        return len(rendered.token_ids)
+
     def refused(self, api: Api, error: GatewayError) -> None:
         """Count a request turned away before it had a reply."""
         self.metrics.errors.labels(error.kind.label).inc()

@@ -16,6 +16,7 @@ from gateway_helpers import API_KEY, InProcessGateway
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from recipe import ConversionOptions, ModelVersion, convert, load_tokenizer, render
 
 MODEL = "DeepSeek-V4.1-Flash"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -120,6 +121,30 @@ def test_no_backend_is_a_503_with_a_clear_message(lone_gateway: InProcessGateway
     assert unavailable_a.value.status_code == 503
 
 
+def test_count_tokens_is_the_rendered_prompt_length_without_a_replica(lone_gateway: InProcessGateway) -> None:
+    """The Anthropic SDK's count_tokens: the length of the prompt the model would read (system and tools
+    included), from the gateway's own tokenizer, so it answers while no replica is up."""
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "The weather of a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
+    request = {"model": MODEL, "system": "Be brief.", "tools": tools,
+               "messages": [{"role": "user", "content": "Weather in Oslo? <｜end▁of▁sentence｜>"}]}  # fmt: skip
+    counted = anthropic_client(lone_gateway).messages.count_tokens(**request)
+    converted = convert("messages", json.dumps({**request, "max_tokens": 1}).encode(), ConversionOptions())
+    assert counted.input_tokens == len(render(converted.conversation, ModelVersion.V41, load_tokenizer()).token_ids)
+    bare = anthropic_client(lone_gateway).messages.count_tokens(model=MODEL, messages=request["messages"])
+    assert 0 < bare.input_tokens < counted.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        anthropic_client(lone_gateway).messages.count_tokens(model=MODEL, messages=[{"role": "robot", "content": "x"}])
+    assert "role" in bad.value.message
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic_client(lone_gateway, key="wrong").messages.count_tokens(model=MODEL, messages=request["messages"])
+
+
 def test_unknown_paths_and_methods_answer_in_the_api_shape(lone_gateway: InProcessGateway) -> None:
     missing = httpx.get(lone_gateway.base_url + "/v1/nothing")
     assert missing.status_code == 404
@@ -129,7 +154,7 @@ def test_unknown_paths_and_methods_answer_in_the_api_shape(lone_gateway: InProce
     assert_anthropic_error(wrong_method.json(), "invalid_request_error")
 
 
-def test_openapi_document_describes_the_three_endpoints(lone_gateway: InProcessGateway) -> None:
+def test_openapi_document_describes_the_endpoints(lone_gateway: InProcessGateway) -> None:
     document = httpx.get(lone_gateway.base_url + "/openapi.json").json()
     assert document["openapi"].startswith("3.1")
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
@@ -140,6 +165,8 @@ def test_openapi_document_describes_the_three_endpoints(lone_gateway: InProcessG
         assert "cache_salt" in properties
         assert {"400", "401", "413", "429", "503"} <= set(operation["responses"])
         assert operation["security"]  # the key is required here
+    counting = document["paths"]["/v1/messages/count_tokens"]["post"]
+    assert counting["responses"]["200"]["content"]["application/json"]["schema"]["required"] == ["input_tokens"]
     assert set(document["components"]["securitySchemes"]) == {"bearer", "apiKey"}
 
 
