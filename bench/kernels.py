@@ -406,10 +406,13 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of the top-k select kernel (warps, gather step, group count) at batch 256 and 1."""
-    variants = [{}, {"num_warps": 8}, {"gather": 16384}, {"max_groups": 4096, "gather": 16384},
-                {"max_groups": 8192, "gather": 8192, "num_warps": 8},
-                {"max_groups": 4096, "gather": 8192, "num_warps": 4}]  # fmt: skip
+    """Launch shapes of the top-k select kernel (register tile, group count, gather step, warps) at batch 256 and 1.
+
+    At batch 256 the select programs (one per row) run in two waves on 132 SMs if only one fits an SM: a smaller
+    register tile and fewer groups may let two fit (one wave) at some cost per row."""
+    variants = [{}, {"max_groups": 4096, "gather": 8192, "num_warps": 4}, {"tile": 2048, "max_groups": 2048},
+                {"tile": 2048, "max_groups": 2048, "num_warps": 4}, {"tile": 2048, "max_groups": 4096},
+                {"tile": 2048, "max_groups": 2048, "gather": 4096}, {"tile": 1024, "max_groups": 1024}]  # fmt: skip
     k = 16 if tiny else 512
     for R, L in [(2, 4096)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]:
         scores = randn(R, L, dtype=torch.bfloat16)
