@@ -141,6 +141,7 @@ OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many cand
         (5, 1000, 20, torch.float16, GROUPS),
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
+        (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: more rows than the interpreter's one "SM" → half tile
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
