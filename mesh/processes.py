@@ -261,7 +261,10 @@ class Mesh:
             "model": self.spec.model,
             "children": {c.name: {"pid": c.pid, "address": c.address, "log": str(c.log)} for c in self.children},
         }
-        (self.data_dir / "mesh.json").write_text(json.dumps(state, indent=2) + "\n")
+        path = self.data_dir / "mesh.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, path)  # a reader never sees a half-written file (it is rewritten when a child restarts)
 
     def _wait_healthy(
         self, children: list[Child], started: float, timeout_s: float, cancelled: Callable[[], bool] = lambda: False
