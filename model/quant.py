@@ -210,13 +210,22 @@ def fp4_dequant_ue8m0(packed: Tensor, scale: Tensor, block: int = 32, dtype: tor
 
 
 def _straight_through(x: Tensor, q: Tensor) -> Tensor:
-    # x − x.detach() is exactly 0 with gradient 1, so the value is q bit for bit (x + (q − x) would round).
-    return q + (x - x.detach())
+    # x − x.detach() is exactly 0 with gradient 1, so the value is q (x + (q − x) would round); without a gradient
+    # to carry, q itself (adding that 0 turns a −0 into +0 and costs an op per layer and step when serving)
+    return q + (x - x.detach()) if x.requires_grad and torch.is_grad_enabled() else q
 
 
 def fake_quant_fp8(x: Tensor, block: int = 32) -> Tensor:
-    """QAT: dequant(fp8_quant(x)) in x's dtype, gradient straight through."""
-    return _straight_through(x, fp8_dequant(*fp8_quant(x.detach(), block), block, x.dtype))
+    """QAT: dequant(fp8_quant(x)) in x's dtype, gradient straight through.
+
+    Computed without the stored bytes (every linear layer's input passes here, on every serving step): the scale is
+    a normal power of two (its amax floor keeps it ≥ 2^-22), which UE8M0 encodes and decodes unchanged, and E4M3
+    bits decode to the value the fp8 tensor holds, so this is the byte round trip's value bit for bit."""
+    check_block(x, block, "fake_quant_fp8")
+    xb = _blocks(x.detach(), block)
+    scale = ceil_pow2(_block_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
+    q = (xb / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return _straight_through(x, q.flatten(-2).to(x.dtype))
 
 
 def fake_quant_fp4_e4m3(x: Tensor, block: int = 16) -> Tensor:

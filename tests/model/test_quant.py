@@ -308,6 +308,24 @@ def test_fake_quant_value_and_straight_through_gradient(fake, quantise, dequanti
     assert torch.equal(x.grad, weights)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fake_quant_fp8_is_the_byte_round_trip_on_special_values(dtype: torch.dtype) -> None:
+    """fake_quant_fp8 skips the bytes; on every kind of block it must still give the round trip's bits: E4M3 ties,
+    the amax floor, subnormal-scaled values, ±0, saturation, ±inf and NaN blocks, and magnitudes 2^-40 … 2^40."""
+    g = torch.Generator().manual_seed(3)
+    ties = torch.tensor([0.0, -0.0, 1.0625, 1.1875, 448.0, 464.0, 2.0**-9, 3 * 2.0**-10, 1e-6, 6e-5, 17.0, 0.25])
+    x = torch.cat([ties[torch.randint(0, len(ties), (8, 32), generator=g)], torch.randn(24, 32, generator=g)])
+    x = x * 2.0 ** torch.randint(-40, 40, (32, 1), generator=g)
+    x[3, 5], x[4, 0], x[5, 9] = float("inf"), float("-inf"), float("nan")
+    x = x.reshape(8, 128).to(dtype)
+    got = fake_quant_fp8(x)
+    want = fp8_dequant(*fp8_quant(x), dtype=dtype)
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(got.isnan(), want.isnan())  # NaN blocks: NaN whatever its sign and payload
+    assert torch.equal(got.nan_to_num(0.0).view(bits), want.nan_to_num(0.0).view(bits))  # ±0 and the rest, bit for bit
+
+
 # ---------------------------------------------------------------- bad input
 
 
