@@ -225,7 +225,9 @@ def test_batch_of_different_lengths_equals_each_alone(tiny, tokens, gen):
         if not len(batch):
             break
     for i in range(3):
-        torch.testing.assert_close(torch.stack(got[i]), alone(i), rtol=1e-9, atol=1e-9)
+        # fp32 logits of a float64 model: the batched and lone matmuls may differ in the last float64 bit, which can
+        # round to the neighbouring fp32 value (seed 937796088: one logit of 646,400); a wrong row is far beyond that
+        torch.testing.assert_close(torch.stack(got[i]), alone(i), rtol=2**-23, atol=1e-9)
 
 
 def test_bad_requests_are_value_errors(tiny, tokens):
