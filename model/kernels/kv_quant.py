@@ -132,12 +132,12 @@ def _dequantize_kernel(
 
 @triton.jit
 def snap_bf16_quotient(q):
-    """x · (1/s) → the E2M1 code of the correctly rounded x / s, for bf16 x and E4M3 s (q = x · fl(1/s)).
+    """q = x · fl(1/s) → a quotient whose E2M1 code is that of the correctly rounded x / s (bf16 x, E4M3 s).
 
     x has 8 significant bits and each rounding midpoint m · s at most 7, so x / s is either exactly a midpoint m
-    or at least 2^-9 (relative) away from every one; x · fl(1/s) is within 2^-23 of x / s. Rounding q to 16
-    significant bits therefore lands exactly on m in the first case and stays on the same side of every midpoint
-    in the second: the code is the one of the correctly rounded quotient. NaN stays NaN (→ code 0, as torch)."""
+    or at least 2^-9 (relative) away from every one; q is within 2^-23 of x / s. Rounding q to 16 mantissa bits
+    therefore lands exactly on m in the first case and stays on the same side of every midpoint in the second: the
+    code is the one of the correctly rounded quotient. NaN stays NaN (→ code 0, as torch)."""
     snapped = ((q.to(tl.int32, bitcast=True) + 0x40) & -128).to(tl.float32, bitcast=True)
     return tl.where(q != q, q, snapped)
 
