@@ -87,9 +87,14 @@ def ue8m0_decode(byte: Tensor) -> Tensor:
     return torch.where(e == 255, torch.full_like(value, float("nan")), value)
 
 
+def _to_e4m3(x: Tensor) -> Tensor:
+    """fp32 → float8_e4m3fn, round-to-nearest-even, saturating at ±448."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def e4m3_encode(x: Tensor) -> Tensor:
     """fp32 → E4M3 (float8_e4m3fn) bits, round-to-nearest-even, saturating at ±448."""
-    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return _to_e4m3(x).view(torch.uint8)
 
 
 def e4m3_decode(bits: Tensor) -> Tensor:
@@ -145,11 +150,16 @@ def _block_amax(xb: Tensor, floor: float) -> Tensor:
     return xb.abs().amax(dim=-1, keepdim=True).clamp_min(floor)
 
 
+def _fp8_scale(xb: Tensor) -> Tensor:
+    """Block scales [..., D/block, 1] of fp32 blocks: powers of two, each ≥ 2^-22 (the amax floor)."""
+    return ceil_pow2(_block_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
+
+
 def fp8_quant(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """x [..., D] → (E4M3 bits uint8 [..., D], UE8M0 scales uint8 [..., D/block])."""
     check_block(x, block, "fp8_quant")
     xb = _blocks(x, block)
-    scale = ceil_pow2(_block_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
+    scale = _fp8_scale(xb)
     data = e4m3_encode(xb / scale).flatten(-2)
     return data, ue8m0_encode(scale.squeeze(-1))
 
@@ -223,8 +233,8 @@ def fake_quant_fp8(x: Tensor, block: int = 32) -> Tensor:
     bits decode to the value the fp8 tensor holds, so this is the byte round trip's value bit for bit."""
     check_block(x, block, "fake_quant_fp8")
     xb = _blocks(x.detach(), block)
-    scale = ceil_pow2(_block_amax(xb, FP8_AMAX_FLOOR) / E4M3_MAX)
-    q = (xb / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    scale = _fp8_scale(xb)
+    q = _to_e4m3(xb / scale).float() * scale
     return _straight_through(x, q.flatten(-2).to(x.dtype))
 
 
