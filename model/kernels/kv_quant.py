@@ -78,6 +78,14 @@ def _block_scale(amax, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _store_scales(scale_ptr, byte, rows, M, NB: tl.constexpr, NBP: tl.constexpr):
+    """The scale bytes [BLOCK_M, NBP] of rows `rows` (NB per row; the padding blocks and rows ≥ M left out)."""
+    blocks = tl.arange(0, NBP)
+    ok = (rows[:, None] < M) & (blocks[None, :] < NB)
+    tl.store(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], byte, mask=ok)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
 ):
@@ -90,9 +98,7 @@ def _quantize_kernel(
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
     scale, byte = _block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
-    blocks = tl.arange(0, NBP)
-    scale_ok = (rows[:, None] < M) & (blocks[None, :] < NB)
-    tl.store(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], byte, mask=scale_ok)
+    _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if FORMAT == FP8_UE8M0:
         codes = tl.reshape(e4m3_encode(xb * (1.0 / scale[:, :, None])), (BLOCK_M, DP))  # 1/2^k is exact
         tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], codes, mask=ok)
@@ -160,9 +166,7 @@ def _quantize_fp4_bf16_kernel(
     odd = tl.reshape((w & -65536).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
     amax = tl.max(tl.maximum(abs_bits(even), abs_bits(odd)), axis=2).to(tl.float32, bitcast=True)
     scale, byte = _block_scale(amax, FORMAT)
-    blocks = tl.arange(0, NBP)
-    scale_ok = (rows[:, None] < M) & (blocks[None, :] < NB)
-    tl.store(scale_ptr + rows[:, None].to(tl.int64) * NB + blocks[None, :], byte, mask=scale_ok)
+    _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     inverse = (tl.math.div_rn(1.0, scale) if FORMAT == FP4_E4M3 else 1.0 / scale)[:, :, None]  # UE8M0: exact
     q_even, q_odd = even * inverse, odd * inverse
     if FORMAT == FP4_E4M3:
