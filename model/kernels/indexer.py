@@ -11,6 +11,8 @@ two UE8M0 scales multiply it: q·K = Σ_j qs_j · ks_j · Σ_{i∈j} codeq_i · 
 dequantised to memory.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -99,7 +101,13 @@ def _indexer_kernel(
 def _operand() -> int:
     if interpreting():
         return FP32.value
-    return FP8.value if torch.cuda.get_device_capability() >= (8, 9) else FP16.value
+    return FP8.value if _fp8_tensor_cores() else FP16.value
+
+
+@functools.cache
+def _fp8_tensor_cores() -> bool:
+    """Asked once, not on every layer of every step: whether the GPU's tensor cores take FP8 (sm_89 and later)."""
+    return torch.cuda.get_device_capability() >= (8, 9)
 
 
 def indexer_scores_triton(
