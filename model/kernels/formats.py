@@ -92,6 +92,23 @@ def e2m1_encode(q):
 
 
 @triton.jit
+def e2m1_code_bits(q):
+    """E2M1 code (sign included) of finite q with at most 22 significant bits, in the low 4 bits of an int32 whose
+    higher bits are 0x4B00000 (a caller packing bytes truncates them away). Floating-point work where e2m1_encode
+    spends integer shifts and a float → int conversion: the GPU issues fp32 operations at twice the integer rate.
+
+    The E2M1 grid 0, ½, 1, 1½, 2, 3, 4, 6 is linear with slopes 2, 1 and ½ on [0, 2], [2, 4] and [4, 6], so
+    min(2a, a + 2, a/2 + 4) sends grid point i to i and each midpoint to i + ½ (7 saturates): rounding that to an
+    integer, ties to even, is E2M1's round to nearest even. Each branch is exact for a of ≤ 22 significant bits
+    (a + 2 and a/2 + 4 stay within 24), and rounding is monotone, so min picks the exact branch of a's segment.
+    The sign adds 8 (even, so ties are unchanged): 4 − 4·(±1), with ±1 made from q's sign bit by one logic op."""
+    a = tl.abs(q)
+    index = tl.minimum(tl.minimum(a + a, a + 2.0), tl.minimum(a * 0.5 + 4.0, 7.0))
+    unit = ((q.to(tl.int32, bitcast=True) & -2147483648) | 0x3F800000).to(tl.float32, bitcast=True)
+    return (index - 4.0 * unit + (RNE_MAGIC + 4.0)).to(tl.int32, bitcast=True)  # + 2^23: the integer in the low bits
+
+
+@triton.jit
 def e2m1_to_f16(code):
     """E2M1 code → fp16 holding value · 2^-14 (exact; multiply by 2^14 after any fp16 product or cast).
 

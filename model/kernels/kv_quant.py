@@ -6,7 +6,9 @@ dequantise kernel serve the three formats (a constexpr picks the format); each p
 
 bf16 input (what serving stores) takes a faster FP4 kernel: it reads the rows as 32-bit words, so each word already is
 the (even, odd) pair one packed byte holds and bf16 → fp32 is a shift; and it divides by the E4M3 scale with one
-multiply by its reciprocal plus a snap (`snap_bf16_quotient`) instead of a correctly rounded division per element.
+multiply by its reciprocal plus a snap (`snap_bf16_quotient`) instead of a correctly rounded division per element,
+and rounds to E2M1 in fp32 arithmetic (`e2m1_code_bits`), which holds for the finite tiles it is given; a tile with
+an inf or NaN takes the reference's division and special cases instead.
 """
 
 import torch
@@ -18,6 +20,7 @@ from model import quant
 from model.kernels.formats import (
     abs_bits,
     ceil_pow2,
+    e2m1_code_bits,
     e2m1_decode,
     e2m1_encode,
     e4m3_decode,
@@ -143,9 +146,8 @@ def snap_bf16_quotient(q):
     x has 8 significant bits and each rounding midpoint m · s at most 7, so x / s is either exactly a midpoint m
     or at least 2^-9 (relative) away from every one; q is within 2^-23 of x / s. Rounding q to 16 mantissa bits
     therefore lands exactly on m in the first case and stays on the same side of every midpoint in the second: the
-    code is the one of the correctly rounded quotient. NaN stays NaN (→ code 0, as torch)."""
-    snapped = ((q.to(tl.int32, bitcast=True) + 0x40) & -128).to(tl.float32, bitcast=True)
-    return tl.where(q != q, q, snapped)
+    code is the one of the correctly rounded quotient. Finite q only (a NaN's payload may carry into its sign)."""
+    return ((q.to(tl.int32, bitcast=True) + 0x40) & -128).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -164,14 +166,18 @@ def _quantize_fp4_bf16_kernel(
     w = tl.load(w_ptr + offsets, mask=ok, other=0)
     even = tl.reshape((w << 16).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
     odd = tl.reshape((w & -65536).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
-    amax = tl.max(tl.maximum(abs_bits(even), abs_bits(odd)), axis=2).to(tl.float32, bitcast=True)
-    scale, byte = _block_scale(amax, FORMAT)
+    amax_bits = tl.max(tl.maximum(abs_bits(even), abs_bits(odd)), axis=2)
+    scale, byte = _block_scale(amax_bits.to(tl.float32, bitcast=True), FORMAT)
     _store_scales(scale_ptr, byte, rows, M, NB, NBP)
-    inverse = (tl.math.div_rn(1.0, scale) if FORMAT == FP4_E4M3 else 1.0 / scale)[:, :, None]  # UE8M0: exact
-    q_even, q_odd = even * inverse, odd * inverse
-    if FORMAT == FP4_E4M3:
-        q_even, q_odd = snap_bf16_quotient(q_even), snap_bf16_quotient(q_odd)
-    packed = e2m1_encode(q_even) | (e2m1_encode(q_odd) << 4)
+    if tl.max(amax_bits) < 0x7F800000:  # a finite tile (every tile in practice)
+        inverse = (tl.math.div_rn(1.0, scale) if FORMAT == FP4_E4M3 else 1.0 / scale)[:, :, None]  # UE8M0: exact
+        q_even, q_odd = even * inverse, odd * inverse  # ≤ 16 significant bits, snapped (E4M3) or exact (UE8M0)
+        if FORMAT == FP4_E4M3:
+            q_even, q_odd = snap_bf16_quotient(q_even), snap_bf16_quotient(q_odd)
+        packed = (e2m1_code_bits(q_even) + (e2m1_code_bits(q_odd) << 4)).to(tl.uint8)
+    else:  # inf or NaN: the reference's own division and special cases (a NaN quotient → ±0 by its sign bit)
+        s = scale[:, :, None]
+        packed = e2m1_encode(tl.math.div_rn(even, s)) | (e2m1_encode(tl.math.div_rn(odd, s)) << 4)
     tl.store(data_ptr + offsets, tl.reshape(packed, (BLOCK_M, WP)), mask=ok)
 
 

@@ -54,22 +54,40 @@ def test_quantise_bytes_are_exact(fmt: str, shape: tuple[int, ...], dtype: torch
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy warns about the inf block
+@pytest.mark.parametrize("non_finite", [False, True])  # bf16 FP4: a finite tile takes the fp32-arithmetic rounding
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantise_ties_saturation_and_specials(fmt: str, dtype: torch.dtype) -> None:
-    """Blocks made of exact rounding midpoints (ties to even), saturated maxima, zeros, infinities and NaN."""
+def test_quantise_ties_saturation_and_specials(fmt: str, dtype: torch.dtype, non_finite: bool) -> None:
+    """Blocks made of exact rounding midpoints (ties to even), saturated maxima, zeros, tiny (subnormal-scale)
+    blocks, and optionally infinities and NaN."""
     g = generator(1)
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 17.0, 19.0, 447.0, 448.0, 0.0, -0.0])
     x = midpoints[torch.randint(0, len(midpoints), (16, 64), generator=g)]
     x = x * torch.where(torch.rand(16, 64, generator=g) < 0.5, -1.0, 1.0) * 2.0 ** torch.randint(-8, 8, (16, 1))
     x[3, :32] = 0.0  # an all-zero block: the amax floor decides the scale
-    x[5, 7] = float("inf")  # a non-finite block
-    x[6, 40] = float("nan")
+    x[4] *= 2.0**-16  # blocks whose E4M3 scale is subnormal (coarse: quotients above 6 saturate)
+    if non_finite:
+        x[5, 7] = float("inf")
+        x[6, 40] = float("nan")
     x = x.to(dtype)
     want = quantise(fmt, x, "torch")
     got = quantise(fmt, x, "triton")
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("fmt", ["kv_fp4", "index_fp4"])
+def test_fp4_quantise_of_every_finite_bf16_value_is_exact(fmt: str) -> None:
+    """Each of the 65,280 finite bf16 values, in blocks shuffled twice (so each meets two block maxima / scales),
+    quantises to the reference's bytes: the fp32-arithmetic E2M1 rounding of the bf16 kernel, exhaustively."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = bits[bits.isfinite()]
+    g = generator(3)
+    x = torch.cat([finite[torch.randperm(len(finite), generator=g)] for _ in range(2)]).reshape(-1, 512)
+    want = quantise(fmt, x, "torch")
+    got = quantise(fmt, x, "triton")
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0], want[0])
 
 
 def test_fp4_kv_quotients_on_midpoints_of_odd_scales_are_exact() -> None:
