@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import dense_rows, e2m1_to_f16, interpreting, ue8m0_decode
+from model.kernels.formats import dense_rows, e2m1_decode, e2m1_to_f16, interpreting, ue8m0_decode
 from model.kernels.kv_quant import dequantize_index_fp4_torch
 
 
@@ -39,9 +39,9 @@ FP32 = tl.constexpr(2)  # the interpreter (its low-precision tl.dot is unreliabl
 
 
 @triton.jit
-def _codes_block(ptr, row_offsets, row_ok, j: tl.constexpr, OPERAND: tl.constexpr):
-    """Bytes 16j..16j+15 of each row → [rows, 32] dot operand holding the codes of channel block j (as stored:
-    low nibble = even channel) times 2^-shift."""
+def _nibble_codes(ptr, row_offsets, row_ok, j: tl.constexpr, OPERAND: tl.constexpr):
+    """Bytes 16j..16j+15 of each row → two [rows, 16] dot operands: the codes of the even channels of block j (low
+    nibbles) and of the odd ones (high nibbles), times 2^-shift."""
     packed = tl.load(ptr + row_offsets[:, None] + j * 16 + tl.arange(0, 16)[None, :], mask=row_ok[:, None], other=0)
     if OPERAND == FP8:  # E2M1 s|e1e0|m → E4M3 s|0 0 e1 e0|m 0 0: the same number · 2^-6 (bias 7 instead of 1)
         # four bytes per 32-bit instruction (PTX), where byte-wise Triton would spend one per byte
@@ -59,7 +59,88 @@ def _codes_block(ptr, row_offsets, row_ok, j: tl.constexpr, OPERAND: tl.constexp
         low, high = e2m1_to_f16(packed & 0xF), e2m1_to_f16(packed >> 4)
         if OPERAND == FP32:
             low, high = low.to(tl.float32), high.to(tl.float32)
-    return tl.reshape(tl.join(low, high), (packed.shape[0], 32))
+    return low, high
+
+
+@triton.jit
+def _block_code_sums(k_ptr, k_row, s_ok, q_ptr, q_row, col_ok, j: tl.constexpr, OPERAND: tl.constexpr,
+                     SPLIT: tl.constexpr):  # fmt: skip
+    """[BLOCK_S, columns] Σ_{i∈j} codek_i · codeq_i (times 2^-2·shift), exact: small integers times a power of two.
+
+    SPLIT: the even-channel dot plus the odd-channel dot (K = 16 each: 16-bit operands only), the same sum without
+    interleaving the halves back into channel order (tl.join's layout conversion); else one K = 32 dot."""
+    k_low, k_high = _nibble_codes(k_ptr, k_row, s_ok, j, OPERAND)
+    q_low, q_high = _nibble_codes(q_ptr, q_row, col_ok, j, OPERAND)
+    if SPLIT:
+        return tl.dot(k_high, tl.trans(q_high), tl.dot(k_low, tl.trans(q_low)))
+    k_codes = tl.reshape(tl.join(k_low, k_high), (k_low.shape[0], 32))
+    q_codes = tl.reshape(tl.join(q_low, q_high), (q_low.shape[0], 32))
+    return tl.dot(k_codes, tl.trans(q_codes))
+
+
+@triton.jit
+def _exact_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row, qs_row, col_ok, k_row, ks_row, s_ok,
+                DI: tl.constexpr, OPERAND: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """q·K per (position, column) as Σ_j qs_j · ks_j · (exact code sum of block j): one fp32 rescale per block."""
+    UNSHIFT: tl.constexpr = 4096.0 if OPERAND == FP8 else 268435456.0  # both operands carry 2^-6 (or 2^-14)
+    acc = tl.zeros((k_row.shape[0], q_row.shape[0]), dtype=tl.float32)
+    for j in tl.static_range(DI // 32):
+        part = _block_code_sums(k_ptr, k_row, s_ok, q_ptr, q_row, col_ok, j, OPERAND, SPLIT)
+        k_scale = ue8m0_decode(tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127))
+        q_scale = ue8m0_decode(tl.load(qs_ptr + qs_row + j, mask=col_ok, other=127)) * UNSHIFT
+        acc += part * k_scale[:, None] * q_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _folded_halves(ptr, scale_ptr, row_offsets, scale_offsets, row_ok, DI: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows of packed codes and their UE8M0 scales → (even channels, odd channels), each [rows, DI/2] of values
+    code · 2^(e − 127) in DTYPE: one load of the rows' DI/2 bytes, one of their DI/32 scale bytes.
+
+    Exact in bf16: it has fp32's exponent range and a code needs 2 significant bits, so every product the fp32
+    reference forms (subnormal 2^-128 · 1.5 included, inf where it overflows) is a bf16 number."""
+    NBK: tl.constexpr = DI // 32
+    block = tl.arange(0, NBK)
+    packed = tl.load(
+        ptr + row_offsets[:, None, None] + block[None, :, None] * 16 + tl.arange(0, 16)[None, None, :],
+        mask=row_ok[:, None, None], other=0,
+    )  # fmt: skip
+    scale = ue8m0_decode(tl.load(scale_ptr + scale_offsets[:, None] + block[None, :], mask=row_ok[:, None], other=127))
+    even = (e2m1_decode(packed & 0xF) * scale[:, :, None]).to(DTYPE)
+    odd = (e2m1_decode(packed >> 4) * scale[:, :, None]).to(DTYPE)
+    return tl.reshape(even, (packed.shape[0], DI // 2)), tl.reshape(odd, (packed.shape[0], DI // 2))
+
+
+@triton.jit
+def _folded_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row, qs_row, col_ok, k_row, ks_row, s_ok,
+                 DI: tl.constexpr, OPERAND: tl.constexpr):  # fmt: skip
+    """q·K with the scales folded into the operands: the tensor core sums over all DI channels (the even-channel dot
+    plus the odd-channel one), no per-block fp32 rescale of the accumulator."""
+    DTYPE: tl.constexpr = tl.float32 if OPERAND == FP32 else tl.bfloat16
+    k_even, k_odd = _folded_halves(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DTYPE)
+    q_even, q_odd = _folded_halves(q_ptr, qs_ptr, q_row, qs_row, col_ok, DI, DTYPE)
+    return tl.dot(k_odd, tl.trans(q_odd), tl.dot(k_even, tl.trans(q_even)))
+
+
+@triton.jit
+def _score_tile(q_ptr, qs_ptr, k_ptr, ks_ptr, out_ptr, q_row, col_ok, w, n_visible, tq, b, s0, T, S, k_stride,
+                ks_stride, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                OPERAND: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+    """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    s_ok = s < S
+    k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * (DI // 32)  # a batch row's entries are dense
+    if FOLD:
+        qk = _folded_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row * (DI // 2), q_row * (DI // 32), col_ok, k_row, ks_row,
+                          s_ok, DI, OPERAND)  # fmt: skip
+    else:
+        qk = _exact_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row * (DI // 2), q_row * (DI // 32), col_ok, k_row, ks_row,
+                         s_ok, DI, OPERAND, SPLIT)  # fmt: skip
+    per_head = tl.maximum(qk, 0.0) * w[None, :]
+    scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
+    scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
+    out = out_ptr + (b * T + tq[None, :]) * S + s[:, None]
+    tl.store(out, scores, mask=(tq[None, :] < T) & s_ok[:, None])
 
 
 @triton.jit
@@ -67,35 +148,27 @@ def _indexer_kernel(
     q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, nv_ptr, out_ptr,
     T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, OPERAND: tl.constexpr,
+    SPLIT: tl.constexpr, FOLD: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    NBK: tl.constexpr = DI // 32
-    UNSHIFT: tl.constexpr = 4096.0 if OPERAND == FP8 else 268435456.0  # both operands carry 2^-6 (or 2^-14)
-    s0 = tl.program_id(0) * BLOCK_S
+    """One program: TILES consecutive K tiles of BLOCK_S positions (a software-pipelined loop of STAGES stages when
+    TILES > 1: the next tiles' loads in flight while this one's dots run) × BLOCK_T queries × all heads."""
     t0 = tl.program_id(1) * BLOCK_T
     b = tl.program_id(2).to(tl.int64)
     m = tl.arange(0, BLOCK_T * HP)
     t, h = t0 + m // HP, m % HP
     col_ok = (t < T) & (h < H)
-    qrow = (b * T + t) * H + h  # [M] row of q_data / q_scale / weights
-    s = s0 + tl.arange(0, BLOCK_S)
-    s_ok = s < S
-    k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * NBK  # a batch row's entries are dense
-    acc = tl.zeros((BLOCK_S, BLOCK_T * HP), dtype=tl.float32)
-    for j in tl.static_range(NBK):
-        k_codes = _codes_block(k_ptr, k_row, s_ok, j, OPERAND)
-        q_codes = _codes_block(q_ptr, qrow * (DI // 2), col_ok, j, OPERAND)
-        part = tl.dot(k_codes, tl.trans(q_codes))  # exact: small integers times a power of two
-        k_scale = ue8m0_decode(tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127))
-        q_scale = ue8m0_decode(tl.load(qs_ptr + qrow * NBK + j, mask=col_ok, other=127)) * UNSHIFT
-        acc += part * k_scale[:, None] * q_scale[None, :]
-    w = tl.load(w_ptr + qrow, mask=col_ok, other=0.0).to(tl.float32)
-    per_head = tl.maximum(acc, 0.0) * w[None, :]
-    scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
+    q_row = (b * T + t) * H + h  # [M] row of q_data / q_scale / weights
+    w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0).to(tl.float32)
     tq = t0 + tl.arange(0, BLOCK_T)
     n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0)
-    scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
-    out = out_ptr + (b * T + tq[None, :]) * S + s[:, None]
-    tl.store(out, scores, mask=(tq[None, :] < T) & s_ok[:, None])
+    first = tl.program_id(0) * TILES * BLOCK_S
+    if TILES == 1:
+        _score_tile(q_ptr, qs_ptr, k_ptr, ks_ptr, out_ptr, q_row, col_ok, w, n_visible, tq, b, first, T, S, k_stride,
+                    ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
+    else:
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            _score_tile(q_ptr, qs_ptr, k_ptr, ks_ptr, out_ptr, q_row, col_ok, w, n_visible, tq, b, first + i * BLOCK_S,
+                        T, S, k_stride, ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
 
 
 def _operand() -> int:
@@ -120,11 +193,22 @@ def indexer_scores_triton(
     block_s: int | None = None,
     num_warps: int = 4,
     operand: int | None = None,
+    split: bool = False,
+    fold: bool = False,
+    tiles_per_program: int = 1,
+    num_stages: int = 3,
 ) -> Tensor:
-    """`block_s` (positions per program), `num_warps` and `operand` (FP8 / FP16 / FP32) override the launch
-    (bench/kernels.py tunes them)."""
+    """The launch knobs (bench/kernels.py tunes them): `block_s` positions per tile, `num_warps`, `operand` (FP8 /
+    FP16 / FP32 code operands); `split`: even- and odd-channel dots instead of interleaving the nibbles (16-bit
+    operands); `fold`: scales folded into bf16 operands, one dot over all channels; `tiles_per_program` consecutive
+    tiles per program in a loop pipelined over `num_stages`."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
+    operand = _operand() if operand is None else operand
+    if split and operand == FP8.value:
+        raise ValueError("split needs 16-bit code operands (operand=FP16): an FP8 dot takes K ≥ 32, a half block is 16")
+    if tiles_per_program < 1:
+        raise ValueError(f"tiles_per_program must be ≥ 1, got {tiles_per_program}")
     out = torch.empty((B, T, S), dtype=torch.float32, device=q_data.device)
     if out.numel() == 0:
         return out
@@ -133,11 +217,11 @@ def indexer_scores_triton(
     columns_wanted = 16 if T == 1 else 64
     block_t = max(min(max(1, columns_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
     block_s = block_s or (32 if interpreting() else 256)  # H200 (tune-indexer): 256 × 4 warps, 1.4× over 128
-    grid = (triton.cdiv(S, block_s), triton.cdiv(T, block_t), B)
+    grid = (triton.cdiv(triton.cdiv(S, block_s), tiles_per_program), triton.cdiv(T, block_t), B)
     k_data, k_scale = dense_rows(k_data), dense_rows(k_scale)
     _indexer_kernel[grid](
         q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, n_visible.contiguous(), out,
-        T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, HP, block_t, block_s,
-        _operand() if operand is None else operand, num_warps=num_warps,
+        T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, HP, block_t, block_s, operand, split, fold,
+        tiles_per_program, num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out
