@@ -86,14 +86,71 @@ def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
-    """Bitwise radix search: the largest T with #(keys ≥ T) ≥ k (k ≥ 1); keys below bit LOW_BIT are all zero."""
+def _kth_largest_key(keys, k, BITS: tl.constexpr):
+    """Bitwise radix search over the top BITS bits: the largest T with #(keys ≥ T) ≥ k (k ≥ 1) among the values whose
+    lower 32 − BITS bits are zero. With every informative bit searched (32 − LOW_BIT) T is the k-th largest key; with
+    fewer, T is a lower bound of it that still has ≥ k keys at or above it."""
     threshold = tl.zeros((), dtype=tl.uint32)
     step = tl.full((), 1 << 31, tl.uint32)
-    for _bit in range(32 - LOW_BIT):
+    for _bit in range(BITS):
         trial = threshold | step
         threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
         step = step >> 1
+    return threshold
+
+
+@triton.jit
+def _highest_bit(x):
+    """floor(log2(x)) for x ≥ 1, or one more (fp32 may round x up to the next power of two: one harmless extra radix
+    step), at most 31; −1 for x = 0."""
+    exponent = ((x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    return tl.where(x == 0, -1, tl.minimum(exponent, 31))
+
+
+@triton.jit
+def _kth_largest_key_within(keys, k, lo, hi, LOW_BIT: tl.constexpr):
+    """The k-th largest key T, known to lie in [lo, hi] (#(keys ≥ lo) ≥ k, no key above hi): every value in that range
+    has the bits where lo and hi agree, so T has them too and the radix search starts below them (a few steps when lo
+    and hi are close, instead of 32 − LOW_BIT)."""
+    lo = lo >> LOW_BIT << LOW_BIT  # still ≤ T, whose low bits are zero
+    top = _highest_bit(lo ^ hi)
+    step = tl.full((), 1, tl.uint32) << tl.maximum(top, 0).to(tl.uint32)
+    below = tl.where(top >= 0, step + (step - 1), 0)  # bits 0…top
+    threshold = lo - (lo & below)
+    for _bit in range(tl.maximum(top - LOW_BIT + 1, 0)):
+        trial = threshold | step
+        threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
+        step = step >> 1
+    return threshold
+
+
+@triton.jit
+def _counts_from_top(keys, hi, SHIFT: tl.constexpr, BINS: tl.constexpr):
+    """c[b] = #(selectable keys with (hi − key) >> SHIFT ≤ b): bins of 2^SHIFT key values down from hi (no key is
+    above it), the last bin holding every key further down. One histogram and one scan, however many bins."""
+    distance = tl.minimum((hi - keys) >> SHIFT, BINS - 1).to(tl.int32)
+    return tl.cumsum(tl.histogram(distance, BINS, mask=keys > 0), axis=0)
+
+
+@triton.jit
+def _group_threshold_histogram(gmax, k, hi, SHIFT: tl.constexpr, BINS: tl.constexpr):
+    """Some T with ≥ k group maxima at or above it, at most one bin (2^SHIFT key values) below the k-th largest: the
+    lower edge of the first bin, counted down from the largest group maximum hi, whose count reaches k (1 if that is
+    the last bin)."""
+    first = tl.sum((_counts_from_top(gmax, hi, SHIFT, BINS) < k).to(tl.int32), axis=0)
+    width = (first + 1).to(tl.uint32) << SHIFT  # the keys of bins 0…first: hi − width < key ≤ hi
+    return tl.where((first < BINS - 1) & (width < hi), hi - width + 1, 1)
+
+
+@triton.jit
+def _kth_largest_key_histogram(keys, k, lo, hi, LOW_BIT: tl.constexpr, BINS: tl.constexpr):
+    """The k-th largest key T ∈ [lo, hi] (hi the largest key) from one histogram of bins one key value wide (keys are
+    multiples of 2^LOW_BIT): exact when T is among the BINS − 1 values below hi; otherwise T ≤ the last bin's top and
+    the radix search finishes below it."""
+    first = tl.sum((_counts_from_top(keys, hi, LOW_BIT, BINS) < k).to(tl.int32), axis=0)
+    threshold = hi - (first.to(tl.uint32) << LOW_BIT)
+    if first == BINS - 1:  # fewer than k keys in the exact bins: T ≤ the catch-all bin's top
+        threshold = _kth_largest_key_within(keys, k, lo, threshold, LOW_BIT)
     return threshold
 
 
@@ -113,16 +170,24 @@ def _group_max_kernel(
 @triton.jit
 def _gather_candidates(
     x_row, length, gmax_row, glist_row, ckey_row, cpos_row, NG, C, k,
-    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
+    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr, GROUP_BITS: tl.constexpr,
+    GROUP_BINS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
 ):  # fmt: skip
-    """Candidates of one row from its group maxima, in ascending position order → their count (> C: overflowed).
+    """Candidates of one row from its group maxima, in ascending position order → (their count (> C: overflowed),
+    the threshold T they all reach).
 
     T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
-    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read."""
+    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read.
+    Any lower T with ≥ k groups at or above it is as exact, only with more candidates: the radix search may stop
+    after GROUP_BITS bits, or (GROUP_BINS > 0) one histogram of the group maxima gives T to a bin."""
     g = tl.arange(0, NGP)
     gmax = tl.load(gmax_row + g, mask=g < NG, other=0)
     occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
-    threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
+    if GROUP_BINS > 0:
+        threshold = _group_threshold_histogram(gmax, k, tl.max(gmax, axis=0), GROUP_SHIFT, GROUP_BINS)
+    else:
+        threshold = _kth_largest_key(gmax, k, GROUP_BITS)
+    threshold = tl.where(occupied > k, tl.maximum(threshold, 1), 1)  # 1: every selectable score (0 is not one)
     passed = gmax >= threshold
     n_groups = tl.sum(passed.to(tl.int32), axis=0)
     tl.store(glist_row + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
@@ -144,7 +209,7 @@ def _gather_candidates(
     else:
         n = C + 1
     tl.debug_barrier()
-    return n
+    return n, threshold
 
 
 @triton.jit
@@ -175,25 +240,34 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 def _select_kernel(
     x_ptr, len_ptr, gmax_ptr, glist_ptr, ckey_ptr, cpos_ptr, out_ptr, L, NG, C, k,
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr,
+    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr, GROUP_BITS: tl.constexpr, GROUP_BINS: tl.constexpr,
+    GROUP_SHIFT: tl.constexpr, PREFIX: tl.constexpr, SELECT_BINS: tl.constexpr,
 ):  # fmt: skip
     """One row: candidates from the group maxima (unless DIRECT), then the exact selection, written in position
-    order and −1 padded."""
+    order and −1 padded. In registers, the k-th largest key comes from a histogram (SELECT_BINS > 0), a radix search
+    below the bits that the candidates' bounds share (PREFIX), or a full radix search."""
     r = tl.program_id(0).to(tl.int64)
     x_row, ckey_row, cpos_row, out_row = x_ptr + r * L, ckey_ptr + r * C, cpos_ptr + r * C, out_ptr + r * k
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     n = length
     from_row = DIRECT
+    lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
     if not DIRECT:
-        n = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C, k,
-                               GS, NGP, LOW_BIT, GATHER)  # fmt: skip
+        n, lo = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C,
+                                   k, GS, NGP, LOW_BIT, GATHER, GROUP_BITS, GROUP_BINS, GROUP_SHIFT)  # fmt: skip
         from_row = n > C  # the buffer overflowed (adversarial ties): select from the scores themselves
         n = tl.where(from_row, length, n)
+        lo = tl.where(from_row, 1, lo)
 
     if n <= TILE:  # everything in registers
         key, pos = _items(x_row, length, ckey_row, cpos_row, n, 0, from_row, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
-        threshold = _kth_largest_key(key, kk, LOW_BIT)
+        if SELECT_BINS > 0:
+            threshold = _kth_largest_key_histogram(key, kk, lo, tl.max(key, axis=0), LOW_BIT, SELECT_BINS)
+        elif PREFIX:
+            threshold = _kth_largest_key_within(key, kk, lo, tl.max(key, axis=0), LOW_BIT)
+        else:
+            threshold = _kth_largest_key(key, kk, 32 - LOW_BIT)
         missing = kk - tl.sum((key > threshold).to(tl.int32), axis=0)
         _write_chosen(out_row, key, pos, threshold, missing, 0, 0, k)
     else:  # streamed in tiles: the same steps, each a pass over the items
@@ -261,11 +335,26 @@ def topk_indices_triton(
     max_groups: int | None = None,
     gather: int | None = None,
     num_warps: int | None = None,
+    group_bits: int | None = None,
+    group_bins: int = 0,
+    prefix: bool = False,
+    select_bins: int = 0,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
     default: at most `max_groups` groups) and `capacity` candidate slots per row, gathering `gather` scores per step;
     `tile` is the select kernel's register tile, `num_warps` its warps. The defaults suit k ≤ 4096; tests shrink
-    them to reach every path, bench/kernels.py tunes them."""
+    them to reach every path, bench/kernels.py tunes them.
+
+    Variants of the select program's two searches (shorter chains of block-wide reductions; bench/kernels.py
+    tune-topk times them, every one exact):
+    - `group_bits`: the group threshold's radix search stops after this many bits (sign, exponent, a few mantissa
+      bits): a lower threshold, more candidates, fewer serial steps.
+    - `group_bins` (a power of two, 0: off): the group threshold from one histogram of the group maxima in that many
+      bins of 1/(bins/8) binade down from the row's maximum (one histogram + one scan instead of 16 radix steps).
+    - `prefix`: the exact search over the candidates starts below the bits that the candidates' threshold and their
+      maximum share.
+    - `select_bins` (a power of two, 0: off): the exact search is one histogram of bins one key value wide down from
+      the maximum, finished by the prefix search when the k-th key lies further down."""
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
@@ -277,6 +366,13 @@ def topk_indices_triton(
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
+    for name, bins in (("group_bins", group_bins), ("select_bins", select_bins)):
+        if bins and (bins < 2 or bins & (bins - 1)):
+            raise ValueError(f"{name} must be 0 or a power of two ≥ 2, got {bins}")
+    if group_bits is not None and group_bits < 1:
+        raise ValueError(f"group_bits must be ≥ 1, got {group_bits}")
+    group_bits = min(group_bits or 32, 32 - low_bit)
+    group_shift = 26 - (max(group_bins, 2).bit_length() - 1)  # bins × 2^shift = 2^26 key values: 8 binades
     direct = scores.shape[1] <= direct_max
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
@@ -294,5 +390,6 @@ def topk_indices_triton(
                                         num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
                          has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
+                         group_bits, group_bins, group_shift, prefix, select_bins,
                          num_warps=num_warps or (16 if NGP >= 8192 else 8))  # fmt: skip
     return out
