@@ -109,9 +109,9 @@ def _highest_bit(x):
 
 @triton.jit
 def _kth_largest_key_within(keys, k, lo, hi, LOW_BIT: tl.constexpr):
-    """The k-th largest key T, known to lie in [lo, hi] (#(keys ≥ lo) ≥ k, no key above hi): every value in that range
-    has the bits where lo and hi agree, so T has them too and the radix search starts below them (a few steps when lo
-    and hi are close, instead of 32 − LOW_BIT)."""
+    """The k-th largest key T, known to lie in [lo, hi] (#(keys ≥ lo) ≥ k): every value in that range has the bits
+    where lo and hi agree, so T has them too and the radix search starts below them (a few steps when lo and hi are
+    close, instead of 32 − LOW_BIT)."""
     lo = lo >> LOW_BIT << LOW_BIT  # still ≤ T, whose low bits are zero
     top = _highest_bit(lo ^ hi)
     step = tl.full((), 1, tl.uint32) << tl.maximum(top, 0).to(tl.uint32)
@@ -125,32 +125,18 @@ def _kth_largest_key_within(keys, k, lo, hi, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _counts_from_top(keys, hi, SHIFT: tl.constexpr, BINS: tl.constexpr):
-    """c[b] = #(selectable keys with (hi − key) >> SHIFT ≤ b): bins of 2^SHIFT key values down from hi (no key is
-    above it), the last bin holding every key further down. One histogram and one scan, however many bins."""
-    distance = tl.minimum((hi - keys) >> SHIFT, BINS - 1).to(tl.int32)
-    return tl.cumsum(tl.histogram(distance, BINS, mask=keys > 0), axis=0)
-
-
-@triton.jit
-def _group_threshold_histogram(gmax, k, hi, SHIFT: tl.constexpr, BINS: tl.constexpr):
-    """Some T with ≥ k group maxima at or above it, at most one bin (2^SHIFT key values) below the k-th largest: the
-    lower edge of the first bin, counted down from the largest group maximum hi, whose count reaches k (1 if that is
-    the last bin)."""
-    first = tl.sum((_counts_from_top(gmax, hi, SHIFT, BINS) < k).to(tl.int32), axis=0)
-    width = (first + 1).to(tl.uint32) << SHIFT  # the keys of bins 0…first: hi − width < key ≤ hi
-    return tl.where((first < BINS - 1) & (width < hi), hi - width + 1, 1)
-
-
-@triton.jit
-def _kth_largest_key_histogram(keys, k, lo, hi, LOW_BIT: tl.constexpr, BINS: tl.constexpr):
-    """The k-th largest key T ∈ [lo, hi] (hi the largest key) from one histogram of bins one key value wide (keys are
-    multiples of 2^LOW_BIT): exact when T is among the BINS − 1 values below hi; otherwise T ≤ the last bin's top and
-    the radix search finishes below it."""
-    first = tl.sum((_counts_from_top(keys, hi, LOW_BIT, BINS) < k).to(tl.int32), axis=0)
-    threshold = hi - (first.to(tl.uint32) << LOW_BIT)
-    if first == BINS - 1:  # fewer than k keys in the exact bins: T ≤ the catch-all bin's top
-        threshold = _kth_largest_key_within(keys, k, lo, threshold, LOW_BIT)
+def _key_from_histogram(keys, k, lo, hi, SHIFT: tl.constexpr, BINS: tl.constexpr, LOW_BIT: tl.constexpr):
+    """T ≤ the k-th largest key with ≥ k keys at or above it, at most one bin below (exact when SHIFT = LOW_BIT: a bin
+    is one key value), from one histogram and one scan of bins of 2^SHIFT key values counted down from hi (the largest
+    key) — however many bits that spans. When the k-th key lies beyond the last bin (a heavy tail), the radix search
+    finds it exactly below that bin's top (SHIFT ≥ LOW_BIT; lo ≤ the k-th key ≤ hi, #(keys ≥ lo) ≥ k)."""
+    distance = tl.minimum((hi - keys) >> SHIFT, BINS - 1).to(tl.int32)  # the last bin takes every key further down
+    counts = tl.cumsum(tl.histogram(distance, BINS, mask=keys > 0), axis=0)  # keys in bins 0…b
+    first = tl.sum((counts < k).to(tl.int32), axis=0)  # the first bin where the count reaches k
+    width = (first + 1).to(tl.uint32) << SHIFT  # bins 0…first hold the keys > hi − width
+    threshold = tl.where(width <= hi, hi - width + (1 << LOW_BIT), 1)  # their least possible key
+    if first == BINS - 1:  # fewer than k keys above the last bin: the k-th key is at most that bin's top
+        threshold = _kth_largest_key_within(keys, k, lo, hi - ((BINS - 1) << SHIFT), LOW_BIT)
     return threshold
 
 
@@ -184,7 +170,7 @@ def _gather_candidates(
     gmax = tl.load(gmax_row + g, mask=g < NG, other=0)
     occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
     if GROUP_BINS > 0:
-        threshold = _group_threshold_histogram(gmax, k, tl.max(gmax, axis=0), GROUP_SHIFT, GROUP_BINS)
+        threshold = _key_from_histogram(gmax, k, 1, tl.max(gmax, axis=0), GROUP_SHIFT, GROUP_BINS, LOW_BIT)
     else:
         threshold = _kth_largest_key(gmax, k, GROUP_BITS)
     threshold = tl.where(occupied > k, tl.maximum(threshold, 1), 1)  # 1: every selectable score (0 is not one)
@@ -263,7 +249,7 @@ def _select_kernel(
         key, pos = _items(x_row, length, ckey_row, cpos_row, n, 0, from_row, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
         if SELECT_BINS > 0:
-            threshold = _kth_largest_key_histogram(key, kk, lo, tl.max(key, axis=0), LOW_BIT, SELECT_BINS)
+            threshold = _key_from_histogram(key, kk, lo, tl.max(key, axis=0), LOW_BIT, SELECT_BINS, LOW_BIT)
         elif PREFIX:
             threshold = _kth_largest_key_within(key, kk, lo, tl.max(key, axis=0), LOW_BIT)
         else:
@@ -367,12 +353,12 @@ def topk_indices_triton(
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
     for name, bins in (("group_bins", group_bins), ("select_bins", select_bins)):
-        if bins and (bins < 2 or bins & (bins - 1)):
-            raise ValueError(f"{name} must be 0 or a power of two ≥ 2, got {bins}")
+        if bins and (bins < 32 or bins & (bins - 1)):  # ≥ 32: a warp's lanes share the bins
+            raise ValueError(f"{name} must be 0 or a power of two ≥ 32, got {bins}")
     if group_bits is not None and group_bits < 1:
         raise ValueError(f"group_bits must be ≥ 1, got {group_bits}")
     group_bits = min(group_bits or 32, 32 - low_bit)
-    group_shift = 26 - (max(group_bins, 2).bit_length() - 1)  # bins × 2^shift = 2^26 key values: 8 binades
+    group_shift = max(26 - (max(group_bins, 1).bit_length() - 1), low_bit)  # bins × 2^shift = 2^26: 8 binades
     direct = scores.shape[1] <= direct_max
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
