@@ -21,6 +21,18 @@ def indexer_case(g: torch.Generator, B: int, T: int, H: int, Di: int, S: int) ->
     return q_data, q_scale, weights, k_data, k_scale, n_visible
 
 
+def assert_indexer_scores_close(got: Tensor, want: Tensor, case: tuple[Tensor, ...]) -> None:
+    """Triton indexer scores against the reference: the same −inf mask, and per position within 2^-20 of
+    Σ_h |w|·|q·K|, which bounds the magnitude of every partial sum (fp32 reorders of exact products err well under)."""
+    assert got.shape == want.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    q = quant.fp4_dequant_ue8m0(*case[:2])
+    k = quant.fp4_dequant_ue8m0(*case[3:5])
+    bound = torch.einsum("bth,bths->bts", case[2].abs(), torch.einsum("bthd,bsd->bths", q, k).abs()) * 2.0**-20
+    finite = torch.isfinite(want)
+    assert ((got - want).abs()[finite] <= bound[finite] + 1e-30).all()
+
+
 def candidate_case(g: torch.Generator, S: int, tied: bool = False) -> tuple[Tensor, Tensor]:
     """Scores [2, 3, S] (`tied`: values in {−1, 0, 1}, so block maxima tie) and ragged n_visible with one empty and
     one full row."""
