@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import json
 import os
 import platform
@@ -183,11 +182,32 @@ class Checks:
             self.failures.append(name)
 
 
+def exact_rounding_rows(rows: int) -> torch.Tensor:
+    """bf16 rows where an FP4 quantiser's rounding is most likely to slip: every finite bf16 value (shuffled into
+    blocks, so each meets random block maxima), then blocks of E2M1 rounding midpoints times odd E4M3 scales (1.125,
+    1.75, …; each block's maximum 6 × its scale), ties that a reciprocal multiply must land exactly."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32, device=DEVICE).to(torch.int16).view(torch.bfloat16)
+    every = every[every.isfinite()]
+    shuffled = torch.cat(
+        [every[torch.randperm(len(every), device=DEVICE)] for _ in range(2 * max(1, rows // 512))]
+    )  # 2 × 65,280 = 255 rows
+    scales = quant.e4m3_decode(torch.randint(40, 120, (rows, 32, 1), dtype=torch.uint8, device=DEVICE))
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], device=DEVICE)
+    ties = midpoints[torch.randint(0, len(midpoints), (rows, 32, 16), device=DEVICE)] * scales
+    ties[..., 0] = 6.0 * scales[..., 0]
+    ties *= torch.where(torch.rand(ties.shape, device=DEVICE) < 0.5, -1.0, 1.0)
+    return torch.cat([shuffled.reshape(-1, 512), ties.reshape(rows, 512).to(torch.bfloat16)])
+
+
 def check_quantisers(c: Checks, rows: int) -> None:
     magnitudes = 2.0 ** torch.randint(-30, 30, (rows, 1), device=DEVICE).float()
+    inputs = []
     for dtype in (torch.bfloat16, torch.float32):
         x = (randn(rows, 512) * magnitudes).to(dtype)
         x[: rows // 8] = quant.E2M1_VALUES.to(DEVICE)[torch.randint(0, 16, (rows // 8, 512), device=DEVICE)] * 0.5
+        inputs.append((str(dtype), x))
+    inputs.append(("bf16 every value + odd-scale ties", exact_rounding_rows(rows)))
+    for name, x in inputs:
         for fmt in ("kv_fp4", "index_fp4", "swa_fp8"):
             want = getattr(kernels, f"quantize_{fmt}")(x, backend="torch")
             got = getattr(kernels, f"quantize_{fmt}")(x, backend="triton")
@@ -195,7 +215,7 @@ def check_quantisers(c: Checks, rows: int) -> None:
             back_t = getattr(kernels, f"dequantize_{fmt}")(*want, torch.bfloat16, backend="torch")
             back = getattr(kernels, f"dequantize_{fmt}")(*want, torch.bfloat16, backend="triton")
             bad_back = int((back.view(torch.int16) != back_t.view(torch.int16)).sum())
-            c.report(f"quantise {fmt} {dtype}", bad == 0 and bad_back == 0, f"{rows}×512, {bad} bytes differ, "
+            c.report(f"quantise {fmt} {name}", bad == 0 and bad_back == 0, f"{len(x)}×512, {bad} bytes differ, "
                      f"{bad_back} dequantised values differ")  # fmt: skip
 
 
@@ -452,17 +472,25 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of the decode indexer (positions per program, warps) and its operand type (FP8 / FP16)."""
-    B, S = (2, 256) if tiny else (64, 65_536)
-    case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
-    want = indexer.indexer_scores_triton(*case)
-    operands = [None] if tiny else [indexer.FP8.value, indexer.FP16.value]
-    shapes = [(64, 4), (128, 4)] if tiny else [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8)]
-    for operand, (block_s, warps) in itertools.product(operands, shapes):
-        fn = functools.partial(indexer.indexer_scores_triton, *case, block_s=block_s, num_warps=warps, operand=operand)
-        name = {None: "default", indexer.FP8.value: "fp8", indexer.FP16.value: "fp16"}[operand]
-        shape = f"B={B} T=1 S={S} block_s={block_s} warps={warps} {name}"
-        yield from tune("tune indexer", shape, fn, want, B * S * 68)
+    """The decode indexer's paths and launch shapes at B=64 × 64 K and B=8 × 1 M (H=32, Di=128), each checked against
+    the default launch: operand type (FP8 / FP16), `split` (even- and odd-channel dots, no tl.join), `fold` (scales
+    folded into bf16 operands: one load per tile, no per-block rescale), `tiles_per_program` (a loop over K tiles
+    pipelined over `num_stages`), positions per tile and warps."""
+    fp16 = indexer.FP16.value
+    variants = [{}, {"block_s": 128}, {"block_s": 512, "num_warps": 8}, {"operand": fp16},
+                {"operand": fp16, "split": True}, {"fold": True}, {"fold": True, "block_s": 128},
+                {"fold": True, "num_warps": 8}, {"tiles_per_program": 4}, {"tiles_per_program": 8},
+                {"tiles_per_program": 4, "num_stages": 2}, {"tiles_per_program": 16, "num_stages": 4},
+                {"operand": fp16, "split": True, "tiles_per_program": 4},
+                {"fold": True, "block_s": 128, "tiles_per_program": 4},
+                {"fold": True, "block_s": 128, "tiles_per_program": 8, "num_stages": 4}]  # fmt: skip
+    tiny_variants = [{}, {"split": True}, {"fold": True}, {"tiles_per_program": 3}]  # the interpreter dots in fp32
+    for B, S in [(2, 256)] if tiny else [(64, 65_536), (8, 1_048_576)]:
+        case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
+        want = indexer.indexer_scores_triton(*case)
+        for variant in tiny_variants if tiny else variants:
+            fn = functools.partial(indexer.indexer_scores_triton, *case, **variant)
+            yield from tune("tune indexer", f"B={B} T=1 S={S} {variant or 'default'}", fn, want, B * S * 68)
 
 
 # ----------------------------------------------------------------------------------------------- decode step

@@ -91,21 +91,47 @@ def e2m1_encode(q):
     return (code | sign).to(tl.uint8)
 
 
+# E2M1_CODE_BITS_PTX: e2m1_code_bits in nine fp32 instructions of the FMA pipe and two logic ops (explicit .rn: no
+# contraction). `.sat` clamps to [0, 1] for free, which is what makes the grid's three slopes cheap.
+E2M1_CODE_BITS_PTX = tl.constexpr(
+    "{ .reg .f32 a, s1, s2, s3, i, t; .reg .b32 u; "
+    "abs.f32 a, $1; "
+    "mul.rn.sat.f32 s1, a, 0f3F000000; "  # sat(a/2): slope 2 on [0, 2] (× 4 below)
+    "fma.rn.sat.f32 s2, a, 0f3F000000, 0fBF800000; "  # sat(a/2 − 1): slope 1 on [2, 4] (× 2)
+    "fma.rn.sat.f32 s3, a, 0f3F000000, 0fC0000000; "  # sat(a/2 − 2): slope ½ on [4, 6]
+    "fma.rn.f32 i, s2, 0f40000000, s3; "
+    "fma.rn.f32 i, s1, 0f40800000, i; "  # index = 4·s1 + 2·s2 + s3
+    "and.b32 u, $1, 0x80000000; or.b32 u, u, 0x3F800000; "  # ±1 by q's sign
+    "fma.rn.f32 t, u, 0fC0800000, 0f45004000; "  # 2052 − 4·(±1)
+    "add.rn.f32 t, i, t; "  # 2048 + index (+ 8 if negative), rounded to multiples of 2^-12
+    "add.rn.f32 $0, t, 0f4AFFF000; }"  # + 2^23 − 2048: the nibble rounded to an integer (ties to even), low bits
+)
+
+
 @triton.jit
-def e2m1_code_bits(q):
-    """E2M1 code (sign included) of finite q with at most 22 significant bits, in the low 4 bits of an int32 whose
-    higher bits are 0x4B00000 (a caller packing bytes truncates them away). Floating-point work where e2m1_encode
-    spends integer shifts and a float → int conversion: the GPU issues fp32 operations at twice the integer rate.
+def e2m1_code_bits(q, PTX: tl.constexpr):
+    """E2M1 code (sign included) of finite quotients q, in the low 4 bits of an int32 whose higher bits are
+    0x4B00000 (a caller packing bytes truncates them away). Floating-point work where e2m1_encode spends integer
+    shifts and a float → int conversion: the GPU issues fp32 operations at twice the integer rate.
 
     The E2M1 grid 0, ½, 1, 1½, 2, 3, 4, 6 is linear with slopes 2, 1 and ½ on [0, 2], [2, 4] and [4, 6], so
-    min(2a, a + 2, a/2 + 4) sends grid point i to i and each midpoint to i + ½ (7 saturates): rounding that to an
-    integer, ties to even, is E2M1's round to nearest even. Each branch is exact for a of ≤ 22 significant bits
-    (a + 2 and a/2 + 4 stay within 24), and rounding is monotone, so min picks the exact branch of a's segment.
-    The sign adds 8 (even, so ties are unchanged): 4 − 4·(±1), with ±1 made from q's sign bit by one logic op."""
-    a = tl.abs(q)
-    index = tl.minimum(tl.minimum(a + a, a + 2.0), tl.minimum(a * 0.5 + 4.0, 7.0))
-    unit = ((q.to(tl.int32, bitcast=True) & -2147483648) | 0x3F800000).to(tl.float32, bitcast=True)
-    return (index - 4.0 * unit + (RNE_MAGIC + 4.0)).to(tl.int32, bitcast=True)  # + 2^23: the integer in the low bits
+    index = 4·sat(a/2) + 2·sat(a/2 − 1) + sat(a/2 − 2) (sat: clamp to [0, 1]) sends grid point i to i, each
+    midpoint to i + ½ and everything from 6 up to 7; rounding it to an integer, ties to even, is E2M1's round to
+    nearest even. The sign adds 8 (even: ties unchanged). Before that last rounding, index is rounded to multiples of
+    2^-12, which makes the result exact for a quotient within 2^-20 (relative) of an exact x / s that is either a
+    rounding midpoint or ≥ 2^-10 index units from every one — as a bf16 x over an E4M3 or power-of-two s always is
+    (x has 8 significant bits, a midpoint times s at most 7, so they differ by ≥ 2^-9 relative when they differ):
+    the snap puts near-midpoints back on the midpoint and keeps every other value on its side.
+    `PTX`: the GPU form (saturation for free); the interpreter runs the same arithmetic with clamps."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            E2M1_CODE_BITS_PTX, "=r,r", [q.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1
+        )
+    half = tl.abs(q) * 0.5
+    index = 4.0 * tl.clamp(half, 0.0, 1.0) + 2.0 * tl.clamp(half - 1.0, 0.0, 1.0) + tl.clamp(half - 2.0, 0.0, 1.0)
+    unit = ((q.to(tl.int32, bitcast=True) & -2147483648) | 0x3F800000).to(tl.float32, bitcast=True)  # ±1
+    snapped = index + (2052.0 - 4.0 * unit)  # 2048 + index (+ 8 if negative), in multiples of 2^-12
+    return (snapped + (RNE_MAGIC - 2048.0)).to(tl.int32, bitcast=True)
 
 
 @triton.jit

@@ -6,9 +6,9 @@ dequantise kernel serve the three formats (a constexpr picks the format); each p
 
 bf16 input (what serving stores) takes a faster FP4 kernel: it reads the rows as 32-bit words, so each word already is
 the (even, odd) pair one packed byte holds and bf16 → fp32 is a shift; and it divides by the E4M3 scale with one
-multiply by its reciprocal plus a snap (`snap_bf16_quotient`) instead of a correctly rounded division per element,
-and rounds to E2M1 in fp32 arithmetic (`e2m1_code_bits`), which holds for the finite tiles it is given; a tile with
-an inf or NaN takes the reference's division and special cases instead.
+multiply by its reciprocal instead of a correctly rounded division per element, and rounds to E2M1 with saturating
+fp32 arithmetic (`e2m1_code_bits`, exact for such quotients of bf16 values); a tile holding an inf or NaN takes the
+reference's division and special cases instead.
 """
 
 import torch
@@ -25,6 +25,7 @@ from model.kernels.formats import (
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
+    interpreting,
     ue8m0_decode,
     ue8m0_encode,
 )
@@ -140,20 +141,10 @@ def _dequantize_kernel(
 
 
 @triton.jit
-def snap_bf16_quotient(q):
-    """q = x · fl(1/s) → a quotient whose E2M1 code is that of the correctly rounded x / s (bf16 x, E4M3 s).
-
-    x has 8 significant bits and each rounding midpoint m · s at most 7, so x / s is either exactly a midpoint m
-    or at least 2^-9 (relative) away from every one; q is within 2^-23 of x / s. Rounding q to 16 mantissa bits
-    therefore lands exactly on m in the first case and stays on the same side of every midpoint in the second: the
-    code is the one of the correctly rounded quotient. Finite q only (a NaN's payload may carry into its sign)."""
-    return ((q.to(tl.int32, bitcast=True) + 0x40) & -128).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _quantize_fp4_bf16_kernel(
-    w_ptr, data_ptr, scale_ptr, M, W: tl.constexpr, WP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
-):
+    w_ptr, data_ptr, scale_ptr, M,
+    W: tl.constexpr, WP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
     """FP4 quantise + pack of bf16 rows read as W = D/2 int32 words: word i holds elements 2i (low half) and 2i + 1
     (high half), the two nibbles of output byte i."""
     WORDS: tl.constexpr = 8 if FORMAT == FP4_E4M3 else 16  # words per scale block
@@ -171,10 +162,8 @@ def _quantize_fp4_bf16_kernel(
     _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if tl.max(amax_bits) < 0x7F800000:  # a finite tile (every tile in practice)
         inverse = (tl.math.div_rn(1.0, scale) if FORMAT == FP4_E4M3 else 1.0 / scale)[:, :, None]  # UE8M0: exact
-        q_even, q_odd = even * inverse, odd * inverse  # ≤ 16 significant bits, snapped (E4M3) or exact (UE8M0)
-        if FORMAT == FP4_E4M3:
-            q_even, q_odd = snap_bf16_quotient(q_even), snap_bf16_quotient(q_odd)
-        packed = (e2m1_code_bits(q_even) + (e2m1_code_bits(q_odd) << 4)).to(tl.uint8)
+        q_even, q_odd = even * inverse, odd * inverse  # within 2^-23 of x / s (UE8M0: exact)
+        packed = (e2m1_code_bits(q_even, PTX) + (e2m1_code_bits(q_odd, PTX) << 4)).to(tl.uint8)
     else:  # inf or NaN: the reference's own division and special cases (a NaN quotient → ±0 by its sign bit)
         s = scale[:, :, None]
         packed = e2m1_encode(tl.math.div_rn(even, s)) | (e2m1_encode(tl.math.div_rn(odd, s)) << 4)
@@ -200,7 +189,7 @@ def quantize_triton(x: Tensor, fmt: int, tile: int = _TILE_ELEMENTS, num_warps: 
     if M and fmt != FP8_UE8M0.value and x2.dtype == torch.bfloat16:
         WP, block_m, grid = _launch_shape(M, D // 2, tile)
         _quantize_fp4_bf16_kernel[grid](
-            x2.view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt, num_warps=num_warps
+            x2.view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt, not interpreting(), num_warps=num_warps
         )
     elif M:
         DP, block_m, grid = _launch_shape(M, D, tile)
