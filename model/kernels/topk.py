@@ -115,8 +115,7 @@ def _kth_largest_key_within(keys, k, lo, hi, LOW_BIT: tl.constexpr):
     lo = lo >> LOW_BIT << LOW_BIT  # still ≤ T, whose low bits are zero
     top = _highest_bit(lo ^ hi)
     step = tl.full((), 1, tl.uint32) << tl.maximum(top, 0).to(tl.uint32)
-    below = tl.where(top >= 0, step + (step - 1), 0)  # bits 0…top
-    threshold = lo - (lo & below)
+    threshold = lo - (lo & (step - 1))  # lo's bits above `top` (its bit `top` is 0: lo < hi, and they differ there)
     for _bit in range(tl.maximum(top - LOW_BIT + 1, 0)):
         trial = threshold | step
         threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
