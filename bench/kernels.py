@@ -426,20 +426,27 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of the top-k select kernel (register tile, group count, gather step, warps) at batch 256 and 1.
+    """The select program's search variants (`topk.topk_indices_triton` keywords) at batch 256 and 1, on Gaussian
+    rows and, at 256 × 64 K, heavy-tailed ones (where the histograms fall back to radix searches).
 
-    At batch 256 the select programs (one per row) run in two waves on 132 SMs if only one fits an SM: a smaller
-    register tile and fewer groups may let two fit (one wave) at some cost per row."""
-    variants = [{}, {"max_groups": 4096, "gather": 8192, "num_warps": 4}, {"tile": 2048, "max_groups": 2048},
-                {"tile": 2048, "max_groups": 2048, "num_warps": 4}, {"tile": 2048, "max_groups": 4096},
-                {"tile": 2048, "max_groups": 2048, "gather": 4096}, {"tile": 1024, "max_groups": 1024}]  # fmt: skip
+    At R = 256 > 132 SMs the time is waves × one row's select latency, a chain of block-wide reductions: 16 radix
+    steps for the group threshold and 16 over the candidates (bf16). The variants shorten that chain: a truncated
+    group search (`group_bits`), the group threshold from one histogram (`group_bins`), the candidate search started
+    below the bits its bounds share (`prefix`, ≈ 8 steps), the k-th candidate from one histogram (`select_bins`)."""
+    variants = [{}, {"group_bits": 12}, {"group_bits": 13}, {"group_bins": 256}, {"prefix": True},
+                {"select_bins": 256}, {"group_bits": 13, "prefix": True}, {"group_bins": 256, "prefix": True},
+                {"group_bins": 256, "select_bins": 256}, {"group_bins": 256, "select_bins": 256, "num_warps": 4},
+                {"group_bins": 128, "select_bins": 512}]  # fmt: skip
     k = 16 if tiny else 512
-    for R, L in [(2, 4096)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]:
-        scores = randn(R, L, dtype=torch.bfloat16)
+    shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
+    rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]
+    R, L = shapes[0]
+    rows.append((R, L, "heavy-tailed", randn(R, L).mul(3).exp().to(torch.bfloat16)))
+    for R, L, kind, scores in rows:
         want = topk.topk_indices_triton(scores, k, None)
-        for variant in variants[:2] if tiny else variants:
+        for variant in variants:
             fn = functools.partial(topk.topk_indices_triton, scores, k, None, **variant)
-            yield from tune("tune topk", f"R={R} L={L} {variant or 'default'}", fn, want, R * L * 2)
+            yield from tune("tune topk", f"R={R} L={L} {kind} {variant or 'default'}", fn, want, R * L * 2)
 
 
 def tune_attention(tiny: bool) -> Iterator[Row]:
