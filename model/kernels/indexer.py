@@ -63,33 +63,9 @@ def _nibble_codes(ptr, row_offsets, row_ok, j: tl.constexpr, OPERAND: tl.constex
 
 
 @triton.jit
-def _block_code_sums(k_ptr, k_row, s_ok, q_ptr, q_row, col_ok, j: tl.constexpr, OPERAND: tl.constexpr,
-                     SPLIT: tl.constexpr):  # fmt: skip
-    """[BLOCK_S, columns] Σ_{i∈j} codek_i · codeq_i (times 2^-2·shift), exact: small integers times a power of two.
-
-    SPLIT: the even-channel dot plus the odd-channel dot (K = 16 each: 16-bit operands only), the same sum without
-    interleaving the halves back into channel order (tl.join's layout conversion); else one K = 32 dot."""
-    k_low, k_high = _nibble_codes(k_ptr, k_row, s_ok, j, OPERAND)
-    q_low, q_high = _nibble_codes(q_ptr, q_row, col_ok, j, OPERAND)
-    if SPLIT:
-        return tl.dot(k_high, tl.trans(q_high), tl.dot(k_low, tl.trans(q_low)))
-    k_codes = tl.reshape(tl.join(k_low, k_high), (k_low.shape[0], 32))
-    q_codes = tl.reshape(tl.join(q_low, q_high), (q_low.shape[0], 32))
-    return tl.dot(k_codes, tl.trans(q_codes))
-
-
-@triton.jit
-def _exact_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row, qs_row, col_ok, k_row, ks_row, s_ok,
-                DI: tl.constexpr, OPERAND: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """q·K per (position, column) as Σ_j qs_j · ks_j · (exact code sum of block j): one fp32 rescale per block."""
-    UNSHIFT: tl.constexpr = 4096.0 if OPERAND == FP8 else 268435456.0  # both operands carry 2^-6 (or 2^-14)
-    acc = tl.zeros((k_row.shape[0], q_row.shape[0]), dtype=tl.float32)
-    for j in tl.static_range(DI // 32):
-        part = _block_code_sums(k_ptr, k_row, s_ok, q_ptr, q_row, col_ok, j, OPERAND, SPLIT)
-        k_scale = ue8m0_decode(tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127))
-        q_scale = ue8m0_decode(tl.load(qs_ptr + qs_row + j, mask=col_ok, other=127)) * UNSHIFT
-        acc += part * k_scale[:, None] * q_scale[None, :]
-    return acc
+def _interleave(low, high):
+    """[rows, 16] even-channel and odd-channel codes → [rows, 32] in channel order."""
+    return tl.reshape(tl.join(low, high), (low.shape[0], 2 * low.shape[1]))
 
 
 @triton.jit
@@ -112,30 +88,71 @@ def _folded_halves(ptr, scale_ptr, row_offsets, scale_offsets, row_ok, DI: tl.co
 
 
 @triton.jit
-def _folded_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row, qs_row, col_ok, k_row, ks_row, s_ok,
-                 DI: tl.constexpr, OPERAND: tl.constexpr):  # fmt: skip
-    """q·K with the scales folded into the operands: the tensor core sums over all DI channels (the even-channel dot
-    plus the odd-channel one), no per-block fp32 rescale of the accumulator."""
-    DTYPE: tl.constexpr = tl.float32 if OPERAND == FP32 else tl.bfloat16
-    k_even, k_odd = _folded_halves(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DTYPE)
-    q_even, q_odd = _folded_halves(q_ptr, qs_ptr, q_row, qs_row, col_ok, DI, DTYPE)
-    return tl.dot(k_odd, tl.trans(q_odd), tl.dot(k_even, tl.trans(q_even)))
+def _query_codes(q_ptr, qs_ptr, q_row, col_ok, DI: tl.constexpr, OPERAND: tl.constexpr, SPLIT: tl.constexpr):
+    """The program's queries as transposed code operands, unpacked once for all its K tiles: per block j its codes
+    (SPLIT: even and odd halves) and its scales."""
+    UNSHIFT: tl.constexpr = 4096.0 if OPERAND == FP8 else 268435456.0  # both operands carry 2^-6 (or 2^-14)
+    blocks = ()
+    for j in tl.static_range(DI // 32):
+        low, high = _nibble_codes(q_ptr, q_row * (DI // 2), col_ok, j, OPERAND)
+        scale = ue8m0_decode(tl.load(qs_ptr + q_row * (DI // 32) + j, mask=col_ok, other=127)) * UNSHIFT
+        if SPLIT:
+            blocks = blocks + ((tl.trans(low), tl.trans(high), scale),)  # noqa: RUF005 (no starred tuples in @jit)
+        else:
+            blocks = blocks + ((tl.trans(_interleave(low, high)), scale),)  # noqa: RUF005
+    return blocks
 
 
 @triton.jit
-def _score_tile(q_ptr, qs_ptr, k_ptr, ks_ptr, out_ptr, q_row, col_ok, w, n_visible, tq, b, s0, T, S, k_stride,
-                ks_stride, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+def _query_values(q_ptr, qs_ptr, q_row, col_ok, DI: tl.constexpr, OPERAND: tl.constexpr):
+    """The program's queries as transposed folded operands (even channels, odd channels), made once."""
+    DTYPE: tl.constexpr = tl.float32 if OPERAND == FP32 else tl.bfloat16
+    even, odd = _folded_halves(q_ptr, qs_ptr, q_row * (DI // 2), q_row * (DI // 32), col_ok, DI, DTYPE)
+    return tl.trans(even), tl.trans(odd)
+
+
+@triton.jit
+def _exact_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, OPERAND: tl.constexpr,
+                SPLIT: tl.constexpr):  # fmt: skip
+    """q·K per (position, column) as Σ_j qs_j · ks_j · (code sum of block j): per block one dot of exact code sums
+    (small integers times a power of two) and one fp32 rescale. SPLIT: the even-channel dot plus the odd-channel
+    one (K = 16 each: 16-bit operands only), the same sum without interleaving K's nibbles (tl.join's layout
+    conversion); else one K = 32 dot."""
+    acc = tl.zeros((k_row.shape[0], q_ops[0][-1].shape[0]), dtype=tl.float32)
+    for j in tl.static_range(DI // 32):
+        k_low, k_high = _nibble_codes(k_ptr, k_row, s_ok, j, OPERAND)
+        if SPLIT:
+            q_low, q_high, q_scale = q_ops[j]
+            part = tl.dot(k_high, q_high, tl.dot(k_low, q_low))
+        else:
+            q_codes, q_scale = q_ops[j]
+            part = tl.dot(_interleave(k_low, k_high), q_codes)
+        k_scale = ue8m0_decode(tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127))
+        acc += part * k_scale[:, None] * q_scale[None, :]
+    return acc
+
+
+@triton.jit
+def _folded_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, OPERAND: tl.constexpr):
+    """q·K with the scales folded into the operands: the tensor core sums over all DI channels (the even-channel dot
+    plus the odd-channel one), no per-block fp32 rescale of the accumulator."""
+    q_even, q_odd = q_ops
+    k_even, k_odd = _folded_halves(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, q_even.dtype)
+    return tl.dot(k_odd, q_odd, tl.dot(k_even, q_even))
+
+
+@triton.jit
+def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
+                DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                 OPERAND: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
     k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * (DI // 32)  # a batch row's entries are dense
     if FOLD:
-        qk = _folded_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row * (DI // 2), q_row * (DI // 32), col_ok, k_row, ks_row,
-                          s_ok, DI, OPERAND)  # fmt: skip
+        qk = _folded_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, OPERAND)
     else:
-        qk = _exact_dots(q_ptr, qs_ptr, k_ptr, ks_ptr, q_row * (DI // 2), q_row * (DI // 32), col_ok, k_row, ks_row,
-                         s_ok, DI, OPERAND, SPLIT)  # fmt: skip
+        qk = _exact_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, OPERAND, SPLIT)
     per_head = tl.maximum(qk, 0.0) * w[None, :]
     scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
     scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
@@ -158,17 +175,21 @@ def _indexer_kernel(
     t, h = t0 + m // HP, m % HP
     col_ok = (t < T) & (h < H)
     q_row = (b * T + t) * H + h  # [M] row of q_data / q_scale / weights
+    if FOLD:
+        q_ops = _query_values(q_ptr, qs_ptr, q_row, col_ok, DI, OPERAND)
+    else:
+        q_ops = _query_codes(q_ptr, qs_ptr, q_row, col_ok, DI, OPERAND, SPLIT)
     w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0).to(tl.float32)
     tq = t0 + tl.arange(0, BLOCK_T)
     n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0)
     first = tl.program_id(0) * TILES * BLOCK_S
     if TILES == 1:
-        _score_tile(q_ptr, qs_ptr, k_ptr, ks_ptr, out_ptr, q_row, col_ok, w, n_visible, tq, b, first, T, S, k_stride,
-                    ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
+        _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, HP,
+                    BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
     else:
         for i in tl.range(0, TILES, num_stages=STAGES):
-            _score_tile(q_ptr, qs_ptr, k_ptr, ks_ptr, out_ptr, q_row, col_ok, w, n_visible, tq, b, first + i * BLOCK_S,
-                        T, S, k_stride, ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
+            _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride,
+                        ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
 
 
 def _operand() -> int:
