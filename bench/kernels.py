@@ -488,7 +488,8 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
                 {"operand": fp16, "split": True}, {"fold": True}, {"fold": True, "block_s": 128},
                 {"fold": True, "num_warps": 8}, {"tiles_per_program": 4}, {"tiles_per_program": 8},
                 {"tiles_per_program": 4, "num_stages": 2}, {"tiles_per_program": 16, "num_stages": 4},
-                {"tiles_per_program": 4, "num_warps": 8}, {"tiles_per_program": 8, "block_s": 128},
+                {"tiles_per_program": 4, "num_warps": 8}, {"tiles_per_program": 8, "num_warps": 8},
+                {"tiles_per_program": 8, "block_s": 128}, {"tiles_per_program": 8, "block_s": 128, "num_stages": 4},
                 {"operand": fp16, "split": True, "tiles_per_program": 4},
                 {"fold": True, "block_s": 128, "tiles_per_program": 4},
                 {"fold": True, "block_s": 128, "tiles_per_program": 8, "num_stages": 4}]  # fmt: skip
