@@ -90,9 +90,13 @@ def _kth_largest_key(keys, k, BITS: tl.constexpr):
     """Bitwise radix search over the top BITS bits: the largest T with #(keys ≥ T) ≥ k (k ≥ 1) among the values whose
     lower 32 − BITS bits are zero. With every informative bit searched (32 − LOW_BIT) T is the k-th largest key; with
     fewer, T is a lower bound of it that still has ≥ k keys at or above it."""
-    threshold = tl.zeros((), dtype=tl.uint32)
-    step = tl.full((), 1 << 31, tl.uint32)
-    for _bit in range(BITS):
+    return _radix_search(keys, k, tl.zeros((), dtype=tl.uint32), tl.full((), 1 << 31, tl.uint32), BITS)
+
+
+@triton.jit
+def _radix_search(keys, k, threshold, step, steps):
+    """Sets the bits step, step / 2, … (`steps` of them) of threshold, each where ≥ k keys stay at or above it."""
+    for _bit in range(steps):
         trial = threshold | step
         threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
         step = step >> 1
@@ -115,12 +119,8 @@ def _kth_largest_key_within(keys, k, lo, hi, LOW_BIT: tl.constexpr):
     lo = lo >> LOW_BIT << LOW_BIT  # still ≤ T, whose low bits are zero
     top = _highest_bit(lo ^ hi)
     step = tl.full((), 1, tl.uint32) << tl.maximum(top, 0).to(tl.uint32)
-    threshold = lo - (lo & (step - 1))  # lo's bits above `top` (its bit `top` is 0: lo < hi, and they differ there)
-    for _bit in range(tl.maximum(top - LOW_BIT + 1, 0)):
-        trial = threshold | step
-        threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
-        step = step >> 1
-    return threshold
+    prefix = lo - (lo & (step - 1))  # lo's bits above `top` (its bit `top` is 0: lo < hi, and they differ there)
+    return _radix_search(keys, k, prefix, step, tl.maximum(top - LOW_BIT + 1, 0))
 
 
 @triton.jit
@@ -172,7 +172,9 @@ def _gather_candidates(
         threshold = _key_from_histogram(gmax, k, 1, tl.max(gmax, axis=0), GROUP_SHIFT, GROUP_BINS, LOW_BIT)
     else:
         threshold = _kth_largest_key(gmax, k, GROUP_BITS)
-    threshold = tl.where(occupied > k, tl.maximum(threshold, 1), 1)  # 1: every selectable score (0 is not one)
+        if GROUP_BITS < 32 - LOW_BIT:  # a truncated search may stop at 0, which no selectable score is
+            threshold = tl.maximum(threshold, 1)
+    threshold = tl.where(occupied > k, threshold, 1)  # 1: every selectable score
     passed = gmax >= threshold
     n_groups = tl.sum(passed.to(tl.int32), axis=0)
     tl.store(glist_row + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
