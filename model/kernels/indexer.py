@@ -39,10 +39,15 @@ FP32 = tl.constexpr(2)  # the interpreter (its low-precision tl.dot is unreliabl
 
 
 @triton.jit
-def _nibble_codes(ptr, row_offsets, row_ok, j: tl.constexpr, OPERAND: tl.constexpr):
-    """Bytes 16j..16j+15 of each row → two [rows, 16] dot operands: the codes of the even channels of block j (low
-    nibbles) and of the odd ones (high nibbles), times 2^-shift."""
-    packed = tl.load(ptr + row_offsets[:, None] + j * 16 + tl.arange(0, 16)[None, :], mask=row_ok[:, None], other=0)
+def _block_bytes(ptr, row_offsets, row_ok, j: tl.constexpr):
+    """Bytes 16j..16j+15 of each row: the packed codes of channel block j."""
+    return tl.load(ptr + row_offsets[:, None] + j * 16 + tl.arange(0, 16)[None, :], mask=row_ok[:, None], other=0)
+
+
+@triton.jit
+def _nibble_codes(packed, OPERAND: tl.constexpr):
+    """[rows, 16] packed bytes → two [rows, 16] dot operands: the codes of the even channels (low nibbles) and of
+    the odd ones (high nibbles), times 2^-shift."""
     if OPERAND == FP8:  # E2M1 s|e1e0|m → E4M3 s|0 0 e1 e0|m 0 0: the same number · 2^-6 (bias 7 instead of 1)
         # four bytes per 32-bit instruction (PTX), where byte-wise Triton would spend one per byte
         low = tl.inline_asm_elementwise(
@@ -94,7 +99,7 @@ def _query_codes(q_ptr, qs_ptr, q_row, col_ok, DI: tl.constexpr, OPERAND: tl.con
     UNSHIFT: tl.constexpr = 4096.0 if OPERAND == FP8 else 268435456.0  # both operands carry 2^-6 (or 2^-14)
     blocks = ()
     for j in tl.static_range(DI // 32):
-        low, high = _nibble_codes(q_ptr, q_row * (DI // 2), col_ok, j, OPERAND)
+        low, high = _nibble_codes(_block_bytes(q_ptr, q_row * (DI // 2), col_ok, j), OPERAND)
         scale = ue8m0_decode(tl.load(qs_ptr + q_row * (DI // 32) + j, mask=col_ok, other=127)) * UNSHIFT
         if SPLIT:
             blocks = blocks + ((tl.trans(low), tl.trans(high), scale),)  # noqa: RUF005 (no starred tuples in @jit)
@@ -112,23 +117,50 @@ def _query_values(q_ptr, qs_ptr, q_row, col_ok, DI: tl.constexpr, OPERAND: tl.co
 
 
 @triton.jit
+def _halves(x):
+    """[rows, 2w] → its left and right [rows, w] halves."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _column_blocks(x, N: tl.constexpr):
+    """[rows, N · w] → the tuple of its N = 1, 2 or 4 column blocks [rows, w], in order."""
+    if N == 1:
+        return (x,)
+    left, right = _halves(x)
+    if N == 2:
+        return left, right
+    return _halves(left) + _halves(right)
+
+
+@triton.jit
 def _exact_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, OPERAND: tl.constexpr,
-                SPLIT: tl.constexpr):  # fmt: skip
+                SPLIT: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """q·K per (position, column) as Σ_j qs_j · ks_j · (code sum of block j): per block one dot of exact code sums
     (small integers times a power of two) and one fp32 rescale. SPLIT: the even-channel dot plus the odd-channel
     one (K = 16 each: 16-bit operands only), the same sum without interleaving K's nibbles (tl.join's layout
-    conversion); else one K = 32 dot."""
+    conversion); else one K = 32 dot. WHOLE: the tile's bytes and scales in one load each (all of the tile's
+    loads in flight at once, cut into blocks in registers) instead of one load per block, each of which the
+    compiler issues only after the previous block's dot (the shared-memory barriers between them)."""
     acc = tl.zeros((k_row.shape[0], q_ops[0][-1].shape[0]), dtype=tl.float32)
+    if WHOLE:
+        tile = tl.load(k_ptr + k_row[:, None] + tl.arange(0, DI // 2)[None, :], mask=s_ok[:, None], other=0)
+        scales = tl.load(ks_ptr + ks_row[:, None] + tl.arange(0, DI // 32)[None, :], mask=s_ok[:, None], other=127)
+        tile, scales = _column_blocks(tile, DI // 32), _column_blocks(scales, DI // 32)
     for j in tl.static_range(DI // 32):
-        k_low, k_high = _nibble_codes(k_ptr, k_row, s_ok, j, OPERAND)
+        if WHOLE:
+            packed, k_scale = tile[j], tl.reshape(scales[j], (k_row.shape[0],))
+        else:
+            packed = _block_bytes(k_ptr, k_row, s_ok, j)
+            k_scale = tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127)
+        k_low, k_high = _nibble_codes(packed, OPERAND)
         if SPLIT:
             q_low, q_high, q_scale = q_ops[j]
             part = tl.dot(k_high, q_high, tl.dot(k_low, q_low))
         else:
             q_codes, q_scale = q_ops[j]
             part = tl.dot(_interleave(k_low, k_high), q_codes)
-        k_scale = ue8m0_decode(tl.load(ks_ptr + ks_row + j, mask=s_ok, other=127))
-        acc += part * k_scale[:, None] * q_scale[None, :]
+        acc += part * ue8m0_decode(k_scale)[:, None] * q_scale[None, :]
     return acc
 
 
@@ -144,7 +176,7 @@ def _folded_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, OP
 @triton.jit
 def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
                 DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                OPERAND: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+                OPERAND: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
@@ -152,7 +184,7 @@ def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_
     if FOLD:
         qk = _folded_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, OPERAND)
     else:
-        qk = _exact_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, OPERAND, SPLIT)
+        qk = _exact_dots(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, OPERAND, SPLIT, WHOLE)
     per_head = tl.maximum(qk, 0.0) * w[None, :]
     scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
     scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
@@ -165,7 +197,7 @@ def _indexer_kernel(
     q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, nv_ptr, out_ptr,
     T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, OPERAND: tl.constexpr,
-    SPLIT: tl.constexpr, FOLD: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    SPLIT: tl.constexpr, FOLD: tl.constexpr, WHOLE: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """One program: TILES consecutive K tiles of BLOCK_S positions (a software-pipelined loop of STAGES stages when
     TILES > 1: the next tiles' loads in flight while this one's dots run) × BLOCK_T queries × all heads."""
@@ -185,11 +217,11 @@ def _indexer_kernel(
     first = tl.program_id(0) * TILES * BLOCK_S
     if TILES == 1:
         _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, HP,
-                    BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
+                    BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD, WHOLE)  # fmt: skip
     else:
         for i in tl.range(0, TILES, num_stages=STAGES):
             _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride,
-                        ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD)  # fmt: skip
+                        ks_stride, DI, HP, BLOCK_T, BLOCK_S, OPERAND, SPLIT, FOLD, WHOLE)  # fmt: skip
 
 
 def _operand() -> int:
@@ -216,12 +248,14 @@ def indexer_scores_triton(
     operand: int | None = None,
     split: bool = False,
     fold: bool = False,
+    whole_tile: bool = False,
     tiles_per_program: int = 1,
     num_stages: int = 3,
 ) -> Tensor:
     """The launch knobs (bench/kernels.py tunes them): `block_s` positions per tile, `num_warps`, `operand` (FP8 /
     FP16 / FP32 code operands); `split`: even- and odd-channel dots instead of interleaving the nibbles (16-bit
-    operands); `fold`: scales folded into bf16 operands, one dot over all channels; `tiles_per_program` consecutive
+    operands); `fold`: scales folded into bf16 operands, one dot over all channels; `whole_tile`: the
+    tile's bytes and scales in one load each; `tiles_per_program` consecutive
     tiles per program in a loop pipelined over `num_stages`."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
@@ -243,6 +277,6 @@ def indexer_scores_triton(
     _indexer_kernel[grid](
         q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, n_visible.contiguous(), out,
         T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, HP, block_t, block_s, operand, split, fold,
-        tiles_per_program, num_stages, num_warps=num_warps,
+        whole_tile, tiles_per_program, num_stages, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -14,6 +14,8 @@ VARIANTS = [
     {"tiles_per_program": 3, "block_s": 16},  # the last program's tiles run past S: masked
     {"fold": True, "tiles_per_program": 2, "num_stages": 2},
     {"split": True, "tiles_per_program": 4, "block_s": 16},
+    {"whole_tile": True},
+    {"whole_tile": True, "split": True, "tiles_per_program": 2},
 ]
 
 
