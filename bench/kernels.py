@@ -482,8 +482,9 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """The decode indexer's paths and launch shapes at B=64 × 64 K and B=8 × 1 M (H=32, Di=128), each checked against
     the default launch: operand type (FP8 / FP16), `split` (even- and odd-channel dots, no tl.join), `fold` (scales
-    folded into bf16 operands: one load per tile, no per-block rescale), `tiles_per_program` (a loop over K tiles
-    pipelined over `num_stages`), positions per tile and warps."""
+    folded into bf16 operands: one load per tile, no per-block rescale), `whole_tile` (one load of the tile's bytes,
+    one of its scales), `tiles_per_program` (a loop over K tiles pipelined over `num_stages`), positions per tile
+    and warps."""
     fp16 = indexer.FP16.value
     variants = [{}, {"block_s": 128}, {"block_s": 512, "num_warps": 8}, {"operand": fp16},
                 {"operand": fp16, "split": True}, {"fold": True}, {"fold": True, "block_s": 128},
@@ -493,8 +494,11 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
                 {"tiles_per_program": 8, "block_s": 128}, {"tiles_per_program": 8, "block_s": 128, "num_stages": 4},
                 {"operand": fp16, "split": True, "tiles_per_program": 4},
                 {"fold": True, "block_s": 128, "tiles_per_program": 4},
-                {"fold": True, "block_s": 128, "tiles_per_program": 8, "num_stages": 4}]  # fmt: skip
-    tiny_variants = [{}, {"split": True}, {"fold": True}, {"tiles_per_program": 3}]  # the interpreter dots in fp32
+                {"fold": True, "block_s": 128, "tiles_per_program": 8, "num_stages": 4},
+                {"whole_tile": True}, {"whole_tile": True, "block_s": 128}, {"whole_tile": True, "num_warps": 8},
+                {"whole_tile": True, "block_s": 128, "tiles_per_program": 8},
+                {"whole_tile": True, "operand": fp16, "split": True, "block_s": 128}]  # fmt: skip
+    tiny_variants = [{}, {"split": True}, {"fold": True}, {"whole_tile": True}, {"tiles_per_program": 3}]  # fp32 dots
     for B, S in [(2, 256)] if tiny else [(64, 65_536), (8, 1_048_576)]:
         case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
         want = indexer.indexer_scores_triton(*case)
