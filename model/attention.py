@@ -31,7 +31,7 @@ from model import kernels, quant
 from model.cache import Step
 from model.compressor import Compressor
 from model.config import ModelArgs
-from model.indexer import Indexer, Selection, backend
+from model.indexer import Indexer, Selection
 from model.linear import Linear, RMSNorm, param_dtype, quantize_input
 from model.rope import Rope
 
@@ -131,7 +131,7 @@ class Attention(nn.Module):
     def index_queries(self, x: Tensor, qr: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Packed FP4 indexer queries (data, scale) [B, T, H, ·] and fp32 head weights [B, T, H]."""
         q, w = self.indexer.queries(x, qr)
-        q_data, q_scale = kernels.quantize_index_fp4(self.rope.rotate(q, positions), backend=backend(q))
+        q_data, q_scale = kernels.quantize_index_fp4(self.rope.rotate(q, positions), backend=kernels.backend_for(q))
         return q_data, q_scale, w.float()
 
     def project_out(self, o: Tensor, positions: Tensor) -> Tensor:
@@ -150,7 +150,7 @@ class Attention(nn.Module):
         positions = torch.arange(T, device=x.device).expand(B, T)
         xq = self.cast_input(x)
         qr, q = self.query(xq, positions)
-        kv = quant.fake_quant_fp8(self.window_kv(xq, positions))
+        kv = quantize_input(self.window_kv(xq, positions))
         i, j = positions[0].unsqueeze(1), positions[0].unsqueeze(0)
         parts = [(kv, ((j <= i) & (j > i - a.sliding_window) & (j >= window_start)).expand(B, T, T))]
         if role.ratio:
@@ -160,7 +160,9 @@ class Attention(nn.Module):
             if role.owns_index_query:
                 k_data, k_scale = shared.index_k[role.kv_source]
                 q_data, q_scale, w = self.index_queries(x, qr, positions)
-                scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=backend(x))
+                scores = kernels.indexer_scores(
+                    q_data, q_scale, w, k_data, k_scale, n_visible, backend=kernels.backend_for(x)
+                )
                 shared.select(a, role, scores, n_visible)
             comp = shared.kv[role.kv_source]
             idx = shared.topk[role.index_source].long()
@@ -176,12 +178,12 @@ class Attention(nn.Module):
         first = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
         kv, k = self.entry_latents(latent, first)
         shared.kv[self.layer] = fake_quant_main_kv(kv)
-        shared.index_k[self.layer] = kernels.quantize_index_fp4(k, backend=backend(k))
+        shared.index_k[self.layer] = kernels.quantize_index_fp4(k, backend=kernels.backend_for(k))
 
     # ----------------------------------------------------------------------------------------- packed path
     def forward_step(self, x: Tensor, step: Step) -> Tensor:
         """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
-        a, role, be = self.args, self.role, backend(x)
+        a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
         xq = self.cast_input(x)
         qr, q = self.query(xq, positions)
@@ -218,7 +220,7 @@ class Attention(nn.Module):
             )
         kv_data, kv_scale, idx = compressed
         o = kernels.sparse_attention(
-            q, *window, kv_data, kv_scale, idx, self.attn_sink, self.softmax_scale, backend=backend(q)
+            q, *window, kv_data, kv_scale, idx, self.attn_sink, self.softmax_scale, backend=kernels.backend_for(q)
         )
         return self.project_out(o, positions)
 
@@ -226,6 +228,6 @@ class Attention(nn.Module):
         """Owner: compress this step's complete groups and write their packed entries ahead into the cache."""
         latent, first, end = self.compressor.forward_step(x, step)
         kv, k = self.entry_latents(latent, first)
-        be = backend(x)
+        be = kernels.backend_for(x)
         packed = (*kernels.quantize_kv_fp4(kv, backend=be), *kernels.quantize_index_fp4(k, backend=be))
         step.cache.entries[self.layer].write(step.rows, first, end, packed)

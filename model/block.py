@@ -13,11 +13,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from model import kernels
 from model.attention import Attention
 from model.config import ModelArgs
 from model.engram import Engram
 from model.linear import RMSNorm, param_dtype
-from model.mhc import hc_collapse, hc_expand, hc_mixes, hc_split_sinkhorn
+from model.mhc import hc_collapse, hc_expand, hc_mixes
 from model.moe import MoE
 
 
@@ -45,7 +46,8 @@ class Block(nn.Module):
         a = self.args
         m = hc_mixes(X, getattr(self, f"hc_{site}_fn"), a.rms_norm_eps)
         scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
-        return hc_split_sinkhorn(m, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps)
+        be = kernels.backend_for(m)
+        return kernels.hc_split_sinkhorn(m, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, backend=be)
 
     def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
         return self.attn_norm(hc_collapse(X, pre))

@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from model import kernels, quant
+from model import kernels
 from model.attention import dense_attention
 from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
-from model.indexer import backend
-from model.linear import Embedding, Linear, RMSNorm, param_dtype
+from model.linear import Embedding, Linear, RMSNorm, param_dtype, quantize_input
 from model.mhc import hc_collapse
 
 if TYPE_CHECKING:
@@ -99,7 +98,7 @@ class DSparkBlock(Block):
         attn, W = self.attn, self.args.sliding_window
         xq = attn.cast_input(x)
         _, q = attn.query(xq, positions)
-        data, scale = kernels.quantize_swa_fp8(attn.window_kv(xq, positions), backend=backend(x))
+        data, scale = kernels.quantize_swa_fp8(attn.window_kv(xq, positions), backend=kernels.backend_for(x))
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)
@@ -112,7 +111,7 @@ class DSparkBlock(Block):
         attn = self.attn
         xq = attn.cast_input(x)
         _, q = attn.query(xq, positions)
-        kv = quant.fake_quant_fp8(attn.window_kv(xq, positions))
+        kv = quantize_input(attn.window_kv(xq, positions))
         block = torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
         o = dense_attention(q, [(ring, ring_mask.unsqueeze(1).expand(-1, x.shape[1], -1)), (kv, block)],
                             attn.attn_sink, attn.softmax_scale)  # fmt: skip
@@ -130,7 +129,7 @@ def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
     main_x = context(mtp, taps)
     for block in mtp:
         kv = block.attn.window_kv(block.attn.cast_input(main_x), step.positions)
-        step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=backend(kv))
+        step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(kv))
 
 
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
@@ -161,7 +160,7 @@ def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tens
     every = torch.arange(T, device=dev).expand(B, T)
     rows = ring_pos.clamp_min(0).unsqueeze(-1)
     for block in model.mtp:
-        ring_kv = quant.fake_quant_fp8(block.attn.window_kv(block.attn.cast_input(main_x), every))  # [B, T, D]
+        ring_kv = quantize_input(block.attn.window_kv(block.attn.cast_input(main_x), every))  # [B, T, D]
         ring = ring_kv.gather(1, rows.expand(-1, -1, ring_kv.shape[-1])).view(B * A, W, -1)
         X, pre = block(
             X, pre, lambda x, b=block, r=ring: b.dense_block_attention(x, block_pos.view(B * A, g), r, ring_mask)

@@ -28,11 +28,6 @@ from model.config import LayerRole, ModelArgs
 from model.linear import Linear, RMSNorm
 
 
-def backend(t: Tensor) -> str:
-    """The kernel backend for tensors on t's device: Triton on a GPU, the torch reference elsewhere."""
-    return kernels.default_backend() if t.is_cuda else "torch"
-
-
 class Indexer(nn.Module):
     def __init__(self, args: ModelArgs, role: LayerRole, queries: bool, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -66,7 +61,7 @@ class Selection:
 
     def select(self, args: ModelArgs, role: LayerRole, scores: Tensor, n_visible: Tensor) -> Tensor:
         """Candidate pool (level 1) or restriction to it (level 2), then top-k; publishes and returns [B, T, K]."""
-        be = backend(scores)
+        be = kernels.backend_for(scores)
         if role.candidate_source:
             block, top = args.candidate_block_size, args.candidate_topk_blocks
             self.candidates = kernels.candidate_mask(scores, n_visible, block, top, backend=be)

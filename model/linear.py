@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import quant
+from model import kernels
 
 WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
 
@@ -63,8 +63,9 @@ class Embedding(nn.Module):
 
 
 def quantize_input(x: Tensor) -> Tensor:
-    """The FP8 (E4M3, UE8M0 per 32) QAT cast every FP8/FP4 linear applies to its input."""
-    return quant.fake_quant_fp8(x)
+    """The FP8 (E4M3, UE8M0 per 32) QAT cast of activations: every FP8/FP4 linear's input, and the values the SWA
+    ring stores. One kernel on a GPU (it runs on every linear input of every step), the torch reference elsewhere."""
+    return kernels.fake_quant_fp8(x, backend=kernels.backend_for(x))
 
 
 class RMSNorm(nn.Module):

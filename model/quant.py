@@ -219,7 +219,8 @@ def fp4_dequant_ue8m0(packed: Tensor, scale: Tensor, block: int = 32, dtype: tor
     return _fp4_dequant(packed, ue8m0_decode(scale), block, dtype)
 
 
-def _straight_through(x: Tensor, q: Tensor) -> Tensor:
+def straight_through(x: Tensor, q: Tensor) -> Tensor:
+    """QAT: the value q with x's gradient (identity)."""
     # x − x.detach() is exactly 0 with gradient 1, so the value is q (x + (q − x) would round); without a gradient
     # to carry, q itself (adding that 0 turns a −0 into +0 and costs an op per layer and step when serving)
     return q + (x - x.detach()) if x.requires_grad and torch.is_grad_enabled() else q
@@ -235,19 +236,19 @@ def fake_quant_fp8(x: Tensor, block: int = 32) -> Tensor:
     xb = _blocks(x.detach(), block)
     scale = _fp8_scale(xb)
     q = _to_e4m3(xb / scale).float() * scale
-    return _straight_through(x, q.flatten(-2).to(x.dtype))
+    return straight_through(x, q.flatten(-2).to(x.dtype))
 
 
 def fake_quant_fp4_e4m3(x: Tensor, block: int = 16) -> Tensor:
     """QAT: dequant(fp4_quant_e4m3(x)) in x's dtype, gradient straight through."""
-    return _straight_through(x, fp4_dequant_e4m3(*fp4_quant_e4m3(x.detach(), block), block, x.dtype))
+    return straight_through(x, fp4_dequant_e4m3(*fp4_quant_e4m3(x.detach(), block), block, x.dtype))
 
 
 def fake_quant_bf16(x: Tensor) -> Tensor:
     """x rounded to bf16 (RNE) in x's dtype, gradient straight through (the unquantised-KV baseline)."""
-    return _straight_through(x, x.detach().to(torch.bfloat16).to(x.dtype))
+    return straight_through(x, x.detach().to(torch.bfloat16).to(x.dtype))
 
 
 def fake_quant_fp4_ue8m0(x: Tensor, block: int = 32) -> Tensor:
     """QAT: dequant(fp4_quant_ue8m0(x)) in x's dtype, gradient straight through."""
-    return _straight_through(x, fp4_dequant_ue8m0(*fp4_quant_ue8m0(x.detach(), block), block, x.dtype))
+    return straight_through(x, fp4_dequant_ue8m0(*fp4_quant_ue8m0(x.detach(), block), block, x.dtype))

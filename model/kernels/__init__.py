@@ -18,17 +18,20 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.kernels import candidates, indexer, kv_quant, sparse_attn, topk
+from model.kernels import candidates, hc_mixes, indexer, kv_quant, sparse_attn, topk
 
 Backend = Literal["torch", "triton"]
 
 __all__ = [
     "Backend",
+    "backend_for",
     "candidate_mask",
     "default_backend",
     "dequantize_index_fp4",
     "dequantize_kv_fp4",
     "dequantize_swa_fp8",
+    "fake_quant_fp8",
+    "hc_split_sinkhorn",
     "indexer_scores",
     "quantize_index_fp4",
     "quantize_kv_fp4",
@@ -40,6 +43,11 @@ __all__ = [
 
 def default_backend() -> Backend:
     return "triton" if torch.cuda.is_available() else "torch"
+
+
+def backend_for(t: Tensor) -> Backend:
+    """The backend for tensors on t's device: Triton on a GPU, the torch reference elsewhere."""
+    return default_backend() if t.is_cuda else "torch"
 
 
 def _pick(backend: Backend, module: object, op: str):
@@ -90,6 +98,34 @@ def dequantize_index_fp4(data: Tensor, scale: Tensor, dtype: torch.dtype, backen
 
 def dequantize_swa_fp8(data: Tensor, scale: Tensor, dtype: torch.dtype, backend: Backend = "torch") -> Tensor:
     return _pick(backend, kv_quant, "dequantize_swa_fp8")(data, scale, dtype)
+
+
+def fake_quant_fp8(x: Tensor, backend: Backend = "torch") -> Tensor:
+    """QAT FP8 cast (E4M3, UE8M0 per 32) of quantised linears' inputs and of the SWA ring's values:
+    `quant.fake_quant_fp8` (value and straight-through gradient), in one launch on the Triton side."""
+    _expect("x", x, (None,) * x.dim(), _WIDE_FLOATS)
+    if x.dtype == torch.float64:  # the kernel computes in fp32
+        backend = "torch"
+    return _pick(backend, kv_quant, "fake_quant_fp8")(x)
+
+
+# ------------------------------------------------------------------------------------------- mHC
+
+
+def hc_split_sinkhorn(
+    mixes: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, eps: float, backend: Backend = "torch"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """mixes [..., (2+n)n] → pre [..., n], post [..., n], comb [..., n, n] (`model.mhc.hc_split_sinkhorn`). The
+    Triton kernel has no backward and computes in fp32: a gradient to carry or fp64 mixes keep the torch form."""
+    _expect("mixes", mixes, (*mixes.shape[:-1], (2 + n) * n), _WIDE_FLOATS)
+    _expect("scale", scale, (3,))
+    _expect("base", base, ((2 + n) * n,))
+    if n & (n - 1) or iters < 1:
+        raise ValueError(f"n must be a power of two and iters ≥ 1, got n={n}, iters={iters}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixes, scale, base))
+    if needs_grad or mixes.dtype != torch.float32:
+        backend = "torch"
+    return _pick(backend, hc_mixes, "hc_split_sinkhorn")(mixes, scale, base, n, iters, eps)
 
 
 # ------------------------------------------------------------------------------------------- indexer

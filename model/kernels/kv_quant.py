@@ -91,8 +91,10 @@ def _store_scales(scale_ptr, byte, rows, M, NB: tl.constexpr, NBP: tl.constexpr)
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
-):
+    x_ptr, data_ptr, scale_ptr, M,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, FAKE: tl.constexpr,
+):  # fmt: skip
+    """FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead of codes and scales."""
     BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
     NB: tl.constexpr = D // BLOCK
     NBP: tl.constexpr = DP // BLOCK
@@ -102,10 +104,19 @@ def _quantize_kernel(
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
     scale, byte = _block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
-    _store_scales(scale_ptr, byte, rows, M, NB, NBP)
+    if not FAKE:
+        _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if FORMAT == FP8_UE8M0:
-        codes = tl.reshape(e4m3_encode(xb * (1.0 / scale[:, :, None])), (BLOCK_M, DP))  # 1/2^k is exact
-        tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], codes, mask=ok)
+        codes = e4m3_encode(xb * (1.0 / scale[:, :, None]))  # 1/2^k is exact
+        if FAKE:
+            values = (e4m3_decode(codes) * scale[:, :, None]).to(data_ptr.dtype.element_ty)
+            tl.store(
+                data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(values, (BLOCK_M, DP)), mask=ok
+            )
+        else:
+            tl.store(
+                data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(codes, (BLOCK_M, DP)), mask=ok
+            )
     else:
         # E4M3 scales need a correctly rounded division (as torch divides); 1/2^k is exact, so UE8M0 multiplies
         q = tl.math.div_rn(xb, scale[:, :, None]) if FORMAT == FP4_E4M3 else xb * (1.0 / scale[:, :, None])
@@ -193,8 +204,24 @@ def quantize_triton(x: Tensor, fmt: int, tile: int = _TILE_ELEMENTS, num_warps: 
         )
     elif M:
         DP, block_m, grid = _launch_shape(M, D, tile)
-        _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt, num_warps=num_warps)
+        _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt, False, num_warps=num_warps)
     return data, scale
+
+
+def fake_quant_fp8_torch(x: Tensor) -> Tensor:
+    return quant.fake_quant_fp8(x)
+
+
+def fake_quant_fp8_triton(x: Tensor) -> Tensor:
+    """quant.fake_quant_fp8 in one launch (it is ≈ 15 small torch ops, on every linear input of every step)."""
+    quant.check_block(x, SWA_BLOCK, "fake_quant_fp8")
+    D = x.shape[-1]
+    x2 = x.detach().reshape(-1, D).contiguous()
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        DP, block_m, grid = _launch_shape(x2.shape[0], D)
+        _quantize_kernel[grid](x2, out, out, x2.shape[0], D, DP, block_m, FP8_UE8M0, True)
+    return quant.straight_through(x, out.view(x.shape))
 
 
 def _dequantize_triton(data: Tensor, scale: Tensor, dtype: torch.dtype, fmt: int) -> Tensor:

@@ -1,0 +1,94 @@
+"""The per-step activation kernels (FP8 QAT cast, mHC split + Sinkhorn) against their torch forms, in Triton's
+interpreter, and the rules that keep the torch form where the kernels do not apply (gradients, fp64)."""
+
+import pytest
+import torch
+from kernel_cases import generator
+
+from model import kernels, mhc, quant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 96), (0, 32), (1, 1, 1, 512)])
+def test_fake_quant_fp8_values_are_the_reference_bit_for_bit(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = generator(shape[-1])
+    magnitudes = 2.0 ** torch.randint(-12, 12, (*shape[:-1], 1), generator=g).float()
+    x = (torch.randn(shape, generator=g) * magnitudes).to(dtype)
+    if x.numel():
+        x.view(-1)[0] = -0.0  # −0 keeps its sign
+    want = kernels.fake_quant_fp8(x, backend="torch")
+    got = kernels.fake_quant_fp8(x, backend="triton")
+    assert got.dtype == dtype
+    assert got.shape == x.shape
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy warns about inf and NaN
+def test_fake_quant_fp8_saturation_and_specials() -> None:
+    """Values past E4M3's 448 × scale cannot occur (the scale is from the block maximum), so saturation is met by
+    the amax floor: tiny blocks. inf and NaN blocks give NaN as in the reference (0 × inf)."""
+    x = torch.randn(4, 64, generator=generator(7))
+    x[0] *= 1e-9  # below the amax floor: the floor's scale, values round to E4M3 subnormals or 0
+    x[1, 3] = float("inf")
+    x[2, 40] = float("nan")
+    want = kernels.fake_quant_fp8(x, backend="torch")
+    got = kernels.fake_quant_fp8(x, backend="triton")
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
+
+
+def test_fake_quant_fp8_passes_the_gradient_straight_through() -> None:
+    x = torch.randn(2, 64, generator=generator(8), requires_grad=True)
+    y = kernels.fake_quant_fp8(x, backend="triton")
+    assert torch.equal(y.detach(), quant.fake_quant_fp8(x.detach()))
+    (y * torch.arange(64.0)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(64.0).expand(2, 64))
+
+
+def test_fake_quant_fp8_names_a_bad_width() -> None:
+    with pytest.raises(ValueError, match="fake_quant_fp8"):
+        kernels.fake_quant_fp8(torch.zeros(2, 48), backend="triton")
+
+
+def sinkhorn_case(lead: tuple[int, ...], n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = generator(seed)
+    mixes = torch.randn(*lead, (2 + n) * n, generator=g) * 3.0
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn((2 + n) * n, generator=g)
+    return mixes, scale, base
+
+
+@pytest.mark.parametrize(("lead", "n", "iters"), [((1, 1), 4, 20), ((3, 5), 4, 20), ((37,), 2, 7), ((2, 3), 8, 1)])
+def test_hc_split_sinkhorn_matches_the_torch_form(lead: tuple[int, ...], n: int, iters: int) -> None:
+    case = sinkhorn_case(lead, n, seed=n * iters + len(lead))
+    want = mhc.hc_split_sinkhorn(*case, n, iters, 1e-6)
+    got = kernels.hc_split_sinkhorn(*case, n, iters, 1e-6, backend="triton")
+    for g_part, w_part in zip(got, want, strict=True):
+        assert g_part.shape == w_part.shape
+        assert g_part.dtype == w_part.dtype
+        torch.testing.assert_close(g_part, w_part, rtol=2e-6, atol=1e-7)  # fp32 exp and reduction order only
+    assert torch.allclose(got[2].sum(-2), torch.ones(*lead, n), atol=1e-5)  # ends on a column normalisation
+
+
+def test_hc_split_sinkhorn_keeps_the_torch_form_for_gradients_and_fp64() -> None:
+    """The kernel has no backward and computes in fp32: with a gradient to carry, or on fp64 mixes, the op runs the
+    torch form, so the result carries the gradient / stays fp64 bit for bit."""
+    mixes, scale, base = sinkhorn_case((2,), 4, seed=3)
+    scale.requires_grad_(True)
+    _pre, post, comb = kernels.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6, backend="triton")
+    (post.sum() + comb.sum()).backward()
+    assert scale.grad is not None
+    wide = [t.double() for t in sinkhorn_case((2,), 4, seed=4)]
+    got = kernels.hc_split_sinkhorn(*wide, 4, 20, 1e-6, backend="triton")
+    for g_part, w_part in zip(got, mhc.hc_split_sinkhorn(*wide, 4, 20, 1e-6), strict=True):
+        assert g_part.dtype == torch.float64
+        assert torch.equal(g_part, w_part)
+
+
+def test_hc_split_sinkhorn_names_bad_shapes() -> None:
+    mixes, scale, base = sinkhorn_case((2,), 4, seed=5)
+    with pytest.raises(ValueError, match="mixes"):
+        kernels.hc_split_sinkhorn(mixes[..., :-1], scale, base, 4, 20, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.hc_split_sinkhorn(torch.zeros(2, 15), torch.ones(3), torch.zeros(15), 3, 20, 1e-6, backend="triton")
