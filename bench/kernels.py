@@ -219,6 +219,20 @@ def check_quantisers(c: Checks, rows: int) -> None:
                      f"{bad_back} dequantised values differ")  # fmt: skip
 
 
+def check_activations(c: Checks, rows: int) -> None:
+    """The per-step activation kernels: the FP8 QAT cast bit for bit, the mHC Sinkhorn within fp32 rounding."""
+    from model import mhc
+
+    x = (randn(rows, 4096) * 2.0 ** torch.randint(-20, 20, (rows, 1), device=DEVICE).float()).to(torch.bfloat16)
+    want = kernels.fake_quant_fp8(x, backend="torch")
+    bad = int((kernels.fake_quant_fp8(x, backend="triton").view(torch.int16) != want.view(torch.int16)).sum())
+    c.report("fake_quant_fp8 bf16", bad == 0, f"{rows}×4096, {bad} values differ")
+    case = (randn(rows, 24) * 3.0, torch.rand(3, device=DEVICE) + 0.5, randn(24))
+    got = kernels.hc_split_sinkhorn(*case, 4, 20, 1e-6, backend="triton")
+    worst = max(float((g - w).abs().max()) for g, w in zip(got, mhc.hc_split_sinkhorn(*case, 4, 20, 1e-6), strict=True))
+    c.report("hc_split_sinkhorn n=4", worst < 1e-5, f"{rows} rows, worst |Δ| {worst:.2e} (values ≤ 2)")
+
+
 def check_indexer(c: Checks, B: int, T: int, S: int) -> None:
     case = indexer_inputs(B, T, 32, 128, S, ragged=True)
     want = kernels.indexer_scores(*case, backend="torch")
@@ -310,11 +324,12 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
     """The checks of the named kernels (`all`: every one) at real sizes (`tiny`: CPU sizes)."""
     print("checks (Triton against the torch references)", flush=True)
     if tiny:
-        plans = {"quant": [(check_quantisers, 16)], "indexer": [(check_indexer, 2, 3, 100)],
+        plans = {"quant": [(check_quantisers, 16)], "activations": [(check_activations, 8)],
+                 "indexer": [(check_indexer, 2, 3, 100)],
                  "candidates": [(check_candidates, 1, 2, 200, 4)], "topk": [(check_topk, [(3, 300, 8)])],
                  "attention": [(check_attention, 1, 2, 100)]}  # fmt: skip
     else:
-        plans = {"quant": [(check_quantisers, 1 << 16)],
+        plans = {"quant": [(check_quantisers, 1 << 16)], "activations": [(check_activations, 1 << 14)],
                  "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000)],
                  "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
                  "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
@@ -771,7 +786,7 @@ def main() -> int:
         const="all",
         default="",
         help="run the correctness checks at real "
-        "sizes: all, or some of quant, indexer, candidates, topk, attention (comma-separated)",
+        "sizes: all, or some of quant, activations, indexer, candidates, topk, attention (comma-separated)",
     )
     parser.add_argument("--bench", default="", help=f"sections, comma-separated, or 'all': {', '.join(SECTIONS)}")
     parser.add_argument("--report", action="store_true", help="merge the sections' JSON in --parts (after --bench)")
