@@ -447,12 +447,14 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
     At R = 256 > 132 SMs the time is waves × one row's select latency, a chain of block-wide reductions: 16 radix
     steps for the group threshold and 16 over the candidates (bf16). The variants shorten that chain: a truncated
     group search (`group_bits`), the group threshold from one histogram (`group_bins`), the candidate search started
-    below the bits its bounds share (`prefix`, ≈ 8 steps), the k-th candidate from one histogram (`select_bins`)."""
+    below the bits its bounds share (`prefix`, ≈ 8 steps), the k-th candidate from one histogram (`select_bins`); and
+    the gather loop's dependent loads (group list → scores) software-pipelined (`gather_stages`)."""
     variants = [{}, {"group_bits": 13}, {"group_bins": 256}, {"prefix": True}, {"select_bins": 256},
                 {"group_bits": 13, "prefix": True}, {"group_bins": 256, "prefix": True},
                 {"group_bins": 256, "select_bins": 256}, {"group_bins": 256, "select_bins": 256, "gather": 4096},
-                {"group_bins": 256, "select_bins": 256, "num_warps": 4},
-                {"group_bins": 128, "select_bins": 512}]  # fmt: skip
+                {"group_bins": 256, "select_bins": 256, "num_warps": 4}, {"group_bins": 128, "select_bins": 512},
+                {"gather_stages": 2}, {"gather_stages": 3}, {"group_bins": 256, "select_bins": 256, "gather_stages": 2},
+                {"group_bins": 256, "select_bins": 256, "gather": 4096, "gather_stages": 2}]  # fmt: skip
     k = 16 if tiny else 512
     shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]

@@ -156,7 +156,7 @@ def _group_max_kernel(
 def _gather_candidates(
     x_row, length, gmax_row, glist_row, ckey_row, cpos_row, NG, C, k,
     GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr, GROUP_BITS: tl.constexpr,
-    GROUP_BINS: tl.constexpr, GROUP_SHIFT: tl.constexpr,
+    GROUP_BINS: tl.constexpr, GROUP_SHIFT: tl.constexpr, GATHER_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Candidates of one row from its group maxima, in ascending position order → (their count (> C: overflowed),
     the threshold T they all reach).
@@ -182,7 +182,7 @@ def _gather_candidates(
     n = 0
     if n_groups <= C:  # each passing group holds at least one candidate: more groups than slots overflow anyway
         CG: tl.constexpr = GATHER // GS
-        for start in range(0, n_groups, CG):
+        for start in tl.range(0, n_groups, CG, num_stages=GATHER_STAGES):  # None: the compiler's choice
             i = start + tl.arange(0, CG)
             group = tl.load(glist_row + i, mask=i < n_groups, other=0)
             pos = tl.reshape(group[:, None] * GS + tl.arange(0, GS)[None, :], (GATHER,))
@@ -228,7 +228,7 @@ def _select_kernel(
     x_ptr, len_ptr, gmax_ptr, glist_ptr, ckey_ptr, cpos_ptr, out_ptr, L, NG, C, k,
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
     TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr, GROUP_BITS: tl.constexpr, GROUP_BINS: tl.constexpr,
-    GROUP_SHIFT: tl.constexpr, PREFIX: tl.constexpr, SELECT_BINS: tl.constexpr,
+    GROUP_SHIFT: tl.constexpr, PREFIX: tl.constexpr, SELECT_BINS: tl.constexpr, GATHER_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One row: candidates from the group maxima (unless DIRECT), then the exact selection, written in position
     order and −1 padded. In registers, the k-th largest key comes from a histogram (SELECT_BINS > 0), a radix search
@@ -241,7 +241,8 @@ def _select_kernel(
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
     if not DIRECT:
         n, lo = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C,
-                                   k, GS, NGP, LOW_BIT, GATHER, GROUP_BITS, GROUP_BINS, GROUP_SHIFT)  # fmt: skip
+                                   k, GS, NGP, LOW_BIT, GATHER, GROUP_BITS, GROUP_BINS, GROUP_SHIFT,
+                                   GATHER_STAGES)  # fmt: skip
         from_row = n > C  # the buffer overflowed (adversarial ties): select from the scores themselves
         n = tl.where(from_row, length, n)
         lo = tl.where(from_row, 1, lo)
@@ -326,6 +327,7 @@ def topk_indices_triton(
     group_bins: int = 0,
     prefix: bool = False,
     select_bins: int = 0,
+    gather_stages: int | None = None,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
     default: at most `max_groups` groups) and `capacity` candidate slots per row, gathering `gather` scores per step;
@@ -341,7 +343,9 @@ def topk_indices_triton(
     - `prefix`: the exact search over the candidates starts below the bits that the candidates' threshold and their
       maximum share.
     - `select_bins` (a power of two, 0: off): the exact search is one histogram of bins one key value wide down from
-      the maximum, finished by the prefix search when the k-th key lies further down."""
+      the maximum, finished by the prefix search when the k-th key lies further down.
+    - `gather_stages`: the gather loop software-pipelined over that many stages (the next groups' list entries and
+      scores loaded while this step's candidates are appended); None: the compiler's default."""
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
@@ -377,6 +381,6 @@ def topk_indices_triton(
                                         num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
                          has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
-                         group_bits, group_bins, group_shift, prefix, select_bins,
+                         group_bits, group_bins, group_shift, prefix, select_bins, gather_stages,
                          num_warps=num_warps or (16 if NGP >= 8192 else 8))  # fmt: skip
     return out

@@ -177,7 +177,7 @@ VARIANTS = [
     {"group_bins": 32},
     {"prefix": True},
     {"select_bins": 32},
-    {"group_bins": 64, "select_bins": 64, "prefix": True},
+    {"group_bins": 64, "select_bins": 64, "prefix": True, "gather_stages": 2},
 ]
 
 
