@@ -252,11 +252,11 @@ def indexer_scores_triton(
     tiles_per_program: int = 1,
     num_stages: int = 3,
 ) -> Tensor:
-    """The launch knobs (bench/kernels.py tunes them): `block_s` positions per tile, `num_warps`, `operand` (FP8 /
-    FP16 / FP32 code operands); `split`: even- and odd-channel dots instead of interleaving the nibbles (16-bit
-    operands); `fold`: scales folded into bf16 operands, one dot over all channels; `whole_tile`: the
-    tile's bytes and scales in one load each; `tiles_per_program` consecutive
-    tiles per program in a loop pipelined over `num_stages`."""
+    """The launch knobs (bench/kernels.py tunes them; each gives the same scores up to fp32 summation order):
+    `block_s` positions per tile, `num_warps`, `operand` (FP8 / FP16 / FP32 code operands); `split`: even- and
+    odd-channel dots instead of interleaving the nibbles (16-bit operands); `whole_tile`: the tile's bytes and scales
+    in one load each; `fold`: scales folded into bf16 operands, one dot over all channels (it loads whole tiles
+    anyway); `tiles_per_program` consecutive tiles per program, in a loop pipelined over `num_stages`."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
     operand = _operand() if operand is None else operand
