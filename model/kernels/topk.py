@@ -346,6 +346,11 @@ def topk_indices_triton(
       the maximum, finished by the prefix search when the k-th key lies further down.
     - `gather_stages`: the gather loop software-pipelined over that many stages (the next groups' list entries and
       scores loaded while this step's candidates are appended); None: the compiler's default."""
+    for name, bins in (("group_bins", group_bins), ("select_bins", select_bins)):
+        if bins and (bins < 32 or bins & (bins - 1)):  # ≥ 32: a warp's lanes share the bins
+            raise ValueError(f"{name} must be 0 or a power of two ≥ 32, got {bins}")
+    if group_bits is not None and group_bits < 1:
+        raise ValueError(f"group_bits must be ≥ 1, got {group_bits}")
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
@@ -357,11 +362,6 @@ def topk_indices_triton(
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
-    for name, bins in (("group_bins", group_bins), ("select_bins", select_bins)):
-        if bins and (bins < 32 or bins & (bins - 1)):  # ≥ 32: a warp's lanes share the bins
-            raise ValueError(f"{name} must be 0 or a power of two ≥ 32, got {bins}")
-    if group_bits is not None and group_bits < 1:
-        raise ValueError(f"group_bits must be ≥ 1, got {group_bits}")
     group_bits = min(group_bits or 32, 32 - low_bit)
     group_shift = max(26 - (max(group_bins, 1).bit_length() - 1), low_bit)  # bins × 2^shift = 2^26: 8 binades
     direct = scores.shape[1] <= direct_max
