@@ -17,6 +17,10 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
    ties) is selected the same way straight from its scores.
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
+
+Steps 2 and 4 are each a chain of 32 − LOW_BIT block-wide reductions (16 for bf16), which bounds a row's latency;
+keyword variants of `topk_indices_triton` shorten them (a histogram instead, or a search started below the bits the
+bounds share) for bench/kernels.py tune-topk to compare on the GPU.
 """
 
 import torch
