@@ -441,20 +441,12 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
-    """The select program's search variants (`topk.topk_indices_triton` keywords) at batch 256 and 1, on Gaussian
-    rows and, at 256 × 64 K, heavy-tailed ones (where the histograms fall back to radix searches).
-
-    At R = 256 > 132 SMs the time is waves × one row's select latency, a chain of block-wide reductions: 16 radix
-    steps for the group threshold and 16 over the candidates (bf16). The variants shorten that chain: a truncated
-    group search (`group_bits`), the group threshold from one histogram (`group_bins`), the candidate search started
-    below the bits its bounds share (`prefix`, ≈ 8 steps), the k-th candidate from one histogram (`select_bins`); and
-    the gather loop's dependent loads (group list → scores) software-pipelined (`gather_stages`)."""
-    variants = [{}, {"group_bits": 13}, {"group_bins": 256}, {"prefix": True}, {"select_bins": 256},
-                {"group_bits": 13, "prefix": True}, {"group_bins": 256, "prefix": True},
-                {"group_bins": 256, "select_bins": 256}, {"group_bins": 256, "select_bins": 256, "gather": 4096},
-                {"group_bins": 256, "select_bins": 256, "num_warps": 4}, {"group_bins": 128, "select_bins": 512},
-                {"gather_stages": 2}, {"gather_stages": 3}, {"group_bins": 256, "select_bins": 256, "gather_stages": 2},
-                {"group_bins": 256, "select_bins": 256, "gather": 4096, "gather_stages": 2}]  # fmt: skip
+    """Launch shapes of the top-k select program (register tile and group count, warps) at batch 256 and 1, on
+    Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the default (`topk._select_shape`) against the full tile, the
+    half tile with 4 K or 2 K groups, 4 and 16 warps. At R = 256 > 132 SMs a row's select latency, a chain of
+    block-wide reductions, bounds the time."""
+    variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 4096},
+                {"tile": 2048, "max_groups": 2048}, {"num_warps": 4}, {"num_warps": 16}]  # fmt: skip
     k = 16 if tiny else 512
     shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]

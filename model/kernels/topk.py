@@ -12,15 +12,16 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
    never more than k·GS scores whatever the row (ties at T aside).
 3. Gather: the passing groups' scores, read in position order; every score ≥ T is appended to a candidate buffer.
 4. Select: exact radix select among the candidates (bitwise search for the k-th key; keys equal to it are taken in
-   position order, so ties go to the lowest positions), held in registers when they fit. The candidates are in
-   position order, so the chosen ones are written sorted. A row whose candidates overflow the buffer (adversarial
-   ties) is selected the same way straight from its scores.
+   position order, so ties go to the lowest positions), held in registers when they fit. The k-th key lies between
+   T and the row's maximum key, so it has every bit those two share: the search starts below them (about 8 steps on
+   Gaussian bf16 rows instead of 16). The candidates are in position order, so the chosen ones are written sorted.
+   A row whose candidates overflow the buffer (adversarial ties) is selected the same way straight from its scores.
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
-Steps 2 and 4 are each a chain of 32 − LOW_BIT block-wide reductions (16 for bf16), which bounds a row's latency;
-keyword variants of `topk_indices_triton` shorten them (a histogram instead, or a search started below the bits the
-bounds share) for bench/kernels.py tune-topk to compare on the GPU.
+Steps 2 and 4 are each a chain of block-wide reductions, which bounds a row's latency. Shortening them further was
+measured on the H200 and lost (bench/kernels.py tune-topk, 2026-11-30: a truncated or histogram group threshold, a
+histogram select, a pipelined gather); the shared-prefix start gained 1–4 %.
 """
 
 import torch
@@ -90,11 +91,10 @@ def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key(keys, k, BITS: tl.constexpr):
-    """Bitwise radix search over the top BITS bits: the largest T with #(keys ≥ T) ≥ k (k ≥ 1) among the values whose
-    lower 32 − BITS bits are zero. With every informative bit searched (32 − LOW_BIT) T is the k-th largest key; with
-    fewer, T is a lower bound of it that still has ≥ k keys at or above it."""
-    return _radix_search(keys, k, tl.zeros((), dtype=tl.uint32), tl.full((), 1 << 31, tl.uint32), BITS)
+def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
+    """Bitwise radix search: the largest T with #(keys ≥ T) ≥ k (k ≥ 1), the k-th largest key (bits below LOW_BIT
+    are zero in every key)."""
+    return _radix_search(keys, k, tl.zeros((), dtype=tl.uint32), tl.full((), 1 << 31, tl.uint32), 32 - LOW_BIT)
 
 
 @triton.jit
@@ -116,31 +116,14 @@ def _highest_bit(x):
 
 
 @triton.jit
-def _kth_largest_key_within(keys, k, lo, hi, LOW_BIT: tl.constexpr):
-    """The k-th largest key T, known to lie in [lo, hi] (#(keys ≥ lo) ≥ k): every value in that range has the bits
-    where lo and hi agree, so T has them too and the radix search starts below them (a few steps when lo and hi are
-    close, instead of 32 − LOW_BIT)."""
+def _shared_prefix(lo, hi, LOW_BIT: tl.constexpr):
+    """Where the search for the k-th largest key T, known to lie in [lo, hi], starts: every value in that range has
+    the bits where lo and hi agree, so T has them too → (those bits, the first bit to try, how many bits remain)."""
     lo = lo >> LOW_BIT << LOW_BIT  # still ≤ T, whose low bits are zero
     top = _highest_bit(lo ^ hi)
     step = tl.full((), 1, tl.uint32) << tl.maximum(top, 0).to(tl.uint32)
     prefix = lo - (lo & (step - 1))  # lo's bits above `top` (its bit `top` is 0: lo < hi, and they differ there)
-    return _radix_search(keys, k, prefix, step, tl.maximum(top - LOW_BIT + 1, 0))
-
-
-@triton.jit
-def _key_from_histogram(keys, k, lo, hi, SHIFT: tl.constexpr, BINS: tl.constexpr, LOW_BIT: tl.constexpr):
-    """T ≤ the k-th largest key with ≥ k keys at or above it, at most one bin below (exact when SHIFT = LOW_BIT: a bin
-    is one key value), from one histogram and one scan of bins of 2^SHIFT key values counted down from hi (the largest
-    key) — however many bits that spans. When the k-th key lies beyond the last bin (a heavy tail), the radix search
-    finds it exactly below that bin's top (SHIFT ≥ LOW_BIT; lo ≤ the k-th key ≤ hi, #(keys ≥ lo) ≥ k)."""
-    distance = tl.minimum((hi - keys) >> SHIFT, BINS - 1).to(tl.int32)  # the last bin takes every key further down
-    counts = tl.cumsum(tl.histogram(distance, BINS, mask=keys > 0), axis=0)  # keys in bins 0…b
-    first = tl.sum((counts < k).to(tl.int32), axis=0)  # the first bin where the count reaches k
-    width = (first + 1).to(tl.uint32) << SHIFT  # bins 0…first hold the keys > hi − width
-    threshold = tl.where(width <= hi, hi - width + (1 << LOW_BIT), 1)  # their least possible key
-    if first == BINS - 1:  # fewer than k keys above the last bin: the k-th key is at most that bin's top
-        threshold = _kth_largest_key_within(keys, k, lo, hi - ((BINS - 1) << SHIFT), LOW_BIT)
-    return threshold
+    return prefix, step, tl.maximum(top - LOW_BIT + 1, 0)
 
 
 @triton.jit
@@ -159,26 +142,17 @@ def _group_max_kernel(
 @triton.jit
 def _gather_candidates(
     x_row, length, gmax_row, glist_row, ckey_row, cpos_row, NG, C, k,
-    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr, GROUP_BITS: tl.constexpr,
-    GROUP_BINS: tl.constexpr, GROUP_SHIFT: tl.constexpr, GATHER_STAGES: tl.constexpr,
+    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     """Candidates of one row from its group maxima, in ascending position order → (their count (> C: overflowed),
     the threshold T they all reach).
 
     T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
-    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read.
-    Any lower T with ≥ k groups at or above it is as exact, only with more candidates: the radix search may stop
-    after GROUP_BITS bits, or (GROUP_BINS > 0) one histogram of the group maxima gives T to a bin."""
+    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read."""
     g = tl.arange(0, NGP)
     gmax = tl.load(gmax_row + g, mask=g < NG, other=0)
     occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
-    if GROUP_BINS > 0:
-        threshold = _key_from_histogram(gmax, k, 1, tl.max(gmax, axis=0), GROUP_SHIFT, GROUP_BINS, LOW_BIT)
-    else:
-        threshold = _kth_largest_key(gmax, k, GROUP_BITS)
-        if GROUP_BITS < 32 - LOW_BIT:  # a truncated search may stop at 0, which no selectable score is
-            threshold = tl.maximum(threshold, 1)
-    threshold = tl.where(occupied > k, threshold, 1)  # 1: every selectable score
+    threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
     passed = gmax >= threshold
     n_groups = tl.sum(passed.to(tl.int32), axis=0)
     tl.store(glist_row + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
@@ -186,7 +160,7 @@ def _gather_candidates(
     n = 0
     if n_groups <= C:  # each passing group holds at least one candidate: more groups than slots overflow anyway
         CG: tl.constexpr = GATHER // GS
-        for start in tl.range(0, n_groups, CG, num_stages=GATHER_STAGES):  # None: the compiler's choice
+        for start in range(0, n_groups, CG):
             i = start + tl.arange(0, CG)
             group = tl.load(glist_row + i, mask=i < n_groups, other=0)
             pos = tl.reshape(group[:, None] * GS + tl.arange(0, GS)[None, :], (GATHER,))
@@ -231,12 +205,11 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 def _select_kernel(
     x_ptr, len_ptr, gmax_ptr, glist_ptr, ckey_ptr, cpos_ptr, out_ptr, L, NG, C, k,
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr, GROUP_BITS: tl.constexpr, GROUP_BINS: tl.constexpr,
-    GROUP_SHIFT: tl.constexpr, PREFIX: tl.constexpr, SELECT_BINS: tl.constexpr, GATHER_STAGES: tl.constexpr,
+    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
     """One row: candidates from the group maxima (unless DIRECT), then the exact selection, written in position
-    order and −1 padded. In registers, the k-th largest key comes from a histogram (SELECT_BINS > 0), a radix search
-    below the bits that the candidates' bounds share (PREFIX), or a full radix search."""
+    order and −1 padded. The k-th largest key is searched below the bits that its bounds share: every chosen key is
+    ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
     r = tl.program_id(0).to(tl.int64)
     x_row, ckey_row, cpos_row, out_row = x_ptr + r * L, ckey_ptr + r * C, cpos_ptr + r * C, out_ptr + r * k
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
@@ -245,8 +218,7 @@ def _select_kernel(
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
     if not DIRECT:
         n, lo = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C,
-                                   k, GS, NGP, LOW_BIT, GATHER, GROUP_BITS, GROUP_BINS, GROUP_SHIFT,
-                                   GATHER_STAGES)  # fmt: skip
+                                   k, GS, NGP, LOW_BIT, GATHER)  # fmt: skip
         from_row = n > C  # the buffer overflowed (adversarial ties): select from the scores themselves
         n = tl.where(from_row, length, n)
         lo = tl.where(from_row, 1, lo)
@@ -254,23 +226,20 @@ def _select_kernel(
     if n <= TILE:  # everything in registers
         key, pos = _items(x_row, length, ckey_row, cpos_row, n, 0, from_row, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
-        if SELECT_BINS > 0:
-            threshold = _key_from_histogram(key, kk, lo, tl.max(key, axis=0), LOW_BIT, SELECT_BINS, LOW_BIT)
-        elif PREFIX:
-            threshold = _kth_largest_key_within(key, kk, lo, tl.max(key, axis=0), LOW_BIT)
-        else:
-            threshold = _kth_largest_key(key, kk, 32 - LOW_BIT)
+        prefix, step, steps = _shared_prefix(lo, tl.max(key, axis=0), LOW_BIT)
+        threshold = _radix_search(key, kk, prefix, step, steps)
         missing = kk - tl.sum((key > threshold).to(tl.int32), axis=0)
         _write_chosen(out_row, key, pos, threshold, missing, 0, 0, k)
     else:  # streamed in tiles: the same steps, each a pass over the items
         selectable = 0
+        hi = tl.zeros((), dtype=tl.uint32)
         for start in range(0, n, TILE):
             key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
             selectable += tl.sum((key > 0).to(tl.int32), axis=0)
+            hi = tl.maximum(hi, tl.max(key, axis=0))
         kk = tl.minimum(k, selectable)
-        threshold = tl.zeros((), dtype=tl.uint32)
-        step = tl.full((), 1 << 31, tl.uint32)
-        for _bit in range(32 - LOW_BIT):
+        threshold, step, steps = _shared_prefix(lo, hi, LOW_BIT)
+        for _bit in range(steps):
             trial = threshold | step
             count = 0
             for start in range(0, n, TILE):
@@ -309,8 +278,10 @@ def _group_size(L: int, k: int, max_groups: int) -> int:
 def _select_shape(R: int, L: int) -> tuple[int, int]:
     """(register tile, most groups) of the select kernel by default. With more rows than multiprocessors and rows of
     32 K–256 K scores, half the tile and 4 K groups: on the H200, 256 × 64 K took 0.046 ms instead of 0.065 and 256 ×
-    256 K 0.124 instead of 0.127 (likely two select programs per SM, one wave instead of two: not profiled). At 1 M
-    and at batch 1 the full tile is faster (256 × 1 M: 0.30 vs 0.43 ms; 1 × 1 M: 0.065 vs 0.157)."""
+    256 K 0.124 instead of 0.127. The gain is a lower select latency per row, not one wave instead of two: an offline
+    sm_90 compile gives this select kernel 79 registers × 8 warps at 64 K–256 K, so three programs fit an SM and 256
+    rows already run in one wave on 132 SMs (at 1 M, 107 registers × 16 warps: one per SM). At 1 M and at batch 1
+    the full tile is faster (256 × 1 M: 0.30 vs 0.43 ms; 1 × 1 M: 0.065 vs 0.157)."""
     if multiprocessors() < R and 32_768 < L <= 262_144:
         return _TILE // 2, 4096
     return _TILE, _MAX_GROUPS
@@ -327,34 +298,11 @@ def topk_indices_triton(
     max_groups: int | None = None,
     gather: int | None = None,
     num_warps: int | None = None,
-    group_bits: int | None = None,
-    group_bins: int = 0,
-    prefix: bool = False,
-    select_bins: int = 0,
-    gather_stages: int | None = None,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
     default: at most `max_groups` groups) and `capacity` candidate slots per row, gathering `gather` scores per step;
     `tile` is the select kernel's register tile, `num_warps` its warps. The defaults suit k ≤ 4096; tests shrink
-    them to reach every path, bench/kernels.py tunes them.
-
-    Variants of the select program's two searches (shorter chains of block-wide reductions; bench/kernels.py
-    tune-topk times them, every one exact):
-    - `group_bits`: the group threshold's radix search stops after this many bits (sign, exponent, a few mantissa
-      bits): a lower threshold, more candidates, fewer serial steps.
-    - `group_bins` (a power of two, 0: off): the group threshold from one histogram of the group maxima in that many
-      bins of 1/(bins/8) binade down from the row's maximum (one histogram + one scan instead of 16 radix steps).
-    - `prefix`: the exact search over the candidates starts below the bits that the candidates' threshold and their
-      maximum share.
-    - `select_bins` (a power of two, 0: off): the exact search is one histogram of bins one key value wide down from
-      the maximum, finished by the prefix search when the k-th key lies further down.
-    - `gather_stages`: the gather loop software-pipelined over that many stages (the next groups' list entries and
-      scores loaded while this step's candidates are appended); None: the compiler's default."""
-    for name, bins in (("group_bins", group_bins), ("select_bins", select_bins)):
-        if bins and (bins < 32 or bins & (bins - 1)):  # ≥ 32: a warp's lanes share the bins
-            raise ValueError(f"{name} must be 0 or a power of two ≥ 32, got {bins}")
-    if group_bits is not None and group_bits < 1:
-        raise ValueError(f"group_bits must be ≥ 1, got {group_bits}")
+    them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
@@ -366,8 +314,6 @@ def topk_indices_triton(
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
-    group_bits = min(group_bits or 32, 32 - low_bit)
-    group_shift = max(26 - (max(group_bins, 1).bit_length() - 1), low_bit)  # bins × 2^shift = 2^26: 8 binades
     direct = scores.shape[1] <= direct_max
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
@@ -385,6 +331,5 @@ def topk_indices_triton(
                                         num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
                          has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
-                         group_bits, group_bins, group_shift, prefix, select_bins, gather_stages,
                          num_warps=num_warps or (16 if NGP >= 8192 else 8))  # fmt: skip
     return out

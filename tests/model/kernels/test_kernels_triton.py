@@ -163,81 +163,30 @@ def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[st
     assert torch.equal(topk_indices_triton(scores, k, None, **paths), kernels.topk_indices(scores, k))
 
 
-@pytest.mark.parametrize("paths", [DIRECT, GROUPS, GROUPS_STREAMED, OVERFLOW])
+@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
 def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
     scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
     for k in (1, 7, 40):
         assert torch.equal(topk_indices_triton(scores, k, lengths, **paths), lowest_position_topk(scores, k, lengths))
 
 
-# the select program's search variants (bench/kernels.py tune-topk times them), on the group and direct paths
-VARIANTS = [
-    {"group_bits": 8},  # a group threshold to a binade: many candidates, streamed or overflowing on the small paths
-    {"group_bits": 11},
-    {"group_bins": 32},
-    {"prefix": True},
-    {"select_bins": 32},
-    {"group_bins": 64, "select_bins": 64, "prefix": True, "gather_stages": 2},
-]
+def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose k-th key sits where the shared-prefix search could go wrong: bounds equal (all tied), bounds a few
+    representable values apart, a binade boundary between them, the sign between them, every score negative."""
+    L = 120
+    near = 1.0 + torch.randint(0, 6, (L,), generator=g) / 64
+    straddle = torch.tensor([1.0 - 2**-7, 1.0, 1.0 + 2**-7]).repeat(L // 3)[torch.randperm(L, generator=g)]
+    signs = torch.randn(L, generator=g)
+    negative = -torch.rand(L, generator=g) - 0.5
+    return torch.stack([torch.full((L,), 0.75), near, straddle, signs, negative]).to(dtype)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize(
-    ("paths", "dtype"),
-    [(DIRECT, torch.bfloat16), (GROUPS, torch.float32), (GROUPS, torch.bfloat16), (GROUPS_STREAMED, torch.float16)],
-)
-def test_topk_variants_match_the_reference(variant: dict[str, int], paths: dict[str, int], dtype: torch.dtype) -> None:
-    scores, lengths = topk_case(generator(len(variant)), 3, 300, dtype)
-    got = topk_indices_triton(scores, 12, lengths, **paths, **variant)
-    assert torch.equal(got, kernels.topk_indices(scores, 12, lengths))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_topk_variants_on_ties(variant: dict[str, int]) -> None:
-    scores, lengths = tied_topk_case(generator(7), 4, 90, torch.bfloat16)
-    for k in (1, 7, 40):
-        got = topk_indices_triton(scores, k, lengths, **GROUPS, **variant)
-        assert torch.equal(got, lowest_position_topk(scores, k, lengths))
-
-
-def bf16_steps(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """Representable bf16 values from `low` up to `high` (both positive): their bit patterns count them."""
-    return high.view(torch.int16).int() - low.view(torch.int16).int()
-
-
-def test_topk_histogram_select_exact_bins_and_fallback() -> None:
-    """select_bins=32: the k-th key within 31 values of the row maximum comes from its bin; further down, the prefix
-    search finishes below the last bin. Both rows kinds are checked to be what they claim."""
-    g, k = generator(11), 100
-    near = (1.0 + torch.randint(0, 20, (2, 200), generator=g) / 128).bfloat16()  # 20 distinct values: in the bins
-    far = torch.rand(2, 200, generator=g).add(0.5).bfloat16()  # the median ≈ 1.0, 64 values below the maximum ≈ 1.5
-    for scores, in_bins in ((near, True), (far, False)):
-        kth = scores.float().sort(dim=-1, descending=True).values[:, k - 1].bfloat16()
-        assert bool((bf16_steps(scores.max(dim=-1).values, kth) < 31).all()) == in_bins
-        for paths in (DIRECT, GROUPS):
-            got = topk_indices_triton(scores, k, None, **paths, select_bins=32)
-            assert torch.equal(got, lowest_position_topk(scores, k, None))
-
-
-def test_topk_histogram_group_threshold_and_fallback() -> None:
-    """group_bins=32 spans 8 binades below the largest group maximum: a Gaussian row's k-th group maximum lies in
-    them; a heavy-tailed row's lies further down, where the exact radix search takes over. Both stay exact."""
-    g, k, group = generator(12), 8, 16
-    normal = torch.randn(2, 1024, generator=g).bfloat16()
-    heavy = torch.randn(2, 1024, generator=g).mul(8).exp().bfloat16()
-    for scores, in_bins in ((normal, True), (heavy, False)):
-        gmax = scores.float().view(2, -1, group).amax(dim=-1)
-        kth = gmax.sort(dim=-1, descending=True).values[:, k - 1]
-        assert bool((gmax.amax(dim=-1) / kth < 2**7).all()) == in_bins
-        got = topk_indices_triton(scores, k, None, direct_max=64, group_size=group, group_bins=32)
-        assert torch.equal(got, lowest_position_topk(scores, k, None))
-
-
-def test_topk_variant_arguments_are_checked() -> None:
-    scores = torch.randn(2, 100)
-    for bad in ({"group_bins": 48}, {"select_bins": 16}, {"group_bits": 0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            topk_indices_triton(scores, 4, None, **bad)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
+def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch.dtype) -> None:
+    scores = shared_prefix_rows(generator(5), dtype)
+    for k in (1, 30, 61):
+        assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
