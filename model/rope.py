@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from model import kernels
 from model.config import ModelArgs
 
 
@@ -49,26 +50,10 @@ class Rope(torch.nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(args, yarn), persistent=False)
 
-    def angles(self, positions: Tensor) -> Tensor:
-        """positions [...] (int) → fp64 angles [..., rope_dim/2] (fp64 so 1 M positions stay exact)."""
-        return positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device, torch.float64)
-
     def rotate(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """x [..., S, (heads,) D] with positions broadcastable to x's position axis; rotates the last rope dims.
 
         `positions` has the shape of x's leading dims up to the position axis ([S] or [B, S]); a heads axis after
-        it is broadcast.
+        it is broadcast. The math: `model.kernels.rope.rope_rotate_torch`.
         """
-        rd = self.inv_freq.shape[0] * 2
-        angles = self.angles(positions)
-        while angles.dim() < x.dim():  # broadcast over the heads axis (and any other trailing axes before D)
-            angles = angles.unsqueeze(-2)
-        cos, sin = angles.cos(), angles.sin()
-        if inverse:
-            sin = -sin
-        compute = torch.promote_types(x.dtype, torch.float32)
-        pairs = x[..., -rd:].to(compute).unflatten(-1, (rd // 2, 2))
-        re, im = pairs[..., 0], pairs[..., 1]
-        cos, sin = cos.to(compute), sin.to(compute)
-        rotated = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
-        return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+        return kernels.rope_rotate(x, positions, self.inv_freq, inverse, backend=kernels.backend_for(x))

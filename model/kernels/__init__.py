@@ -18,7 +18,7 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.kernels import candidates, hc_mixes, indexer, kv_quant, sparse_attn, topk
+from model.kernels import candidates, hc_mixes, indexer, kv_quant, rope, sparse_attn, topk
 
 Backend = Literal["torch", "triton"]
 
@@ -36,6 +36,7 @@ __all__ = [
     "quantize_index_fp4",
     "quantize_kv_fp4",
     "quantize_swa_fp8",
+    "rope_rotate",
     "sparse_attention",
     "topk_indices",
 ]
@@ -126,6 +127,26 @@ def hc_split_sinkhorn(
     if needs_grad or mixes.dtype != torch.float32:
         backend = "torch"
     return _pick(backend, hc_mixes, "hc_split_sinkhorn")(mixes, scale, base, n, iters, eps)
+
+
+# ------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, backend: Backend = "torch") -> Tensor:
+    """Rotate x's last 2·len(inv_freq) dims (adjacent pairs) by positions × inv_freq (`inverse`: by −that);
+    positions [S] or [B, S] index x's position axis, later axes (heads) broadcast. The Triton kernel computes in
+    fp32 and has no backward: fp64 x or a gradient to carry keep the torch form."""
+    _expect("inv_freq", inv_freq, (None,))
+    rd = inv_freq.shape[0] * 2
+    if x.dim() < 1 or x.shape[-1] < rd or (x.shape[-1] - rd) % 2:
+        raise ValueError(f"x: last dim must hold the {rd} rotary dims at an even offset, got shape {list(x.shape)}")
+    lead = x.shape[: positions.dim()]
+    if positions.dim() > x.dim() - 1 or any(p not in (1, n) for p, n in zip(positions.shape, lead, strict=True)):
+        raise ValueError(f"positions: expected x's leading dims {list(x.shape[:-1])}, got {list(positions.shape)}")
+    needs_grad = torch.is_grad_enabled() and x.requires_grad
+    if needs_grad or x.dtype not in _FLOATS:
+        backend = "torch"
+    return _pick(backend, rope, "rope_rotate")(x, positions, inv_freq, inverse)
 
 
 # ------------------------------------------------------------------------------------------- indexer

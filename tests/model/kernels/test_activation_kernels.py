@@ -92,3 +92,43 @@ def test_hc_split_sinkhorn_names_bad_shapes() -> None:
         kernels.hc_split_sinkhorn(mixes[..., :-1], scale, base, 4, 20, 1e-6, backend="triton")
     with pytest.raises(ValueError, match="power of two"):
         kernels.hc_split_sinkhorn(torch.zeros(2, 15), torch.ones(3), torch.zeros(15), 3, 20, 1e-6, backend="triton")
+
+
+def rope_case(shape: tuple[int, ...], pos_dims: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = generator(seed)
+    x = torch.randn(shape, generator=g).to(dtype)
+    positions = torch.randint(0, 1_048_576, shape[:pos_dims], generator=g)
+    inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    return x, positions, inv_freq
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "pos_dims", "dtype"),
+    [((7, 32), 1, torch.float32), ((2, 3, 4, 96), 2, torch.float32), ((2, 5, 64), 2, torch.bfloat16),
+     ((1, 1, 8, 160), 2, torch.bfloat16), ((0, 32), 1, torch.float32)],
+)  # fmt: skip
+def test_rope_rotate_matches_the_torch_form(shape: tuple[int, ...], pos_dims: int, dtype: torch.dtype, inverse: bool):
+    """Positions up to 2^20 (fp64 angles), a heads axis broadcast, a non-rotary prefix left as it is."""
+    x, positions, inv_freq = rope_case(shape, pos_dims, dtype, seed=len(shape) + pos_dims)
+    want = kernels.rope_rotate(x, positions, inv_freq, inverse, backend="torch")
+    got = kernels.rope_rotate(x, positions, inv_freq, inverse, backend="triton")
+    assert got.dtype == dtype
+    assert torch.equal(got[..., :-32], x[..., :-32])
+    # fp32: the kernel may fuse a product into an FMA (one rounding fewer); bf16: that can flip the last bit
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_rope_rotate_keeps_the_torch_form_for_gradients_and_fp64_and_names_bad_shapes() -> None:
+    x, positions, inv_freq = rope_case((3, 32), 1, torch.float32, seed=9)
+    x.requires_grad_(True)
+    kernels.rope_rotate(x, positions, inv_freq, False, backend="triton").sum().backward()
+    assert x.grad is not None
+    wide = x.detach().double()
+    want = kernels.rope_rotate(wide, positions, inv_freq, False, backend="torch")
+    assert torch.equal(kernels.rope_rotate(wide, positions, inv_freq, False, backend="triton"), want)
+    with pytest.raises(ValueError, match="rotary dims"):
+        kernels.rope_rotate(torch.zeros(3, 16), positions, inv_freq, False, backend="triton")
+    with pytest.raises(ValueError, match="positions"):
+        kernels.rope_rotate(torch.zeros(3, 32), torch.zeros(4, dtype=torch.long), inv_freq, False, backend="triton")
