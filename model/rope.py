@@ -44,7 +44,7 @@ def inverse_frequencies(args: ModelArgs, yarn: bool) -> Tensor:
 
 
 class Rope(torch.nn.Module):
-    """cos/sin of every position for one layer kind; `rotate(x, positions)` rotates x[..., -rope_dim:]."""
+    """The rotary frequencies of one layer kind; `rotate(x, positions)` rotates x[..., -rope_dim:]."""
 
     def __init__(self, args: ModelArgs, yarn: bool) -> None:
         super().__init__()
