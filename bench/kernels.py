@@ -220,7 +220,8 @@ def check_quantisers(c: Checks, rows: int) -> None:
 
 
 def check_activations(c: Checks, rows: int) -> None:
-    """The per-step activation kernels: the FP8 QAT cast bit for bit, the mHC Sinkhorn within fp32 rounding."""
+    """The per-step activation kernels: the FP8 QAT cast bit for bit, the mHC Sinkhorn within fp32 rounding, RoPE
+    within a bf16 ulp."""
     from model import mhc
 
     x = (randn(rows, 4096) * 2.0 ** torch.randint(-20, 20, (rows, 1), device=DEVICE).float()).to(torch.bfloat16)
@@ -231,6 +232,14 @@ def check_activations(c: Checks, rows: int) -> None:
     got = kernels.hc_split_sinkhorn(*case, 4, 20, 1e-6, backend="triton")
     worst = max(float((g - w).abs().max()) for g, w in zip(got, mhc.hc_split_sinkhorn(*case, 4, 20, 1e-6), strict=True))
     c.report("hc_split_sinkhorn n=4", worst < 1e-5, f"{rows} rows, worst |Δ| {worst:.2e} (values ≤ 2)")
+    x = randn(rows, 8, 512, dtype=torch.bfloat16)
+    positions = torch.randint(0, 1 << 20, (rows,), device=DEVICE)
+    inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64, device=DEVICE) / 64))
+    for inverse in (False, True):
+        got, want = (kernels.rope_rotate(x, positions, inv_freq, inverse, backend=be) for be in ("triton", "torch"))
+        off = int(((got.float() - want.float()).abs() > want.float().abs() * 2.0**-7).sum())  # beyond one bf16 ulp
+        c.report(f"rope_rotate bf16 inverse={inverse}", off == 0 and torch.equal(got[..., :448], x[..., :448]),
+                 f"{rows}×8×512, positions < 2^20, {off} values beyond one bf16 ulp")  # fmt: skip
 
 
 def check_indexer(c: Checks, B: int, T: int, S: int) -> None:
