@@ -498,31 +498,23 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
-    """The decode indexer's paths and launch shapes at B=64 × 64 K and B=8 × 1 M (H=32, Di=128), each checked against
-    the default launch: operand type (FP8 / FP16), `split` (even- and odd-channel dots, no tl.join), `fold` (scales
-    folded into bf16 operands: one load per tile, no per-block rescale), `whole_tile` (one load of the tile's bytes,
-    one of its scales), `tiles_per_program` (a loop over K tiles pipelined over `num_stages`), positions per tile
-    and warps."""
-    fp16 = indexer.FP16.value
-    variants = [{}, {"block_s": 128}, {"block_s": 512, "num_warps": 8}, {"operand": fp16},
-                {"operand": fp16, "split": True}, {"fold": True}, {"fold": True, "block_s": 128},
-                {"fold": True, "num_warps": 8}, {"tiles_per_program": 4}, {"tiles_per_program": 8},
-                {"tiles_per_program": 4, "num_stages": 2}, {"tiles_per_program": 16, "num_stages": 4},
-                {"tiles_per_program": 4, "num_warps": 8}, {"tiles_per_program": 8, "num_warps": 8},
-                {"tiles_per_program": 8, "block_s": 128}, {"tiles_per_program": 8, "block_s": 128, "num_stages": 4},
-                {"operand": fp16, "split": True, "tiles_per_program": 4},
-                {"fold": True, "block_s": 128, "tiles_per_program": 4},
-                {"fold": True, "block_s": 128, "tiles_per_program": 8, "num_stages": 4},
-                {"whole_tile": True}, {"whole_tile": True, "block_s": 128}, {"whole_tile": True, "num_warps": 8},
-                {"whole_tile": True, "block_s": 128, "tiles_per_program": 8},
-                {"whole_tile": True, "operand": fp16, "split": True, "block_s": 128}]  # fmt: skip
-    tiny_variants = [{}, {"split": True}, {"fold": True}, {"whole_tile": True}, {"tiles_per_program": 3}]  # fp32 dots
-    for B, S in [(2, 256)] if tiny else [(64, 65_536), (8, 1_048_576)]:
-        case = indexer_inputs(B, 1, 32, 128, S, ragged=False)
+    """Launch shapes around the indexer's defaults, each checked against the default launch: decode (128 positions ×
+    8 tiles per program) at B=64 × 64 K and B=8 × 1 M — positions per tile 64 / 128 / 256 × tiles per program 4 / 8 /
+    16, and the FP16 operand (GPUs before sm_89) at the default; the prefill tile (128 × 1, untimed since the tile
+    load became one load) at B=1, T=1024, S=64 K — 64 positions, 8 warps, the tiled loop."""
+    grid = [{"block_s": b, "tiles_per_program": t} for b in (64, 128, 256) for t in (4, 8, 16) if (b, t) != (128, 8)]
+    decode = [{}, *grid, {"operand": indexer.FP16.value}]
+    prefill = [{}, {"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 4}]
+    if tiny:  # the interpreter: fp32 (or exact fp16) dots
+        shapes = [(2, 1, 256, [{}, {"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]
+    else:
+        shapes = [(64, 1, 65_536, decode), (8, 1, 1_048_576, decode), (1, 1024, 65_536, prefill)]
+    for B, T, S, variants in shapes:
+        case = indexer_inputs(B, T, 32, 128, S, ragged=False)
         want = indexer.indexer_scores_triton(*case)
-        for variant in tiny_variants if tiny else variants:
+        for variant in variants:
             fn = functools.partial(indexer.indexer_scores_triton, *case, **variant)
-            yield from tune("tune indexer", f"B={B} T=1 S={S} {variant or 'default'}", fn, want, B * S * 68)
+            yield from tune("tune indexer", f"B={B} T={T} S={S} {variant or 'default'}", fn, want, B * S * 68)
 
 
 # ----------------------------------------------------------------------------------------------- decode step

@@ -1,34 +1,40 @@
-"""The indexer kernel's alternative paths (bench/kernels.py tune-indexer times them on a GPU) against the reference,
-in Triton's interpreter: the same index arithmetic, channel halves and tile loops as on the GPU, fp32 dot operands."""
+"""The Triton indexer kernel at its default launch and at every launch knob, against the reference in Triton's
+interpreter: the same index arithmetic, tile loads, channel-block cuts and tile loops as on the GPU, with fp32 dot
+operands (the interpreter's default) or fp16 ones (the pre-sm_89 GPU operand; the interpreter dots them exactly)."""
 
 import pytest
 import torch
 from kernel_cases import assert_indexer_scores_close, generator, indexer_case
 
-from model import kernels, quant
+from model import kernels
 from model.kernels import indexer
 
-VARIANTS = [
-    {"split": True},
-    {"fold": True},
-    {"tiles_per_program": 3, "block_s": 16},  # the last program's tiles run past S: masked
-    {"fold": True, "tiles_per_program": 2, "num_stages": 2},
-    {"split": True, "tiles_per_program": 4, "block_s": 16},
-    {"whole_tile": True},
-    {"whole_tile": True, "split": True, "tiles_per_program": 2},
+LAUNCHES = [
+    {},  # the interpreter's defaults: 32 positions per tile, 2 tiles per program at T = 1, 1 for prefill tiles
+    {"block_s": 16, "tiles_per_program": 3},  # programs whose tiles run past S (wholly past it at S = 70): masked
+    {"block_s": 64, "tiles_per_program": 1},  # no loop, one tile wider than S = 33 / 45 / 50
+    {"tiles_per_program": 4, "num_stages": 2},
+    {"operand": indexer.FP16.value},
 ]
+SHAPES = [(2, 1, 4, 64, 50), (1, 3, 32, 128, 70), (3, 5, 3, 32, 33), (2, 1, 5, 96, 45)]  # Di = 96: padded to 128
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
-@pytest.mark.parametrize(("B", "T", "H", "Di", "S"), [(2, 1, 4, 64, 50), (1, 3, 32, 128, 70), (3, 5, 3, 32, 33)])
-def test_variant_matches_the_reference(variant: dict, B: int, T: int, H: int, Di: int, S: int) -> None:
+def launch_id(launch: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in launch.items()) or "default"
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=launch_id)
+@pytest.mark.parametrize(("B", "T", "H", "Di", "S"), SHAPES)
+def test_matches_the_reference(launch: dict, B: int, T: int, H: int, Di: int, S: int) -> None:
+    """Ragged rows (one full, one empty, the rest random n_visible), tails of S that no tile size divides."""
     case = indexer_case(generator(B * S + T), B, T, H, Di, S)
-    got = indexer.indexer_scores_triton(*case, **variant)
+    got = indexer.indexer_scores_triton(*case, **launch)
     assert_indexer_scores_close(got, kernels.indexer_scores(*case), case)
 
 
-def test_variants_at_extreme_scales() -> None:
-    """UE8M0 bytes from 0 (2^-127, an fp32 subnormal) to 200: the folded operands keep every dequantised value."""
+def test_extreme_scales() -> None:
+    """UE8M0 bytes from 0 (2^-127, an fp32 subnormal) to 200, on K rows of every tile position and queries large and
+    small: the per-block rescale keeps what the reference's dequantised values give."""
     q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(5), 2, 1, 4, 128, 40)
     g = generator(6)
     k_scale = torch.randint(0, 201, k_scale.shape, generator=g, dtype=torch.uint8)
@@ -36,25 +42,21 @@ def test_variants_at_extreme_scales() -> None:
     q_scale = torch.randint(100, 160, q_scale.shape, generator=g, dtype=torch.uint8)
     case = (q_data, q_scale, w, k_data, k_scale, n_visible)
     want = kernels.indexer_scores(*case)
-    for variant in VARIANTS:
-        assert_indexer_scores_close(indexer.indexer_scores_triton(*case, **variant), want, case)
+    assert (want[torch.isfinite(want)].abs() > 2.0**60).any()  # the case reaches the large scales
+    for launch in LAUNCHES:
+        assert_indexer_scores_close(indexer.indexer_scores_triton(*case, **launch), want, case)
 
 
-def test_folded_values_are_exact_in_bf16() -> None:
-    """Why `fold` loses nothing: every E2M1 code times every UE8M0 scale, as the fp32 reference dequantises it
-    (subnormals, overflow to inf and the NaN byte included), is a bf16 number."""
-    even = torch.arange(0, 16, 2, dtype=torch.uint8)
-    row = (even | ((even + 1) << 4)).repeat(2)  # 16 bytes: the 16 codes twice (32 channels, one scale block)
-    values = quant.fp4_dequant_ue8m0(row.repeat(256, 1), torch.arange(256, dtype=torch.uint8)[:, None])
-    assert values.isinf().any()  # the case reaches overflow, the NaN byte and fp32 subnormals
-    assert values.isnan().any()
-    assert (values[values != 0].abs() < 2.0**-126).any()
-    torch.testing.assert_close(values.to(torch.bfloat16).float(), values, rtol=0, atol=0, equal_nan=True)
-
-
-def test_bad_variant_is_named() -> None:
+@pytest.mark.parametrize(
+    ("launch", "message"),
+    [
+        ({"block_s": 48}, "block_s must be a power of two ≥ 16"),
+        ({"block_s": 8}, "block_s must be a power of two ≥ 16"),
+        ({"tiles_per_program": 0}, "tiles_per_program must be ≥ 1"),
+        ({"operand": 3}, "operand must be FP8"),
+    ],
+)
+def test_bad_launch_is_named(launch: dict, message: str) -> None:
     case = indexer_case(generator(0), 1, 1, 4, 64, 8)
-    with pytest.raises(ValueError, match="split needs 16-bit"):
-        indexer.indexer_scores_triton(*case, split=True, operand=indexer.FP8.value)
-    with pytest.raises(ValueError, match="tiles_per_program"):
-        indexer.indexer_scores_triton(*case, tiles_per_program=0)
+    with pytest.raises(ValueError, match=message):
+        indexer.indexer_scores_triton(*case, **launch)
