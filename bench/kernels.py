@@ -237,9 +237,13 @@ def check_activations(c: Checks, rows: int) -> None:
     inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64, device=DEVICE) / 64))
     for inverse in (False, True):
         got, want = (kernels.rope_rotate(x, positions, inv_freq, inverse, backend=be) for be in ("triton", "torch"))
-        off = int(((got.float() - want.float()).abs() > want.float().abs() * 2.0**-7).sum())  # beyond one bf16 ulp
+        # one bf16 ulp of the result, plus 8 fp32 ulps of the row's inputs where the two products cancel (the kernel
+        # may fuse one into an FMA: one rounding fewer)
+        inputs = x.float().abs()[..., 448:].amax(-1, keepdim=True)
+        error = (got.float() - want.float()).abs()
+        off = int((error > want.float().abs() * 2.0**-7 + inputs * 2.0**-20).sum())
         c.report(f"rope_rotate bf16 inverse={inverse}", off == 0 and torch.equal(got[..., :448], x[..., :448]),
-                 f"{rows}×8×512, positions < 2^20, {off} values beyond one bf16 ulp")  # fmt: skip
+                 f"{rows}×8×512, positions < 2^20, {off} values off, worst |Δ| {float(error.max()):.2e}")  # fmt: skip
 
 
 def check_indexer(c: Checks, B: int, T: int, S: int) -> None:

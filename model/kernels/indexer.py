@@ -187,13 +187,14 @@ def _fp8_tensor_cores() -> bool:
 
 
 def _default_tiling(T: int) -> tuple[int, int]:
-    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages): decode 128 positions × 8 tiles per
-    program, 0.219 ms at B=64 × 64 K and 0.422 ms at B=8 × 1 M, 1.17–1.19× over 256 × 1. Prefill tiles (64 columns
-    share a K tile) keep the 128 × 1 they were timed at (6.23 ms at B=1, T=1024, S=64 K); the tiled loop is untimed
-    there. The interpreter's cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
+    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30): decode 64 positions × 16
+    tiles per program, 0.210 ms at B=64 × 64 K and 0.405 ms at B=8 × 1 M (128 × 8: 0.219 / 0.424; 256 × 1, the
+    earlier default: 0.255 / 0.501); prefill tiles (64 columns share a K tile) 128 × 4, 2.68 ms at B=1, T=1024,
+    S=64 K (128 × 1: 3.53; the per-block-load kernel before: 6.23). The interpreter's cost grows with the tile:
+    small tiles, and the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
-    return (128, 8) if T == 1 else (128, 1)
+    return (64, 16) if T == 1 else (128, 4)
 
 
 def indexer_scores_triton(
