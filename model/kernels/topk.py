@@ -7,21 +7,22 @@ The torch reference is a stable descending sort.
 Triton: a threshold select in the spirit of DeepSelect, each score read once, on order-preserving uint32 keys.
 
 1. Group maxima (a streaming kernel over every row): the maximum key of each group of GS consecutive positions.
-2. Threshold (one program per row from here on): T = the k-th largest group maximum. k groups reach T, so the k-th
+2. Threshold (a kernel, one program per row): T = the k-th largest group maximum. k groups reach T, so the k-th
    largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about k groups on ordinary rows, and
-   never more than k·GS scores whatever the row (ties at T aside).
-3. Gather: the passing groups' scores, read in position order; every score ≥ T is appended to a candidate buffer.
-4. Select: exact radix select among the candidates (bitwise search for the k-th key; keys equal to it are taken in
-   position order, so ties go to the lowest positions), held in registers when they fit. The k-th key lies between
-   T and the row's maximum key, so it has every bit those two share: the search starts below them (8 steps instead
-   of 16 on Gaussian bf16 rows of 64 K–1 M at k = 512). The candidates are in position order, so the chosen ones are
-   written sorted. A row whose candidates overflow the buffer (adversarial ties) is selected the same way straight
-   from its scores.
+   never more than k·GS scores whatever the row (ties at T aside). The passing groups' ids are listed, ascending.
+3. Gather (a kernel, P programs per row): program p reads the p-th slice of that list and appends every score ≥ T
+   of its groups, in position order, to its own segment of the row's candidate buffer.
+4. Select (a kernel, one program per row): exact radix select among the candidates, the P segments read in order
+   (bitwise search for the k-th key; keys equal to it are taken in position order, so ties go to the lowest
+   positions), held in registers when they fit. The k-th key lies between T and the row's maximum key, so it has
+   every bit those two share: the search starts below them (8 steps instead of 16 on Gaussian bf16 rows of 64 K–1 M
+   at k = 512). The candidates are in position order, so the chosen ones are written sorted. A row whose candidates
+   overflow a segment (adversarial ties) is selected the same way straight from its scores.
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
-Steps 2 and 4 are each a chain of block-wide reductions (one per key bit searched), which bounds a row's latency:
-hence the shorter search of step 4.
+Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
+gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
 """
 
 import torch
@@ -59,7 +60,8 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 # ---------------------------------------------------------------------------------------------- Triton
 
 _TILE = 4096  # items the select kernel holds in registers (a short row, or the candidates); the group-max tile
-_MAX_GROUPS = 16384  # group maxima per row that the select kernel holds in registers at once
+_MAX_GROUPS = 16384  # group maxima per row that the threshold kernel holds in registers at once
+_GATHER_PROGRAMS = 8  # programs per row gathering candidates
 
 
 @triton.jit
@@ -140,52 +142,83 @@ def _group_max_kernel(
 
 
 @triton.jit
-def _gather_candidates(
-    x_row, length, gmax_row, glist_row, ckey_row, cpos_row, NG, C, k,
-    GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
+def _threshold_kernel(
+    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
 ):  # fmt: skip
-    """Candidates of one row from its group maxima, in ascending position order → (their count (> C: overflowed),
-    the threshold T they all reach).
+    """Row r's candidate threshold T and the ids of the groups that reach it, ascending.
 
     T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
     score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read."""
+    r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NGP)
-    gmax = tl.load(gmax_row + g, mask=g < NG, other=0)
+    gmax = tl.load(gmax_ptr + r * NG + g, mask=g < NG, other=0)
     occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
     threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
     passed = gmax >= threshold
-    n_groups = tl.sum(passed.to(tl.int32), axis=0)
-    tl.store(glist_row + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
-    tl.debug_barrier()
-    n = 0
-    if n_groups <= C:  # each passing group holds at least one candidate: more groups than slots overflow anyway
-        CG: tl.constexpr = GATHER // GS
-        for start in range(0, n_groups, CG):
-            i = start + tl.arange(0, CG)
-            group = tl.load(glist_row + i, mask=i < n_groups, other=0)
-            pos = tl.reshape(group[:, None] * GS + tl.arange(0, GS)[None, :], (GATHER,))
-            ok = tl.reshape(tl.broadcast_to((i < n_groups)[:, None], (CG, GS)), (GATHER,)) & (pos < length)
-            key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf")), ok, LOW_BIT)
-            keep = key >= threshold
-            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(ckey_row + slot, key, mask=keep & (slot < C))
-            tl.store(cpos_row + slot, pos, mask=keep & (slot < C))
-            n += tl.sum(keep.to(tl.int32), axis=0)
-    else:
-        n = C + 1
-    tl.debug_barrier()
-    return n, threshold
+    tl.store(glist_ptr + r * NGP + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
+    tl.store(thr_ptr + r, threshold)
+    tl.store(ngroups_ptr + r, tl.sum(passed.to(tl.int32), axis=0))
 
 
 @triton.jit
-def _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
-    """Tile of (key, position) items in ascending position order: from the scores, or from the candidates."""
+def _gather_kernel(
+    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
+    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
+    """Program (r, p) reads the p-th of P equal slices of row r's passing groups and appends their scores ≥ T, in
+    position order, to segment p of the row's candidate buffer (SEG slots) → count[r, p] (> SEG: it overflowed).
+
+    One program per row gathered serially before (≈ 3 µs per chunk, 50–80 % of a row's select time on the H200);
+    P small programs per row overlap their loads."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    x_row, segment = x_ptr + r * L, r * P + p
+    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
+    threshold = tl.load(thr_ptr + r)
+    n_groups = tl.load(ngroups_ptr + r)
+    span = tl.cdiv(n_groups, P)
+    first = p * span
+    last = tl.minimum(first + span, n_groups)
+    n = 0
+    if n_groups <= P * SEG:  # each passing group holds at least one candidate: more groups than slots overflow anyway
+        CG: tl.constexpr = GATHER // GS
+        for start in range(first, last, CG):
+            i = start + tl.arange(0, CG)
+            group = tl.load(glist_ptr + r * NGP + i, mask=i < last, other=0)
+            pos = tl.reshape(group[:, None] * GS + tl.arange(0, GS)[None, :], (GATHER,))
+            ok = tl.reshape(tl.broadcast_to((i < last)[:, None], (CG, GS)), (GATHER,)) & (pos < length)
+            key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf")), ok, LOW_BIT)
+            keep = key >= threshold
+            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(ckey_ptr + segment * SEG + slot, key, mask=keep & (slot < SEG))
+            tl.store(cpos_ptr + segment * SEG + slot, pos, mask=keep & (slot < SEG))
+            n += tl.sum(keep.to(tl.int32), axis=0)
+    else:
+        n = SEG + 1
+    tl.store(count_ptr + segment, n)
+
+
+@triton.jit
+def _items(
+    x_row, length, ckey_row, cpos_row, count_row, n, start, from_row,
+    P: tl.constexpr, SEG, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
+):  # fmt: skip
+    """Tile of (key, position) items in ascending position order: from the scores, or the candidates' items
+    start … start + TILE − 1 counted across the P segments in order."""
     if from_row:
         key, pos = _row_keys(x_row, length, start, TILE, LOW_BIT)
     else:
         i = start + tl.arange(0, TILE)
-        key = tl.load(ckey_row + i, mask=i < n, other=0)
-        pos = tl.load(cpos_row + i, mask=i < n, other=0)
+        segment = tl.zeros_like(i)  # the segment holding item i, and where that segment begins (in items)
+        begin = tl.zeros_like(i)
+        end = 0
+        for s in tl.static_range(P):
+            end += tl.load(count_row + s)
+            segment += (i >= end).to(tl.int32)
+            begin = tl.where(i >= end, end, begin)
+        slot = segment * SEG + i - begin
+        key = tl.load(ckey_row + slot, mask=i < n, other=0)
+        pos = tl.load(cpos_row + slot, mask=i < n, other=0)
     return key, pos
 
 
@@ -203,28 +236,28 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 
 @triton.jit
 def _select_kernel(
-    x_ptr, len_ptr, gmax_ptr, glist_ptr, ckey_ptr, cpos_ptr, out_ptr, L, NG, C, k,
-    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, GATHER: tl.constexpr, KP: tl.constexpr,
+    x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k,
+    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, LOW_BIT: tl.constexpr,
+    TILE: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
-    """One row: candidates from the group maxima (unless DIRECT), then the exact selection, written in position
-    order and −1 padded. The k-th largest key is searched below the bits that its bounds share: every chosen key is
-    ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
+    """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
+    written in position order and −1 padded. The k-th largest key is searched below the bits that its bounds
+    share: every chosen key is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
     r = tl.program_id(0).to(tl.int64)
-    x_row, ckey_row, cpos_row, out_row = x_ptr + r * L, ckey_ptr + r * C, cpos_ptr + r * C, out_ptr + r * k
+    x_row, out_row = x_ptr + r * L, out_ptr + r * k
+    ckey_row, cpos_row, count_row = ckey_ptr + r * P * SEG, cpos_ptr + r * P * SEG, count_ptr + r * P
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     n = length
     from_row = DIRECT
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
     if not DIRECT:
-        n, lo = _gather_candidates(x_row, length, gmax_ptr + r * NG, glist_ptr + r * NGP, ckey_row, cpos_row, NG, C,
-                                   k, GS, NGP, LOW_BIT, GATHER)  # fmt: skip
-        from_row = n > C  # the buffer overflowed (adversarial ties): select from the scores themselves
-        n = tl.where(from_row, length, n)
-        lo = tl.where(from_row, 1, lo)
+        counts = tl.load(count_row + tl.arange(0, P))
+        from_row = tl.max(counts, axis=0) > SEG  # a segment overflowed (adversarial ties): select from the scores
+        n = tl.where(from_row, length, tl.sum(counts, axis=0))
+        lo = tl.where(from_row, 1, tl.load(thr_ptr + r))
 
     if n <= TILE:  # everything in registers
-        key, pos = _items(x_row, length, ckey_row, cpos_row, n, 0, from_row, TILE, LOW_BIT)
+        key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, 0, from_row, P, SEG, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
         prefix, step, steps = _shared_prefix(lo, tl.max(key, axis=0), LOW_BIT)
         threshold = _radix_search(key, kk, prefix, step, steps)
@@ -234,7 +267,8 @@ def _select_kernel(
         selectable = 0
         hi = tl.zeros((), dtype=tl.uint32)
         for start in range(0, n, TILE):
-            key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
+                               LOW_BIT)  # fmt: skip
             selectable += tl.sum((key > 0).to(tl.int32), axis=0)
             hi = tl.maximum(hi, tl.max(key, axis=0))
         kk = tl.minimum(k, selectable)
@@ -243,17 +277,20 @@ def _select_kernel(
             trial = threshold | step
             count = 0
             for start in range(0, n, TILE):
-                key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+                key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
+                                   LOW_BIT)  # fmt: skip
                 count += tl.sum((key >= trial).to(tl.int32), axis=0)
             threshold = tl.where(count >= kk, trial, threshold)
             step = step >> 1
         above = 0
         for start in range(0, n, TILE):
-            key, _pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
+                               LOW_BIT)  # fmt: skip
             above += tl.sum((key > threshold).to(tl.int32), axis=0)
         ties, written = 0, 0
         for start in range(0, n, TILE):
-            key, pos = _items(x_row, length, ckey_row, cpos_row, n, start, from_row, TILE, LOW_BIT)
+            key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
+                              LOW_BIT)  # fmt: skip
             ties, written = _write_chosen(out_row, key, pos, threshold, kk - above, ties, written, k)
     i = tl.arange(0, KP)
     tl.store(out_row + i, tl.full((KP,), -1, tl.int32), mask=(i >= kk) & (i < k))
@@ -297,15 +334,19 @@ def topk_indices_triton(
     tile: int | None = None,
     max_groups: int | None = None,
     gather: int | None = None,
+    gather_programs: int = _GATHER_PROGRAMS,
     num_warps: int | None = None,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
-    default: at most `max_groups` groups) and `capacity` candidate slots per row, gathering `gather` scores per step;
-    `tile` is the select kernel's register tile, `num_warps` its warps. The defaults suit k ≤ 4096; tests shrink
-    them to reach every path, bench/kernels.py tunes them."""
+    default: at most `max_groups` groups); `gather_programs` programs per row (a power of two) gather the
+    candidates, `gather` scores per step, into `capacity` slots per row (split evenly among them); `tile` is the
+    select kernel's register tile, `num_warps` the threshold and select kernels' warps. The defaults suit
+    k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
+    if gather_programs < 1 or gather_programs & (gather_programs - 1):
+        raise ValueError(f"gather_programs must be a power of two, got {gather_programs}")
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:
@@ -313,23 +354,31 @@ def topk_indices_triton(
     x = scores.contiguous()
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
-    KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
+    KP, low_bit, P = triton.next_power_of_2(k), _low_bit(scores.dtype), gather_programs
     direct = scores.shape[1] <= direct_max
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
     NGP = 1 if direct else triton.next_power_of_2(NG)
-    C = 0 if direct else (capacity or max(2 * tile, 4 * KP))
-    gather = max(gather or tile, GS)
-    gmax = torch.empty((R, NG) if not direct else (0,), dtype=torch.uint32, device=device)
-    glist = torch.empty((R, NGP) if not direct else (0,), dtype=torch.int32, device=device)
-    ckey = torch.empty((R, C), dtype=torch.uint32, device=device)
-    cpos = torch.empty((R, C), dtype=torch.int32, device=device)
+    SEG = 0 if direct else triton.cdiv(capacity or max(2 * tile, 4 * KP), P)  # candidate slots per segment
+    gather = max(gather or min(tile, 2048), GS)
+
+    def per_row(*shape: int, dtype: torch.dtype) -> Tensor:
+        """A buffer of the group path (nothing for direct rows)."""
+        return torch.empty((R, *shape) if not direct else (0,), dtype=dtype, device=device)
+
+    gmax, glist = per_row(NG, dtype=torch.uint32), per_row(NGP, dtype=torch.int32)
+    threshold, n_groups = per_row(dtype=torch.uint32), per_row(dtype=torch.int32)
+    ckey, cpos = per_row(P * SEG, dtype=torch.uint32), per_row(P * SEG, dtype=torch.int32)
+    counts = per_row(P, dtype=torch.int32)
+    warps = num_warps or (16 if NGP >= 8192 else 8)
     if not direct:
         group_tile = max(tile, GS)
         tiles = triton.cdiv(L, group_tile)
         _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
                                         num_warps=4)  # fmt: skip
-    _select_kernel[(R,)](x, lengths, gmax, glist, ckey, cpos, out, L, NG, C, k,
-                         has_lengths, direct, GS, NGP, low_bit, tile, gather, KP,
-                         num_warps=num_warps or (16 if NGP >= 8192 else 8))  # fmt: skip
+        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, low_bit, num_warps=warps)
+        _gather_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG,
+                               has_lengths, P, GS, low_bit, gather, num_warps=4)  # fmt: skip
+    _select_kernel[(R,)](x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k,
+                         has_lengths, direct, P, low_bit, tile, KP, num_warps=num_warps or 8)  # fmt: skip
     return out

@@ -154,6 +154,9 @@ OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many cand
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
         (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: more rows than the interpreter's one "SM" → half tile
+        (3, 300, 8, torch.float32, {**GROUPS, "gather_programs": 1}),  # one gathering program per row
+        (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather_programs": 32}),  # more programs than passing groups
+        (2, 300, 8, torch.float32, {**GROUPS, "capacity": 64, "gather_programs": 2}),  # full-ish segments
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
@@ -187,6 +190,11 @@ def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch
     scores = shared_prefix_rows(generator(5), dtype)
     for k in (1, 30, 61):
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
+
+
+def test_topk_names_a_bad_gather_program_count() -> None:
+    with pytest.raises(ValueError, match="gather_programs"):
+        topk_indices_triton(torch.zeros(1, 100), 4, None, gather_programs=3)
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
