@@ -188,7 +188,7 @@ def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
 def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch.dtype) -> None:
     scores = shared_prefix_rows(generator(5), dtype)
-    for k in (1, 30, 61):
+    for k in (30,) if "tile" in paths else (1, 30, 61):  # the streamed paths are slow in the interpreter: one k
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
 
 
