@@ -302,7 +302,7 @@ def _low_bit(dtype: torch.dtype) -> int:
 
 
 def _group_size(L: int, k: int, max_groups: int) -> int:
-    """Positions per group: at most `max_groups` groups (the select kernel holds them in registers), at least 16
+    """Positions per group: at most `max_groups` groups (the threshold kernel holds them in registers), at least 16
     positions (the group maxima stay a small fraction of the scores' bytes), but at least 4k groups when the row
     allows (so that few groups beyond the k best pass the threshold)."""
     size = max(16, triton.next_power_of_2(triton.cdiv(L, max_groups)))
@@ -312,12 +312,12 @@ def _group_size(L: int, k: int, max_groups: int) -> int:
 
 
 def _select_shape(R: int, L: int) -> tuple[int, int]:
-    """(register tile, most groups) of the select kernel by default. With more rows than multiprocessors and rows of
-    32 K–256 K scores, half the tile and 4 K groups: on the H200, 256 × 64 K took 0.046 ms instead of 0.065 and 256 ×
-    256 K 0.124 instead of 0.127. The gain is a lower select latency per row, not one wave instead of two: an offline
-    sm_90 compile gives this select kernel 79 registers × 8 warps at 64 K–256 K, so three programs fit an SM and 256
-    rows already run in one wave on 132 SMs (at 1 M, 107 registers × 16 warps: one per SM). At 1 M and at batch 1
-    the full tile is faster (256 × 1 M: 0.30 vs 0.43 ms; 1 × 1 M: 0.065 vs 0.157)."""
+    """(register tile, most groups) by default. With more rows than multiprocessors and rows of 32 K–256 K scores,
+    half the tile and 4 K groups (groups of 16 / 64 at 64 K / 256 K): on the H200 with the gather kernel,
+    256 × 64 K took 0.047 ms against 0.061 with the full tile and 16 K groups, 256 × 256 K 0.120 against 0.130 (the
+    threshold's search over 16 K group maxima costs more than the larger groups' extra gathering). At 1 M and at
+    batch 1 the full tile is faster (256 × 1 M: 0.30 vs 0.43 ms with the half tile before the gather kernel; 0.29 vs
+    0.54 with the half tile and 2 K groups after)."""
     if multiprocessors() < R and 32_768 < L <= 262_144:
         return _TILE // 2, 4096
     return _TILE, _MAX_GROUPS
