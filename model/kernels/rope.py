@@ -14,16 +14,18 @@ from torch import Tensor
 _BLOCK_ELEMENTS = 4096
 
 
-def _broadcast_positions(positions: Tensor, x: Tensor) -> Tensor:
-    """positions ([S] or [B, S], x's leading dims up to its position axis) → x.shape[:-1] (heads axes broadcast)."""
+def _position_axes(positions: Tensor, x: Tensor) -> Tensor:
+    """positions ([S] or [B, S], x's leading dims up to its position axis) with a unit axis for each later axis of
+    x but the last (heads), so that it broadcasts against x.shape[:-1]."""
     while positions.dim() < x.dim() - 1:
         positions = positions.unsqueeze(-1)
-    return positions.expand(x.shape[:-1])
+    return positions
 
 
 def rope_rotate_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool) -> Tensor:
     rd = inv_freq.shape[0] * 2
-    angles = _broadcast_positions(positions, x).to(torch.float64).unsqueeze(-1) * inv_freq.to(x.device, torch.float64)
+    # angles per position, not per head: the heads axis broadcasts (cos / sin are the costly part on a CPU)
+    angles = _position_axes(positions, x).to(torch.float64).unsqueeze(-1) * inv_freq.to(x.device, torch.float64)
     cos, sin = angles.cos(), angles.sin()
     if inverse:
         sin = -sin
@@ -62,7 +64,7 @@ def rope_rotate_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: 
     """fp32 / bf16 / fp16 x (computed in fp32); x's pair dims must start at an even offset."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
-    pos = _broadcast_positions(positions, x).reshape(-1).contiguous()
+    pos = _position_axes(positions, x).expand(x.shape[:-1]).reshape(-1).contiguous()  # one position per row of x2
     out = torch.empty_like(x2)
     if x2.shape[0]:
         DP = triton.next_power_of_2(D)
