@@ -51,6 +51,11 @@ def backend_for(t: Tensor) -> Backend:
     return default_backend() if t.is_cuda else "torch"
 
 
+def _carries_grad(*tensors: Tensor) -> bool:
+    """Whether autograd would record an op on these tensors (the Triton kernels without a backward then step aside)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _pick(backend: Backend, module: object, op: str):
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
@@ -123,8 +128,7 @@ def hc_split_sinkhorn(
     _expect("base", base, ((2 + n) * n,))
     if n & (n - 1) or iters < 1:
         raise ValueError(f"n must be a power of two and iters ≥ 1, got n={n}, iters={iters}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (mixes, scale, base))
-    if needs_grad or mixes.dtype != torch.float32:
+    if _carries_grad(mixes, scale, base) or mixes.dtype != torch.float32:
         backend = "torch"
     return _pick(backend, hc_mixes, "hc_split_sinkhorn")(mixes, scale, base, n, iters, eps)
 
@@ -143,8 +147,7 @@ def rope_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, b
     lead = x.shape[: positions.dim()]
     if positions.dim() > x.dim() - 1 or any(p not in (1, n) for p, n in zip(positions.shape, lead, strict=True)):
         raise ValueError(f"positions: expected x's leading dims {list(x.shape[:-1])}, got {list(positions.shape)}")
-    needs_grad = torch.is_grad_enabled() and x.requires_grad
-    if needs_grad or x.dtype not in _FLOATS:
+    if _carries_grad(x) or x.dtype not in _FLOATS:
         backend = "torch"
     return _pick(backend, rope, "rope_rotate")(x, positions, inv_freq, inverse)
 

@@ -107,16 +107,10 @@ def _quantize_kernel(
     if not FAKE:
         _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if FORMAT == FP8_UE8M0:
-        codes = e4m3_encode(xb * (1.0 / scale[:, :, None]))  # 1/2^k is exact
-        if FAKE:
-            values = (e4m3_decode(codes) * scale[:, :, None]).to(data_ptr.dtype.element_ty)
-            tl.store(
-                data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(values, (BLOCK_M, DP)), mask=ok
-            )
-        else:
-            tl.store(
-                data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(codes, (BLOCK_M, DP)), mask=ok
-            )
+        stored = e4m3_encode(xb * (1.0 / scale[:, :, None]))  # the codes (1/2^k is exact) …
+        if FAKE:  # … or the values they decode to
+            stored = (e4m3_decode(stored) * scale[:, :, None]).to(data_ptr.dtype.element_ty)
+        tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(stored, (BLOCK_M, DP)), mask=ok)
     else:
         # E4M3 scales need a correctly rounded division (as torch divides); 1/2^k is exact, so UE8M0 multiplies
         q = tl.math.div_rn(xb, scale[:, :, None]) if FORMAT == FP4_E4M3 else xb * (1.0 / scale[:, :, None])
