@@ -235,11 +235,11 @@ def check_activations(c: Checks, rows: int) -> None:
     x = randn(rows, 8, 512, dtype=torch.bfloat16)
     positions = torch.randint(0, 1 << 20, (rows,), device=DEVICE)
     inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64, device=DEVICE) / 64))
+    # one bf16 ulp of the result, plus 8 fp32 ulps of the row's inputs where the two products cancel (the kernel may
+    # fuse one into an FMA: one rounding fewer)
+    inputs = x.float().abs()[..., 448:].amax(-1, keepdim=True)
     for inverse in (False, True):
         got, want = (kernels.rope_rotate(x, positions, inv_freq, inverse, backend=be) for be in ("triton", "torch"))
-        # one bf16 ulp of the result, plus 8 fp32 ulps of the row's inputs where the two products cancel (the kernel
-        # may fuse one into an FMA: one rounding fewer)
-        inputs = x.float().abs()[..., 448:].amax(-1, keepdim=True)
         error = (got.float() - want.float()).abs()
         off = int((error > want.float().abs() * 2.0**-7 + inputs * 2.0**-20).sum())
         c.report(f"rope_rotate bf16 inverse={inverse}", off == 0 and torch.equal(got[..., :448], x[..., :448]),
@@ -501,13 +501,16 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
-    """Launch shapes around the indexer's defaults, each checked against the default launch: decode (128 positions ×
-    8 tiles per program) at B=64 × 64 K and B=8 × 1 M — positions per tile 64 / 128 / 256 × tiles per program 4 / 8 /
-    16, and the FP16 operand (GPUs before sm_89) at the default; the prefill tile (128 × 1, untimed since the tile
-    load became one load) at B=1, T=1024, S=64 K — 64 positions, 8 warps, the tiled loop."""
-    grid = [{"block_s": b, "tiles_per_program": t} for b in (64, 128, 256) for t in (4, 8, 16) if (b, t) != (128, 8)]
+    """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
+    launch: decode at B=64 × 64 K and B=8 × 1 M — positions per tile 64 / 128 / 256 × tiles per program 4 / 8 / 16,
+    and the FP16 operand (GPUs before sm_89) at the default; the prefill tile at B=1, T=1024, S=64 K — 64 positions,
+    8 warps, one tile per program."""
+    decode_default = indexer._default_tiling(1)
+    grid = [
+        {"block_s": b, "tiles_per_program": t} for b in (64, 128, 256) for t in (4, 8, 16) if (b, t) != decode_default
+    ]
     decode = [{}, *grid, {"operand": indexer.FP16.value}]
-    prefill = [{}, {"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 4}]
+    prefill = [{}, {"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots
         shapes = [(2, 1, 256, [{}, {"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]
     else:
