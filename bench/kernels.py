@@ -246,18 +246,26 @@ def check_activations(c: Checks, rows: int) -> None:
                  f"{rows}×8×512, positions < 2^20, {off} values off, worst |Δ| {float(error.max()):.2e}")  # fmt: skip
 
 
-def check_indexer(c: Checks, B: int, T: int, S: int) -> None:
-    case = indexer_inputs(B, T, 32, 128, S, ragged=True)
+def check_indexer(c: Checks, B: int, T: int, S: int, spread: int | None = None) -> None:
+    """With `spread`, batch row 0's queries hold one channel block 2^-spread below their others (the kernel folds
+    spreads ≤ 14 into its FP8 query operand and rescales wider ones block by block) and the last query a NaN scale."""
+    case = list(indexer_inputs(B, T, 32, 128, S, ragged=True))
+    if spread is not None:
+        case[1] = torch.full_like(case[1], 150)
+        case[1][0, :, :, 1] = 150 - spread
+        case[1][-1, -1, 0, 0] = 255
     want = kernels.indexer_scores(*case, backend="torch")
     got = kernels.indexer_scores(*case, backend="triton")
     q = quant.fp4_dequant_ue8m0(*case[:2])
     k = quant.fp4_dequant_ue8m0(*case[3:5])
     bound = torch.einsum("bth,bths->bts", case[2].abs(), torch.einsum("bthd,bsd->bths", q, k).abs()) * 2.0**-20
     finite = torch.isfinite(want)
-    same_mask = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
+    same_mask = bool(torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.isnan(), want.isnan()))
     excess = float(((got - want).abs() - bound)[finite].max()) if finite.any() else 0.0
     c.report(
-        f"indexer B={B} T={T} S={S}", same_mask and excess <= 0, f"mask equal {same_mask}, worst excess {excess:.2e}"
+        f"indexer B={B} T={T} S={S}" + ("" if spread is None else f" spread={spread}"),
+        same_mask and excess <= 0,
+        f"inf/NaN masks equal {same_mask}, worst excess {excess:.2e}",
     )
 
 
@@ -338,12 +346,13 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
     print("checks (Triton against the torch references)", flush=True)
     if tiny:
         plans = {"quant": [(check_quantisers, 16)], "activations": [(check_activations, 8)],
-                 "indexer": [(check_indexer, 2, 3, 100)],
+                 "indexer": [(check_indexer, 2, 3, 100), (check_indexer, 2, 2, 50, 120)],
                  "candidates": [(check_candidates, 1, 2, 200, 4)], "topk": [(check_topk, [(3, 300, 8)])],
                  "attention": [(check_attention, 1, 2, 100)]}  # fmt: skip
     else:
         plans = {"quant": [(check_quantisers, 1 << 16)], "activations": [(check_activations, 1 << 14)],
-                 "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000)],
+                 "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
+                             (check_indexer, 2, 1, 5_000, 14), (check_indexer, 2, 3, 5_000, 15)],
                  "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
                  "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
                                         (2, 20_000_000, 512), (64, 131_072, 512)])],
@@ -504,14 +513,14 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
-    launch: decode at B=64 × 64 K and B=8 × 1 M — positions per tile 64 / 128 / 256 × tiles per program 4 / 8 / 16,
-    and the FP16 operand (GPUs before sm_89) at the default; the prefill tile at B=1, T=1024, S=64 K — 64 positions,
-    8 warps, one tile per program."""
+    launch: decode at B=64 × 64 K and B=8 × 1 M — positions per tile 64 / 128 / 256 × tiles per program 8 / 16 / 32,
+    2 and 4 pipeline stages, 8 warps, and the FP16 operand (GPUs before sm_89) at the default; the prefill tile at
+    B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile per program."""
     decode_default = indexer._default_tiling(1)
     grid = [
-        {"block_s": b, "tiles_per_program": t} for b in (64, 128, 256) for t in (4, 8, 16) if (b, t) != decode_default
+        {"block_s": b, "tiles_per_program": t} for b in (64, 128, 256) for t in (8, 16, 32) if (b, t) != decode_default
     ]
-    decode = [{}, *grid, {"operand": indexer.FP16.value}]
+    decode = [{}, *grid, {"num_stages": 2}, {"num_stages": 4}, {"num_warps": 8}, {"operand": indexer.FP16.value}]
     prefill = [{}, {"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots
         shapes = [(2, 1, 256, [{}, {"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]

@@ -6,11 +6,13 @@ Triton: one program scores TILES consecutive K tiles of BLOCK_S positions of one
 heads (columns m = (t, h)). The queries' packed codes are unpacked once per program, for all of its tiles. A K tile
 is read in two loads, its positions' packed bytes and their UE8M0 scale bytes (all of its bytes in flight at once),
 and cut into 32-channel blocks in registers. Per block j the codes are unpacked into tensor-core operands — FP8 E4M3
-on sm_89 and later (an E2M1 code is an E4M3 code shifted: one and + shift + or per nibble, and the FP8 rate is twice
-FP16's), FP16 before, FP32 in the interpreter — one dot K_j · q_jᵀ gives [BLOCK_S, columns] of exact code sums, and
-the two scales multiply it: q·K = Σ_j qs_j · ks_j · Σ_{i∈j} codeq_i · codek_i. The K tile is the dot's M side (the
-tensor core's natural 128 rows) and the heads its N side. With TILES > 1 the loop over tiles is software-pipelined
-over STAGES: the next tiles' loads are in flight while this one's dots run. K is read once per query tile, never
+on sm_89 and later (an E2M1 code is an E4M3 code shifted: one and + shift + or per nibble, four nibbles per 32-bit
+instruction, and the FP8 rate is twice FP16's), FP16 before, FP32 in the interpreter — one dot K_j · q_jᵀ gives
+[BLOCK_S, columns] of exact code sums, and the scales multiply it: q·K = Σ_j qs_j · ks_j · Σ_{i∈j} codeq_i · codek_i.
+A query's qs_j ride in its operand relative to its largest block scale (exactly: a power of two within the operand's
+range) and that largest one in its head weight, so the per-block rescale is one FMA by ks_j. The K tile is the dot's
+M side (the tensor core's natural 128 rows) and the heads its N side. The loop over tiles is software-pipelined over
+STAGES: the next tiles' loads are in flight while this one's dots run. K is read once per query tile, never
 dequantised to memory.
 """
 
@@ -59,28 +61,44 @@ def _column_blocks(x, N: tl.constexpr):
 
 
 @triton.jit
-def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr):
-    """Rows of DI packed FP4 channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale byte
-    [rows]). One load of the rows' bytes and one of their scales, cut in registers: a load per block compiles to
-    loads each issued only after the previous block's dot (shared-memory barriers between them), four serial global
-    latencies per tile at DI = 128. DIP: DI padded to a power of two (a tl.arange's length)."""
+def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr,
+                    SCALE_WORDS: tl.constexpr):  # fmt: skip
+    """Rows of DI packed FP4 channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale
+    exponent [rows] as int32). One load of the rows' bytes and one of their scales, cut in registers: a load per
+    block compiles to loads each issued only after the previous block's dot (shared-memory barriers between them),
+    four serial global latencies per tile at DI = 128. With SCALE_WORDS the scales are read as 32-bit words (four
+    blocks each): a thread's share of a tile's scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load —
+    byte-wise, the scale load stalled every tile. DIP: DI padded to a power of two (a tl.arange's length)."""
     byte, block = tl.arange(0, DIP // 2), tl.arange(0, DIP // 32)
     if DI == DIP:
         byte_ok, block_ok = ok[:, None], ok[:, None]
     else:
         byte_ok, block_ok = ok[:, None] & (byte < DI // 2)[None, :], ok[:, None] & (block < DI // 32)[None, :]
     packed = tl.load(ptr + byte_offsets[:, None] + byte[None, :], mask=byte_ok, other=0)
-    scales = tl.load(scale_ptr + scale_offsets[:, None] + block[None, :], mask=block_ok, other=127)
-    packed, scales = _column_blocks(packed, DIP // 32), _column_blocks(scales, DIP // 32)
+    packed = _column_blocks(packed, DIP // 32)
+    if SCALE_WORDS:
+        words = tl.load((scale_ptr + scale_offsets).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, DI // 128),
+                        mask=ok[:, None], other=0x7F7F7F7F)  # fmt: skip
+        words = _column_blocks(words, DI // 128)
+    else:
+        scales = tl.load(scale_ptr + scale_offsets[:, None] + block[None, :], mask=block_ok, other=127)
+        scales = _column_blocks(scales, DIP // 32)
     blocks = ()
     for j in tl.static_range(DI // 32):
-        blocks = blocks + ((packed[j], tl.reshape(scales[j], (ok.shape[0],))),)  # noqa: RUF005 (no starred tuples)
+        if SCALE_WORDS:  # little-endian: block j's byte is bits 8·(j mod 4) … of word j / 4
+            exponent = (tl.reshape(words[j // 4], (ok.shape[0],)) >> (8 * (j % 4))) & 0xFF
+        else:
+            exponent = tl.reshape(scales[j], (ok.shape[0],)).to(tl.int32)
+        blocks = blocks + ((packed[j], exponent),)  # noqa: RUF005 (no starred tuples)
     return blocks
 
 
 @triton.jit
 def _codes(packed, OPERAND: tl.constexpr):
-    """[rows, 16] packed bytes of a channel block → its [rows, 32] dot operand in channel order: code · 2^-shift."""
+    """[rows, 16] packed bytes of a channel block → its [rows, 32] dot operand, code · 2^-K_SHIFT, channels in the
+    order [even | odd]: a permutation (the same for q and K, so the dot is unchanged) under which a thread's 4-byte
+    slice of the FP8 operand is the low or high nibbles of one packed word — the interleaved order cost byte
+    permutes and 2-byte shared-memory loads per operand register."""
     if OPERAND == FP8:  # E2M1 s|e1e0|m → E4M3 s|0 0 e1 e0|m 0 0: the same number · 2^-6 (bias 7 instead of 1)
         # four bytes per 32-bit instruction (PTX), where byte-wise Triton would spend one per byte
         low = tl.inline_asm_elementwise(
@@ -97,49 +115,85 @@ def _codes(packed, OPERAND: tl.constexpr):
         low, high = e2m1_to_f16(packed & 0xF), e2m1_to_f16(packed >> 4)
         if OPERAND == FP32:
             low, high = low.to(tl.float32), high.to(tl.float32)
-    # low nibbles hold the even channels, high nibbles the odd ones
-    return tl.reshape(tl.join(low, high), (low.shape[0], 2 * low.shape[1]))
+    return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], 2 * low.shape[1]))
 
 
 @triton.jit
-def _query_operands(q_ptr, qs_ptr, q_row, col_ok, DI: tl.constexpr, OPERAND: tl.constexpr):
-    """The program's queries, unpacked once for all of its K tiles: per channel block the transposed codes
-    [32, columns] and the scale [columns], times 2^(2·shift) to undo both operands' shifts."""
-    UNSHIFT: tl.constexpr = 4096.0 if OPERAND == FP8 else 268435456.0
-    operands = ()
+def _pow2(e):
+    """2^e as fp32 for integer −126 ≤ e ≤ 127."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI: tl.constexpr, OPERAND: tl.constexpr):
+    """The program's queries, unpacked once for all of its K tiles → (per channel block the transposed operand
+    [32, columns] and the scale [columns] that the block's dot needs, the head weights [columns], `folded`).
+
+    Folded (the usual case): each block's codes carry its scale relative to the column's largest, 2^-d_j, exactly
+    (FP8 holds code · 2^(Q_SHIFT − d) for d ≤ 14), and the largest scale goes into the column's weight — the ReLU
+    commutes with a positive factor. Each K tile then spends one fp32 FMA per block and element instead of two.
+    Blocks of zero codes do not count (the quantiser gives them the smallest scale). Otherwise (a wider spread, or a
+    NaN scale) each block's dot is rescaled by its own scale, as the reference's dequantised values give."""
+    K_SHIFT: tl.constexpr = 6 if OPERAND == FP8 else 14  # _codes' code · 2^-K_SHIFT
+    Q_SHIFT: tl.constexpr = 6 if OPERAND == FP8 else (13 if OPERAND == FP16 else 14)  # 6 · 2^Q_SHIFT fits
+    SPREAD: tl.constexpr = 14 if OPERAND == FP8 else (36 if OPERAND == FP16 else 100)  # code · 2^(Q_SHIFT − d) exact
+    UNSHIFT: tl.constexpr = 2.0 ** (K_SHIFT - Q_SHIFT)  # dot = 2^(Q_SHIFT − K_SHIFT − d) · Σ code_q · code_k
+    codes, exponents, used = (), (), ()
     for j in tl.static_range(DI // 32):  # a load per block here: one load of whole query rows, cut in registers,
         # compiles (sm_90) to byte-wise shared-memory shuffles, 16 barriers instead of 4, for no gain once per program
         packed = tl.load(
             q_ptr + q_row[:, None] * (DI // 2) + j * 16 + tl.arange(0, 16)[None, :], mask=col_ok[:, None], other=0
         )
-        scale = tl.load(qs_ptr + q_row * (DI // 32) + j, mask=col_ok, other=127)
-        operands = operands + ((tl.trans(_codes(packed, OPERAND)), ue8m0_decode(scale) * UNSHIFT),)  # noqa: RUF005
-    return operands
+        codes = codes + (_codes(packed, OPERAND).to(tl.float32),)  # noqa: RUF005 (no starred tuples)
+        exponents = exponents + (tl.load(qs_ptr + q_row * (DI // 32) + j, mask=col_ok, other=127).to(tl.int32),)  # noqa: RUF005
+        used = used + (tl.max((packed & 0x77).to(tl.int32), axis=1) > 0,)  # noqa: RUF005
+    top = tl.zeros_like(exponents[0])
+    nan = tl.zeros_like(exponents[0])
+    for j in tl.static_range(DI // 32):
+        top = tl.maximum(top, tl.where(used[j], exponents[j], 0))
+        nan = tl.maximum(nan, (exponents[j] == 255).to(tl.int32))
+    spread = tl.zeros_like(top)
+    for j in tl.static_range(DI // 32):
+        spread = tl.maximum(spread, tl.where(used[j], top - exponents[j], 0))
+    folded = (tl.max(spread, axis=0) <= SPREAD) & (tl.max(nan, axis=0) == 0)
+    operands = ()
+    for j in tl.static_range(DI // 32):
+        d = tl.where(folded & used[j], top - exponents[j], 0)
+        operand = codes[j] * _pow2(K_SHIFT + Q_SHIFT - d)[:, None]
+        if OPERAND == FP8:
+            operand = operand.to(tl.float8e4nv)
+        elif OPERAND == FP16:
+            operand = operand.to(tl.float16)
+        operands = operands + ((tl.trans(operand), ue8m0_decode(exponents[j]) * UNSHIFT),)  # noqa: RUF005
+    w = tl.where(folded, w * ue8m0_decode(top) * UNSHIFT, w)
+    return operands, w, folded
 
 
 @triton.jit
-def _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr):
+def _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr,
+        SCALE_WORDS: tl.constexpr, FOLDED: tl.constexpr):  # fmt: skip
     """q·K per (position, column) = Σ_j qs_j · ks_j · (code sum of block j): per channel block one dot of exact code
-    sums (small integers times a power of two) and one fp32 rescale."""
-    k_blocks = _channel_blocks(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DIP)
+    sums (small integers times a power of two) and its fp32 rescale (qs_j in the operand and weight when FOLDED)."""
+    k_blocks = _channel_blocks(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DIP, SCALE_WORDS)
     acc = tl.zeros((k_row.shape[0], q_ops[0][1].shape[0]), dtype=tl.float32)
     for j in tl.static_range(DI // 32):
-        packed, k_scale = k_blocks[j]
+        packed, k_exponent = k_blocks[j]
         q_codes, q_scale = q_ops[j]
-        acc += tl.dot(_codes(packed, OPERAND), q_codes) * ue8m0_decode(k_scale)[:, None] * q_scale[None, :]
+        dot = tl.dot(_codes(packed, OPERAND), q_codes) * ue8m0_decode(k_exponent)[:, None]
+        acc += dot if FOLDED else dot * q_scale[None, :]
     return acc
 
 
 @triton.jit
 def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
                 DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                OPERAND: tl.constexpr):  # fmt: skip
+                OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLDED: tl.constexpr):  # fmt: skip
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
     k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * (DI // 32)  # a batch row's entries are dense
-    qk = _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, DIP, OPERAND)
-    per_head = tl.maximum(qk, 0.0) * w[None, :]
+    qk = _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, DIP, OPERAND, SCALE_WORDS, FOLDED)
+    per_head = tl.maximum(qk, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]  # ReLU(NaN) = NaN, as in torch
     scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
     scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
     out = out_ptr + (b * T + tq[None, :]) * S + s[:, None]
@@ -147,11 +201,26 @@ def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_
 
 
 @triton.jit
+def _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride,
+                 DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                 OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                 FOLDED: tl.constexpr):  # fmt: skip
+    """The program's TILES consecutive K tiles from position `first`."""
+    if TILES == 1:  # no loop: a pipelined loop of one trip would still pay its prologue
+        _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
+                    HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FOLDED)  # fmt: skip
+    else:
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride,
+                        ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FOLDED)  # fmt: skip
+
+
+@triton.jit
 def _indexer_kernel(
     q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, nv_ptr, out_ptr,
     T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+    OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):  # fmt: skip
     """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads."""
     t0 = tl.program_id(1) * BLOCK_T
@@ -160,18 +229,17 @@ def _indexer_kernel(
     t, h = t0 + m // HP, m % HP
     col_ok = (t < T) & (h < H)
     q_row = (b * T + t) * H + h  # [M] row of q_data / q_scale / weights
-    q_ops = _query_operands(q_ptr, qs_ptr, q_row, col_ok, DI, OPERAND)
     w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0).to(tl.float32)
+    q_ops, w, folded = _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI, OPERAND)
     tq = t0 + tl.arange(0, BLOCK_T)
     n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0)
     first = tl.program_id(0) * TILES * BLOCK_S
-    if TILES == 1:  # no loop: a pipelined loop of one trip would still pay its prologue
-        _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
-                    HP, BLOCK_T, BLOCK_S, OPERAND)  # fmt: skip
+    if folded:
+        _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
+                     HP, BLOCK_T, BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, True)  # fmt: skip
     else:
-        for i in tl.range(0, TILES, num_stages=STAGES):
-            _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride,
-                        ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S, OPERAND)  # fmt: skip
+        _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
+                     HP, BLOCK_T, BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, False)  # fmt: skip
 
 
 def _operand() -> int:
@@ -187,14 +255,15 @@ def _fp8_tensor_cores() -> bool:
 
 
 def _default_tiling(T: int) -> tuple[int, int]:
-    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30): decode 64 positions × 16
-    tiles per program, 0.210 ms at B=64 × 64 K and 0.405 ms at B=8 × 1 M (128 × 8: 0.219 / 0.424; 256 × 1, the
-    earlier default: 0.255 / 0.501); prefill tiles (64 columns share a K tile) 128 × 4, 2.68 ms at B=1, T=1024,
-    S=64 K (128 × 1: 3.53; the per-block-load kernel before: 6.23). The interpreter's cost grows with the tile:
-    small tiles, and the decode loop kept (2 tiles)."""
+    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode 256
+    positions × 16 tiles per program, 0.132 ms at B=64 × 64 K and 0.257 ms at B=8 × 1 M (64 × 16, the default
+    before: 0.147 / 0.286; 128 × 16: 0.145 / 0.279 — larger programs amortise the queries' unpacking and the
+    pipeline's fill); prefill tiles (64 columns share a K tile) 128 × 4, 1.88 ms at B=1, T=1024, S=64 K (64 × 4:
+    2.47; 1 tile per program: 2.96). The interpreter's cost grows with the tile: small tiles, and the decode loop
+    kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
-    return (64, 16) if T == 1 else (128, 4)
+    return (256, 16) if T == 1 else (128, 4)
 
 
 def indexer_scores_triton(
@@ -239,9 +308,11 @@ def indexer_scores_triton(
     block_t = max(min(max(1, columns_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
     grid = (triton.cdiv(triton.cdiv(S, block_s), tiles_per_program), triton.cdiv(T, block_t), B)
     k_data, k_scale = dense_rows(k_data), dense_rows(k_scale)
+    # scale rows of whole 32-bit words, word-aligned: read as words (see _channel_blocks)
+    scale_words = 2 * half % 128 == 0 and k_scale.data_ptr() % 4 == 0 and k_scale.stride(0) % 4 == 0
     _indexer_kernel[grid](
         q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, n_visible.contiguous(), out,
         T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, 32 * triton.next_power_of_2(half // 16), HP, block_t,
-        block_s, operand, tiles_per_program, num_stages, num_warps=num_warps,
+        block_s, operand, tiles_per_program, num_stages, scale_words, num_warps=num_warps,
     )  # fmt: skip
     return out

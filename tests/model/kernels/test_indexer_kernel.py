@@ -60,3 +60,31 @@ def test_bad_launch_is_named(launch: dict, message: str) -> None:
     case = indexer_case(generator(0), 1, 1, 4, 64, 8)
     with pytest.raises(ValueError, match=message):
         indexer.indexer_scores_triton(*case, **launch)
+
+
+@pytest.mark.parametrize("launch", [{}, {"operand": indexer.FP16.value}], ids=launch_id)
+@pytest.mark.parametrize("spread", [0, 30, 40, 120])
+def test_query_block_scales_far_apart(launch: dict, spread: int) -> None:
+    """A query's per-block scales normally ride in its operand, relative to its largest (exact within 2^-14 in
+    FP8, 2^-36 in FP16, 2^-100 in the interpreter's FP32); wider spreads rescale each block's dot instead. Both
+    give the reference's scores; blocks of zero codes (the quantiser's smallest scale) never narrow the fold."""
+    q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(spread), 2, 3, 4, 128, 40)
+    q_scale = torch.full_like(q_scale, 150)
+    q_scale[0, :, :, 1] = 150 - spread  # every head of batch row 0: block 1 far below the others
+    q_scale[1, 0, 0, 2] = 1  # a zero block at the quantiser's floor beside scales of 2^23
+    q_data[1, 0, 0, 32:48] = 0
+    case = (q_data, q_scale, w, k_data, k_scale, n_visible)
+    assert_indexer_scores_close(indexer.indexer_scores_triton(*case, **launch), kernels.indexer_scores(*case), case)
+
+
+def test_nan_scale_gives_nan_scores() -> None:
+    """UE8M0 255 is NaN: its query's visible scores are NaN, as the reference's; other queries are unaffected."""
+    q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(9), 1, 2, 4, 128, 40)
+    q_scale[0, 0, 1, 3] = 255
+    case = (q_data, q_scale, w, k_data, k_scale, n_visible)
+    want = kernels.indexer_scores(*case)
+    got = indexer.indexer_scores_triton(*case)
+    assert want[0, 0, : n_visible[0, 0]].isnan().all()
+    assert not want[0, 1].isnan().any()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert_indexer_scores_close(got, want, case)
