@@ -466,7 +466,7 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
     """Launch shapes of top-k at batch 256, 6 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
     default (`topk._select_shape`, `topk._gather_programs`, `topk._fuses`) against the full tile (16 K groups of 16),
     the half tile with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps, the fused and the unfused
-    path, and the fused path at 16 warps without its register cap (`topk._fused_group_max_shape`)."""
+    path, and the fused path at 16 warps without register caps (`topk._fused_launch`)."""
     variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 2048}, {"gather_programs": 2},
                 {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16}, {"num_warps": 4},
                 {"fused": True}, {"fused": False}, {"fused": True, "num_warps": 16}]  # fmt: skip

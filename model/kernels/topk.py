@@ -6,20 +6,27 @@ The torch reference is a stable descending sort.
 
 Triton: a threshold select in the spirit of DeepSelect, each score read once, on order-preserving uint32 keys.
 
-1. Group maxima (a streaming kernel over every row): the maximum key of each group of GS consecutive positions.
-2. Threshold (a kernel, one program per row): T = the k-th largest group maximum. k groups reach T, so the k-th
-   largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about k groups on ordinary rows, and
-   never more than k·GS scores whatever the row (ties at T aside). The passing groups' ids are listed, ascending.
-3. Gather (a kernel, P programs per row): program p reads the p-th slice of that list and appends every score ≥ T
-   of its groups, in position order, to its own segment of the row's candidate buffer.
-4. Select (a kernel, one program per row): exact radix select among the candidates, the P segments read in order
-   (bitwise search for the k-th key; keys equal to it are taken in position order, so ties go to the lowest
-   positions), held in registers when they fit. The k-th key lies between T and the row's maximum key, so it has
-   every bit those two share: the search starts below them (8 steps instead of 16 on Gaussian bf16 rows of 64 K–1 M
-   at k = 512). The candidates are in position order, so the chosen ones are written sorted. A row whose candidates
-   overflow a segment (adversarial ties) is selected the same way straight from its scores.
+1. Group maxima (a streaming kernel, many programs per row): the maximum key of each group of GS consecutive
+   positions.
+2. Threshold (one program per row: the row's last group-max program to finish): T = the k-th largest group maximum.
+   k groups reach T, so the k-th largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about
+   k groups on ordinary rows, and never more than k·GS scores whatever the row (ties at T aside). The passing
+   groups' ids are listed, ascending.
+3. Gather (a second kernel, P programs per row): program p reads the p-th slice of that list and appends every
+   score ≥ T of its groups, in position order, to its own segment of the row's candidate buffer.
+4. Select (one program per row: the row's last gathering program to finish): exact radix select among the
+   candidates, the P segments read in order (bitwise search for the k-th key; keys equal to it are taken in position
+   order, so ties go to the lowest positions), held in registers when they fit. The k-th key lies between T and the
+   row's maximum key, so it has every bit those two share: the search starts below them (8 steps instead of 16 on
+   Gaussian bf16 rows of 64 K–1 M at k = 512). The candidates are in position order, so the chosen ones are written
+   sorted. A row whose candidates overflow a segment (adversarial ties) is selected the same way straight from its
+   scores.
 
-Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
+Steps 2 and 4 are serial per row; run by the row's last arriving program (a per-row atomic counter), they overlap
+the other rows' streaming instead of waiting at a kernel boundary for every row (the tail and launch gap of two
+more kernels: ≈ 5–7 µs of threshold alone at 256 × 64 K on the H200). `fused=False` runs them as kernels of their
+own (four kernels), and by default they are when the fused group-max kernel would keep fewer loads in flight
+(`_fuses`). Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set, one select kernel.
 
 Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
 gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
@@ -60,8 +67,9 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 # ---------------------------------------------------------------------------------------------- Triton
 
 _TILE = 4096  # items the select kernel holds in registers (a short row, or the candidates); the group-max tile
-_MAX_GROUPS = 16384  # group maxima per row that the threshold kernel holds in registers at once
-_FUSED_REGISTER_GROUPS = 4096  # group maxima per row that the fused group-max kernel holds in 32 registers per thread
+_MAX_GROUPS = 16384  # group maxima per row that the threshold step holds in registers at once
+_FUSED_MAX_GROUPS = 4096  # group maxima per row that the fused group-max kernel holds in 32 registers per thread
+_FUSED_GROUP_TILE = 8192  # scores per fused group-max program: 16 per thread at 16 warps, two 16-byte loads (bf16)
 
 
 @triton.jit
@@ -380,7 +388,7 @@ def _low_bit(dtype: torch.dtype) -> int:
 
 
 def _group_size(L: int, k: int, max_groups: int) -> int:
-    """Positions per group: at most `max_groups` groups (the threshold kernel holds them in registers), at least 16
+    """Positions per group: at most `max_groups` groups (the threshold step holds them in registers), at least 16
     positions (the group maxima stay a small fraction of the scores' bytes), but at least 4k groups when the row
     allows (so that few groups beyond the k best pass the threshold)."""
     size = max(16, triton.next_power_of_2(triton.cdiv(L, max_groups)))
@@ -408,22 +416,28 @@ def _gather_programs(R: int) -> int:
     return 2 if multiprocessors() < R else 8
 
 
-def _fuses(R: int, NGP: int) -> bool:
+def _fuses(NGP: int) -> bool:
     """Whether the threshold and select run in each row's last group-max / gathering program by default (else in
-    kernels of their own). The fused group-max kernel's registers are those of the threshold: at ≤ 4096 groups it
-    fits 32 per thread (full occupancy, as the streaming kernel alone), at 16 K it needs 64 at 16 warps (half the
-    threads resident; capped lower it spills: offline sm_90 compile). With more rows than multiprocessors that
-    halves the stream's loads in flight, so it is fused there only at ≤ 4096 groups; fewer rows leave SMs idle."""
-    return multiprocessors() >= R or NGP <= _FUSED_REGISTER_GROUPS
+    kernels of their own): when the row's group maxima fit the fused group-max kernel's 32 registers per thread at
+    16 warps (≤ 4096 of them; at 16 K it takes 128 and one program per SM, and spills 200+ values when capped:
+    offline sm_90 compile), so that it streams with as many loads in flight as the group-max kernel alone."""
+    return NGP <= _FUSED_MAX_GROUPS
 
 
-def _fused_group_max_shape(NGP: int, num_warps: int | None) -> tuple[int, int | None]:
-    """(warps, register cap) of the fused group-max kernel: 16 warps (the threshold's group maxima spread thinnest)
-    and, at ≤ 4096 groups, 32 registers per thread — 2048 threads resident per SM, as the streaming kernel alone
-    (uncapped the compiler takes 62–64; capped, nothing spills: offline sm_90 compile at 64 K and 256 K)."""
+def _fused_launch(num_warps: int | None) -> tuple[tuple[int, int | None], tuple[int, int | None]]:
+    """(warps, register cap) of the fused group-max and gather kernels, each keeping as many programs resident per
+    SM as the unfused kernel whose streaming or gathering it carries (offline sm_90 compile at 64 K and 256 K):
+    - group-max + threshold: 16 warps (the threshold's group maxima spread thinnest), 32 registers → 4 programs of
+      `_FUSED_GROUP_TILE` scores per SM, the loads in flight of the group-max kernel alone (16 programs of 4 warps,
+      20–27 registers, 2 K-score tiles). Uncapped it takes 40–48 registers (2–3 programs); capped, 1–3 values spill.
+    - gather + select: 4 warps, 128 registers → 4 programs per SM, so the 512 gathering programs of 256 rows are all
+      resident at once, as the gather kernel's alone (4 warps, 96–114 registers). Uncapped it takes 155–163 (3
+      programs), at 8 warps 117–128 (2 programs); capped, 3–14 values spill.
+    Forced at 16 K groups (1 M scores, where `_fuses` declines) the caps spill 100–200 values each.
+    `num_warps` sets both kernels' warps, uncapped."""
     if num_warps:
-        return num_warps, None
-    return 16, 32 if NGP <= _FUSED_REGISTER_GROUPS else None
+        return (num_warps, None), (num_warps, None)
+    return (16, 32), (4, 128)
 
 
 def topk_indices_triton(
@@ -439,14 +453,17 @@ def topk_indices_triton(
     gather_programs: int | None = None,
     num_warps: int | None = None,
     fused: bool | None = None,
+    group_tile: int | None = None,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
     default: at most `max_groups` groups); `gather_programs` programs per row (a power of two; by default from the
     batch) gather the candidates, `gather` scores per step, into `capacity` slots per row (split evenly among them);
-    `tile` is the select kernel's register tile, `num_warps` the warps of the kernels that run the threshold and the
-    select. `fused`: the threshold runs in each row's last group-max program and the select in its last gathering
-    program (two kernels), or else each in a kernel of its own (four); by default from the shape (`_fuses`). The
-    defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
+    `tile` is the select's register tile, `num_warps` the warps of the kernels that run the threshold and the select
+    (uncapped registers; by default `_fused_launch` on the fused path).
+    `fused`: the threshold runs in each row's last group-max program and the select in its last gathering program
+    (two kernels), or else each in a kernel of its own (four); by default when the group maxima fit (`_fuses`).
+    `group_tile`: scores per group-max program (a power of two; default `_FUSED_GROUP_TILE` fused, else `tile`).
+    The defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
@@ -471,7 +488,8 @@ def topk_indices_triton(
     NGP = triton.next_power_of_2(NG)
     SEG = triton.cdiv(capacity or max(2 * tile, 4 * KP), P)  # candidate slots per segment
     gather = max(gather or min(tile, 2048), GS)
-    group_tile = max(tile, GS)
+    fused = _fuses(NGP) if fused is None else fused
+    group_tile = max(group_tile or (_FUSED_GROUP_TILE if fused else tile), GS)
     tiles = triton.cdiv(L, group_tile)
     gmax = torch.empty((R, NG), dtype=torch.uint32, device=device)
     glist = torch.empty((R, NGP), dtype=torch.int32, device=device)
@@ -480,15 +498,15 @@ def topk_indices_triton(
     ckey = torch.empty((R, P * SEG), dtype=torch.uint32, device=device)
     cpos = torch.empty((R, P * SEG), dtype=torch.int32, device=device)
     counts = torch.empty((R, P), dtype=torch.int32, device=device)
-    if _fuses(R, NGP) if fused is None else fused:
+    if fused:
         arrived = torch.zeros((2, R), dtype=torch.int32, device=device)  # per row: group-max, gathering programs done
-        warps, registers = _fused_group_max_shape(NGP, num_warps)
+        (group_warps, group_registers), (gather_warps, gather_registers) = _fused_launch(num_warps)
         _group_max_threshold_kernel[(R * tiles,)](x, lengths, gmax, glist, threshold, n_groups, arrived[0], L, NG,
                                                   tiles, k, has_lengths, group_tile, GS, NGP, low_bit,
-                                                  num_warps=warps, maxnreg=registers)  # fmt: skip
+                                                  num_warps=group_warps, maxnreg=group_registers)  # fmt: skip
         _gather_select_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, out, arrived[1], L,
                                       NGP, SEG, k, has_lengths, P, GS, low_bit, gather, tile, KP,
-                                      num_warps=select_warps)  # fmt: skip
+                                      num_warps=gather_warps, maxnreg=gather_registers)  # fmt: skip
         return out
     _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
                                     num_warps=4)  # fmt: skip

@@ -138,15 +138,15 @@ def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int, tied
 DIRECT = {}  # one program per row, the row in registers
 DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tiles
 GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
-GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
+GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32, "group_tile": 32}  # candidates streamed in tiles
 OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
 
 
 def fusings(paths: dict[str, int]) -> tuple[bool | None, ...]:
-    """The group path both ways: the threshold and select in each row's last group-max / gathering program (the
-    interpreter runs programs one after another, so that is the last program of the grid's row), or in kernels of
-    their own. Direct rows run the select kernel alone."""
-    return (True, False) if "direct_max" in paths or "fused" in paths else (None,)
+    """Short rows' paths both ways: the threshold and select in each row's last group-max / gathering program (the
+    interpreter runs programs one after another: the row's last in grid order), or in kernels of their own. Direct
+    rows run the select kernel alone; the default launch chooses for itself."""
+    return (True, False) if "direct_max" in paths else (None,)
 
 
 @pytest.mark.parametrize(
@@ -165,13 +165,13 @@ def fusings(paths: dict[str, int]) -> tuple[bool | None, ...]:
         (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather_programs": 32}),  # more programs than passing groups
         (2, 300, 8, torch.float32, {**GROUPS, "capacity": 64, "gather_programs": 2}),  # full-ish segments
         (2, 40_000, 64, torch.float32, {"fused": False}),  # the defaults, unfused
-        (3, 1000, 20, torch.bfloat16, {**GROUPS_STREAMED, "group_size": 64, "tile": 512}),  # several rows' programs
+        (3, 1000, 20, torch.bfloat16, {**GROUPS, "group_size": 64, "group_tile": 128}),  # 8 group-max programs a row
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
     scores, lengths = topk_case(generator(L + k), R, L, dtype)
     for fused in fusings(paths):
-        launch = {"fused": fused, **paths}
+        launch = {"fused": fused, **paths}  # the default launch's cases may name `fused` themselves
         got = topk_indices_triton(scores, k, lengths, **launch)
         assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
         assert torch.equal(topk_indices_triton(scores, k, None, **launch), kernels.topk_indices(scores, k))
