@@ -466,10 +466,12 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
     """Launch shapes of top-k at batch 256, 6 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
     default (`topk._select_shape`, `topk._gather_programs`, `topk._fuses`) against the full tile (16 K groups of 16),
     the half tile with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps, the fused and the unfused
-    path, and the fused path at 16 warps without register caps (`topk._fused_launch`)."""
+    path, and the fused path at 16 warps without register caps (`topk._fused_launch`) and with 2 K / 16 K-score
+    group-max tiles (`topk._FUSED_GROUP_TILE`)."""
     variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 2048}, {"gather_programs": 2},
                 {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16}, {"num_warps": 4},
-                {"fused": True}, {"fused": False}, {"fused": True, "num_warps": 16}]  # fmt: skip
+                {"fused": True}, {"fused": False}, {"fused": True, "num_warps": 16},
+                {"fused": True, "group_tile": 2048}, {"fused": True, "group_tile": 16384}]  # fmt: skip
     k = 16 if tiny else 512
     shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576), (6, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]
@@ -513,25 +515,25 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
-    launch: decode at B=64 × 64 K and B=8 × 1 M — positions per tile 64 / 128 / 256 × tiles per program 8 / 16 / 32,
-    2 and 4 pipeline stages, 8 warps, and the FP16 operand (GPUs before sm_89) at the default; the prefill tile at
-    B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile per program."""
-    decode_default = indexer._default_tiling(1)
-    grid = [
-        {"block_s": b, "tiles_per_program": t} for b in (64, 128, 256) for t in (8, 16, 32) if (b, t) != decode_default
-    ]
-    decode = [{}, *grid, {"num_stages": 2}, {"num_stages": 4}, {"num_warps": 8}, {"operand": indexer.FP16.value}]
-    prefill = [{}, {"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
+    launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — positions per tile × tiles per
+    program (256 × 8 / 16 / 32, 128 × 16, 64 × 4 / 16), 4 pipeline stages and the FP16 operand (GPUs before sm_89);
+    the prefill tile at B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile per program."""
+    decode = [{"block_s": b, "tiles_per_program": t} for b, t in ((256, 8), (256, 16), (256, 32), (128, 16), (64, 4),
+                                                                  (64, 16))]  # fmt: skip
+    decode += [{"num_stages": 4}, {"operand": indexer.FP16.value}]
+    prefill = [{"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots
-        shapes = [(2, 1, 256, [{}, {"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]
+        shapes = [(2, 1, 256, [{"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]
     else:
-        shapes = [(64, 1, 65_536, decode), (8, 1, 1_048_576, decode), (1, 1024, 65_536, prefill)]
+        shapes = [(64, 1, 65_536, decode), (8, 1, 1_048_576, decode), (1, 1, 65_536, decode), (4, 1, 131_072, decode),
+                  (1, 1024, 65_536, prefill)]  # fmt: skip
     for B, T, S, variants in shapes:
         case = indexer_inputs(B, T, 32, 128, S, ragged=False)
         want = indexer.indexer_scores_triton(*case)
-        for variant in variants:
+        default = dict(zip(("block_s", "tiles_per_program"), indexer._default_tiling(B, T, S), strict=True))
+        for variant in [{}, *(v for v in variants if v != default)]:
             fn = functools.partial(indexer.indexer_scores_triton, *case, **variant)
-            yield from tune("tune indexer", f"B={B} T={T} S={S} {variant or 'default'}", fn, want, B * S * 68)
+            yield from tune("tune indexer", f"B={B} T={T} S={S} {variant or default}", fn, want, B * S * 68)
 
 
 # ----------------------------------------------------------------------------------------------- decode step

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import dense_rows, e2m1_to_f16, interpreting, ue8m0_decode
+from model.kernels.formats import dense_rows, e2m1_to_f16, interpreting, multiprocessors, ue8m0_decode
 from model.kernels.kv_quant import dequantize_index_fp4_torch
 
 
@@ -77,8 +77,8 @@ def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.cons
     packed = tl.load(ptr + byte_offsets[:, None] + byte[None, :], mask=byte_ok, other=0)
     packed = _column_blocks(packed, DIP // 32)
     if SCALE_WORDS:
-        words = tl.load((scale_ptr + scale_offsets).to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, DI // 128),
-                        mask=ok[:, None], other=0x7F7F7F7F)  # fmt: skip
+        word_ptr = (scale_ptr + scale_offsets).to(tl.pointer_type(tl.int32))
+        words = tl.load(word_ptr[:, None] + tl.arange(0, DI // 128), mask=ok[:, None], other=0)  # rows ≥ S: unstored
         words = _column_blocks(words, DI // 128)
     else:
         scales = tl.load(scale_ptr + scale_offsets[:, None] + block[None, :], mask=block_ok, other=127)
@@ -232,7 +232,7 @@ def _indexer_kernel(
     w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0).to(tl.float32)
     q_ops, w, folded = _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI, OPERAND)
     tq = t0 + tl.arange(0, BLOCK_T)
-    n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0)
+    n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0).to(tl.int32)  # ≤ S: 32-bit compares per tile
     first = tl.program_id(0) * TILES * BLOCK_S
     if folded:
         _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
@@ -254,16 +254,20 @@ def _fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _default_tiling(T: int) -> tuple[int, int]:
-    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode 256
-    positions × 16 tiles per program, 0.132 ms at B=64 × 64 K and 0.257 ms at B=8 × 1 M (64 × 16, the default
-    before: 0.147 / 0.286; 128 × 16: 0.145 / 0.279 — larger programs amortise the queries' unpacking and the
-    pipeline's fill); prefill tiles (64 columns share a K tile) 128 × 4, 1.88 ms at B=1, T=1024, S=64 K (64 × 4:
-    2.47; 1 tile per program: 2.96). The interpreter's cost grows with the tile: small tiles, and the decode loop
-    kept (2 tiles)."""
+def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
+    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode tiles
+    of 256 positions, 0.121 ms at B=64 × 64 K and 0.244 ms at B=8 × 1 M with 32 tiles per program (16: 0.125 /
+    0.245; 8: 0.133 / 0.256; 64-position tiles, the default before: 0.142 / 0.274 at best) — larger programs
+    amortise the queries' unpacking and the pipeline's fill — but never so few programs that SMs idle: at most
+    enough tiles per program to leave ≈ 4 programs per SM (two fit at once). Prefill tiles (64 columns share a K
+    tile) 128 × 4, 1.86 ms at B=1, T=1024, S=64 K (64 × 4: 2.46; 1 tile per program: 2.97). The interpreter's cost
+    grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
-    return (256, 16) if T == 1 else (128, 4)
+    if T > 1:
+        return 128, 4
+    tiles = B * triton.cdiv(S, 256)
+    return 256, max(1, min(32, tiles // (4 * multiprocessors())))
 
 
 def indexer_scores_triton(
@@ -287,7 +291,7 @@ def indexer_scores_triton(
     - `operand`: the code operands' type, FP8 (sm_89 and later), FP16 or FP32 (`FP8.value` …)."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
-    default_block_s, default_tiles = _default_tiling(T)
+    default_block_s, default_tiles = _default_tiling(B, T, S)
     block_s = default_block_s if block_s is None else block_s
     tiles_per_program = default_tiles if tiles_per_program is None else tiles_per_program
     operand = _operand() if operand is None else operand
