@@ -468,8 +468,9 @@ def topk_indices_triton(
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
     gather_programs = gather_programs or _gather_programs(R)
-    if gather_programs & (gather_programs - 1):
-        raise ValueError(f"gather_programs must be a power of two, got {gather_programs}")
+    for name, value in (("gather_programs", gather_programs), ("group_tile", group_tile or 1)):
+        if value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:

@@ -206,9 +206,11 @@ def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
 
 
-def test_topk_names_a_bad_gather_program_count() -> None:
-    with pytest.raises(ValueError, match="gather_programs"):
+def test_topk_names_a_bad_launch_shape() -> None:
+    with pytest.raises(ValueError, match="gather_programs must be a power of two, got 3"):
         topk_indices_triton(torch.zeros(1, 100), 4, None, gather_programs=3)
+    with pytest.raises(ValueError, match="group_tile must be a power of two, got 96"):
+        topk_indices_triton(torch.zeros(1, 100), 4, None, group_tile=96)
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
