@@ -25,8 +25,8 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
 Steps 2 and 4 are serial per row; run by the row's last arriving program (a per-row atomic counter), they overlap
 the other rows' streaming instead of waiting at a kernel boundary for every row (the tail and launch gap of two
 more kernels: ≈ 5–7 µs of threshold alone at 256 × 64 K on the H200). `fused=False` runs them as kernels of their
-own (four kernels), and by default they are when the fused group-max kernel would keep fewer loads in flight
-(`_fuses`). Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set, one select kernel.
+own (four kernels), as does the default above 4096 groups per row, where the fused group-max kernel would keep fewer
+loads in flight (`_fuses`). Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
 Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
 gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
