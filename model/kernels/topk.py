@@ -6,27 +6,20 @@ The torch reference is a stable descending sort.
 
 Triton: a threshold select in the spirit of DeepSelect, each score read once, on order-preserving uint32 keys.
 
-1. Group maxima (a streaming kernel, many programs per row): the maximum key of each group of GS consecutive
-   positions.
-2. Threshold (one program per row: the row's last group-max program to finish): T = the k-th largest group maximum.
-   k groups reach T, so the k-th largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about
-   k groups on ordinary rows, and never more than k·GS scores whatever the row (ties at T aside). The passing
-   groups' ids are listed, ascending.
-3. Gather (a second kernel, P programs per row): program p reads the p-th slice of that list and appends every
-   score ≥ T of its groups, in position order, to its own segment of the row's candidate buffer.
-4. Select (one program per row: the row's last gathering program to finish): exact radix select among the
-   candidates, the P segments read in order (bitwise search for the k-th key; keys equal to it are taken in position
-   order, so ties go to the lowest positions), held in registers when they fit. The k-th key lies between T and the
-   row's maximum key, so it has every bit those two share: the search starts below them (8 steps instead of 16 on
-   Gaussian bf16 rows of 64 K–1 M at k = 512). The candidates are in position order, so the chosen ones are written
-   sorted. A row whose candidates overflow a segment (adversarial ties) is selected the same way straight from its
-   scores.
+1. Group maxima (a streaming kernel over every row): the maximum key of each group of GS consecutive positions.
+2. Threshold (a kernel, one program per row): T = the k-th largest group maximum. k groups reach T, so the k-th
+   largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about k groups on ordinary rows, and
+   never more than k·GS scores whatever the row (ties at T aside). The passing groups' ids are listed, ascending.
+3. Gather (a kernel, P programs per row): program p reads the p-th slice of that list and appends every score ≥ T
+   of its groups, in position order, to its own segment of the row's candidate buffer.
+4. Select (a kernel, one program per row): exact radix select among the candidates, the P segments read in order
+   (bitwise search for the k-th key; keys equal to it are taken in position order, so ties go to the lowest
+   positions), held in registers when they fit. The k-th key lies between T and the row's maximum key, so it has
+   every bit those two share: the search starts below them (8 steps instead of 16 on Gaussian bf16 rows of 64 K–1 M
+   at k = 512). The candidates are in position order, so the chosen ones are written sorted. A row whose candidates
+   overflow a segment (adversarial ties) is selected the same way straight from its scores.
 
-Steps 2 and 4 are serial per row; run by the row's last arriving program (a per-row atomic counter), they overlap
-the other rows' streaming instead of waiting at a kernel boundary for every row (the tail and launch gap of two
-more kernels: ≈ 5–7 µs of threshold alone at 256 × 64 K on the H200). `fused=False` runs them as kernels of their
-own (four kernels), as does the default above 4096 groups per row, where the fused group-max kernel would keep fewer
-loads in flight (`_fuses`). Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
+Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
 Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
 gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
@@ -67,9 +60,7 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 # ---------------------------------------------------------------------------------------------- Triton
 
 _TILE = 4096  # items the select kernel holds in registers (a short row, or the candidates); the group-max tile
-_MAX_GROUPS = 16384  # group maxima per row that the threshold step holds in registers at once
-_FUSED_MAX_GROUPS = 4096  # group maxima per row that the fused group-max kernel holds in 32 registers per thread
-_FUSED_GROUP_TILE = 8192  # scores per fused group-max program: 16 per thread at 16 warps, two 16-byte loads (bf16)
+_MAX_GROUPS = 16384  # group maxima per row that the threshold kernel holds in registers at once
 
 
 @triton.jit
@@ -137,28 +128,29 @@ def _shared_prefix(lo, hi, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _group_maxima(
-    x_ptr, len_ptr, gmax_ptr, r, t, L, NG,
+def _group_max_kernel(
+    x_ptr, len_ptr, gmax_ptr, L, NG, tiles,
     HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr,
 ):  # fmt: skip
-    """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r, for the groups of the row's t-th TILE."""
+    """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r; one TILE of one row per program."""
+    r = (tl.program_id(0) // tiles).to(tl.int64)
+    t = tl.program_id(0) % tiles
     key, _pos = _row_keys(x_ptr + r * L, _row_length(len_ptr, r, L, HAS_LENGTHS), t * TILE, TILE, LOW_BIT)
     g = t * (TILE // GS) + tl.arange(0, TILE // GS)
     tl.store(gmax_ptr + r * NG + g, tl.max(tl.reshape(key, (TILE // GS, GS)), axis=1), mask=g < NG)
 
 
 @triton.jit
-def _threshold(
-    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, r, NG, k,
-    NGP: tl.constexpr, LOW_BIT: tl.constexpr, CACHE: tl.constexpr,
+def _threshold_kernel(
+    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
 ):  # fmt: skip
-    """Row r's candidate threshold T and the ids of the groups that reach it, ascending (group maxima read with the
-    cache modifier CACHE).
+    """Row r's candidate threshold T and the ids of the groups that reach it, ascending.
 
     T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
     score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read."""
+    r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NGP)
-    gmax = tl.load(gmax_ptr + r * NG + g, mask=g < NG, other=0, cache_modifier=CACHE)
+    gmax = tl.load(gmax_ptr + r * NG + g, mask=g < NG, other=0)
     occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
     threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
     passed = gmax >= threshold
@@ -168,56 +160,17 @@ def _threshold(
 
 
 @triton.jit
-def _last_to_arrive(counter_ptr, arrivals):
-    """Counts this program in at counter_ptr → whether it is the last of `arrivals` programs to do so. The release
-    publishes the stores every thread of this program made before it (the barrier orders them first); the acquire
-    makes the stores of the programs counted before visible to the last one — through L2, not the SM's own L1, which
-    is not coherent across SMs: the last program reads them with cache modifier ".cg"."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-
-
-@triton.jit
-def _group_max_kernel(
-    x_ptr, len_ptr, gmax_ptr, L, NG, tiles,
-    HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr,
-):  # fmt: skip
-    """One TILE of one row per program: its group maxima."""
-    r = (tl.program_id(0) // tiles).to(tl.int64)
-    _group_maxima(x_ptr, len_ptr, gmax_ptr, r, tl.program_id(0) % tiles, L, NG, HAS_LENGTHS, TILE, GS, LOW_BIT)
-
-
-@triton.jit
-def _threshold_kernel(
-    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
-):  # fmt: skip
-    """One row per program: its threshold and passing groups."""
-    _threshold(gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, tl.program_id(0).to(tl.int64), NG, k, NGP, LOW_BIT, "")
-
-
-@triton.jit
-def _group_max_threshold_kernel(
-    x_ptr, len_ptr, gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, arrived_ptr, L, NG, tiles, k,
-    HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
-):  # fmt: skip
-    """One TILE of one row per program: its group maxima; the row's last program to finish also finds the row's
-    threshold and passing groups, while the other rows' programs still stream (no kernel boundary to wait at)."""
-    r = (tl.program_id(0) // tiles).to(tl.int64)
-    _group_maxima(x_ptr, len_ptr, gmax_ptr, r, tl.program_id(0) % tiles, L, NG, HAS_LENGTHS, TILE, GS, LOW_BIT)
-    if _last_to_arrive(arrived_ptr + r, tiles):
-        _threshold(gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, r, NG, k, NGP, LOW_BIT, ".cg")
-
-
-@triton.jit
-def _gather(
-    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, r, p, L, NGP, SEG,
+def _gather_kernel(
+    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
     HAS_LENGTHS: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
-    """Program p of row r reads the p-th of P equal slices of the row's passing groups and appends their scores ≥ T,
-    in position order, to segment p of the row's candidate buffer (SEG slots) → count[r, p] (> SEG: it overflowed).
+    """Program (r, p) reads the p-th of P equal slices of row r's passing groups and appends their scores ≥ T, in
+    position order, to segment p of the row's candidate buffer (SEG slots) → count[r, p] (> SEG: it overflowed).
 
     One program per row gathered serially before (≈ 3 µs per chunk, 50–80 % of a row's select time on the H200);
     P small programs per row overlap their loads."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
     x_row, segment = x_ptr + r * L, r * P + p
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     threshold = tl.load(thr_ptr + r)
@@ -245,23 +198,12 @@ def _gather(
 
 
 @triton.jit
-def _gather_kernel(
-    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
-    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
-):  # fmt: skip
-    """Program (r, p): the p-th slice of row r's candidates."""
-    r = tl.program_id(0).to(tl.int64)
-    _gather(x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, r, tl.program_id(1), L,
-            NGP, SEG, HAS_LENGTHS, P, GS, LOW_BIT, GATHER)  # fmt: skip
-
-
-@triton.jit
 def _items(
     x_row, length, ckey_row, cpos_row, count_row, n, start, from_row,
-    P: tl.constexpr, SEG, TILE: tl.constexpr, LOW_BIT: tl.constexpr, CACHE: tl.constexpr,
+    P: tl.constexpr, SEG, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
 ):  # fmt: skip
     """Tile of (key, position) items in ascending position order: from the scores, or the candidates' items
-    start … start + TILE − 1 counted across the P segments in order (read with the cache modifier CACHE)."""
+    start … start + TILE − 1 counted across the P segments in order."""
     if from_row:
         key, pos = _row_keys(x_row, length, start, TILE, LOW_BIT)
     else:
@@ -270,12 +212,12 @@ def _items(
         begin = tl.zeros_like(i)
         end = 0
         for s in tl.static_range(P):
-            end += tl.load(count_row + s, cache_modifier=CACHE)
+            end += tl.load(count_row + s)
             segment += (i >= end).to(tl.int32)
             begin = tl.where(i >= end, end, begin)
         slot = segment * SEG + i - begin
-        key = tl.load(ckey_row + slot, mask=i < n, other=0, cache_modifier=CACHE)
-        pos = tl.load(cpos_row + slot, mask=i < n, other=0, cache_modifier=CACHE)
+        key = tl.load(ckey_row + slot, mask=i < n, other=0)
+        pos = tl.load(cpos_row + slot, mask=i < n, other=0)
     return key, pos
 
 
@@ -292,15 +234,15 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 
 
 @triton.jit
-def _select(
-    x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, r, L, SEG, k,
+def _select_kernel(
+    x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k,
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, KP: tl.constexpr, CACHE: tl.constexpr,
+    TILE: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
-    """Row r: the exact selection among its candidates (read with the cache modifier CACHE; or, if DIRECT or a
-    segment overflowed, among its scores), written in position order and −1 padded. The k-th largest key is searched
-    below the bits that its bounds share: every chosen key is ≥ lo (the candidates' threshold) and ≤ the row's
-    maximum key."""
+    """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
+    written in position order and −1 padded. The k-th largest key is searched below the bits that its bounds
+    share: every chosen key is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
+    r = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + r * L, out_ptr + r * k
     ckey_row, cpos_row, count_row = ckey_ptr + r * P * SEG, cpos_ptr + r * P * SEG, count_ptr + r * P
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
@@ -308,13 +250,13 @@ def _select(
     from_row = DIRECT
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
     if not DIRECT:
-        counts = tl.load(count_row + tl.arange(0, P), cache_modifier=CACHE)
+        counts = tl.load(count_row + tl.arange(0, P))
         from_row = tl.max(counts, axis=0) > SEG  # a segment overflowed (adversarial ties): select from the scores
         n = tl.where(from_row, length, tl.sum(counts, axis=0))
         lo = tl.where(from_row, 1, tl.load(thr_ptr + r))
 
     if n <= TILE:  # everything in registers
-        key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, 0, from_row, P, SEG, TILE, LOW_BIT, CACHE)
+        key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, 0, from_row, P, SEG, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
         prefix, step, steps = _shared_prefix(lo, tl.max(key, axis=0), LOW_BIT)
         threshold = _radix_search(key, kk, prefix, step, steps)
@@ -325,7 +267,7 @@ def _select(
         hi = tl.zeros((), dtype=tl.uint32)
         for start in range(0, n, TILE):
             key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                               LOW_BIT, CACHE)  # fmt: skip
+                               LOW_BIT)  # fmt: skip
             selectable += tl.sum((key > 0).to(tl.int32), axis=0)
             hi = tl.maximum(hi, tl.max(key, axis=0))
         kk = tl.minimum(k, selectable)
@@ -335,50 +277,22 @@ def _select(
             count = 0
             for start in range(0, n, TILE):
                 key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                                   LOW_BIT, CACHE)  # fmt: skip
+                                   LOW_BIT)  # fmt: skip
                 count += tl.sum((key >= trial).to(tl.int32), axis=0)
             threshold = tl.where(count >= kk, trial, threshold)
             step = step >> 1
         above = 0
         for start in range(0, n, TILE):
             key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                               LOW_BIT, CACHE)  # fmt: skip
+                               LOW_BIT)  # fmt: skip
             above += tl.sum((key > threshold).to(tl.int32), axis=0)
         ties, written = 0, 0
         for start in range(0, n, TILE):
             key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                              LOW_BIT, CACHE)  # fmt: skip
+                              LOW_BIT)  # fmt: skip
             ties, written = _write_chosen(out_row, key, pos, threshold, kk - above, ties, written, k)
     i = tl.arange(0, KP)
     tl.store(out_row + i, tl.full((KP,), -1, tl.int32), mask=(i >= kk) & (i < k))
-
-
-@triton.jit
-def _select_kernel(
-    x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k,
-    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, KP: tl.constexpr,
-):  # fmt: skip
-    """One row per program: its selection."""
-    _select(x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, tl.program_id(0).to(tl.int64), L, SEG, k,
-            HAS_LENGTHS, DIRECT, P, LOW_BIT, TILE, KP, "")  # fmt: skip
-
-
-@triton.jit
-def _gather_select_kernel(
-    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, arrived_ptr,
-    L, NGP, SEG, k,
-    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
-    TILE: tl.constexpr, KP: tl.constexpr,
-):  # fmt: skip
-    """Program (r, p): the p-th slice of row r's candidates; the row's last gathering program to finish also
-    selects the row, while the other rows' programs still gather."""
-    r = tl.program_id(0).to(tl.int64)
-    _gather(x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, r, tl.program_id(1), L,
-            NGP, SEG, HAS_LENGTHS, P, GS, LOW_BIT, GATHER)  # fmt: skip
-    if _last_to_arrive(arrived_ptr + r, P):
-        _select(x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, r, L, SEG, k,
-                HAS_LENGTHS, False, P, LOW_BIT, TILE, KP, ".cg")  # fmt: skip
 
 
 def _low_bit(dtype: torch.dtype) -> int:
@@ -388,7 +302,7 @@ def _low_bit(dtype: torch.dtype) -> int:
 
 
 def _group_size(L: int, k: int, max_groups: int) -> int:
-    """Positions per group: at most `max_groups` groups (the threshold step holds them in registers), at least 16
+    """Positions per group: at most `max_groups` groups (the threshold kernel holds them in registers), at least 16
     positions (the group maxima stay a small fraction of the scores' bytes), but at least 4k groups when the row
     allows (so that few groups beyond the k best pass the threshold)."""
     size = max(16, triton.next_power_of_2(triton.cdiv(L, max_groups)))
@@ -416,30 +330,6 @@ def _gather_programs(R: int) -> int:
     return 2 if multiprocessors() < R else 8
 
 
-def _fuses(NGP: int) -> bool:
-    """Whether the threshold and select run in each row's last group-max / gathering program by default (else in
-    kernels of their own): when the row's group maxima fit the fused group-max kernel's 32 registers per thread at
-    16 warps (≤ 4096 of them; at 16 K it takes 128 and one program per SM, and spills 200+ values when capped:
-    offline sm_90 compile), so that it streams with as many loads in flight as the group-max kernel alone."""
-    return NGP <= _FUSED_MAX_GROUPS
-
-
-def _fused_launch(num_warps: int | None) -> tuple[tuple[int, int | None], tuple[int, int | None]]:
-    """(warps, register cap) of the fused group-max and gather kernels, each keeping as many programs resident per
-    SM as the unfused kernel whose streaming or gathering it carries (offline sm_90 compile at 64 K and 256 K):
-    - group-max + threshold: 16 warps (the threshold's group maxima spread thinnest), 32 registers → 4 programs of
-      `_FUSED_GROUP_TILE` scores per SM, the loads in flight of the group-max kernel alone (16 programs of 4 warps,
-      20–27 registers, 2 K-score tiles). Uncapped it takes 40–48 registers (2–3 programs); capped, 1–3 values spill.
-    - gather + select: 4 warps, 128 registers → 4 programs per SM, so the 512 gathering programs of 256 rows are all
-      resident at once, as the gather kernel's alone (4 warps, 96–114 registers). Uncapped it takes 155–163 (3
-      programs), at 8 warps 117–128 (2 programs); capped, 3–14 values spill.
-    Forced at 16 K groups (1 M scores, where `_fuses` declines) the caps spill 100–200 values each.
-    `num_warps` sets both kernels' warps, uncapped."""
-    if num_warps:
-        return (num_warps, None), (num_warps, None)
-    return (16, 32), (4, 128)
-
-
 def topk_indices_triton(
     scores: Tensor,
     k: int,
@@ -452,25 +342,18 @@ def topk_indices_triton(
     gather: int | None = None,
     gather_programs: int | None = None,
     num_warps: int | None = None,
-    fused: bool | None = None,
-    group_tile: int | None = None,
 ) -> Tensor:
     """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
     default: at most `max_groups` groups); `gather_programs` programs per row (a power of two; by default from the
     batch) gather the candidates, `gather` scores per step, into `capacity` slots per row (split evenly among them);
-    `tile` is the select's register tile, `num_warps` the warps of the kernels that run the threshold and the select
-    (uncapped registers; by default `_fused_launch` on the fused path).
-    `fused`: the threshold runs in each row's last group-max program and the select in its last gathering program
-    (two kernels), or else each in a kernel of its own (four); by default when the group maxima fit (`_fuses`).
-    `group_tile`: scores per group-max program (a power of two; default `_FUSED_GROUP_TILE` fused, else `tile`).
-    The defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
+    `tile` is the select kernel's register tile, `num_warps` the threshold and select kernels' warps. The defaults
+    suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
     gather_programs = gather_programs or _gather_programs(R)
-    for name, value in (("gather_programs", gather_programs), ("group_tile", group_tile or 1)):
-        if value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
+    if gather_programs & (gather_programs - 1):
+        raise ValueError(f"gather_programs must be a power of two, got {gather_programs}")
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:
@@ -479,42 +362,30 @@ def topk_indices_triton(
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit, P = triton.next_power_of_2(k), _low_bit(scores.dtype), gather_programs
-    select_warps = num_warps or 8
-    if scores.shape[1] <= direct_max:  # the row itself is the candidate set
-        _select_kernel[(R,)](x, lengths, out, out, out, out, out, L, 0, k,
-                             has_lengths, True, 1, low_bit, tile, KP, num_warps=select_warps)  # fmt: skip
-        return out
-    GS = group_size or _group_size(L, k, max_groups)
+    direct = scores.shape[1] <= direct_max
+    GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
-    NGP = triton.next_power_of_2(NG)
-    SEG = triton.cdiv(capacity or max(2 * tile, 4 * KP), P)  # candidate slots per segment
+    NGP = 1 if direct else triton.next_power_of_2(NG)
+    SEG = 0 if direct else triton.cdiv(capacity or max(2 * tile, 4 * KP), P)  # candidate slots per segment
     gather = max(gather or min(tile, 2048), GS)
-    fused = _fuses(NGP) if fused is None else fused
-    group_tile = max(group_tile or (_FUSED_GROUP_TILE if fused else tile), GS)
-    tiles = triton.cdiv(L, group_tile)
-    gmax = torch.empty((R, NG), dtype=torch.uint32, device=device)
-    glist = torch.empty((R, NGP), dtype=torch.int32, device=device)
-    threshold = torch.empty((R,), dtype=torch.uint32, device=device)
-    n_groups = torch.empty((R,), dtype=torch.int32, device=device)
-    ckey = torch.empty((R, P * SEG), dtype=torch.uint32, device=device)
-    cpos = torch.empty((R, P * SEG), dtype=torch.int32, device=device)
-    counts = torch.empty((R, P), dtype=torch.int32, device=device)
-    if fused:
-        arrived = torch.zeros((2, R), dtype=torch.int32, device=device)  # per row: group-max, gathering programs done
-        (group_warps, group_registers), (gather_warps, gather_registers) = _fused_launch(num_warps)
-        _group_max_threshold_kernel[(R * tiles,)](x, lengths, gmax, glist, threshold, n_groups, arrived[0], L, NG,
-                                                  tiles, k, has_lengths, group_tile, GS, NGP, low_bit,
-                                                  num_warps=group_warps, maxnreg=group_registers)  # fmt: skip
-        _gather_select_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, out, arrived[1], L,
-                                      NGP, SEG, k, has_lengths, P, GS, low_bit, gather, tile, KP,
-                                      num_warps=gather_warps, maxnreg=gather_registers)  # fmt: skip
-        return out
-    _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
-                                    num_warps=4)  # fmt: skip
-    threshold_warps = num_warps or (16 if NGP >= 8192 else 8)
-    _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, low_bit, num_warps=threshold_warps)
-    _gather_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG,
-                           has_lengths, P, GS, low_bit, gather, num_warps=4)  # fmt: skip
+
+    def per_row(*shape: int, dtype: torch.dtype) -> Tensor:
+        """A buffer of the group path (nothing for direct rows)."""
+        return torch.empty((R, *shape) if not direct else (0,), dtype=dtype, device=device)
+
+    gmax, glist = per_row(NG, dtype=torch.uint32), per_row(NGP, dtype=torch.int32)
+    threshold, n_groups = per_row(dtype=torch.uint32), per_row(dtype=torch.int32)
+    ckey, cpos = per_row(P * SEG, dtype=torch.uint32), per_row(P * SEG, dtype=torch.int32)
+    counts = per_row(P, dtype=torch.int32)
+    warps = num_warps or (16 if NGP >= 8192 else 8)
+    if not direct:
+        group_tile = max(tile, GS)
+        tiles = triton.cdiv(L, group_tile)
+        _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
+                                        num_warps=4)  # fmt: skip
+        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, low_bit, num_warps=warps)
+        _gather_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG,
+                               has_lengths, P, GS, low_bit, gather, num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k,
-                         has_lengths, False, P, low_bit, tile, KP, num_warps=select_warps)  # fmt: skip
+                         has_lengths, direct, P, low_bit, tile, KP, num_warps=num_warps or 8)  # fmt: skip
     return out

@@ -138,15 +138,8 @@ def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int, tied
 DIRECT = {}  # one program per row, the row in registers
 DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tiles
 GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
-GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32, "group_tile": 32}  # candidates streamed in tiles
+GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
 OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
-
-
-def fusings(paths: dict[str, int]) -> tuple[bool | None, ...]:
-    """Short rows' paths both ways: the threshold and select in each row's last group-max / gathering program (the
-    interpreter runs programs one after another: the row's last in grid order), or in kernels of their own. Direct
-    rows run the select kernel alone; the default launch chooses for itself."""
-    return (True, False) if "direct_max" in paths else (None,)
 
 
 @pytest.mark.parametrize(
@@ -164,26 +157,20 @@ def fusings(paths: dict[str, int]) -> tuple[bool | None, ...]:
         (3, 300, 8, torch.float32, {**GROUPS, "gather_programs": 1}),  # one gathering program per row
         (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather_programs": 32}),  # more programs than passing groups
         (2, 300, 8, torch.float32, {**GROUPS, "capacity": 64, "gather_programs": 2}),  # full-ish segments
-        (2, 40_000, 64, torch.float32, {"fused": False}),  # the defaults, unfused
-        (3, 1000, 20, torch.bfloat16, {**GROUPS, "group_size": 64, "group_tile": 128}),  # 8 group-max programs a row
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
     scores, lengths = topk_case(generator(L + k), R, L, dtype)
-    for fused in fusings(paths):
-        launch = {"fused": fused, **paths}  # the default launch's cases may name `fused` themselves
-        got = topk_indices_triton(scores, k, lengths, **launch)
-        assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
-        assert torch.equal(topk_indices_triton(scores, k, None, **launch), kernels.topk_indices(scores, k))
+    got = topk_indices_triton(scores, k, lengths, **paths)
+    assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
+    assert torch.equal(topk_indices_triton(scores, k, None, **paths), kernels.topk_indices(scores, k))
 
 
 @pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
 def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
     scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
-    for fused in fusings(paths):
-        for k in (1, 7, 40):
-            got = topk_indices_triton(scores, k, lengths, fused=fused, **paths)
-            assert torch.equal(got, lowest_position_topk(scores, k, lengths))
+    for k in (1, 7, 40):
+        assert torch.equal(topk_indices_triton(scores, k, lengths, **paths), lowest_position_topk(scores, k, lengths))
 
 
 def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -202,15 +189,12 @@ def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
 def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch.dtype) -> None:
     scores = shared_prefix_rows(generator(5), dtype)
     for k in (30,) if "tile" in paths else (1, 30, 61):  # the streamed paths are slow in the interpreter: one k
-        # one search helper (`_select`) serves both group paths: the default one (fused on these rows) runs here
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
 
 
-def test_topk_names_a_bad_launch_shape() -> None:
-    with pytest.raises(ValueError, match="gather_programs must be a power of two, got 3"):
+def test_topk_names_a_bad_gather_program_count() -> None:
+    with pytest.raises(ValueError, match="gather_programs"):
         topk_indices_triton(torch.zeros(1, 100), 4, None, gather_programs=3)
-    with pytest.raises(ValueError, match="group_tile must be a power of two, got 96"):
-        topk_indices_triton(torch.zeros(1, 100), 4, None, group_tile=96)
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
@@ -218,11 +202,10 @@ def test_topk_ties_go_to_the_lowest_positions() -> None:
     scores[1, ::3] = 1.0
     scores[2, 40:] = float("-inf")
     for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "capacity": 32}):
-        for fused in fusings(paths):
-            got = topk_indices_triton(scores, 10, None, fused=fused, **paths)
-            assert got[0].tolist() == list(range(10))
-            assert got[1].tolist() == list(range(0, 30, 3))
-            assert got[2].tolist() == list(range(10))
+        got = topk_indices_triton(scores, 10, None, **paths)
+        assert got[0].tolist() == list(range(10))
+        assert got[1].tolist() == list(range(0, 30, 3))
+        assert got[2].tolist() == list(range(10))
     assert kernels.topk_indices(scores, 0, backend="triton").shape == (3, 0)
 
 
