@@ -248,12 +248,14 @@ def check_activations(c: Checks, rows: int) -> None:
 
 def check_indexer(c: Checks, B: int, T: int, S: int, spread: int | None = None) -> None:
     """With `spread`, batch row 0's queries hold one channel block 2^-spread below their others (the kernel folds
-    spreads ≤ 14 into its FP8 query operand and rescales wider ones block by block) and the last query a NaN scale."""
+    spreads ≤ 14 into its FP8 query operand and rescales wider ones block by block), the last query a NaN scale,
+    and two K entries the scales the quantiser never writes (2^-127, NaN: their programs decode scales in full)."""
     case = list(indexer_inputs(B, T, 32, 128, S, ragged=True))
     if spread is not None:
         case[1] = torch.full_like(case[1], 150)
         case[1][0, :, :, 1] = 150 - spread
         case[1][-1, -1, 0, 0] = 255
+        case[4][0, 3, 1], case[4][-1, S // 2, 2] = 0, 255
     want = kernels.indexer_scores(*case, backend="torch")
     got = kernels.indexer_scores(*case, backend="triton")
     q = quant.fp4_dequant_ue8m0(*case[:2])
@@ -463,17 +465,13 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of top-k at batch 256, 6 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
-    default (`topk._select_shape`, `topk._gather_programs`, `topk._fuses`) against the full tile (16 K groups of 16),
-    the half tile with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps, the fused and the unfused
-    path, and the fused path at 16 warps without register caps (`topk._fused_launch`) and with 2 K / 16 K-score
-    group-max tiles (`topk._FUSED_GROUP_TILE`)."""
+    """Launch shapes of top-k at batch 256 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
+    default (`topk._select_shape`, `topk._gather_programs`) against the full tile (16 K groups of 16), the half tile
+    with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps."""
     variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 2048}, {"gather_programs": 2},
-                {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16}, {"num_warps": 4},
-                {"fused": True}, {"fused": False}, {"fused": True, "num_warps": 16},
-                {"fused": True, "group_tile": 2048}, {"fused": True, "group_tile": 16384}]  # fmt: skip
+                {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16}, {"num_warps": 4}]  # fmt: skip
     k = 16 if tiny else 512
-    shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576), (6, 1_048_576)]
+    shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]
     R, L = shapes[0]
     rows.append((R, L, "heavy-tailed", randn(R, L).mul(3).exp().to(torch.bfloat16)))
@@ -516,10 +514,10 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
     launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — positions per tile × tiles per
-    program (256 × 8 / 16 / 32, 128 × 16, 64 × 4 / 16), 4 pipeline stages and the FP16 operand (GPUs before sm_89);
+    program (256 × 8 / 16 / 32 / 64, 128 × 16, 64 × 4 / 16), 4 pipeline stages and the FP16 operand (GPUs before sm_89);
     the prefill tile at B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile per program."""
-    decode = [{"block_s": b, "tiles_per_program": t} for b, t in ((256, 8), (256, 16), (256, 32), (128, 16), (64, 4),
-                                                                  (64, 16))]  # fmt: skip
+    decode = [{"block_s": b, "tiles_per_program": t} for b, t in ((256, 8), (256, 16), (256, 32), (256, 64), (128, 16),
+                                                                  (64, 4), (64, 16))]  # fmt: skip
     decode += [{"num_stages": 4}, {"operand": indexer.FP16.value}]
     prefill = [{"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots

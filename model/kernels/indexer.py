@@ -62,13 +62,14 @@ def _column_blocks(x, N: tl.constexpr):
 
 @triton.jit
 def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr,
-                    SCALE_WORDS: tl.constexpr):  # fmt: skip
+                    SCALE_WORDS: tl.constexpr, PLAIN: tl.constexpr):  # fmt: skip
     """Rows of DI packed FP4 channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale
-    exponent [rows] as int32). One load of the rows' bytes and one of their scales, cut in registers: a load per
-    block compiles to loads each issued only after the previous block's dot (shared-memory barriers between them),
-    four serial global latencies per tile at DI = 128. With SCALE_WORDS the scales are read as 32-bit words (four
-    blocks each): a thread's share of a tile's scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load —
-    byte-wise, the scale load stalled every tile. DIP: DI padded to a power of two (a tl.arange's length)."""
+    [rows] as fp32). One load of the rows' bytes and one of their scales, cut in registers: a load per block
+    compiles to loads each issued only after the previous block's dot (shared-memory barriers between them), four
+    serial global latencies per tile at DI = 128. With SCALE_WORDS the scales are read as 32-bit words (four blocks
+    each): a thread's share of a tile's scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load —
+    byte-wise, the scale load stalled every tile. PLAIN: every scale byte is known to lie in 1 … 254
+    (`_plain_scales`). DIP: DI padded to a power of two (a tl.arange's length)."""
     byte, block = tl.arange(0, DIP // 2), tl.arange(0, DIP // 32)
     if DI == DIP:
         byte_ok, block_ok = ok[:, None], ok[:, None]
@@ -86,11 +87,35 @@ def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.cons
     blocks = ()
     for j in tl.static_range(DI // 32):
         if SCALE_WORDS:  # little-endian: block j's byte is bits 8·(j mod 4) … of word j / 4
-            exponent = (tl.reshape(words[j // 4], (ok.shape[0],)) >> (8 * (j % 4))) & 0xFF
+            word = tl.reshape(words[j // 4], (ok.shape[0],))
+            scale = _plain_scale(word, j % 4) if PLAIN else ue8m0_decode((word >> (8 * (j % 4))) & 0xFF)
         else:
-            exponent = tl.reshape(scales[j], (ok.shape[0],)).to(tl.int32)
-        blocks = blocks + ((packed[j], exponent),)  # noqa: RUF005 (no starred tuples)
+            scale = ue8m0_decode(tl.reshape(scales[j], (ok.shape[0],)))
+        blocks = blocks + ((packed[j], scale),)  # noqa: RUF005 (no starred tuples)
     return blocks
+
+
+@triton.jit
+def _plain_scale(word, j: tl.constexpr):
+    """2^(e − 127) for the UE8M0 byte e of a little-endian word's byte j, e in 1 … 254: e moved into the fp32
+    exponent field, two operations instead of ue8m0_decode's five (which also serve 2^-127 and NaN)."""
+    bits = (word >> 1) if j == 3 else (word << (23 - 8 * j))
+    return (bits & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _plain_scales(ks_ptr, ks_base, first, last, DI: tl.constexpr, SCAN: tl.constexpr):
+    """Whether every K scale byte of positions first … last − 1 lies in 1 … 254, as every scale the quantiser
+    writes does (its floor is 2^-126): then the tiles decode scales with `_plain_scale`. One load of the program's
+    scale words (SCAN ≥ last − first of them, a power of two) before its tiles stream them again, from L2."""
+    s = first + tl.arange(0, SCAN)
+    word_ptr = (ks_ptr + ks_base + s * (DI // 32)).to(tl.pointer_type(tl.int32))
+    words = tl.load(word_ptr[:, None] + tl.arange(0, DI // 128)[None, :], mask=(s < last)[:, None], other=1)
+    special = tl.zeros_like(words)
+    for j in tl.static_range(4):
+        byte = (words >> (8 * j)) & 0xFF
+        special |= ((byte == 0) | (byte == 255)).to(tl.int32)
+    return tl.max(tl.max(special, axis=1), axis=0) == 0
 
 
 @triton.jit
@@ -125,15 +150,16 @@ def _pow2(e):
 
 
 @triton.jit
-def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI: tl.constexpr, OPERAND: tl.constexpr):
+def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, may_fold, DI: tl.constexpr, OPERAND: tl.constexpr):
     """The program's queries, unpacked once for all of its K tiles → (per channel block the transposed operand
     [32, columns] and the scale [columns] that the block's dot needs, the head weights [columns], `folded`).
 
-    Folded (the usual case): each block's codes carry its scale relative to the column's largest, 2^-d_j, exactly
-    (FP8 holds code · 2^(Q_SHIFT − d) for d ≤ 14), and the largest scale goes into the column's weight — the ReLU
-    commutes with a positive factor. Each K tile then spends one fp32 FMA per block and element instead of two.
-    Blocks of zero codes do not count (the quantiser gives them the smallest scale). Otherwise (a wider spread, or a
-    NaN scale) each block's dot is rescaled by its own scale, as the reference's dequantised values give."""
+    Folded (the usual case; only if `may_fold`): each block's codes carry its scale relative to the column's
+    largest, 2^-d_j, exactly (FP8 holds code · 2^(Q_SHIFT − d) for d ≤ 14), and the largest scale goes into the
+    column's weight — the ReLU commutes with a positive factor. Each K tile then spends one fp32 FMA per block and
+    element instead of two. Blocks of zero codes do not count (the quantiser gives them the smallest scale).
+    Otherwise (a wider spread, or a NaN scale) each block's dot is rescaled by its own scale, as the reference's
+    dequantised values give."""
     K_SHIFT: tl.constexpr = 6 if OPERAND == FP8 else 14  # _codes' code · 2^-K_SHIFT
     Q_SHIFT: tl.constexpr = 6 if OPERAND == FP8 else (13 if OPERAND == FP16 else 14)  # 6 · 2^Q_SHIFT fits
     SPREAD: tl.constexpr = 14 if OPERAND == FP8 else (36 if OPERAND == FP16 else 100)  # code · 2^(Q_SHIFT − d) exact
@@ -155,7 +181,7 @@ def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI: tl.constexpr, OPERAND: 
     spread = tl.zeros_like(top)
     for j in tl.static_range(DI // 32):
         spread = tl.maximum(spread, tl.where(used[j], top - exponents[j], 0))
-    folded = (tl.max(spread, axis=0) <= SPREAD) & (tl.max(nan, axis=0) == 0)
+    folded = may_fold & (tl.max(spread, axis=0) <= SPREAD) & (tl.max(nan, axis=0) == 0)
     operands = ()
     for j in tl.static_range(DI // 32):
         d = tl.where(folded & used[j], top - exponents[j], 0)
@@ -171,28 +197,29 @@ def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI: tl.constexpr, OPERAND: 
 
 @triton.jit
 def _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr,
-        SCALE_WORDS: tl.constexpr, FOLDED: tl.constexpr):  # fmt: skip
+        SCALE_WORDS: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """q·K per (position, column) = Σ_j qs_j · ks_j · (code sum of block j): per channel block one dot of exact code
-    sums (small integers times a power of two) and its fp32 rescale (qs_j in the operand and weight when FOLDED)."""
-    k_blocks = _channel_blocks(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DIP, SCALE_WORDS)
+    sums (small integers times a power of two) and its fp32 rescale. FAST: the queries' scales are folded
+    (`_query_operands`) and the K scales plain (`_plain_scales`)."""
+    k_blocks = _channel_blocks(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DIP, SCALE_WORDS, FAST)
     acc = tl.zeros((k_row.shape[0], q_ops[0][1].shape[0]), dtype=tl.float32)
     for j in tl.static_range(DI // 32):
-        packed, k_exponent = k_blocks[j]
+        packed, k_scale = k_blocks[j]
         q_codes, q_scale = q_ops[j]
-        dot = tl.dot(_codes(packed, OPERAND), q_codes) * ue8m0_decode(k_exponent)[:, None]
-        acc += dot if FOLDED else dot * q_scale[None, :]
+        dot = tl.dot(_codes(packed, OPERAND), q_codes) * k_scale[:, None]
+        acc += dot if FAST else dot * q_scale[None, :]
     return acc
 
 
 @triton.jit
 def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
                 DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr, FOLDED: tl.constexpr):  # fmt: skip
+                OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
     k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * (DI // 32)  # a batch row's entries are dense
-    qk = _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, DIP, OPERAND, SCALE_WORDS, FOLDED)
+    qk = _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, DIP, OPERAND, SCALE_WORDS, FAST)
     per_head = tl.maximum(qk, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]  # ReLU(NaN) = NaN, as in torch
     scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
     scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
@@ -204,15 +231,15 @@ def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_
 def _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride,
                  DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                  OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                 FOLDED: tl.constexpr):  # fmt: skip
+                 FAST: tl.constexpr):  # fmt: skip
     """The program's TILES consecutive K tiles from position `first`."""
     if TILES == 1:  # no loop: a pipelined loop of one trip would still pay its prologue
         _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
-                    HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FOLDED)  # fmt: skip
+                    HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST)  # fmt: skip
     else:
         for i in tl.range(0, TILES, num_stages=STAGES):
             _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride,
-                        ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FOLDED)  # fmt: skip
+                        ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST)  # fmt: skip
 
 
 @triton.jit
@@ -220,21 +247,25 @@ def _indexer_kernel(
     q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, nv_ptr, out_ptr,
     T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, SCAN: tl.constexpr,
 ):  # fmt: skip
     """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads."""
     t0 = tl.program_id(1) * BLOCK_T
     b = tl.program_id(2).to(tl.int64)
+    first = tl.program_id(0) * TILES * BLOCK_S
+    if SCALE_WORDS:
+        plain = _plain_scales(ks_ptr, b * ks_stride, first, tl.minimum(first + TILES * BLOCK_S, S), DI, SCAN)
+    else:
+        plain = False
     m = tl.arange(0, BLOCK_T * HP)
     t, h = t0 + m // HP, m % HP
     col_ok = (t < T) & (h < H)
     q_row = (b * T + t) * H + h  # [M] row of q_data / q_scale / weights
     w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0).to(tl.float32)
-    q_ops, w, folded = _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, DI, OPERAND)
+    q_ops, w, fast = _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, plain, DI, OPERAND)
     tq = t0 + tl.arange(0, BLOCK_T)
     n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0).to(tl.int32)  # ≤ S: 32-bit compares per tile
-    first = tl.program_id(0) * TILES * BLOCK_S
-    if folded:
+    if fast:
         _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
                      HP, BLOCK_T, BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, True)  # fmt: skip
     else:
@@ -254,20 +285,23 @@ def _fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
+_RESIDENT = 2  # decode programs per SM at the default tile (255 registers × 128 threads: two fit)
+
+
 def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
     """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode tiles
-    of 256 positions, 0.121 ms at B=64 × 64 K and 0.244 ms at B=8 × 1 M with 32 tiles per program (16: 0.125 /
-    0.245; 8: 0.133 / 0.256; 64-position tiles, the default before: 0.142 / 0.274 at best) — larger programs
-    amortise the queries' unpacking and the pipeline's fill — but never so few programs that SMs idle: at most
-    enough tiles per program to leave ≈ 4 programs per SM (two fit at once). Prefill tiles (64 columns share a K
-    tile) 128 × 4, 1.86 ms at B=1, T=1024, S=64 K (64 × 4: 2.46; 1 tile per program: 2.97). The interpreter's cost
-    grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
+    of 256 positions, with as many per program as keep every program resident at once (the grid one wave, or whole
+    waves), up to 32: 0.122 ms at B=64 × 64 K and 0.240 ms at B=8 × 1 M with 32 (16: 0.126 / 0.245; 8: 0.134 /
+    0.260; 64-position tiles, the default before: 0.136 / 0.263 at best); 0.017 ms at B=4 × 128 K with 8 (3, which
+    leaves 2.6 waves: 0.032). Larger programs amortise the queries' unpacking and the pipeline's fill. Prefill tiles
+    (64 columns share a K tile) 128 × 4, 1.89 ms at B=1, T=1024, S=64 K (64 × 4: 2.53; 1 tile per program: 3.37).
+    The interpreter's cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
     if T > 1:
         return 128, 4
     tiles = B * triton.cdiv(S, 256)
-    return 256, max(1, min(32, tiles // (4 * multiprocessors())))
+    return 256, max(1, min(32, triton.cdiv(tiles, _RESIDENT * multiprocessors())))
 
 
 def indexer_scores_triton(
@@ -317,6 +351,7 @@ def indexer_scores_triton(
     _indexer_kernel[grid](
         q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, n_visible.contiguous(), out,
         T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, 32 * triton.next_power_of_2(half // 16), HP, block_t,
-        block_s, operand, tiles_per_program, num_stages, scale_words, num_warps=num_warps,
+        block_s, operand, tiles_per_program, num_stages, scale_words,
+        triton.next_power_of_2(tiles_per_program * block_s), num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -77,14 +77,18 @@ def test_query_block_scales_far_apart(launch: dict, spread: int) -> None:
     assert_indexer_scores_close(indexer.indexer_scores_triton(*case, **launch), kernels.indexer_scores(*case), case)
 
 
-def test_nan_scale_gives_nan_scores() -> None:
-    """UE8M0 255 is NaN: its query's visible scores are NaN, as the reference's; other queries are unaffected."""
-    q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(9), 1, 2, 4, 128, 40)
+def test_nan_scales_give_nan_scores() -> None:
+    """UE8M0 255 is NaN: a query's NaN scale makes its visible scores NaN, a K entry's NaN scale that position's, as
+    in the reference; the rest is unaffected (and the programs without a NaN K scale keep their fast decode)."""
+    q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(9), 1, 3, 4, 128, 200)
+    n_visible[:] = 200
     q_scale[0, 0, 1, 3] = 255
+    k_scale[0, 7, 2] = 255
     case = (q_data, q_scale, w, k_data, k_scale, n_visible)
     want = kernels.indexer_scores(*case)
     got = indexer.indexer_scores_triton(*case)
-    assert want[0, 0, : n_visible[0, 0]].isnan().all()
-    assert not want[0, 1].isnan().any()
+    assert want[0, 0].isnan().all()
+    assert want[0, 1:, 7].isnan().all()
+    assert want[0, 1:].isnan().sum() == 2
     assert torch.equal(got.isnan(), want.isnan())
     assert_indexer_scores_close(got, want, case)
