@@ -513,12 +513,13 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
-    launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — positions per tile × tiles per
-    program (256 × 8 / 16 / 32 / 64, 128 × 16, 64 × 4 / 16), 4 pipeline stages and the FP16 operand (GPUs before sm_89);
-    the prefill tile at B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile per program."""
-    decode = [{"block_s": b, "tiles_per_program": t} for b, t in ((256, 8), (256, 16), (256, 32), (256, 64), (128, 16),
-                                                                  (64, 4), (64, 16))]  # fmt: skip
-    decode += [{"num_stages": 4}, {"operand": indexer.FP16.value}]
+    launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — 128 × 16 / 32 / 64 positions per
+    program, 256 × 32 uncapped (two programs per SM), no register cap and a tighter one (112), 4 pipeline stages and
+    the FP16 operand (GPUs before sm_89); the prefill tile at B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile
+    per program."""
+    decode = [{"block_s": 128, "tiles_per_program": t} for t in (16, 32, 64)]
+    decode += [{"block_s": 256, "tiles_per_program": 32, "max_registers": 255}, {"max_registers": 255},
+               {"max_registers": 112}, {"num_stages": 4}, {"operand": indexer.FP16.value}]  # fmt: skip
     prefill = [{"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots
         shapes = [(2, 1, 256, [{"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]

@@ -285,23 +285,25 @@ def _fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
-_RESIDENT = 2  # decode programs per SM at the default tile (255 registers × 128 threads: two fit)
+_DECODE_REGISTERS = 128  # a cap that fits four 4-warp decode programs per SM (few spills at 128-position tiles)
+_RESIDENT = 4  # decode programs per SM under that cap
 
 
 def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
     """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode tiles
-    of 256 positions, with as many per program as keep every program resident at once (the grid one wave, or whole
-    waves), up to 32: 0.122 ms at B=64 × 64 K and 0.240 ms at B=8 × 1 M with 32 (16: 0.126 / 0.245; 8: 0.134 /
-    0.260; 64-position tiles, the default before: 0.136 / 0.263 at best); 0.017 ms at B=4 × 128 K with 8 (3, which
-    leaves 2.6 waves: 0.032). Larger programs amortise the queries' unpacking and the pipeline's fill. Prefill tiles
-    (64 columns share a K tile) 128 × 4, 1.89 ms at B=1, T=1024, S=64 K (64 × 4: 2.53; 1 tile per program: 3.37).
-    The interpreter's cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
+    of 128 positions under a 128-register cap, four programs per SM (uncapped, 180 registers: two), with as many
+    tiles per program as keep every program resident at once (the grid one wave, or whole waves), up to 64:
+    0.117 ms at B=64 × 64 K and 0.233 ms at B=8 × 1 M (57 % of copy; 256-position tiles, two programs per SM:
+    0.121 / 0.240; 64-position tiles: 0.136 / 0.263 at best), 0.0175 ms at B=4 × 128 K (one wave; 2.6 waves:
+    0.032). Larger programs amortise the queries' unpacking and the pipeline's fill. Prefill tiles (64 columns share
+    a K tile) 128 × 4 uncapped, 1.89 ms at B=1, T=1024, S=64 K (64 × 4: 2.53; 1 tile per program: 3.37). The
+    interpreter's cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
     if T > 1:
         return 128, 4
-    tiles = B * triton.cdiv(S, 256)
-    return 256, max(1, min(32, triton.cdiv(tiles, _RESIDENT * multiprocessors())))
+    tiles = B * triton.cdiv(S, 128)
+    return 128, max(1, min(64, triton.cdiv(tiles, _RESIDENT * multiprocessors())))
 
 
 def indexer_scores_triton(
@@ -316,19 +318,24 @@ def indexer_scores_triton(
     num_warps: int = 4,
     num_stages: int = 3,
     operand: int | None = None,
+    max_registers: int | None = None,
 ) -> Tensor:
     """The launch knobs (bench/kernels.py tune-indexer times them; each gives the same scores up to fp32 summation
     order; None takes the default of `_default_tiling` / the GPU):
     - `block_s`: positions per K tile, a power of two ≥ 16 (the dot's M side);
     - `tiles_per_program`: consecutive K tiles per program, in a loop software-pipelined over `num_stages`;
     - `num_warps`: warps per program;
-    - `operand`: the code operands' type, FP8 (sm_89 and later), FP16 or FP32 (`FP8.value` …)."""
+    - `operand`: the code operands' type, FP8 (sm_89 and later), FP16 or FP32 (`FP8.value` …);
+    - `max_registers`: a cap on registers per thread, so that more programs fit an SM (spills are the price);
+      decode launches default to `_DECODE_REGISTERS`."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
     default_block_s, default_tiles = _default_tiling(B, T, S)
     block_s = default_block_s if block_s is None else block_s
     tiles_per_program = default_tiles if tiles_per_program is None else tiles_per_program
     operand = _operand() if operand is None else operand
+    if max_registers is None and T == 1 and not interpreting():
+        max_registers = _DECODE_REGISTERS
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two ≥ 16 (a dot's M side), got {block_s}")
     if tiles_per_program < 1:
@@ -353,5 +360,6 @@ def indexer_scores_triton(
         T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, 32 * triton.next_power_of_2(half // 16), HP, block_t,
         block_s, operand, tiles_per_program, num_stages, scale_words,
         triton.next_power_of_2(tiles_per_program * block_s), num_warps=num_warps,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )  # fmt: skip
     return out
