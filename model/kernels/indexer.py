@@ -4,16 +4,17 @@ I[b,t,s] = Σ_h w[b,t,h] · ReLU(q[b,t,h] · K[b,s]), −inf where s ≥ n_visib
 
 Triton: one program scores TILES consecutive K tiles of BLOCK_S positions of one sequence for BLOCK_T queries × all
 heads (columns m = (t, h)). The queries' packed codes are unpacked once per program, for all of its tiles. A K tile
-is read in two loads, its positions' packed bytes and their UE8M0 scale bytes (all of its bytes in flight at once),
-and cut into 32-channel blocks in registers. Per block j the codes are unpacked into tensor-core operands — FP8 E4M3
-on sm_89 and later (an E2M1 code is an E4M3 code shifted: one and + shift + or per nibble, four nibbles per 32-bit
-instruction, and the FP8 rate is twice FP16's), FP16 before, FP32 in the interpreter — one dot K_j · q_jᵀ gives
-[BLOCK_S, columns] of exact code sums, and the scales multiply it: q·K = Σ_j qs_j · ks_j · Σ_{i∈j} codeq_i · codek_i.
-A query's qs_j ride in its operand relative to its largest block scale (exactly: a power of two within the operand's
-range) and that largest one in its head weight, so the per-block rescale is one FMA by ks_j. The K tile is the dot's
-M side (the tensor core's natural 128 rows) and the heads its N side. The loop over tiles is software-pipelined over
-STAGES: the next tiles' loads are in flight while this one's dots run. K is read once per query tile, never
-dequantised to memory.
+is read in two loads, its positions' packed bytes and their UE8M0 scales as 32-bit words (all of its bytes in
+flight at once), and cut into 32-channel blocks in registers. Per block j the codes are unpacked into tensor-core
+operands — FP8 E4M3 on sm_89 and later (an E2M1 code is an E4M3 code shifted: one and + shift + or per nibble, four
+nibbles per 32-bit instruction, and the FP8 rate is twice FP16's), FP16 before, FP32 in the interpreter — with the
+channels in [even | odd] order, the same for q and K; one dot K_j · q_jᵀ gives [BLOCK_S, columns] of exact code
+sums, and the scales multiply it: q·K = Σ_j qs_j · ks_j · Σ_{i∈j} codeq_i · codek_i. A query's qs_j ride in its
+operand relative to its largest block scale (exactly: a power of two within the operand's range) and that largest
+one in its head weight, so the per-block rescale is one FMA by ks_j, decoded in two operations once the program has
+found its K scales to be the quantiser's (no 2^-127, no NaN). The K tile is the dot's M side (the tensor core's
+natural 128 rows) and the heads its N side. The loop over tiles is software-pipelined over STAGES: the next tiles'
+loads are in flight while this one's dots run. K is read once per query tile, never dequantised to memory.
 """
 
 import functools
@@ -37,7 +38,7 @@ def indexer_scores_torch(
     return scores.masked_fill(positions >= n_visible[..., None], float("-inf"))
 
 
-# tensor-core operand of the unpacked codes (constexpr): it holds code value · 2^-6 (FP8) or · 2^-14, exactly
+# tensor-core operand of the unpacked codes (constexpr): K's hold code value · 2^-6 (FP8) or · 2^-14, exactly
 FP8 = tl.constexpr(0)
 FP16 = tl.constexpr(1)
 FP32 = tl.constexpr(2)  # the interpreter (its low-precision tl.dot is unreliable)
@@ -69,7 +70,7 @@ def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.cons
     serial global latencies per tile at DI = 128. With SCALE_WORDS the scales are read as 32-bit words (four blocks
     each): a thread's share of a tile's scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load —
     byte-wise, the scale load stalled every tile. PLAIN: every scale byte is known to lie in 1 … 254
-    (`_plain_scales`). DIP: DI padded to a power of two (a tl.arange's length)."""
+    (`_all_plain_scales`). DIP: DI padded to a power of two (a tl.arange's length)."""
     byte, block = tl.arange(0, DIP // 2), tl.arange(0, DIP // 32)
     if DI == DIP:
         byte_ok, block_ok = ok[:, None], ok[:, None]
@@ -104,7 +105,7 @@ def _plain_scale(word, j: tl.constexpr):
 
 
 @triton.jit
-def _plain_scales(ks_ptr, ks_base, first, last, DI: tl.constexpr, SCAN: tl.constexpr):
+def _all_plain_scales(ks_ptr, ks_base, first, last, DI: tl.constexpr, SCAN: tl.constexpr):
     """Whether every K scale byte of positions first … last − 1 lies in 1 … 254, as every scale the quantiser
     writes does (its floor is 2^-126): then the tiles decode scales with `_plain_scale`. One load of the program's
     scale words (SCAN ≥ last − first of them, a power of two) before its tiles stream them again, from L2."""
@@ -200,7 +201,7 @@ def _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.con
         SCALE_WORDS: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """q·K per (position, column) = Σ_j qs_j · ks_j · (code sum of block j): per channel block one dot of exact code
     sums (small integers times a power of two) and its fp32 rescale. FAST: the queries' scales are folded
-    (`_query_operands`) and the K scales plain (`_plain_scales`)."""
+    (`_query_operands`) and the K scales plain (`_all_plain_scales`)."""
     k_blocks = _channel_blocks(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DIP, SCALE_WORDS, FAST)
     acc = tl.zeros((k_row.shape[0], q_ops[0][1].shape[0]), dtype=tl.float32)
     for j in tl.static_range(DI // 32):
@@ -254,7 +255,7 @@ def _indexer_kernel(
     b = tl.program_id(2).to(tl.int64)
     first = tl.program_id(0) * TILES * BLOCK_S
     if SCALE_WORDS:
-        plain = _plain_scales(ks_ptr, b * ks_stride, first, tl.minimum(first + TILES * BLOCK_S, S), DI, SCAN)
+        plain = _all_plain_scales(ks_ptr, b * ks_stride, first, tl.minimum(first + TILES * BLOCK_S, S), DI, SCAN)
     else:
         plain = False
     m = tl.arange(0, BLOCK_T * HP)
