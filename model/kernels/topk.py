@@ -21,6 +21,16 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
+5. Streaming (one kernel, one program per row; the default when the rows fill the GPU and are long, `_streams`):
+   DeepSelect's streaming select. The program reads its row once, in tiles, software-pipelined (the tiles' loads
+   are independent, so several are in flight). A running threshold T starts at 1 (every selectable score); the keys
+   ≥ T of each tile are appended, in position order, to the row's candidate buffer (global scratch that stays in
+   L2); a tile with no key ≥ T is skipped after one maximum. When a tile might not fit, a refresh raises T to the
+   k-th largest buffered key (step 4's search, in registers) and compacts the buffer to the keys ≥ T, in order: k
+   buffered keys reach T, so the row's k-th largest key is ≥ T and no chosen score is dropped. Step 4's selection
+   among the buffered candidates ends it; if a refresh frees no room for a tile (adversarial ties at T), the row is
+   selected straight from its scores.
+
 Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
 gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
 """
