@@ -25,11 +25,11 @@ Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate
    DeepSelect's streaming select. The program reads its row once, in tiles, software-pipelined (the tiles' loads
    are independent, so several are in flight). A running threshold T starts at 1 (every selectable score); the keys
    ≥ T of each tile are appended, in position order, to the row's candidate buffer (global scratch that stays in
-   L2); a tile with no key ≥ T is skipped after one maximum. When a tile might not fit, a refresh raises T to the
-   k-th largest buffered key (step 4's search, in registers) and compacts the buffer to the keys ≥ T, in order: k
+   L2); a tile with no key ≥ T is skipped after one count. When a tile's keys ≥ T do not fit, a refresh raises T to
+   the k-th largest buffered key (step 4's search, in registers) and compacts the buffer to the keys ≥ T, in order: k
    buffered keys reach T, so the row's k-th largest key is ≥ T and no chosen score is dropped. Step 4's selection
-   among the buffered candidates ends it; if a refresh frees no room for a tile (adversarial ties at T), the row is
-   selected straight from its scores.
+   among the buffered candidates ends it; if a refresh leaves no room for the tile's keys (adversarial ties at T),
+   the row is selected straight from its scores.
 
 Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
 gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
@@ -325,8 +325,8 @@ def _refresh(ckey_row, cpos_row, n, threshold, k, CAP: tl.constexpr, LOW_BIT: tl
     The whole buffer is held in registers (CAP is the register tile): one read, and a compaction that cannot
     overwrite an item before it is read. Items cross threads through global memory with no explicit barrier (one in
     the streaming loop would stop its software pipelining): the block-wide reductions between the accesses (the
-    tile's maximum before the loads, the search's counts before the stores) each synchronise the block, and a
-    barrier orders the block's memory accesses."""
+    tile's count before the loads; the buffer's maximum, which needs every load, before the stores) each
+    synchronise the block, and a barrier orders the block's memory accesses."""
     i = tl.arange(0, CAP)
     key = tl.load(ckey_row + i, mask=i < n, other=0)
     pos = tl.load(cpos_row + i, mask=i < n, other=0)
@@ -355,22 +355,26 @@ def _stream_kernel(
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     threshold = tl.full((), 1, tl.uint32)
     n = 0
-    overflow = 0  # more than CAP − TILE items tie at T even after a refresh (adversarial ties): select from the row
+    overflow = 0  # a refresh left no room for a tile's keys (adversarial ties at T): select from the row
     # The loads of a tile do not depend on the buffer: software pipelining keeps STAGES tiles of the row in flight.
     for start in tl.range(0, length, TILE, num_stages=STAGES):
         pos = start + tl.arange(0, TILE)
         # masked at the row's width, not its length: a mask uniform over each 16-byte vector lets the loads pipeline
         key = _order_key(tl.load(x_row + pos, mask=pos < L, other=float("-inf")), pos < length, LOW_BIT)
-        # Past the first tiles most hold nothing ≥ T: one maximum skips their scan and stores.
-        if (tl.max(key, axis=0) >= threshold) & (overflow == 0):
-            if n + TILE > CAP:
+        keep = key >= threshold
+        hits = tl.sum(keep.to(tl.int32), axis=0)
+        # Past the first tiles most hold nothing ≥ T: one count skips their scan and stores.
+        if (hits > 0) & (overflow == 0):
+            if n + hits > CAP:
                 threshold, n = _refresh(ckey_row, cpos_row, n, threshold, k, CAP, LOW_BIT)
-                overflow = (n + TILE > CAP).to(tl.int32)
-            keep = (key >= threshold) & (overflow == 0)
+                keep = key >= threshold
+                hits = tl.sum(keep.to(tl.int32), axis=0)
+                overflow = (n + hits > CAP).to(tl.int32)
+                keep &= overflow == 0
             slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(ckey_row + slot, key, mask=keep)
             tl.store(cpos_row + slot, pos, mask=keep)
-            n += tl.sum(keep.to(tl.int32), axis=0)
+            n += tl.where(overflow == 0, hits, 0)
     tl.debug_barrier()  # the buffer, written by every thread, is read whole by the selection
     from_row = overflow != 0
     n = tl.where(from_row, length, n)

@@ -141,7 +141,7 @@ GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing
 GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
 OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
 STREAM = {"stream": True, "tile": 32, "capacity": 128}  # one program per row streaming it; refreshes past 96 items
-# refreshes every few tiles; with k > 16 (or ties at T) no refresh frees a tile's room: select from the row
+# refreshes every few tiles; a refresh may leave no room for a tile (ties at T, or k > 16): select from the row
 STREAM_CRAMPED = {"stream": True, "tile": 16, "capacity": 32}
 
 
@@ -162,7 +162,7 @@ STREAM_CRAMPED = {"stream": True, "tile": 16, "capacity": 32}
         (3, 1000, 20, torch.bfloat16, STREAM),
         (2, 7, 16, torch.float32, STREAM),
         (3, 500, 8, torch.float16, STREAM_CRAMPED),
-        (3, 300, 20, torch.bfloat16, STREAM_CRAMPED),  # k > capacity − tile: every row selected from its scores
+        (3, 300, 20, torch.bfloat16, STREAM_CRAMPED),  # k > capacity − tile: little room after a refresh
         (3, 300, 8, torch.float32, {**GROUPS, "gather_programs": 1}),  # one gathering program per row
         (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather_programs": 32}),  # more programs than passing groups
         (2, 300, 8, torch.float32, {**GROUPS, "capacity": 64, "gather_programs": 2}),  # full-ish segments
