@@ -461,18 +461,18 @@ def topk_indices_triton(
     `tile` is the select kernel's register tile, `num_warps` the threshold and select kernels' warps. The defaults
     suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
+    device, x = scores.device, scores.contiguous()
+    out = torch.empty((R, k), dtype=torch.int32, device=device)
+    has_lengths = lengths is not None
+    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     if stream if stream is not None else _streams(R, L, k):
-        return _stream_select(scores, k, lengths, capacity, tile, num_warps, stages)
+        _stream_select(x, k, lengths, has_lengths, out, capacity, tile, num_warps, stages)
+        return out
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
     gather_programs = _power_of_two("gather_programs", gather_programs or _gather_programs(R))
-    device = scores.device
-    out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:
         return out
-    x = scores.contiguous()
-    has_lengths = lengths is not None
-    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit, P = triton.next_power_of_2(k), _low_bit(scores.dtype), gather_programs
     direct = scores.shape[1] <= direct_max
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
@@ -504,21 +504,18 @@ def topk_indices_triton(
 
 
 def _stream_select(
-    scores: Tensor, k: int, lengths: Tensor | None, capacity: int | None, tile: int | None,
+    x: Tensor, k: int, lengths: Tensor, has_lengths: bool, out: Tensor, capacity: int | None, tile: int | None,
     num_warps: int | None, stages: int | None,
-) -> Tensor:  # fmt: skip
-    R, L = scores.shape
-    out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
-    if R == 0 or k == 0:
-        return out
+) -> None:  # fmt: skip
+    """The streaming path's launch, into `out`."""
+    R, L = x.shape
     KP = triton.next_power_of_2(k)
     tile = _power_of_two("tile", tile or _STREAM_TILE)
     # room for a full tile beyond 2k kept items, so that a refresh frees at least k slots on rows without ties
     capacity = _power_of_two("capacity", capacity or triton.next_power_of_2(tile + 2 * KP))
-    has_lengths = lengths is not None
-    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
-    ckey = torch.empty((R, capacity), dtype=torch.uint32, device=scores.device)
-    cpos = torch.empty((R, capacity), dtype=torch.int32, device=scores.device)
-    _stream_kernel[(R,)](scores.contiguous(), lengths, ckey, cpos, out, L, k, has_lengths, _low_bit(scores.dtype),
-                         tile, capacity, stages or _STREAM_STAGES, KP, num_warps=num_warps or 8)  # fmt: skip
-    return out
+    if R == 0 or k == 0:
+        return
+    ckey = torch.empty((R, capacity), dtype=torch.uint32, device=x.device)
+    cpos = torch.empty((R, capacity), dtype=torch.int32, device=x.device)
+    _stream_kernel[(R,)](x, lengths, ckey, cpos, out, L, k, has_lengths, _low_bit(x.dtype), tile, capacity,
+                         stages or _STREAM_STAGES, KP, num_warps=num_warps or 8)  # fmt: skip
