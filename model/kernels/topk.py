@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import multiprocessors
+from model.kernels.formats import interpreting, multiprocessors
 
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
@@ -417,11 +417,12 @@ def _gather_programs(R: int) -> int:
     return 2 if multiprocessors() < R else 8
 
 
-# The streaming path's launch, from an offline sm_90 compile (bf16, k = 512): 1 K-score tiles, 4 in flight, a 2 K-slot
-# buffer at 8 warps take 128 registers without spills, so two rows' programs share an SM (2 K tiles and a 4 K buffer
-# take 240: one per SM).
+# The streaming path's launch, from an offline sm_90 compile (bf16, k = 512): 1 K-score tiles at 8 warps with a 2 K-slot
+# buffer; 6 tiles in flight under a 128-register cap, without spills (uncapped: 150 registers), so that two rows'
+# programs share an SM with 24 KB of loads in flight between them (2 K tiles and a 4 K buffer take 254: one per SM).
 _STREAM_TILE = 1024
-_STREAM_STAGES = 4
+_STREAM_STAGES = 6
+_STREAM_REGISTERS = 128
 
 
 def _streams(R: int, L: int, k: int) -> bool:
@@ -451,9 +452,11 @@ def topk_indices_triton(
     num_warps: int | None = None,
     stream: bool | None = None,
     stages: int | None = None,
+    max_registers: int | None = None,
 ) -> Tensor:
     """The streaming path if `stream` (by default `_streams`): `tile` scores per step, `stages` tiles in flight,
-    `capacity` candidate slots per row (powers of two).
+    `capacity` candidate slots per row (powers of two), `num_warps` warps capped at `max_registers` registers per
+    thread (on a GPU by default `_STREAM_REGISTERS`).
 
     Otherwise rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of
     two; default: at most `max_groups` groups); `gather_programs` programs per row (a power of two; by default from the
@@ -466,7 +469,7 @@ def topk_indices_triton(
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     if stream if stream is not None else _streams(R, L, k):
-        _stream_select(x, k, lengths, has_lengths, out, capacity, tile, num_warps, stages)
+        _stream_select(x, k, lengths, has_lengths, out, capacity, tile, num_warps, stages, max_registers)
         return out
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
@@ -505,7 +508,7 @@ def topk_indices_triton(
 
 def _stream_select(
     x: Tensor, k: int, lengths: Tensor, has_lengths: bool, out: Tensor, capacity: int | None, tile: int | None,
-    num_warps: int | None, stages: int | None,
+    num_warps: int | None, stages: int | None, max_registers: int | None,
 ) -> None:  # fmt: skip
     """The streaming path's launch, into `out`."""
     R, L = x.shape
@@ -513,9 +516,12 @@ def _stream_select(
     tile = _power_of_two("tile", tile or _STREAM_TILE)
     # room for a full tile beyond 2k kept items, so that a refresh frees at least k slots on rows without ties
     capacity = _power_of_two("capacity", capacity or triton.next_power_of_2(tile + 2 * KP))
+    if max_registers is None and not interpreting():
+        max_registers = _STREAM_REGISTERS
     if R == 0 or k == 0:
         return
     ckey = torch.empty((R, capacity), dtype=torch.uint32, device=x.device)
     cpos = torch.empty((R, capacity), dtype=torch.int32, device=x.device)
     _stream_kernel[(R,)](x, lengths, ckey, cpos, out, L, k, has_lengths, _low_bit(x.dtype), tile, capacity,
-                         stages or _STREAM_STAGES, KP, num_warps=num_warps or 8)  # fmt: skip
+                         stages or _STREAM_STAGES, KP, num_warps=num_warps or 8,
+                         **({} if max_registers is None else {"maxnreg": max_registers}))  # fmt: skip
