@@ -363,7 +363,7 @@ def _stream_kernel(
         key = _order_key(tl.load(x_row + pos, mask=pos < L, other=float("-inf")), pos < length, LOW_BIT)
         keep = key >= threshold
         hits = tl.sum(keep.to(tl.int32), axis=0)
-        # Past the first tiles most hold nothing ≥ T: one count skips their scan and stores.
+        # Deep into a long row most tiles hold nothing ≥ T (≈ TILE · k / position keys reach it): one count skips them.
         if (hits > 0) & (overflow == 0):
             if n + hits > CAP:
                 threshold, n = _refresh(ckey_row, cpos_row, n, threshold, k, CAP, LOW_BIT)
