@@ -465,17 +465,11 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of top-k at batch 256 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones, each
-    checked against the default (`topk._streams`): the streaming path against the group path, and of each a few
-    shapes. Streaming: 4 tiles in flight, no register cap (one program per SM), 512-score tiles 12 in flight, 16 warps
-    with 2 K tiles and a 4 K buffer. Group path (`topk._select_shape`, `topk._gather_programs`): the full tile (16 K
-    groups of 16), the half tile with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps."""
-    streaming = [{}, {"stages": 4}, {"max_registers": 255}, {"tile": 512, "stages": 12},
-                 {"tile": 2048, "capacity": 4096, "num_warps": 16}]  # fmt: skip
-    groups = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 2048},
-              {"gather_programs": 2}, {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16},
-              {"num_warps": 4}]  # fmt: skip
-    variants = [{}, *({"stream": True, **v} for v in streaming), *({"stream": False, **v} for v in groups)]
+    """Launch shapes of top-k at batch 256 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
+    default (`topk._select_shape`, `topk._gather_programs`) against the full tile (16 K groups of 16), the half tile
+    with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps."""
+    variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 2048}, {"gather_programs": 2},
+                {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16}, {"num_warps": 4}]  # fmt: skip
     k = 16 if tiny else 512
     shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]

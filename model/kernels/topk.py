@@ -21,16 +21,6 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
-5. Streaming (one kernel, one program per row; the default when the rows fill the GPU and are long, `_streams`):
-   DeepSelect's streaming select. The program reads its row once, in tiles, software-pipelined (the tiles' loads
-   are independent, so several are in flight). A running threshold T starts at 1 (every selectable score); the keys
-   ≥ T of each tile are appended, in position order, to the row's candidate buffer (global scratch that stays in
-   L2); a tile with no key ≥ T is skipped after one count. When a tile's keys ≥ T do not fit, a refresh raises T to
-   the k-th largest buffered key (step 4's search, in registers) and compacts the buffer to the keys ≥ T, in order: k
-   buffered keys reach T, so the row's k-th largest key is ≥ T and no chosen score is dropped. Step 4's selection
-   among the buffered candidates ends it; if a refresh leaves no room for the tile's keys (adversarial ties at T),
-   the row is selected straight from its scores.
-
 Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
 gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
 """
@@ -40,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import interpreting, multiprocessors
+from model.kernels.formats import multiprocessors
 
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
@@ -216,10 +206,6 @@ def _items(
     start … start + TILE − 1 counted across the P segments in order."""
     if from_row:
         key, pos = _row_keys(x_row, length, start, TILE, LOW_BIT)
-    elif P == 1:  # one segment (the streaming path's buffer): item i is slot i
-        i = start + tl.arange(0, TILE)
-        key = tl.load(ckey_row + i, mask=i < n, other=0)
-        pos = tl.load(cpos_row + i, mask=i < n, other=0)
     else:
         i = start + tl.arange(0, TILE)
         segment = tl.zeros_like(i)  # the segment holding item i, and where that segment begins (in items)
@@ -253,7 +239,9 @@ def _select_kernel(
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, LOW_BIT: tl.constexpr,
     TILE: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
-    """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores)."""
+    """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
+    written in position order and −1 padded. The k-th largest key is searched below the bits that its bounds
+    share: every chosen key is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
     r = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + r * L, out_ptr + r * k
     ckey_row, cpos_row, count_row = ckey_ptr + r * P * SEG, cpos_ptr + r * P * SEG, count_ptr + r * P
@@ -266,16 +254,7 @@ def _select_kernel(
         from_row = tl.max(counts, axis=0) > SEG  # a segment overflowed (adversarial ties): select from the scores
         n = tl.where(from_row, length, tl.sum(counts, axis=0))
         lo = tl.where(from_row, 1, tl.load(thr_ptr + r))
-    _select_row(x_row, length, ckey_row, cpos_row, count_row, out_row, n, from_row, lo, k, P, SEG, TILE, KP, LOW_BIT)
 
-
-@triton.jit
-def _select_row(
-    x_row, length, ckey_row, cpos_row, count_row, out_row, n, from_row, lo, k,
-    P: tl.constexpr, SEG, TILE: tl.constexpr, KP: tl.constexpr, LOW_BIT: tl.constexpr,
-):  # fmt: skip
-    """The exact selection among n items (`_items`), written in position order and −1 padded. The k-th largest key
-    is searched below the bits that its bounds share: every chosen key is ≥ lo and ≤ the items' maximum key."""
     if n <= TILE:  # everything in registers
         key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, 0, from_row, P, SEG, TILE, LOW_BIT)
         kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
@@ -316,72 +295,6 @@ def _select_row(
     tl.store(out_row + i, tl.full((KP,), -1, tl.int32), mask=(i >= kk) & (i < k))
 
 
-@triton.jit
-def _refresh(ckey_row, cpos_row, n, threshold, k, CAP: tl.constexpr, LOW_BIT: tl.constexpr):
-    """T ← the k-th largest of the n buffered keys, and the buffer compacted in place, in order, to its keys ≥ T
-    → (T, items kept). Every buffered key is ≥ the old T, so the search starts below the bits shared by the old T and
-    the largest key. With fewer than k items T stays (any T that k buffered keys reach is a correct threshold).
-
-    The whole buffer is held in registers (CAP is the register tile): one read, and a compaction that cannot
-    overwrite an item before it is read. Items cross threads through global memory with no explicit barrier (one in
-    the streaming loop would stop its software pipelining): the block-wide reductions between the accesses (the
-    tile's count before the loads; the buffer's maximum, which needs every load, before the stores) each
-    synchronise the block, and a barrier orders the block's memory accesses."""
-    i = tl.arange(0, CAP)
-    key = tl.load(ckey_row + i, mask=i < n, other=0)
-    pos = tl.load(cpos_row + i, mask=i < n, other=0)
-    prefix, step, steps = _shared_prefix(threshold, tl.max(key, axis=0), LOW_BIT)
-    threshold = tl.where(n >= k, _radix_search(key, k, prefix, step, steps), threshold)
-    keep = key >= threshold
-    slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.store(ckey_row + slot, key, mask=keep)
-    tl.store(cpos_row + slot, pos, mask=keep)
-    return threshold, tl.sum(keep.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _stream_kernel(
-    x_ptr, len_ptr, ckey_ptr, cpos_ptr, out_ptr, L, k,
-    HAS_LENGTHS: tl.constexpr, LOW_BIT: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr,
-    STAGES: tl.constexpr, KP: tl.constexpr,
-):  # fmt: skip
-    """One row, read once (DeepSelect's streaming select): the tiles' keys ≥ a running threshold T are appended, in
-    position order, to the row's CAP-slot candidate buffer; a full buffer raises T (`_refresh`); the exact selection
-    among the buffered items ends it. T starts at 1 (every selectable score) and only rises to a key that k buffered
-    items reach, so the k-th largest score of the row is never below it and every chosen score is kept."""
-    r = tl.program_id(0).to(tl.int64)
-    x_row, out_row = x_ptr + r * L, out_ptr + r * k
-    ckey_row, cpos_row = ckey_ptr + r * CAP, cpos_ptr + r * CAP
-    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
-    threshold = tl.full((), 1, tl.uint32)
-    n = 0
-    overflow = 0  # a refresh left no room for a tile's keys (adversarial ties at T): select from the row
-    # The loads of a tile do not depend on the buffer: software pipelining keeps STAGES tiles of the row in flight.
-    for start in tl.range(0, length, TILE, num_stages=STAGES):
-        pos = start + tl.arange(0, TILE)
-        # masked at the row's width, not its length: a mask uniform over each 16-byte vector lets the loads pipeline
-        key = _order_key(tl.load(x_row + pos, mask=pos < L, other=float("-inf")), pos < length, LOW_BIT)
-        keep = key >= threshold
-        hits = tl.sum(keep.to(tl.int32), axis=0)
-        # Deep into a long row most tiles hold nothing ≥ T (≈ TILE · k / position keys reach it): one count skips them.
-        if (hits > 0) & (overflow == 0):
-            if n + hits > CAP:
-                threshold, n = _refresh(ckey_row, cpos_row, n, threshold, k, CAP, LOW_BIT)
-                keep = key >= threshold
-                hits = tl.sum(keep.to(tl.int32), axis=0)
-                overflow = (n + hits > CAP).to(tl.int32)
-                keep &= overflow == 0
-            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(ckey_row + slot, key, mask=keep)
-            tl.store(cpos_row + slot, pos, mask=keep)
-            n += tl.where(overflow == 0, hits, 0)
-    tl.debug_barrier()  # the buffer, written by every thread, is read whole by the selection
-    from_row = overflow != 0
-    n = tl.where(from_row, length, n)
-    lo = tl.where(from_row, 1, threshold)
-    _select_row(x_row, length, ckey_row, cpos_row, ckey_row, out_row, n, from_row, lo, k, 1, CAP, CAP, KP, LOW_BIT)
-
-
 def _low_bit(dtype: torch.dtype) -> int:
     """Low key bits without information: a bf16 / fp16 score widened to fp32 has 16 / 13 trailing zero bits (the
     radix searches skip them; `_order_key` clears them)."""
@@ -417,27 +330,6 @@ def _gather_programs(R: int) -> int:
     return 2 if multiprocessors() < R else 8
 
 
-# The streaming path's launch, from an offline sm_90 compile (bf16, k = 512): 1 K-score tiles at 8 warps with a 2 K-slot
-# buffer; 6 tiles in flight under a 128-register cap, without spills (uncapped: 150 registers), so that two rows'
-# programs share an SM with 24 KB of loads in flight between them (2 K tiles and a 4 K buffer take 254: one per SM).
-_STREAM_TILE = 1024
-_STREAM_STAGES = 6
-_STREAM_REGISTERS = 128
-
-
-def _streams(R: int, L: int, k: int) -> bool:
-    """Whether the streaming path runs by default: when the rows fill the GPU (more rows than multiprocessors, so one
-    program per row keeps every SM loading) and are long (> 16 K scores), for k ≤ 1024 (each refresh holds the
-    buffer, ≥ TILE + 2k slots, in registers)."""
-    return multiprocessors() < R and L > 16_384 and k <= 1024
-
-
-def _power_of_two(name: str, value: int) -> int:
-    if value < 1 or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two, got {value}")
-    return value
-
-
 def topk_indices_triton(
     scores: Tensor,
     k: int,
@@ -450,32 +342,25 @@ def topk_indices_triton(
     gather: int | None = None,
     gather_programs: int | None = None,
     num_warps: int | None = None,
-    stream: bool | None = None,
-    stages: int | None = None,
-    max_registers: int | None = None,
 ) -> Tensor:
-    """The streaming path if `stream` (by default `_streams`): `tile` scores per step, `stages` tiles in flight,
-    `capacity` candidate slots per row (powers of two), `num_warps` warps capped at `max_registers` registers per
-    thread (on a GPU by default `_STREAM_REGISTERS`).
-
-    Otherwise rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of
-    two; default: at most `max_groups` groups); `gather_programs` programs per row (a power of two; by default from the
+    """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
+    default: at most `max_groups` groups); `gather_programs` programs per row (a power of two; by default from the
     batch) gather the candidates, `gather` scores per step, into `capacity` slots per row (split evenly among them);
     `tile` is the select kernel's register tile, `num_warps` the threshold and select kernels' warps. The defaults
     suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
     R, L = scores.shape
-    device, x = scores.device, scores.contiguous()
-    out = torch.empty((R, k), dtype=torch.int32, device=device)
-    has_lengths = lengths is not None
-    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
-    if stream if stream is not None else _streams(R, L, k):
-        _stream_select(x, k, lengths, has_lengths, out, capacity, tile, num_warps, stages, max_registers)
-        return out
     default_tile, default_groups = _select_shape(R, L)
     tile, max_groups = tile or default_tile, max_groups or default_groups
-    gather_programs = _power_of_two("gather_programs", gather_programs or _gather_programs(R))
+    gather_programs = gather_programs or _gather_programs(R)
+    if gather_programs & (gather_programs - 1):
+        raise ValueError(f"gather_programs must be a power of two, got {gather_programs}")
+    device = scores.device
+    out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:
         return out
+    x = scores.contiguous()
+    has_lengths = lengths is not None
+    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit, P = triton.next_power_of_2(k), _low_bit(scores.dtype), gather_programs
     direct = scores.shape[1] <= direct_max
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
@@ -504,24 +389,3 @@ def topk_indices_triton(
     _select_kernel[(R,)](x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k,
                          has_lengths, direct, P, low_bit, tile, KP, num_warps=num_warps or 8)  # fmt: skip
     return out
-
-
-def _stream_select(
-    x: Tensor, k: int, lengths: Tensor, has_lengths: bool, out: Tensor, capacity: int | None, tile: int | None,
-    num_warps: int | None, stages: int | None, max_registers: int | None,
-) -> None:  # fmt: skip
-    """The streaming path's launch, into `out`."""
-    R, L = x.shape
-    KP = triton.next_power_of_2(k)
-    tile = _power_of_two("tile", tile or _STREAM_TILE)
-    # room for a full tile beyond 2k kept items, so that a refresh frees at least k slots on rows without ties
-    capacity = _power_of_two("capacity", capacity or triton.next_power_of_2(tile + 2 * KP))
-    if max_registers is None and not interpreting():
-        max_registers = _STREAM_REGISTERS
-    if R == 0 or k == 0:
-        return
-    ckey = torch.empty((R, capacity), dtype=torch.uint32, device=x.device)
-    cpos = torch.empty((R, capacity), dtype=torch.int32, device=x.device)
-    _stream_kernel[(R,)](x, lengths, ckey, cpos, out, L, k, has_lengths, _low_bit(x.dtype), tile, capacity,
-                         stages or _STREAM_STAGES, KP, num_warps=num_warps or 8,
-                         **({} if max_registers is None else {"maxnreg": max_registers}))  # fmt: skip

@@ -140,9 +140,6 @@ DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tile
 GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
 GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
 OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
-STREAM = {"stream": True, "tile": 32, "capacity": 128}  # one program per row streaming it; refreshes past 96 items
-# refreshes every few tiles; a refresh may leave no room for a tile (ties at T, or k > 16): select from the row
-STREAM_CRAMPED = {"stream": True, "tile": 16, "capacity": 32}
 
 
 @pytest.mark.parametrize(
@@ -156,13 +153,7 @@ STREAM_CRAMPED = {"stream": True, "tile": 16, "capacity": 32}
         (5, 1000, 20, torch.float16, GROUPS),
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
-        (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: more rows than the interpreter's one "SM" → streaming
-        (2, 40_000, 64, torch.bfloat16, {"stream": False}),  # … or the group path with the half tile
-        (3, 300, 8, torch.float32, STREAM),
-        (3, 1000, 20, torch.bfloat16, STREAM),
-        (2, 7, 16, torch.float32, STREAM),
-        (3, 500, 8, torch.float16, STREAM_CRAMPED),
-        (3, 300, 20, torch.bfloat16, STREAM_CRAMPED),  # k > capacity − tile: little room after a refresh
+        (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: more rows than the interpreter's one "SM" → half tile
         (3, 300, 8, torch.float32, {**GROUPS, "gather_programs": 1}),  # one gathering program per row
         (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather_programs": 32}),  # more programs than passing groups
         (2, 300, 8, torch.float32, {**GROUPS, "capacity": 64, "gather_programs": 2}),  # full-ish segments
@@ -175,7 +166,7 @@ def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[st
     assert torch.equal(topk_indices_triton(scores, k, None, **paths), kernels.topk_indices(scores, k))
 
 
-@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW, STREAM, STREAM_CRAMPED])
+@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
 def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
     scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
     for k in (1, 7, 40):
@@ -194,23 +185,11 @@ def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW, STREAM])
+@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
 def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch.dtype) -> None:
     scores = shared_prefix_rows(generator(5), dtype)
     for k in (30,) if "tile" in paths else (1, 30, 61):  # the streamed paths are slow in the interpreter: one k
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_stream_refreshes_and_falls_back(dtype: torch.dtype) -> None:
-    """Rows that drive the streaming path's buffer: ascending (every tile is above T, a refresh every few tiles),
-    descending (one refresh, then every tile skipped), all tied (a refresh keeps every item: select from the row)."""
-    L = 200
-    ascending = torch.arange(L, dtype=torch.float32) / L
-    scores = torch.stack([ascending, ascending.flip(0), torch.full((L,), 0.5)]).to(dtype)
-    for k in (5, 12):
-        got = topk_indices_triton(scores, k, None, **STREAM_CRAMPED)
-        assert torch.equal(got, lowest_position_topk(scores, k, None))
 
 
 def test_topk_names_a_bad_gather_program_count() -> None:
@@ -218,17 +197,11 @@ def test_topk_names_a_bad_gather_program_count() -> None:
         topk_indices_triton(torch.zeros(1, 100), 4, None, gather_programs=3)
 
 
-@pytest.mark.parametrize("knob", [{"tile": 48}, {"capacity": 100}])
-def test_topk_stream_names_a_bad_launch_shape(knob: dict[str, int]) -> None:
-    with pytest.raises(ValueError, match=f"{next(iter(knob))} must be a power of two, got {next(iter(knob.values()))}"):
-        topk_indices_triton(torch.zeros(1, 100), 4, None, stream=True, **knob)
-
-
 def test_topk_ties_go_to_the_lowest_positions() -> None:
     scores = torch.zeros(3, 130, dtype=torch.bfloat16)
     scores[1, ::3] = 1.0
     scores[2, 40:] = float("-inf")
-    for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "capacity": 32}, STREAM):
+    for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "capacity": 32}):
         got = topk_indices_triton(scores, 10, None, **paths)
         assert got[0].tolist() == list(range(10))
         assert got[1].tolist() == list(range(0, 30, 3))
