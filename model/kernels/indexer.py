@@ -294,13 +294,13 @@ def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
     """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode tiles
     of 128 positions under a 128-register cap, four programs per SM (uncapped, 180 registers: two), and the fewest
     tiles per program (a power of two, up to 64) that keep every program resident at once — a row's programs are
-    whole, so 63 tiles per program left B=64 × 64 K 9 programs a row, 576 for 528 places: 0.233 ms against 0.116 at
-    64. Measured: 0.116 ms at B=64 × 64 K, 0.222 ms at B=8 × 1 M (58 % / 60 % of 4.28 TB/s; 256-position tiles, two
-    programs per SM: 0.122 / 0.240; 64-position tiles: 0.136 / 0.263 at best), 0.018 ms at B=4 × 128 K, 0.005 ms at
-    B=1 × 64 K (one tile per program). Larger programs amortise the queries' unpacking and the pipeline's fill.
-    Prefill tiles (64 columns share a K tile) 128 × 4 uncapped, 1.89 ms at B=1, T=1024, S=64 K (64 × 4: 2.53; 1 tile
-    per program: 3.37). The interpreter's cost grows with the tile: small tiles, and the decode loop kept (2
-    tiles)."""
+    whole, so 63 tiles per program left B=64 × 64 K 9 programs a row, 576 for 528 places: 0.233 ms against 0.116
+    at 64. Measured: 0.116 ms at B=64 × 64 K, 0.222–0.249 ms at B=8 × 1 M (57 % / 53–60 % of 4.28 TB/s;
+    256-position tiles, two programs per SM: 0.122 / 0.240; 64-position tiles: 0.136 / 0.263 at best), 0.018 ms at
+    B=4 × 128 K, 0.005 ms at B=1 × 64 K (one tile per program). Larger programs amortise the queries' unpacking and
+    the pipeline's fill. Prefill tiles (64 columns share a K tile) 128 × 4 uncapped, 1.89 ms at B=1, T=1024,
+    S=64 K (64 × 4: 2.53; 1 tile per program: 3.37). The interpreter's cost grows with the tile: small tiles, and
+    the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
     if T > 1:
