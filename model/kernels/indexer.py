@@ -343,6 +343,8 @@ def indexer_scores_triton(
         raise ValueError(f"block_s must be a power of two ≥ 16 (a dot's M side), got {block_s}")
     if tiles_per_program < 1:
         raise ValueError(f"tiles_per_program must be ≥ 1, got {tiles_per_program}")
+    if max_registers is not None and not 16 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be 16 … 255 (registers per thread), got {max_registers}")
     if operand not in (FP8.value, FP16.value, FP32.value):
         raise ValueError(
             f"operand must be FP8 ({FP8.value}), FP16 ({FP16.value}) or FP32 ({FP32.value}), got {operand}"

@@ -54,6 +54,7 @@ def test_extreme_scales() -> None:
         ({"block_s": 8}, "block_s must be a power of two ≥ 16"),
         ({"tiles_per_program": 0}, "tiles_per_program must be ≥ 1"),
         ({"operand": 3}, "operand must be FP8"),
+        ({"max_registers": 8}, "max_registers must be 16 … 255"),
     ],
 )
 def test_bad_launch_is_named(launch: dict, message: str) -> None:
@@ -67,7 +68,7 @@ def test_bad_launch_is_named(launch: dict, message: str) -> None:
 def test_query_block_scales_far_apart(launch: dict, spread: int) -> None:
     """A query's per-block scales normally ride in its operand, relative to its largest (exact within 2^-14 in
     FP8, 2^-36 in FP16, 2^-100 in the interpreter's FP32); wider spreads rescale each block's dot instead. Both
-    give the reference's scores; blocks of zero codes (the quantiser's smallest scale) never narrow the fold."""
+    give the reference's scores, also beside a block of zero codes at the quantiser's floor."""
     q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(spread), 2, 3, 4, 128, 40)
     q_scale = torch.full_like(q_scale, 150)
     q_scale[0, :, :, 1] = 150 - spread  # every head of batch row 0: block 1 far below the others
