@@ -518,7 +518,7 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
     the FP16 operand (GPUs before sm_89); the prefill tile at B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile
     per program."""
     decode = [{"block_s": 128, "tiles_per_program": t} for t in (16, 32, 64)]
-    decode += [{"block_s": 256, "tiles_per_program": 32, "max_registers": 255}, {"max_registers": 255},
+    decode += [{"block_s": 256, "tiles_per_program": 32}, {"max_registers": 255},
                {"max_registers": 112}, {"num_stages": 4}, {"operand": indexer.FP16.value}]  # fmt: skip
     prefill = [{"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots

@@ -286,6 +286,7 @@ def _fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
+_MAX_PROGRAM_POSITIONS = 16384  # `_all_plain_scales` loads a program's scale words at once: 128 per thread at most
 _DECODE_REGISTERS = 128  # a cap that fits four 4-warp decode programs per SM (few spills at 128-position tiles)
 _RESIDENT = 4  # decode programs per SM under that cap
 
@@ -337,12 +338,15 @@ def indexer_scores_triton(
     block_s = default_block_s if block_s is None else block_s
     tiles_per_program = default_tiles if tiles_per_program is None else tiles_per_program
     operand = _operand() if operand is None else operand
-    if max_registers is None and T == 1 and not interpreting():
-        max_registers = _DECODE_REGISTERS
+    if max_registers is None and T == 1 and block_s <= 128 and not interpreting():
+        max_registers = _DECODE_REGISTERS  # measured at 128-position tiles; larger ones spill under it
     if block_s < 16 or block_s & (block_s - 1):
         raise ValueError(f"block_s must be a power of two ≥ 16 (a dot's M side), got {block_s}")
-    if tiles_per_program < 1:
-        raise ValueError(f"tiles_per_program must be ≥ 1, got {tiles_per_program}")
+    if not 1 <= tiles_per_program <= _MAX_PROGRAM_POSITIONS // block_s:
+        raise ValueError(
+            f"tiles_per_program must be 1 … {_MAX_PROGRAM_POSITIONS // block_s} at block_s {block_s} (at most "
+            f"{_MAX_PROGRAM_POSITIONS} positions per program, whose scales it scans at once), got {tiles_per_program}"
+        )
     if max_registers is not None and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be 16 … 255 (registers per thread), got {max_registers}")
     if operand not in (FP8.value, FP16.value, FP32.value):

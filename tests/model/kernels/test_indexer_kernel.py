@@ -52,7 +52,8 @@ def test_extreme_scales() -> None:
     [
         ({"block_s": 48}, "block_s must be a power of two ≥ 16"),
         ({"block_s": 8}, "block_s must be a power of two ≥ 16"),
-        ({"tiles_per_program": 0}, "tiles_per_program must be ≥ 1"),
+        ({"tiles_per_program": 0}, "tiles_per_program must be 1 … 512 at block_s 32"),
+        ({"block_s": 256, "tiles_per_program": 65}, "tiles_per_program must be 1 … 64 at block_s 256"),
         ({"operand": 3}, "operand must be FP8"),
         ({"max_registers": 8}, "max_registers must be 16 … 255"),
     ],
