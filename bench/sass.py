@@ -1,0 +1,219 @@
+"""Offline sm_90 (H100 / H200) compiles of the Triton kernels, no GPU needed: registers, spills, shared memory and
+the SASS of each loop, per launch shape. Triton's wheel ships ptxas and cuobjdump, so this runs anywhere.
+
+    python bench/sass.py indexer                                   # the decode launch's defaults
+    python bench/sass.py indexer --block-s 256 --tiles 32 --max-registers 0
+    python bench/sass.py attention --heads 64 --keys 16 --warps 8
+    python bench/sass.py topk                                      # the four top-k kernels at 256 × 64 K
+
+What the H200 cannot tell you cheaply, this does: an instruction count per loop trip (the indexer's 458 → 311 per
+64-position tile came from reading it), and registers per thread → programs per SM (65 536 / (registers × threads)).
+Spill loads (LDL) inside a loop are the ones that cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret: decided when the kernels' module is imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from model.kernels import indexer, sparse_attn, topk
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+REGISTERS_PER_SM = 65_536
+
+
+@dataclass
+class Loop:
+    instructions: int
+    opcodes: collections.Counter[str]
+
+
+@dataclass
+class Report:
+    name: str
+    warps: int
+    registers: int
+    stack: int
+    shared: int
+    instructions: int
+    spill_loads: int
+    loops: list[Loop] = field(default_factory=list)
+
+    @property
+    def programs_per_sm(self) -> int:
+        return REGISTERS_PER_SM // (self.registers * 32 * self.warps)
+
+    def lines(self, top: int) -> list[str]:
+        head = (
+            f"{self.name}: {self.warps} warps, {self.registers} registers ({self.programs_per_sm} programs per SM by "
+            f"registers), {self.stack} B of stack, {self.spill_loads} spill loads, {self.shared} B shared, "
+            f"{self.instructions} SASS instructions"
+        )
+        body = [
+            f"  loop of {loop.instructions}: " + ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(top))
+            for loop in self.loops
+        ]
+        return [head, *body]
+
+
+def _cuobjdump(cubin: Path, flag: str) -> str:
+    command = [str(TOOLS / "cuobjdump"), flag, str(cubin)]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def _instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode without modifiers, line) of every SASS instruction."""
+    found = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if match:
+            found.append((int(match.group(1), 16), match.group(2).split(".")[0], line))
+    return found
+
+
+def _loops(instructions: list[tuple[int, str, str]]) -> list[Loop]:
+    """The bodies of backward branches, longest first."""
+    spans = []
+    for address, opcode, line in instructions:
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", line) if opcode == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            spans.append((int(target.group(1), 16), address))
+    loops = [
+        Loop(
+            instructions=sum(1 for a, _, _ in instructions if lo <= a <= hi),
+            opcodes=collections.Counter(op for a, op, _ in instructions if lo <= a <= hi),
+        )
+        for lo, hi in spans
+    ]
+    return sorted(loops, key=lambda loop: -loop.instructions)
+
+
+def compile_sm90(
+    name: str,
+    fn: triton.runtime.JITFunction,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    warps: int,
+    max_registers: int | None = None,
+    multiples_of_16: tuple[str, ...] = (),
+    work_dir: Path = Path("/tmp"),
+) -> Report:
+    """Compile `fn` for sm_90 and read its cubin. Pointers are taken as 16-byte aligned (as torch allocates) and the
+    integer arguments named in `multiples_of_16` as multiples of 16 — what Triton's launcher specialises on at run
+    time, and what lets it vectorise and pipeline loads (without it a strided load compiles to plain LDG)."""
+    arguments = list(fn.arg_names)
+    aligned = [a for a, kind in signature.items() if kind.startswith("*") or a in multiples_of_16]
+    attrs = {(arguments.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    source = ASTSource(fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs,
+                       attrs=attrs)  # fmt: skip
+    options = {"num_warps": warps} | ({"maxnreg": max_registers} if max_registers else {})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    cubin = work_dir / f"sass_{os.getpid()}_{name}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = _cuobjdump(cubin, "-res-usage")
+    instructions = _instructions(_cuobjdump(cubin, "-sass"))
+    cubin.unlink()
+    return Report(
+        name=name,
+        warps=warps,
+        registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+        stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+        shared=kernel.metadata.shared,
+        instructions=len(instructions),
+        spill_loads=sum(op == "LDL" for _, op, _ in instructions),
+        loops=_loops(instructions),
+    )
+
+
+def indexer_reports(block_s: int, tiles: int, warps: int, max_registers: int | None, heads: int = 32) -> list[Report]:
+    """The decode launch (one query per sequence, Di = 128, FP8 operands) at one tile shape."""
+    signature = {"q_ptr": "*u8", "qs_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*u8",
+                 "nv_ptr": "*i64", "out_ptr": "*fp32", "T": "i32", "H": "i32", "S": "i32", "k_stride": "i64",
+                 "ks_stride": "i64"}  # fmt: skip
+    constexprs = {"DI": 128, "DIP": 128, "HP": triton.next_power_of_2(heads), "BLOCK_T": 1, "BLOCK_S": block_s,
+                  "OPERAND": indexer.FP8.value, "TILES": tiles, "STAGES": 3, "SCALE_WORDS": True,
+                  "SCAN": triton.next_power_of_2(tiles * block_s)}  # fmt: skip
+    name = f"indexer {block_s} × {tiles}"
+    strides = ("k_stride", "ks_stride")
+    return [compile_sm90(name, indexer._indexer_kernel, signature, constexprs, warps, max_registers, strides)]
+
+
+def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
+    """Sparse decode attention, one split, D = 512, bf16 dots."""
+    signature = {"q_ptr": "*bf16", "swa_ptr": "*u8", "swas_ptr": "*u8", "mask_ptr": "*i1", "kv_ptr": "*u8",
+                 "kvs_ptr": "*u8", "idx_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "po_ptr": "*fp32",
+                 "pm_ptr": "*fp32", "pl_ptr": "*fp32", "T": "i32", "H": "i32", "W": "i32", "kv_stride": "i64",
+                 "kvs_stride": "i64", "K": "i32", "qk_scale": "fp32", "tiles_per_split": "i32"}  # fmt: skip
+    constexprs = {"D": 512, "DP": 512, "BLOCK_H": heads, "BLOCK_N": keys, "SPLITS": 1, "DOT_F32": False}
+    name = f"attention {heads} heads × {keys} keys"
+    strides = ("kv_stride", "kvs_stride")
+    return [compile_sm90(name, sparse_attn._sparse_attention_kernel, signature, constexprs, warps, None, strides)]
+
+
+def topk_reports(rows: int, length: int, k: int) -> list[Report]:
+    """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks."""
+    tile, groups = topk._select_shape(rows, length)
+    GS = topk._group_size(length, k, groups)
+    NGP = triton.next_power_of_2(triton.cdiv(length, GS))
+    P = topk._gather_programs(rows)
+    row = {"x_ptr": "*bf16", "len_ptr": "*i32"}
+    candidates = {"ckey_ptr": "*u32", "cpos_ptr": "*i32", "count_ptr": "*i32"}
+    return [
+        compile_sm90("top-k group maxima", topk._group_max_kernel,
+                     row | {"gmax_ptr": "*u32", "L": "i32", "NG": "i32", "tiles": "i32"},
+                     {"HAS_LENGTHS": False, "TILE": max(tile, GS), "GS": GS, "LOW_BIT": 16}, 4, None, ("L", "NG")),
+        compile_sm90("top-k threshold", topk._threshold_kernel,
+                     {"gmax_ptr": "*u32", "glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32", "NG": "i32",
+                      "k": "i32"}, {"NGP": NGP, "LOW_BIT": 16}, 16 if NGP >= 8192 else 8, None, ("NG",)),
+        compile_sm90("top-k gather", topk._gather_kernel,
+                     row | {"glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32"} | candidates
+                     | {"L": "i32", "NGP": "i32", "SEG": "i32"},
+                     {"HAS_LENGTHS": False, "P": P, "GS": GS, "LOW_BIT": 16, "GATHER": max(min(tile, 2048), GS)}, 4,
+                     None, ("L", "NGP", "SEG")),
+        compile_sm90("top-k select", topk._select_kernel,
+                     row | {"thr_ptr": "*u32"} | candidates | {"out_ptr": "*i32", "L": "i32", "SEG": "i32", "k": "i32"},
+                     {"HAS_LENGTHS": False, "DIRECT": False, "P": P, "LOW_BIT": 16, "TILE": tile,
+                      "KP": triton.next_power_of_2(k)}, 8, None, ("L", "SEG")),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kernel", choices=["indexer", "attention", "topk"])
+    parser.add_argument("--block-s", type=int, default=128, help="indexer: positions per K tile")
+    parser.add_argument("--tiles", type=int, default=64, help="indexer: K tiles per program")
+    parser.add_argument("--max-registers", type=int, default=indexer._DECODE_REGISTERS,
+                        help="indexer: register cap per thread (0: none)")  # fmt: skip
+    parser.add_argument("--heads", type=int, default=16, help="attention: heads per program")
+    parser.add_argument("--keys", type=int, default=64, help="attention: keys per tile")
+    parser.add_argument("--warps", type=int, help="warps per program (default: the kernel's own)")
+    parser.add_argument("--rows", type=int, default=256, help="top-k: rows")
+    parser.add_argument("--length", type=int, default=65_536, help="top-k: scores per row")
+    parser.add_argument("--k", type=int, default=512, help="top-k: k")
+    parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
+    args = parser.parse_args()
+    if args.kernel == "indexer":
+        reports = indexer_reports(args.block_s, args.tiles, args.warps or 4, args.max_registers or None)
+    elif args.kernel == "attention":
+        reports = attention_reports(args.heads, args.keys, args.warps or 8)
+    else:
+        reports = topk_reports(args.rows, args.length, args.k)
+    for report in reports:
+        print("\n".join(report.lines(args.top)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
