@@ -2,6 +2,7 @@
 the SASS of each loop, per launch shape. Triton's wheel ships ptxas and cuobjdump, so this runs anywhere.
 
     python bench/sass.py indexer                                   # the decode launch's defaults
+    python bench/sass.py indexer --queries 2 --tiles 4 --max-registers 0   # a prefill tile's
     python bench/sass.py indexer --block-s 256 --tiles 32 --max-registers 0
     python bench/sass.py attention --heads 64 --keys 16 --warps 8
     python bench/sass.py topk                                      # the four top-k kernels at 256 × 64 K
@@ -138,15 +139,18 @@ def compile_sm90(
     )
 
 
-def indexer_reports(block_s: int, tiles: int, warps: int, max_registers: int | None, heads: int = 32) -> list[Report]:
-    """The decode launch (one query per sequence, Di = 128, FP8 operands) at one tile shape."""
+def indexer_reports(
+    block_s: int, tiles: int, warps: int, max_registers: int | None, queries: int = 1, heads: int = 32
+) -> list[Report]:
+    """The launch for `queries` queries per program (1: decode; prefill tiles take 2 at 32 heads), Di = 128, FP8
+    operands, at one tile shape."""
     signature = {"q_ptr": "*u8", "qs_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*u8",
                  "nv_ptr": "*i64", "out_ptr": "*fp32", "T": "i32", "H": "i32", "S": "i32", "k_stride": "i64",
                  "ks_stride": "i64"}  # fmt: skip
-    constexprs = {"DI": 128, "DIP": 128, "HP": triton.next_power_of_2(heads), "BLOCK_T": 1, "BLOCK_S": block_s,
+    constexprs = {"DI": 128, "DIP": 128, "HP": triton.next_power_of_2(heads), "BLOCK_T": queries, "BLOCK_S": block_s,
                   "OPERAND": indexer.FP8.value, "TILES": tiles, "STAGES": 3, "SCALE_WORDS": True,
                   "SCAN": triton.next_power_of_2(tiles * block_s)}  # fmt: skip
-    name = f"indexer {block_s} × {tiles}"
+    name = f"indexer {queries} × {block_s} × {tiles}"
     strides = ("k_stride", "ks_stride")
     return [compile_sm90(name, indexer._indexer_kernel, signature, constexprs, warps, max_registers, strides)]
 
@@ -197,6 +201,7 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=64, help="indexer: K tiles per program")
     parser.add_argument("--max-registers", type=int, default=indexer._DECODE_REGISTERS,
                         help="indexer: register cap per thread (0: none)")  # fmt: skip
+    parser.add_argument("--queries", type=int, default=1, help="indexer: queries per program (prefill tiles: 2)")
     parser.add_argument("--heads", type=int, default=16, help="attention: heads per program")
     parser.add_argument("--keys", type=int, default=64, help="attention: keys per tile")
     parser.add_argument("--warps", type=int, help="warps per program (default: the kernel's own)")
@@ -206,7 +211,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
     args = parser.parse_args()
     if args.kernel == "indexer":
-        reports = indexer_reports(args.block_s, args.tiles, args.warps or 4, args.max_registers or None)
+        reports = indexer_reports(args.block_s, args.tiles, args.warps or 4, args.max_registers or None, args.queries)
     elif args.kernel == "attention":
         reports = attention_reports(args.heads, args.keys, args.warps or 8)
     else:
