@@ -71,18 +71,17 @@ def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.cons
     each): a thread's share of a tile's scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load —
     byte-wise, the scale load stalled every tile. PLAIN: every scale byte is known to lie in 1 … 254
     (`_all_plain_scales`). DIP: DI padded to a power of two (a tl.arange's length)."""
-    byte, block = tl.arange(0, DIP // 2), tl.arange(0, DIP // 32)
-    if DI == DIP:
-        byte_ok, block_ok = ok[:, None], ok[:, None]
-    else:
-        byte_ok, block_ok = ok[:, None] & (byte < DI // 2)[None, :], ok[:, None] & (block < DI // 32)[None, :]
+    byte = tl.arange(0, DIP // 2)
+    byte_ok = ok[:, None] if DI == DIP else ok[:, None] & (byte < DI // 2)[None, :]
     packed = tl.load(ptr + byte_offsets[:, None] + byte[None, :], mask=byte_ok, other=0)
     packed = _column_blocks(packed, DIP // 32)
-    if SCALE_WORDS:
+    if SCALE_WORDS:  # DI is a multiple of 128: whole words, no padding
         word_ptr = (scale_ptr + scale_offsets).to(tl.pointer_type(tl.int32))
         words = tl.load(word_ptr[:, None] + tl.arange(0, DI // 128), mask=ok[:, None], other=0)  # rows ≥ S: unstored
         words = _column_blocks(words, DI // 128)
     else:
+        block = tl.arange(0, DIP // 32)
+        block_ok = ok[:, None] if DI == DIP else ok[:, None] & (block < DI // 32)[None, :]
         scales = tl.load(scale_ptr + scale_offsets[:, None] + block[None, :], mask=block_ok, other=127)
         scales = _column_blocks(scales, DIP // 32)
     blocks = ()
@@ -145,12 +144,6 @@ def _codes(packed, OPERAND: tl.constexpr):
 
 
 @triton.jit
-def _pow2(e):
-    """2^e as fp32 for integer −126 ≤ e ≤ 127."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, may_fold, DI: tl.constexpr, OPERAND: tl.constexpr):
     """The program's queries, unpacked once for all of its K tiles → (per channel block the transposed operand
     [32, columns] and the scale [columns] that the block's dot needs, the head weights [columns], `folded`).
@@ -186,7 +179,7 @@ def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, may_fold, DI: tl.constexpr,
     operands = ()
     for j in tl.static_range(DI // 32):
         d = tl.where(folded & used[j], top - exponents[j], 0)
-        operand = codes[j] * _pow2(K_SHIFT + Q_SHIFT - d)[:, None]
+        operand = codes[j] * ue8m0_decode(127 + K_SHIFT + Q_SHIFT - d)[:, None]  # 2^(Q_SHIFT − d) / 2^-K_SHIFT
         if OPERAND == FP8:
             operand = operand.to(tl.float8e4nv)
         elif OPERAND == FP16:
