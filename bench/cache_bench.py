@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from cache_svc.client import CacheClient  # noqa: E402
 from cache_svc.heap import keep_freed_memory  # noqa: E402
 from cache_svc.segment_log import SegmentLog  # noqa: E402
+from mesh.processes import free_port  # noqa: E402
 
 BLOCK = 56_960  # 64 tokens × 890 B
 MIB = 1 << 20
@@ -63,19 +63,13 @@ console = Console(width=150)
 # --- servers ------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Ours:
     """`python -m cache_svc serve` on a fresh or given data directory."""
 
     name = "ours"
 
     def __init__(self, data_dir: Path, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         command = [sys.executable, "-m", "cache_svc", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["--data-dir", str(data_dir), *flags]
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +95,7 @@ class Redis:
 
     def __init__(self, work_dir: Path, *, durable: bool) -> None:
         self.name = "redis-aof" if durable else "redis"
-        self.port = _free_port()
+        self.port = free_port()
         work_dir.mkdir(parents=True, exist_ok=True)
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
         command = [

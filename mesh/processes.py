@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -51,10 +52,36 @@ class MeshSpec(msgspec.Struct, frozen=True, kw_only=True):
     gateway_args: Sequence[str] = ()
 
 
+# Ports at most this far below the kernel's ephemeral range are candidates for free_port.
+_PORT_SPAN = 10_000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on `host` that nothing holds now, for a server started later.
+
+    Chosen at random below the kernel's ephemeral range: the kernel hands ports in that range to every port-0 bind
+    and outgoing connection, so a port found free there can be taken before the server binds it (seen in CI: a
+    gRPC client's connection took a metrics port). Below it only another free_port caller can, one chance in
+    thousands."""
+    low = _ephemeral_low()
+    candidates = range(max(1024, low - _PORT_SPAN), low)
+    for _ in range(64):
+        port = random.choice(candidates) if candidates else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free port on {host} in {candidates.start}..{candidates.stop - 1}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _die_with_parent() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ from cache_helpers import key_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from mesh.processes import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,12 +22,6 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     return subprocess.run(
         [sys.executable, "-m", "cache_svc", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_config_from_env_and_flags_is_printed_at_start(spawn: Any, tmp_path: Path) -> None:
@@ -66,7 +61,7 @@ def test_a_data_directory_serves_one_process(spawn: Any, tmp_path: Path) -> None
 
 
 def test_health_reflection_and_metrics(spawn: Any, tmp_path: Path) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     server = spawn(tmp_path / "data", "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
     with grpc.insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -15,7 +15,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.server import DecodeServer
 from decode_svc.step_times import StepTimes
 from mesh.grpc_server import CHANNEL_OPTIONS
+from mesh.processes import free_port as free_port  # the tests' one port picker, for ours
 from model import Transformer, build_model, preset
 from prefill_svc.config import PrefillConfig
 from prefill_svc.server import PrefillServer
@@ -55,12 +55,6 @@ def tiny_models() -> tuple[Transformer, Transformer]:
     """(encoder part, full model) of `tiny`, seed 0, float64."""
     args = preset("tiny")
     return build_model(args, "encoder", dtype=torch.float64), build_model(args, "full", dtype=torch.float64)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
