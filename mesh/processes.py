@@ -60,9 +60,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that nothing holds now, for a server started later.
 
     Chosen at random below the kernel's ephemeral range: the kernel hands ports in that range to every port-0 bind
-    and outgoing connection, so a port found free there can be taken before the server binds it (seen in CI: a
-    gRPC client's connection took a metrics port). Below it only another free_port caller can, one chance in
-    thousands."""
+    and outgoing connection, so a port found free there can be taken before the server binds it (CI once lost a
+    metrics port that way). Below it only another free_port caller can, one chance in thousands."""
     low = _ephemeral_low()
     candidates = range(max(1024, low - _PORT_SPAN), low)
     for _ in range(64):
