@@ -1,14 +1,12 @@
-"""One generation through the mesh: prefill, then a decode stream, with every failure handled where it happens.
+"""One choice's generation: a decode stream from its handoff record of the request's prefill (gateway/prefill.py),
+with every failure handled where it happens.
 
-    prefill (encoder half, writes blocks + handoff record)        decode (replay, batch, DSpark)
-    ─ a replica down or overloaded → the next replica               ─ before the first message: down, overloaded or
-    ─ all down, or the cache down  → decode prefills the prompt       handoff lost → the next replica, with the
-      itself from token ids (no reuse; counted as a fallback)         prompt's token ids
-    ─ the prompt is invalid        → 400                            ─ after it: the stream ends with the API's error
+    ─ before the first message: down, overloaded or handoff lost → the next replica, with the prompt's token ids
+    ─ after it: the stream ends with the API's error
 
-Every call has a deadline: a Prefill `prefill_timeout_s`, the whole decode stream `request_timeout_s`, and each
-decode message must come within `stall_timeout_s` of the previous one, so a frozen replica cannot hang a client.
-`stop()` cancels the decode stream and sends Abort, so the replica frees the sequence at once.
+Every call has a deadline: the whole decode stream `request_timeout_s`, and each decode message must come within
+`stall_timeout_s` of the previous one, so a frozen replica cannot hang a client. `stop()` cancels the decode stream
+and sends Abort, so the replica frees the sequence at once.
 """
 
 from __future__ import annotations
@@ -16,85 +14,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import msgspec
 
-from gateway.affinity import AffinityKey
+from gateway.backends import DOWN, Backends, Prompt, describe
 from gateway.errors import GatewayError, Kind
-from gateway.metrics import GatewayMetrics
-from gateway.replicas import CacheHealth, ReplicaState
-from gateway.router import Router
-from gateway.writebacks import WriteBacks
+from gateway.prefill import Prefilled
+from gateway.replicas import ReplicaState
 from mesh.logging import get_logger
 from proto.decode.v1 import decode_pb2
-from proto.prefill.v1 import prefill_pb2
 
 ABORT_TIMEOUT_S = 2.0
-# Codes after which a replica is routed around for a while: it is gone, frozen or failing.
-DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
 
 log = get_logger("gateway")
 
 
-class Settings(msgspec.Struct, frozen=True):
-    """The part of the gateway's configuration a generation follows."""
-
-    retries: int
-    prefill_fallback: bool
-    prefill_timeout_s: float
-    stall_timeout_s: float
-    request_timeout_s: float
-    handoff_lease_s: float
-    writeback_wait_s: float
-
-
-class Backends:
-    """What every generation shares: the router, the cache's health, metrics, and background aborts."""
-
-    def __init__(self, settings: Settings, router: Router, cache: CacheHealth, metrics: GatewayMetrics) -> None:
-        self.settings = settings
-        self.router = router
-        self.cache = cache
-        self.metrics = metrics
-        self.writebacks = WriteBacks()
-        self._background: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run `coro` detached from the request (it must outlive a cancelled one); failures are logged."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background_call_failed", error=repr(task.exception()))
-
-    async def drain(self) -> None:
-        """Wait for the aborts already sent and the finished streams still closing."""
-        await asyncio.gather(*self._background, return_exceptions=True)
-
-
-class Prompt(msgspec.Struct, frozen=True):
-    """What one generation starts from."""
-
-    request_id: str
-    token_ids: list[int]
-    salt: bytes
-    affinity: AffinityKey
-
-
-def _describe(exc: grpc.aio.AioRpcError) -> str:
-    return f"{exc.code().name}: {exc.details()}"
-
-
 class Generation:
-    """Prefill + decode for one prompt. `open()` runs until the first decode message; `messages()` yields the
-    decode stream (that first message included) and raises GatewayError(BACKEND_FAILED) if it breaks."""
+    """Decode for one choice. `open()` runs until the first decode message; `messages()` yields the decode stream
+    (that first message included) and raises GatewayError(BACKEND_FAILED) if it breaks."""
 
     def __init__(self, backends: Backends, prompt: Prompt, request: decode_pb2.GenerateRequest) -> None:
         self.backends = backends
@@ -102,16 +41,17 @@ class Generation:
         self.request = request  # sampling, stop ids, budget; the prompt and ids are set per attempt
         self.prompt_tokens = len(prompt.token_ids)
         self.cached_tokens = 0
-        self.fallback: str | None = None
-        self.prefill_replica: str | None = None
+        self.fallback: str | None = None  # why decode prefilled the prompt itself
         self.replica: ReplicaState | None = None
         self._call: Any = None
         self._first: decode_pb2.GenerateResponse | None = None
         self._deadline = time.monotonic() + backends.settings.request_timeout_s
 
-    async def open(self) -> None:
-        await self._settle()
-        handle = await self._prefill()
+    async def open(self, prefilled: Prefilled, choice: int) -> None:
+        """Start decoding from this choice's handoff record of `prefilled` (or the token ids, when it has none)."""
+        handle = prefilled.handles[choice]
+        self.prompt_tokens, self.cached_tokens = prefilled.prompt_tokens, prefilled.cached_tokens
+        self.fallback = prefilled.fallback if handle is None else None
         self._first = await self._open_decode(handle)
 
     async def messages(self) -> AsyncIterator[decode_pb2.GenerateResponse]:
@@ -137,65 +77,6 @@ class Generation:
         call.cancel()
         self.backends.metrics.cancellations.labels(reason).inc()
         self._abort(self.replica, reason)
-
-    # -- prefill -------------------------------------------------------------------------------------------
-
-    async def _settle(self) -> None:
-        """Let the conversation's previous turn finish writing its SWA record first (gateway/writebacks.py)."""
-        b = self.backends
-        if b.settings.writeback_wait_s <= 0:
-            return
-        settled = await b.writebacks.settle(self.prompt.affinity, b.settings.writeback_wait_s)
-        if settled is not None:
-            b.metrics.writeback_waits.labels("settled" if settled else "timeout").inc()
-
-    async def _prefill(self) -> bytes | None:
-        """The handoff handle, or None when decode must prefill from the token ids (a fallback)."""
-        b, s = self.backends, self.backends.settings
-        if b.cache.down:
-            return self._fall_back("cache_unavailable", "no cache shard answers its health check")
-        tried: set[str] = set()
-        last = "no prefill replica is available"
-        for _ in range(1 + s.retries):
-            state = b.router.pick("prefill", self.prompt.affinity, tried)
-            if state is None:
-                break
-            tried.add(state.name)
-            request = prefill_pb2.PrefillRequest(
-                request_id=self.prompt.request_id,
-                token_ids=self.prompt.token_ids,
-                cache_salt=self.prompt.salt,
-                handoff_lease_s=s.handoff_lease_s,
-            )
-            started = time.monotonic()
-            try:
-                answer = await state.stub.Prefill(request, timeout=s.prefill_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                code, last = exc.code(), f"prefill replica {state.name}: {_describe(exc)}"
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise GatewayError(Kind.BAD_REQUEST, f"The prompt was refused: {exc.details()}") from None
-                if code == grpc.StatusCode.FAILED_PRECONDITION:  # its cache is unreachable: so is everyone's
-                    return self._fall_back("prefill_cache_unavailable", last)
-                if code in DOWN:
-                    b.router.pools["prefill"].failed(state)
-                b.metrics.retries.labels("prefill", code.name.lower()).inc()
-                log.warning("prefill_failed", request_id=self.prompt.request_id, error=last)
-                continue
-            b.metrics.prefill_seconds.observe(time.monotonic() - started)
-            b.router.served("prefill", self.prompt.affinity, state)
-            self.prefill_replica = state.name
-            self.prompt_tokens, self.cached_tokens = answer.prompt_tokens, answer.cached_tokens
-            if answer.bounded_replay:
-                b.metrics.bounded_replays.inc()
-            return bytes(answer.handle)
-        if not s.prefill_fallback:
-            raise GatewayError(Kind.UNAVAILABLE, f"No prefill replica could serve the request ({last}).")
-        return self._fall_back("prefill_unavailable", last)
-
-    def _fall_back(self, reason: str, why: str) -> None:
-        self.fallback = reason
-        self.backends.metrics.fallbacks.labels(reason).inc()
-        log.warning("prefill_fallback", request_id=self.prompt.request_id, reason=reason, why=why)
 
     # -- decode --------------------------------------------------------------------------------------------
 
@@ -223,11 +104,12 @@ class Generation:
                 code = exc.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise GatewayError(Kind.BAD_REQUEST, f"The request was refused: {exc.details()}") from None
-                reason, last = code.name.lower(), f"decode replica {state.name}: {_describe(exc)}"
+                reason, last = code.name.lower(), f"decode replica {state.name}: {describe(exc)}"
                 if code == grpc.StatusCode.NOT_FOUND and handle is not None:
                     # The handoff record expired or was consumed by a replica that died: not this replica's fault.
                     tried.discard(state.name)
-                    handle = self._fall_back("handoff_lost", last)
+                    handle, self.fallback = None, "handoff_lost"
+                    b.fall_back(self.prompt.request_id, self.fallback, last)
                 elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     overloaded = True
                 elif code in DOWN:
@@ -275,7 +157,7 @@ class Generation:
             if exc.code() in DOWN:
                 self.backends.router.pools["decode"].failed(state)
             raise GatewayError(
-                Kind.BACKEND_FAILED, f"The decode replica {state.name} failed mid-generation ({_describe(exc)})."
+                Kind.BACKEND_FAILED, f"The decode replica {state.name} failed mid-generation ({describe(exc)})."
             ) from None
         except TimeoutError:
             self.stop("stalled")

@@ -1,5 +1,6 @@
-"""A job's response: one generation per choice, their decode messages turned into the API's events by the
-recipe's stream processor (detokenise → parse → per-API events), the choices merged in arrival order.
+"""A job's response: one prefill for all its choices, then one generation per choice, their decode messages turned
+into the API's events by the recipe's stream processor (detokenise → parse → per-API events), the choices merged in
+arrival order.
 
 A stop sequence ends a choice inside the parser: its decode stream is stopped (cancel + Abort) at once. A decode
 failure mid-stream ends the response with the API's error event (streaming) or a 503 (complete response). A
@@ -12,9 +13,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import msgspec
+
+from gateway.backends import Backends, Prompt
 from gateway.errors import GatewayError, Kind
-from gateway.generation import Backends, Generation, Prompt
+from gateway.generation import Generation
 from gateway.job import Job, Model
+from gateway.prefill import Prefilled, prefill
 from mesh.logging import get_logger
 from proto.decode.v1 import decode_pb2
 from recipe import Event, MultiChoiceProcessor, StreamProcessor, Tokenizer, Usage
@@ -86,15 +91,9 @@ class Reply:
         self.model = model
         self.arrived = arrived
         n = job.request.sampling.n
-        rid = job.request_id
-        self.generations = [
-            Generation(
-                backends,
-                Prompt(rid if n == 1 else f"{rid}-{i}", job.token_ids, job.salt, job.affinity),
-                decode_request(job, i),
-            )
-            for i in range(n)
-        ]
+        self.prompt = Prompt(job.request_id, job.token_ids, job.salt, job.affinity)
+        self.prefilled: Prefilled | None = None
+        self.generations = [Generation(backends, self._choice_prompt(i, n), decode_request(job, i)) for i in range(n)]
         self.choices = Choices(job, tokenizer)
         self.failure: GatewayError | None = None
         self.first_token_at: float | None = None
@@ -102,17 +101,14 @@ class Reply:
         self._closed = False
 
     async def open(self) -> None:
-        """Prefill and start decoding every choice, up to each one's first message."""
+        """Prefill the prompt once, then start decoding every choice from its own handoff record, up to each one's
+        first message."""
         try:
-            async with asyncio.TaskGroup() as group:
-                for generation in self.generations:
-                    group.create_task(generation.open())
-        except BaseExceptionGroup as group_error:
-            first = next((e for e in group_error.exceptions if isinstance(e, GatewayError)), None)
-            if first is None:
-                raise
-            self.failure = first
-            raise first from None
+            self.prefilled = await prefill(self.backends, self.prompt, len(self.generations))
+            await self._open_decodes(self.prefilled)
+        except GatewayError as failure:
+            self.failure = failure
+            raise
 
     async def events(self) -> AsyncIterator[Event]:
         """The response's events, in order (when not streaming: none; `body()` has the response). A failure ends
@@ -183,6 +179,23 @@ class Reply:
         return outcome
 
     # -- internals -----------------------------------------------------------------------------------------
+
+    def _choice_prompt(self, choice: int, n: int) -> Prompt:
+        """Each choice decodes under a request id of its own (decode refuses a duplicate, and Abort names one)."""
+        if n == 1:
+            return self.prompt
+        return msgspec.structs.replace(self.prompt, request_id=f"{self.prompt.request_id}-{choice}")
+
+    async def _open_decodes(self, prefilled: Prefilled) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for choice, generation in enumerate(self.generations):
+                    group.create_task(generation.open(prefilled, choice))
+        except BaseExceptionGroup as group_error:
+            first = next((e for e in group_error.exceptions if isinstance(e, GatewayError)), None)
+            if first is None:
+                raise
+            raise first from None
 
     def _finish(self, choice: int, message: decode_pb2.GenerateResponse) -> list[Event]:
         u = message.usage
@@ -257,7 +270,7 @@ class Reply:
             completion_tokens=completion,
             ttft_s=None if self.first_token_at is None else round(self.first_token_at - self.arrived, 4),
             duration_s=round(duration, 4),
-            prefill=[g.prefill_replica for g in self.generations],
+            prefill=None if self.prefilled is None else self.prefilled.replica,
             decode=[g.replica.name if g.replica else None for g in self.generations],
             fallback=first.fallback,
             error=None if self.failure is None else self.failure.message,

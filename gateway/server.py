@@ -19,10 +19,10 @@ import uvicorn
 from gateway.admission import Admission
 from gateway.affinity import AffinityTable
 from gateway.app import create_app
+from gateway.backends import Backends, Settings
 from gateway.config import GatewayConfig
 from gateway.discovery import ROLES, Discovery, make_discovery
 from gateway.errors import GatewayError
-from gateway.generation import Backends, Settings
 from gateway.grpc_api import SERVICE_NAME, GatewayService
 from gateway.job import Codec
 from gateway.metrics import GatewayMetrics

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import grpc
 
 from gateway.admission import Admission, Ticket
+from gateway.backends import Backends
 from gateway.errors import GatewayError, Kind
-from gateway.generation import Backends
 from gateway.job import Codec, Model
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaState

@@ -27,6 +27,7 @@ class PrefillConfig(ModelServiceConfig, frozen=True, kw_only=True):
     max_queue: prompts waiting for the encoder at once; more are refused with RESOURCE_EXHAUSTED
     handoff_lease_s: how long a handoff record waits for a decode when the request does not say
     max_handoff_lease_s: longest lease a request may ask for
+    max_handoffs: most handoff records one request may ask for (one per choice: at least the gateway's largest n)
     """
 
     port: Port = 7002
@@ -36,3 +37,4 @@ class PrefillConfig(ModelServiceConfig, frozen=True, kw_only=True):
     max_queue: Positive = 64
     handoff_lease_s: PositiveFloat = 30.0
     max_handoff_lease_s: PositiveFloat = 300.0
+    max_handoffs: Positive = 16

@@ -1,13 +1,16 @@
 """prefill.v1.Prefill: the encoder half over a prompt, on top of whatever prefix the cache holds.
 
     validate → block keys → cache: hit blocks + the SWA record of the hit prefix → encoder over the suffix (chunked,
-    one encoder thread) → cache: new full blocks + the handoff record (leased) → handle
+    one encoder thread) → cache: new full blocks + the handoff record(s) (leased) → handle(s)
+
+A request may ask for several handoff records of its one prefill (`handoffs`): the gateway's n choices of a prompt
+each restore their own, since a decode consumes the record it takes.
 
 Stateless between requests: any replica serves any prompt. Failure semantics (docs/services.md):
 - bad input → INVALID_ARGUMENT naming the field; queue full → RESOURCE_EXHAUSTED; draining → UNAVAILABLE;
-- the cache cannot take the handoff (unreachable, or its pool full of leases) → FAILED_PRECONDITION: the gateway
-  then sends the token ids to decode, which prefills itself. After an unreachable cache the replica answers so at
-  once for `cache_retry_s` instead of running the encoder for nothing;
+- the cache cannot take a handoff record (unreachable, or its pool full of leases) → FAILED_PRECONDITION, the
+  records it did take released: the gateway then sends the token ids to decode, which prefills itself. After an
+  unreachable cache the replica answers so at once for `cache_retry_s` instead of running the encoder for nothing;
 - new blocks the cache refuses (SSD full, a shard down) are counted and logged, never fatal: decode recomputes
   what it cannot fetch.
 """
@@ -90,6 +93,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     async def _prefill(self, request: prefill_pb2.PrefillRequest, request_id: str) -> prefill_pb2.PrefillResponse:
         tokens, salt = list(request.token_ids), bytes(request.cache_salt)
         lease = self._check(request, request_id, tokens)
+        count = request.handoffs or 1
         with self.queue.place(len(tokens)) as place:
             keys = self.store.keys(tokens, salt)
             past = await self.store.find_past(tokens, salt, keys)
@@ -103,8 +107,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             swa_restored=out.swa_restored,
             bounded_replay=out.bounded_replay,
         )
-        _, handle = await asyncio.gather(
-            self._write_blocks(keys[first : first + len(out.blocks)], out), self._write_handoff(handoff, lease)
+        _, handles = await asyncio.gather(
+            self._write_blocks(keys[first : first + len(out.blocks)], out), self._write_handoffs(handoff, lease, count)
         )
         self.log.info(
             "prefill",
@@ -113,9 +117,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             swa_restored=out.swa_restored,
             bounded_replay=out.bounded_replay,
             new_blocks=len(out.blocks),
+            handoffs=count,
         )
         return prefill_pb2.PrefillResponse(
-            handle=handle,
+            handle=handles[0],
+            handles=handles,
             prompt_tokens=len(tokens),
             cached_tokens=out.cached_tokens,
             swa_restored=out.swa_restored,
@@ -133,6 +139,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise invalid(f"handoff_lease_s must be a finite number ≥ 0, got {lease}")
         if lease > self.cfg.max_handoff_lease_s:
             raise invalid(f"handoff_lease_s {lease:g} exceeds this replica's maximum {self.cfg.max_handoff_lease_s:g}")
+        if request.handoffs > self.cfg.max_handoffs:
+            raise invalid(f"handoffs {request.handoffs} exceeds this replica's maximum {self.cfg.max_handoffs}")
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "this prefill replica is draining", "draining")
         if time.monotonic() < self._cache_down_until:
@@ -169,15 +177,26 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             self.metrics.cache_errors.labels("put_blocks").inc()
             self.log.warning("cache_write_failed", op="put_blocks", code=exc.code.name, error=str(exc))
 
-    async def _write_handoff(self, handoff: prefill_pb2.Handoff, lease: float) -> bytes:
-        try:
-            return await self.store.put_handoff(handoff, lease)
-        except CacheError as exc:
-            self.metrics.cache_errors.labels("put_handoff").inc()
-            if exc.code in DOWN:
-                self._cache_down_until = time.monotonic() + self.cfg.cache_retry_s
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the cache cannot take the handoff record ({exc}); {SEND_TOKENS}",
-                "cache_unavailable",
-            ) from None
+    async def _write_handoffs(self, handoff: prefill_pb2.Handoff, lease: float, count: int) -> list[bytes]:
+        """`count` records of the handoff, each under its own handle; all or none (FAILED_PRECONDITION)."""
+        written = await asyncio.gather(
+            *(self.store.put_handoff(handoff, lease) for _ in range(count)), return_exceptions=True
+        )
+        handles = [h for h in written if isinstance(h, bytes)]
+        failed = [e for e in written if isinstance(e, BaseException)]
+        if not failed:
+            return handles
+        # Nobody will ever ask for the records that were written: consume them now rather than leave them pinning
+        # the pool until their leases end (best effort: a cache that is down expires them on its own).
+        await asyncio.gather(*(self.store.take_handoff(h) for h in handles), return_exceptions=True)
+        error = failed[0]
+        if not isinstance(error, CacheError):
+            raise error
+        self.metrics.cache_errors.labels("put_handoff").inc()
+        if error.code in DOWN:
+            self._cache_down_until = time.monotonic() + self.cfg.cache_retry_s
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the cache cannot take the handoff record ({error}); {SEND_TOKENS}",
+            "cache_unavailable",
+        ) from None

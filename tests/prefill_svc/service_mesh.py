@@ -86,8 +86,8 @@ class Loop:
 class Mesh:
     """A cache (unless `cache` names addresses to use instead), a prefill and a decode replica.
 
-    `prefill` / `decode` override fields of their configurations; `clock` drives the cache's TTLs and leases; `times`
-    are the step times decode's DSpark scheduler starts from."""
+    `cache_options`, `prefill` / `decode` override fields of their configurations; `clock` drives the cache's TTLs
+    and leases; `times` are the step times decode's DSpark scheduler starts from."""
 
     def __init__(
         self,
@@ -97,6 +97,7 @@ class Mesh:
         *,
         clock: Callable[[], float] | None = None,
         cache: list[str] | None = None,
+        cache_options: dict[str, Any] | None = None,
         prefill: dict[str, Any] | None = None,
         decode: dict[str, Any] | None = None,
         times: StepTimes | None = None,
@@ -104,11 +105,8 @@ class Mesh:
         self.loop = loop
         self.cache: CacheServer | None = None
         if cache is None:
-            cfg = resolve_defaults(
-                CacheConfig(
-                    port=0, data_dir=str(data_dir), ssd_bytes=64 << 20, record_bytes=64 << 20, dram_bytes=64 << 20
-                )
-            )
+            sizes = {"ssd_bytes": 64 << 20, "record_bytes": 64 << 20, "dram_bytes": 64 << 20, **(cache_options or {})}
+            cfg = resolve_defaults(CacheConfig(port=0, data_dir=str(data_dir), **sizes))
             self.cache = CacheServer(cfg, clock=clock) if clock else CacheServer(cfg)
             loop.call(self.cache.start())
             cache = [f"127.0.0.1:{self.cache.port}"]

@@ -1,6 +1,6 @@
 """prefill.v1.Prefill on real servers: what lands in the cache (blocks under the shared keys, a leased handoff that
-decode can restore), reuse of a cached prefix, model info, bad input, a full queue, a cancelled prompt that never runs,
-an unreachable cache."""
+decode can restore; several records of one prefill for n choices), reuse of a cached prefix, model info, bad input, a
+full queue, a cancelled prompt that never runs, an unreachable cache, a record pool too full for every handoff."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from service_mesh import WAIT_S, Mesh, free_port, metric_value, new_id, wait_unt
 
 from mesh.block_keys import block_keys
 from model import EncoderState, GlobalKVBlock, Transformer
+from proto.decode.v1 import decode_pb2
 from proto.mesh.v1 import model_info_pb2
 from proto.prefill.v1 import prefill_pb2
 
@@ -28,6 +29,7 @@ def test_blocks_and_the_handoff_land_in_the_cache(
     answer = mesh.prefill_tokens(ids, salt)
     assert (answer.prompt_tokens, answer.cached_tokens, answer.swa_restored) == (len(ids), 0, False)
     assert answer.prefill_seconds > 0
+    assert list(answer.handles) == [answer.handle]  # handoffs unset: one record, as before the field existed
     keys = block_keys(ids, block_tokens=Bt, fingerprint=encoder.fingerprint, salt=salt)
     with mesh.cache_client() as cache:
         assert cache.lookup(keys) == 2
@@ -41,6 +43,35 @@ def test_blocks_and_the_handoff_land_in_the_cache(
     assert state.position == len(ids)
     assert state.to_bytes() == expected.encoder_state.to_bytes()
     assert [b.to_bytes() for b in blocks] == [b.to_bytes() for b in expected.blocks]
+
+
+@pytest.mark.parametrize("handoffs", [1, 3])
+def test_one_prefill_writes_a_handoff_record_per_choice(
+    mesh: Mesh, salt: bytes, prompt: Callable, handoffs: int
+) -> None:
+    """Each record holds the same handoff under its own handle, and a real decode consumes each exactly once."""
+    ids = prompt(mesh.block_tokens + 7)
+    before = mesh.metrics(mesh.prefill)
+    answer = mesh.prefill_tokens(ids, salt, handoffs=handoffs)
+    assert len(set(answer.handles)) == handoffs
+    assert answer.handle == answer.handles[0]
+    encoder_runs = metric_value(mesh.metrics(mesh.prefill), "v41mesh_prefill_seconds_count") - metric_value(
+        before, "v41mesh_prefill_seconds_count"
+    )
+    assert encoder_runs == 1  # once for them all
+    with mesh.cache_client() as cache:
+        payloads = [cache.get_record(handle) for handle in answer.handles]
+    assert all(p == payloads[0] for p in payloads)
+    assert list(prefill_pb2.Handoff.FromString(payloads[0]).token_ids) == ids
+    greedy = decode_pb2.SamplingParams(temperature=0)
+    replies = [
+        mesh.generate(handle=handle, max_tokens=3, cache_salt=salt, sampling=greedy)[0] for handle in answer.handles
+    ]
+    assert all(reply == replies[0] and len(reply) == 3 for reply in replies)
+    for handle in answer.handles:
+        with pytest.raises(grpc.RpcError) as taken:
+            mesh.generate(handle=handle, max_tokens=1, cache_salt=salt)
+        assert taken.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_a_repeated_prefix_comes_from_the_cache(mesh: Mesh, salt: bytes, prompt: Callable) -> None:
@@ -86,6 +117,7 @@ BAD_PROMPTS = [
     ({"token_ids": [3], "handoff_lease_s": math.nan}, "handoff_lease_s"),
     ({"token_ids": [3], "handoff_lease_s": 1e9}, "exceeds"),
     ({"token_ids": [3], "cache_salt": b"s" * 1025}, "cache_salt has 1025 bytes"),
+    ({"token_ids": [3], "handoffs": 17}, "handoffs 17 exceeds this replica's maximum 16"),
     ({"token_ids": [3], "request_id": "r" * 257}, "request_id has 257 characters"),
 ]
 
@@ -139,3 +171,23 @@ def test_an_unreachable_cache_is_failed_precondition_at_once(
     assert metric_value(text, "v41mesh_prefill_requests_total", 'outcome="cache_unavailable"') == 2
     assert metric_value(text, "v41mesh_prefill_prompt_tokens_total") == 20  # the second never ran the encoder
     assert metric_value(text, "v41mesh_prefill_cache_errors_total", 'op="put_handoff"') == 1
+
+
+def test_handoffs_the_record_pool_cannot_all_take_are_failed_precondition_and_none_is_left_pinned(
+    start_mesh: Callable[..., Mesh], models: tuple[Transformer, Transformer], salt: bytes, prompt: Callable
+) -> None:
+    """A pool with room for two leased handoffs: asking for three fails as one handoff that does not fit fails, and
+    the two that were written are released at once (else the next request's two would not fit until their leases
+    end)."""
+    ids = prompt(20)
+    state = models[0].encode_prefill(ids, chunk_tokens=16).encoder_state.to_bytes()
+    size = prefill_pb2.Handoff(token_ids=ids, cache_salt=salt, encoder_state=state).ByteSize()
+    mesh = start_mesh(cache_options={"record_bytes": size * 5 // 2})
+    with pytest.raises(grpc.RpcError) as full:
+        mesh.prefill_tokens(ids, salt, handoffs=3)
+    assert full.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "record pool full" in full.value.details()
+    with mesh.cache_client() as cache:
+        (stats,) = cache.stats().values()
+    assert stats["records"]["entries"] == 0
+    assert len(mesh.prefill_tokens(ids, salt, handoffs=2).handles) == 2

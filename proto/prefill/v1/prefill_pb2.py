@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.mesh.v1 import model_info_pb2 as proto_dot_mesh_dot_v1_dot_model__info__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/prefill/v1/prefill.proto\x12\nprefill.v1\x1a\x1eproto/mesh/v1/model_info.proto\"d\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\x0c\x12\x17\n\x0fhandoff_lease_s\x18\x04 \x01(\x01\"\x96\x01\n\x0fPrefillResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x14\n\x0cswa_restored\x18\x04 \x01(\x08\x12\x16\n\x0e\x62ounded_replay\x18\x05 \x01(\x08\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\"\x8c\x01\n\x07Handoff\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\x12\x15\n\rencoder_state\x18\x03 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x14\n\x0cswa_restored\x18\x05 \x01(\x08\x12\x16\n\x0e\x62ounded_replay\x18\x06 \x01(\x08\"\x10\n\x0eGetLoadRequest\"V\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0epending_tokens\x18\x03 \x01(\x04\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x32\xc8\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.prefill.v1.PrefillRequest\x1a\x1b.prefill.v1.PrefillResponse\x12\x37\n\x07GetLoad\x12\x1a.prefill.v1.GetLoadRequest\x1a\x10.prefill.v1.Load\x12@\n\x0cGetModelInfo\x12\x1c.mesh.v1.GetModelInfoRequest\x1a\x12.mesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/prefill/v1/prefill.proto\x12\nprefill.v1\x1a\x1eproto/mesh/v1/model_info.proto\"v\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\x0c\x12\x17\n\x0fhandoff_lease_s\x18\x04 \x01(\x01\x12\x10\n\x08handoffs\x18\x05 \x01(\r\"\xa7\x01\n\x0fPrefillResponse\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x14\n\x0cswa_restored\x18\x04 \x01(\x08\x12\x16\n\x0e\x62ounded_replay\x18\x05 \x01(\x08\x12\x17\n\x0fprefill_seconds\x18\x06 \x01(\x01\x12\x0f\n\x07handles\x18\x07 \x03(\x0c\"\x8c\x01\n\x07Handoff\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ncache_salt\x18\x02 \x01(\x0c\x12\x15\n\rencoder_state\x18\x03 \x01(\x0c\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x14\n\x0cswa_restored\x18\x05 \x01(\x08\x12\x16\n\x0e\x62ounded_replay\x18\x06 \x01(\x08\"\x10\n\x0eGetLoadRequest\"V\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0epending_tokens\x18\x03 \x01(\x04\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x32\xc8\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.prefill.v1.PrefillRequest\x1a\x1b.prefill.v1.PrefillResponse\x12\x37\n\x07GetLoad\x12\x1a.prefill.v1.GetLoadRequest\x1a\x10.prefill.v1.Load\x12@\n\x0cGetModelInfo\x12\x1c.mesh.v1.GetModelInfoRequest\x1a\x12.mesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.prefill.v1.prefill_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=78
-  _globals['_PREFILLREQUEST']._serialized_end=178
-  _globals['_PREFILLRESPONSE']._serialized_start=181
-  _globals['_PREFILLRESPONSE']._serialized_end=331
-  _globals['_HANDOFF']._serialized_start=334
-  _globals['_HANDOFF']._serialized_end=474
-  _globals['_GETLOADREQUEST']._serialized_start=476
-  _globals['_GETLOADREQUEST']._serialized_end=492
-  _globals['_LOAD']._serialized_start=494
-  _globals['_LOAD']._serialized_end=580
-  _globals['_PREFILL']._serialized_start=583
-  _globals['_PREFILL']._serialized_end=783
+  _globals['_PREFILLREQUEST']._serialized_end=196
+  _globals['_PREFILLRESPONSE']._serialized_start=199
+  _globals['_PREFILLRESPONSE']._serialized_end=366
+  _globals['_HANDOFF']._serialized_start=369
+  _globals['_HANDOFF']._serialized_end=509
+  _globals['_GETLOADREQUEST']._serialized_start=511
+  _globals['_GETLOADREQUEST']._serialized_end=527
+  _globals['_LOAD']._serialized_start=529
+  _globals['_LOAD']._serialized_end=615
+  _globals['_PREFILL']._serialized_start=618
+  _globals['_PREFILL']._serialized_end=818
 # @@protoc_insertion_point(module_scope)
