@@ -1,8 +1,9 @@
-"""The harness of the end-to-end tests: reading gateway metrics, waiting for a condition, killing and restarting
-mesh processes, extra gateway processes over the same replicas."""
+"""The harness of the end-to-end tests: reading gateway metrics and replica logs, waiting for a condition, killing and
+restarting mesh processes, extra gateway processes over the same replicas."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -36,6 +37,16 @@ def metric(base_url: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def prefills_of(mesh: Mesh, request_id: str) -> list[dict]:
+    """The prompts the mesh's prefill replicas encoded for a request: their `prefill` log lines (one per prompt) that
+    carry its id. (Log lines, not metrics: the mesh's replicas serve no metrics port.)"""
+    lines = []
+    for child in mesh.children:
+        if child.name.startswith("prefill"):
+            lines += [json.loads(line) for line in child.log.read_text().splitlines() if '"event": "prefill"' in line]
+    return [line for line in lines if line.get("request_id") == request_id]
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_TIMEOUT_S) -> None:

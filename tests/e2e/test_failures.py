@@ -86,7 +86,7 @@ def test_without_prefill_decode_prefills_itself(mesh: Mesh, oai: openai.OpenAI) 
 
 def test_a_gateway_whose_prefill_is_down_from_its_start_serves_through_decode(mesh: Mesh, tmp_path: Any) -> None:
     """No prefill replica ever answered this gateway: it learns the model from a decode replica's GetModelInfo,
-    becomes ready, and serves every request by decode's own prefill, each counted as a fallback."""
+    becomes ready, and serves every request by decode's own prefill, each counted as a fallback (n choices: n)."""
     with socket.socket() as held:  # bound, never listening: refused, and no other test's server can take the port
         held.bind(("127.0.0.1", 0))
         _served_through_decode(mesh, tmp_path, f"127.0.0.1:{held.getsockname()[1]}")
@@ -100,6 +100,7 @@ def _served_through_decode(mesh: Mesh, tmp_path: Any, nowhere: str) -> None:
         assert health["replicas_up"]["prefill"] == 0
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=STREAM_TIMEOUT_S)
         response = chat(client, "served with every prefill replica down " * 6)
+        choices = chat(client, "two choices with every prefill replica down", n=2)
         message = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=ask("and through the Messages API")
         )
@@ -111,7 +112,9 @@ def _served_through_decode(mesh: Mesh, tmp_path: Any, nowhere: str) -> None:
     assert response.usage.completion_tokens == 4
     assert response.usage.prompt_tokens_details.cached_tokens == 0
     assert message.stop_reason == "max_tokens"
-    assert fallbacks == 2
+    assert [(c.index, c.finish_reason) for c in choices.choices] == [(0, "length"), (1, "length")]
+    assert choices.usage.completion_tokens == 2 * 4
+    assert fallbacks == 1 + 1 + 2  # each choice's decode prefilled the prompt itself
 
 
 def test_without_decode_503_in_the_apis_shape_and_the_unclaimed_handoff_expires(

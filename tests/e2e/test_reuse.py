@@ -34,7 +34,7 @@ def served_by(mesh: Mesh, *request_ids: str) -> list[tuple[str, str]]:
     for line in mesh.child("gateway").log.read_text().splitlines():
         if '"event": "request"' in line:
             entry = json.loads(line)
-            found[entry["request_id"]] = (entry["prefill"][0], entry["decode"][0])
+            found[entry["request_id"]] = (entry["prefill"], entry["decode"][0])
     return [found[rid] for rid in request_ids]
 
 
