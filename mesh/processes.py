@@ -10,6 +10,7 @@ them, so no child outlives its mesh. DATA_DIR/mesh.json describes the running me
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import random
@@ -83,6 +84,12 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _metrics_endpoint(host: str) -> tuple[list[str], str]:
+    """A service's metrics flags on a port of its own, and the URL Prometheus scrapes there."""
+    port = free_port(host)
+    return ["--metrics-host", host, "--metrics-port", str(port)], f"http://{host}:{port}/metrics"
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies (Linux), so a killed mesh leaves no orphans."""
     if sys.platform.startswith("linux"):
@@ -123,14 +130,20 @@ def gateway_sees(url: str, prefill: int, decode: int, cache: int) -> bool:
 class Child:
     """One process of the mesh."""
 
-    def __init__(self, name: str, argv: list[str], address: str, healthy: Callable[[], bool], log: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], address: str, healthy: Callable[[], bool], log: Path, metrics: str
+    ) -> None:
         self.name = name
         self.argv = argv
         self.address = address
+        self.metrics = metrics  # the URL Prometheus scrapes
         self.healthy = healthy
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+
+    def ready_line(self, after_s: float) -> str:
+        return f"{self.name:<10} ready after {after_s:5.1f} s   {self.address:<22}  {self.metrics}"
 
     @property
     def pid(self) -> int | None:
@@ -188,14 +201,16 @@ class Mesh:
         host = spec.host
         py = [sys.executable, "-m"]
         cache_address = f"{host}:{free_port(host)}"
+        metrics_args, metrics = _metrics_endpoint(host)
         self.children: list[Child] = [
             Child(
                 "cache",
                 [*py, "cache_svc", "serve", "--host", host, "--port", cache_address.rsplit(":", 1)[1],
-                 "--data-dir", str(self.data_dir / "cache"), *spec.cache_args],
+                 "--data-dir", str(self.data_dir / "cache"), *metrics_args, *spec.cache_args],
                 cache_address,
-                lambda a=cache_address: grpc_serving(a),
+                functools.partial(grpc_serving, cache_address),
                 self.logs / "cache.log",
+                metrics,
             )
         ]  # fmt: skip
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -206,12 +221,12 @@ class Mesh:
             for index in range(count):
                 address = f"{host}:{free_port(host)}"
                 workers[role].append(address)
+                metrics_args, metrics = _metrics_endpoint(host)
                 argv = [*py, f"{role}_svc", "serve", "--host", host, "--port", address.rsplit(":", 1)[1],
-                        "--metrics-port", "0", "--model", spec.model, "--cache", cache_address, *extra]  # fmt: skip
+                        *metrics_args, "--model", spec.model, "--cache", cache_address, *extra]  # fmt: skip
                 name = f"{role}-{index}"
-                self.children.append(
-                    Child(name, argv, address, lambda a=address: grpc_serving(a), self.logs / f"{name}.log")
-                )
+                healthy = functools.partial(grpc_serving, address)
+                self.children.append(Child(name, argv, address, healthy, self.logs / f"{name}.log", metrics))
         port = spec.port or free_port(host)
         self.base_url = f"http://{host}:{port}"
         self.grpc_address = f"{host}:{free_port(host)}"
@@ -219,7 +234,8 @@ class Mesh:
                 self.grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
                 "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
         url, counts = self.base_url, (spec.prefill_replicas, spec.decode_replicas, 1)
-        self.children.append(Child("gateway", argv, url, lambda: gateway_sees(url, *counts), self.logs / "gateway.log"))
+        healthy = functools.partial(gateway_sees, url, *counts)
+        self.children.append(Child("gateway", argv, url, healthy, self.logs / "gateway.log", f"{url}/metrics"))
         self._env = self._environment()
 
     def _environment(self) -> dict[str, str]:
@@ -285,7 +301,10 @@ class Mesh:
             "base_url": self.base_url,
             "grpc": self.grpc_address,
             "model": self.spec.model,
-            "children": {c.name: {"pid": c.pid, "address": c.address, "log": str(c.log)} for c in self.children},
+            "children": {
+                c.name: {"pid": c.pid, "address": c.address, "metrics": c.metrics, "log": str(c.log)}
+                for c in self.children
+            },
         }
         path = self.data_dir / "mesh.json"
         tmp = path.with_suffix(".json.tmp")
@@ -307,7 +326,7 @@ class Mesh:
                     )
                 if child.healthy():
                     pending.remove(child)
-                    self.on_event(f"{child.name:<10} ready after {time.monotonic() - started:5.1f} s   {child.address}")
+                    self.on_event(child.ready_line(time.monotonic() - started))
             if pending and time.monotonic() - started > timeout_s:
                 names = ", ".join(c.name for c in pending)
                 raise MeshError(f"{names} not healthy after {timeout_s:g} s; {pending[0].log}:\n{pending[0].tail()}")

@@ -12,11 +12,19 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 from e2e_helpers import START_TIMEOUT_S, wait_for
 
 from mesh.processes import grpc_serving
 
 ROOT = Path(__file__).resolve().parents[2]
+# A metric family each process exports.
+METRICS = {
+    "cache": "cache_hits_total",
+    "prefill-0": "v41mesh_prefill_",
+    "decode-0": "v41mesh_decode_",
+    "gateway": "v41mesh_gateway_",
+}
 
 
 def alive(pid: int) -> bool:
@@ -46,6 +54,8 @@ def test_up_demo_restart_and_a_clean_stop(tmp_path: Path) -> None:
         assert base_url.startswith("http://127.0.0.1:"), up.stderr.read() if up.stderr else ""
         first = children_of(data_dir)
         assert set(first) == {"cache", "prefill-0", "decode-0", "gateway"}
+        for name, family in METRICS.items():  # every process serves Prometheus, at the URL mesh.json gives
+            assert family in httpx.get(first[name]["metrics"], timeout=START_TIMEOUT_S).text, name
 
         demo = subprocess.run(
             [sys.executable, "-m", "mesh", "demo", "--base-url", base_url, "--max-tokens", "3"],
@@ -83,7 +93,7 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         from pathlib import Path
         from mesh.processes import Child
         child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], "-", lambda: True,
-                      Path({str(tmp_path / "sleeper.log")!r}))
+                      Path({str(tmp_path / "sleeper.log")!r}), "-")
         child.spawn({{}})
         print(child.pid, flush=True)
         time.sleep(120)
