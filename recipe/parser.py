@@ -82,8 +82,13 @@ class _Branch(NamedTuple):
     label: str = ""
 
 
-# Stages whose text passes through as-is: a chunk without trigger characters needs no matching.
-_PLAIN = {_Act.RAW: Out.CONTENT, _Act.REASONING: Out.REASONING}
+# Stages whose text passes through as-is, and those whose input ranges `track` reports.
+_PLAIN = {_Act.RAW: Out.CONTENT, _Act.REASONING: Out.REASONING, _Act.ARGS_RAW: Out.ARGS}
+_SPANNED = {_Act.RAW: Out.CONTENT, _Act.REASONING: Out.REASONING, _Act.SPACE: Out.CONTENT}
+_COALESCED = frozenset({Out.REASONING, Out.CONTENT, Out.ARGS})  # consecutive pieces of a kind join up
+# Python 3.11 looks an enum member up on its class in ~80 ns; the per-chunk code uses these names instead.
+_SKIP, _SPACE, _NAME, _ARGS_STRING = _Act.SKIP, _Act.SPACE, _Act.NAME, _Act.ARGS_STRING
+_LEADING, _NEWLINES = _Match.LEADING, _Match.NEWLINES
 
 
 class Markers(NamedTuple):
@@ -111,27 +116,36 @@ def _partial(text: str, pattern: str) -> int:
     return 0
 
 
-def _held_prefix(rest: str, spec: _Stage) -> int:
-    """Length of the longest tail of `rest` that begins one of the stage's (string) markers."""
-    hit = spec.trigger.search(rest, max(0, len(rest) - spec.longest_prefix))
-    while hit is not None:
-        start = hit.start()
-        if rest[start:] in spec.prefixes:
-            return len(rest) - start
-        hit = spec.trigger.search(rest, start + 1)
-    return 0
+def _cut_markers(patterns: list[str]) -> str:
+    """A regular expression for a proper prefix of any of `patterns`: a marker cut by the end of the text.
+
+    Written as a trie (`p(?:a(?:r)?)?`) so the engine tries each start position once, not once per prefix."""
+    tree: dict = {}
+    for pattern in patterns:
+        node = tree
+        for char in pattern[:-1]:
+            node = node.setdefault(char, {})
+
+    def alternatives(node: dict) -> str:
+        options = [re.escape(char) + (f"(?:{alternatives(rest)})?" if rest else "") for char, rest in node.items()]
+        return "(?:" + "|".join(options) + ")"
+
+    return alternatives(tree) if tree else ""
 
 
 class _Stage(NamedTuple):
     branches: tuple[_Branch, ...]
     unmatched: _Act
     trigger: re.Pattern[str]  # characters that can start a marker (or a newline run before one)
-    # For stages whose markers are plain strings, none inside another (the DSML stages): one regular
-    # expression finds the earliest marker, and a set of marker prefixes gives what to hold back.
-    markers: re.Pattern[str] | None
+    # Stages whose markers are plain strings, none inside another (the DSML stages): one search of `scanner`
+    # finds the earliest marker, or else the tail that may still become one (none can sit inside such a tail).
+    scanner: re.Pattern[str] | None
     by_marker: dict[str, _Branch]
-    prefixes: frozenset[str]
-    longest_prefix: int
+    lookback: bool  # a `\n*marker` branch looks at the stage's earlier text (see `_newlines_before`)
+    quick: re.Pattern[str]  # not found in a text: no marker starts there, all of it gets the stage's action
+    plain: Out | None  # the kind of text the stage passes through unchanged
+    spanned: Out | None  # the kind whose input ranges `track` reports
+    leading: bool  # leading newlines are dropped (reasoning and answer with the flag set)
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,29 +212,30 @@ class Parser:
         return self.stage is Stage.REASONING
 
     def feed(self, chunk: str) -> list[tuple[Out, str]]:
-        if not self._held and self._fast and self._trigger(chunk) is None:
-            # The fast path: no marker can start in this chunk, so all of it gets the stage's action.
-            start = self.fed
-            self.fed = start + len(chunk)
-            if not chunk:
+        held = self._held
+        text = held + chunk if held else chunk
+        start = self.fed - len(held)
+        self.fed += len(chunk)
+        spec = self._spec
+        self._held = ""
+        found = spec.quick.search(text)
+        if found is None:
+            # The fast path: no marker starts in the text, so all of it gets the stage's action.
+            if not text:
                 return []
             self.fresh = False
             self._context = ""  # text without trigger characters ends no partial marker
-            plain = self._plain
+            plain = spec.plain
             if plain is not None:
                 if self.track:
-                    self.spans = [(plain, start, self.fed)]
-                return [(plain, chunk)]
-            self._out = []
-            self._unmatched(chunk, 0)
-            return self._out
+                    self.spans = [(plain, start, self.fed)] if spec.spanned is not None else []
+                return [(plain, text)]
         self._out = []
         self.spans = []
-        self._base = self.fed - len(self._held)
-        self.fed += len(chunk)
-        if self.stage is not Stage.FINISHED:
-            text = self._held + chunk if self._held else chunk
-            self._held = ""
+        self._base = start
+        if found is None:
+            self._unmatched(text, 0)
+        else:
             self._scan(text)
         return self._out
 
@@ -236,18 +251,14 @@ class Parser:
     # -- stages -----------------------------------------------------------------------------------------
 
     def _enter(self, stage: Stage, flag: bool) -> None:
-        self.stage, self.flag = stage, flag
-        self.fresh = flag and stage in (Stage.CONTENT, Stage.REASONING)
-        self._context = ""
-        self._spaced = False
         spec = self._stages.get((stage, flag))
         if spec is None:
             spec = self._stages[(stage, flag)] = self._build(stage, flag)
-        self._spec = spec
-        self._plain = _PLAIN.get(spec.unmatched)
-        # Every stage but JSON mode's blanked text (one space per run) takes the fast path.
-        self._fast = spec.unmatched is not _Act.SPACE
-        self._trigger = spec.trigger.search
+        self.stage, self.flag, self._spec = stage, flag, spec
+        self.fresh = flag and spec.leading
+        self._context = ""
+        self._spaced = False
+        self._step = self._next_branch if spec.scanner is None else self._next_marker
 
     def _build(self, stage: Stage, flag: bool) -> _Stage:
         opts, m = self.options, self.markers
@@ -316,76 +327,96 @@ class Parser:
             b.match is _Match.STRING and not any(b.pattern in other for other in patterns if other != b.pattern)
             for b in branches
         )
-        markers = re.compile("|".join(re.escape(p) for p in patterns)) if simple else None
-        prefixes = frozenset(p[:k] for p in patterns for k in range(1, len(p)))
-        longest = max((len(p) - 1 for p in patterns), default=0)
-        return _Stage(tuple(branches), unmatched, trigger, markers, {b.pattern: b for b in branches}, prefixes, longest)
+        scanner = None
+        if simple:
+            cut = _cut_markers(patterns)
+            scanner = re.compile("|".join(re.escape(p) for p in patterns) + (f"|{cut}\\Z" if cut else ""))
+        plain = _PLAIN.get(unmatched)
+        # The scanner finds every marker and cut marker; text the stage passes through unchanged must also
+        # be free of token-mode sentinels, which the trigger characters include.
+        quick = scanner if scanner is not None and not (plain is not None and self._restore) else trigger
+        return _Stage(
+            branches=tuple(branches),
+            unmatched=unmatched,
+            trigger=trigger,
+            scanner=scanner,
+            by_marker={b.pattern: b for b in branches},
+            lookback=any(b.match is _Match.NEWLINES for b in branches),
+            quick=quick,
+            plain=plain,
+            spanned=_SPANNED.get(unmatched),
+            leading=stage in (Stage.CONTENT, Stage.REASONING),
+        )
 
     # -- matching ---------------------------------------------------------------------------------------
 
     def _scan(self, text: str) -> None:
+        """Work through `text` stage by stage; a tail that may still become a marker is held back."""
         pos, size = 0, len(text)
-        while pos < size:
-            spec = self._spec
-            if spec.markers is not None:
-                found = spec.markers.search(text, pos)
-                if found is None:
-                    break
-                start, end = found.span()
-                self.fresh = False
-                self._unmatched(text[pos:start], pos)
-                best = spec.by_marker[found.group()]
-                self._matched(best, text[start:end])
-                self._enter(best.stage, best.flag)
-                pos = end
-                if self.stage is Stage.FINISHED:
-                    return
-                continue
-            hit = spec.trigger.search(text, pos)
-            if hit is None:
-                self.fresh = False
-                self._unmatched(text[pos:], pos)
-                return
-            if hit.start() > pos:
-                self.fresh = False
-                self._unmatched(text[pos : hit.start()], pos)
-                pos = hit.start()
-            best: _Branch | None = None
-            best_start = best_end = size + 1
-            for branch in spec.branches:
-                if branch.match is _Match.LEADING:
-                    if not self.fresh or text[pos] != "\n":
-                        continue
-                    start, end = pos, pos + 1
-                else:
-                    start = text.find(branch.pattern, pos)
-                    if start < 0:
-                        continue
-                    end = start + len(branch.pattern)
-                    if branch.match is _Match.NEWLINES:
-                        start = self._newlines_before(text, pos, start, branch.pattern)
-                if end < best_end:
-                    best, best_start, best_end = branch, start, end
-            if best is None:
-                break
-            self._unmatched(text[pos:best_start], pos)
-            self._matched(best, text[best_start:best_end])
-            self._enter(best.stage, best.flag)
-            pos = best_end
-            if self.stage is Stage.FINISHED:
-                return
-        if pos >= size:
-            return
-        rest = text[pos:]
+        while pos < size:  # the finished stage has no markers: its step takes the rest
+            pos = self._step(text, pos)
+
+    def _take(self, branch: _Branch, marker: str) -> None:
+        """The one transition: `branch`'s marker matched, its action runs and its stage starts."""
+        self._matched(branch, marker)
+        self._enter(branch.stage, branch.flag)
+
+    def _next_marker(self, text: str, pos: int) -> int:
+        """One step of a stage of plain markers: up to the earliest marker, or to the end holding a cut one."""
         spec = self._spec
-        if spec.markers is not None:
-            hold = _held_prefix(rest, spec)
+        found = spec.scanner.search(text, pos)  # type: ignore[union-attr]
+        if found is None:
+            self._unmatched(text[pos:], pos)
+            return len(text)
+        start, end = found.span()
+        if start > pos:
+            self._unmatched(text[pos:start], pos)
+        branch = spec.by_marker.get(found.group())
+        if branch is None:
+            self._held = text[start:]
         else:
-            hold = max(self._holding(rest, branch) for branch in spec.branches)
+            self._take(branch, text[start:end])
+        return end
+
+    def _next_branch(self, text: str, pos: int) -> int:
+        """One step of any stage: the earliest branch to complete wins; if none can, the end is held back."""
+        spec = self._spec
+        hit = spec.trigger.search(text, pos)
+        if hit is None:
+            self.fresh = False
+            self._unmatched(text[pos:], pos)
+            return len(text)
+        if hit.start() > pos:
+            self.fresh = False
+            self._unmatched(text[pos : hit.start()], pos)
+            pos = hit.start()
+        size = len(text)
+        best: _Branch | None = None
+        best_start = best_end = size + 1
+        for branch in spec.branches:
+            if branch.match is _LEADING:
+                if not self.fresh or text[pos] != "\n":
+                    continue
+                start, end = pos, pos + 1
+            else:
+                start = text.find(branch.pattern, pos)
+                if start < 0:
+                    continue
+                end = start + len(branch.pattern)
+                if branch.match is _NEWLINES:
+                    start = self._newlines_before(text, pos, start, branch.pattern)
+            if end < best_end:
+                best, best_start, best_end = branch, start, end
+        if best is not None:
+            self._unmatched(text[pos:best_start], pos)
+            self._take(best, text[best_start:best_end])
+            return best_end
+        rest = text[pos:]
+        hold = max((self._holding(rest, branch) for branch in spec.branches), default=0)
         self.fresh = False
-        if hold < len(rest):
-            self._unmatched(rest[: len(rest) - hold], pos)
+        self._unmatched(rest[: len(rest) - hold], pos)
         self._held = rest[len(rest) - hold :]
+        return size
 
     def _newlines_before(self, text: str, pos: int, start: int, pattern: str) -> int:
         """Where a `\\n*pattern` match begins: the newlines right before `start` (within this stage),
@@ -415,34 +446,31 @@ class Parser:
                 if sentinel in text:
                     text = text.replace(sentinel, spelling)
         out = self._out
-        if out and out[-1][0] is kind and kind is not Out.TOOL_START and kind is not Out.TOOL_END:
+        if out and out[-1][0] is kind and kind in _COALESCED:
             out[-1] = (kind, out[-1][1] + text)
         else:
             out.append((kind, text))
 
     def _unmatched(self, text: str, at: int) -> None:
         """Emit `text` (found at `at` in the scanned text) with the stage's action."""
-        if not text:
+        spec = self._spec
+        act = spec.unmatched
+        if act is _SKIP or not text:  # the most common case inside tool-call markup
             return
-        context = self._context + text
-        self._context = context[-32:]
-        act = self._spec.unmatched
-        if act is _Act.RAW:
-            self._emit(Out.CONTENT, text)
-        elif act is _Act.REASONING:
-            self._emit(Out.REASONING, text)
-        elif act is _Act.ARGS_RAW:
-            self._emit(Out.ARGS, text)
-        elif act is _Act.ARGS_STRING:
+        if spec.lookback:
+            self._context = (self._context + text)[-32:]
+        if spec.plain is not None:
+            self._emit(spec.plain, text)
+        elif act is _ARGS_STRING:
             self._emit(Out.ARGS, _escape_json(text)[1:-1].decode())
-        elif act is _Act.NAME:
+        elif act is _NAME:
             self._name.append(text)
-        elif act is _Act.SPACE and not self._spaced:
+        elif act is _SPACE and not self._spaced:
             self._spaced = True
             self._emit(Out.CONTENT, " ")
-        if self.track and act in (_Act.RAW, _Act.REASONING, _Act.SPACE):
+        if self.track and spec.spanned is not None:
             start = self._base + at
-            self.spans.append((Out.REASONING if act is _Act.REASONING else Out.CONTENT, start, start + len(text)))
+            self.spans.append((spec.spanned, start, start + len(text)))
 
     def _matched(self, branch: _Branch, text: str) -> None:
         act = branch.act
