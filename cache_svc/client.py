@@ -111,6 +111,15 @@ def _first_missing(positions: Sequence[int], hit_count: int, n: int) -> int:
     return positions[hit_count] if hit_count < len(positions) else n
 
 
+def _record_lookup(keys: Sequence[bytes], positions: Sequence[int]) -> pb.LookupRequest:
+    return pb.LookupRequest(record_keys=[keys[i] for i in positions])
+
+
+def _mark_found(found: list[bool], positions: Sequence[int], answer: pb.LookupResponse) -> None:
+    for i, present in zip(positions, answer.records_found, strict=True):
+        found[i] = present
+
+
 def _record(payloads: Iterable[pb.GetRecordResponse]) -> bytes:
     parts = [m.data for m in payloads]
     return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -261,14 +270,24 @@ class CacheClient(_Replicas):
                 return None
             raise _error(exc, address) from None
 
+    def has_records(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each record is present: one Lookup per replica holding any of them (one that is down: absent)."""
+        found = [False] * len(keys)
+        shards = self.ring.split(keys)
+        calls = {
+            address: self._stubs[address].Lookup.future(_record_lookup(keys, positions), timeout=self.timeout_s)
+            for address, positions in shards.items()
+        }
+        for address, call in calls.items():
+            try:
+                _mark_found(found, shards[address], call.result())
+            except grpc.RpcError as exc:
+                if not _down(exc, address, "Lookup"):
+                    raise _error(exc, address) from None
+        return found
+
     def has_record(self, key: bytes) -> bool:
-        address = self.ring.node(key)
-        try:
-            return self._stubs[address].Lookup(pb.LookupRequest(record_key=key), timeout=self.timeout_s).record_found
-        except grpc.RpcError as exc:
-            if _down(exc, address, "Lookup"):
-                return False
-            raise _error(exc, address) from None
+        return self.has_records([key])[0]
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per replica address: its Stats answer as a dict, or {"error": ...} if it cannot answer."""
@@ -371,15 +390,23 @@ class AsyncCacheClient(_Replicas):
                 return None
             raise _error(exc, address) from None
 
+    async def has_records(self, keys: Sequence[bytes]) -> list[bool]:
+        found = [False] * len(keys)
+
+        async def one(address: str, positions: list[int]) -> None:
+            try:
+                answer = await self._stubs[address].Lookup(_record_lookup(keys, positions), timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                if not _down(exc, address, "Lookup"):
+                    raise _error(exc, address) from None
+                return
+            _mark_found(found, positions, answer)
+
+        await asyncio.gather(*(one(a, p) for a, p in self.ring.split(keys).items()))
+        return found
+
     async def has_record(self, key: bytes) -> bool:
-        address = self.ring.node(key)
-        try:
-            answer = await self._stubs[address].Lookup(pb.LookupRequest(record_key=key), timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            if _down(exc, address, "Lookup"):
-                return False
-            raise _error(exc, address) from None
-        return answer.record_found
+        return (await self.has_records([key]))[0]
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         async def one(stub: Any) -> dict[str, Any]:

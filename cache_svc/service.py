@@ -58,8 +58,8 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:  # noqa: N802
         async with self._rpc("Lookup", context):
             keys = _block_keys(request.keys)
-            found = bool(request.record_key) and _record_key(request.record_key) in self._records
-            return pb.LookupResponse(hit_count=self._store.lookup(keys), record_found=found)
+            found = [_record_key(key) in self._records for key in _bounded(request.record_keys, "record keys")]
+            return pb.LookupResponse(hit_count=self._store.lookup(keys), records_found=found)
 
     async def PutBlocks(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.PutBlocksRequest], context: grpc.aio.ServicerContext
@@ -246,10 +246,14 @@ def _block_key(key: bytes, position: int | None = None) -> bytes:
 
 
 def _block_keys(keys: Sequence[bytes]) -> Sequence[bytes]:
-    if len(keys) > MAX_KEYS:
-        raise InvalidArgumentError(f"{len(keys)} keys in one request; the limit is {MAX_KEYS}")
-    for i, key in enumerate(keys):
+    for i, key in enumerate(_bounded(keys, "keys")):
         _block_key(key, i)
+    return keys
+
+
+def _bounded(keys: Sequence[bytes], what: str) -> Sequence[bytes]:
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgumentError(f"{len(keys)} {what} in one request; the limit is {MAX_KEYS}")
     return keys
 
 

@@ -88,7 +88,7 @@ class KVStore:
         first = len(hit_keys) * self.block_tokens
         ends = range(min(len(token_ids), first + self.block_tokens - 1), max(first, 1) - 1, -1)
         keys = [self.sequence_key(token_ids[:end], salt, hit_keys) for end in ends]
-        found = await asyncio.gather(*(self.cache.has_record(key) for key in keys))
+        found = await self.cache.has_records(keys)  # every possible end of the previous turn, in one call per shard
         for key, present in zip(keys, found, strict=True):
             if present:
                 payload = await self.cache.get_record(key)

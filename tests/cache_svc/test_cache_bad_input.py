@@ -108,7 +108,7 @@ def test_bad_reads_and_lookups(cache: Any) -> None:
     code, details = _code(lambda: stub.Lookup(pb.LookupRequest(keys=[KEY] * 65537), timeout=RPC_TIMEOUT_S))
     assert code == INVALID
     assert "65537 keys" in details
-    code, details = _code(lambda: stub.Lookup(pb.LookupRequest(record_key=b"k" * 65), timeout=RPC_TIMEOUT_S))
+    code, details = _code(lambda: stub.Lookup(pb.LookupRequest(record_keys=[b"k", b"k" * 65]), timeout=RPC_TIMEOUT_S))
     assert code == INVALID
     assert "record key is 65 bytes" in details
 

@@ -38,6 +38,8 @@ def test_one_replica_down_then_back_with_its_data(spawn: Any, tmp_path: Path) ->
         for key, payload in records.items():
             expected = None if client.ring.node(key) == down.address else payload
             assert client.get_record(key) == expected
+        probe = [b"swa/never", *records, b"swa/nor"]  # one Lookup per live replica answers for all of them
+        assert client.has_records(probe) == [k in records and client.ring.node(k) != down.address for k in probe]
         assert "UNAVAILABLE" in client.stats()[down.address]["error"]
 
         more = [(key_of(n), b"new") for n in range(N, N + 30)]
@@ -80,6 +82,11 @@ def test_async_client_same_contract(spawn: Any, tmp_path: Path) -> None:
             assert found == [None if owner[k] == gone else p for k, p in blocks]
             first_gone = next(i for i, k in enumerate(keys) if owner[k] == gone)
             assert await client.lookup(keys) == first_gone
+            probe = [f"swa/{i}".encode() for i in range(20)]  # on both replicas
+            held = next(k for k in probe if client.ring.node(k) == up.address)
+            await client.put_record(held, b"h", ttl_s=30)
+            assert await client.has_records(probe) == [k == held for k in probe]
+            assert {client.ring.node(k) for k in probe} == {up.address, gone}
             with pytest.raises(CacheError) as failed:
                 await client.put_blocks(blocks)
             assert failed.value.address == gone

@@ -7,20 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "record_key")
+    __slots__ = ("keys", "record_keys")
     KEYS_FIELD_NUMBER: _ClassVar[int]
-    RECORD_KEY_FIELD_NUMBER: _ClassVar[int]
+    RECORD_KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    record_key: bytes
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., record_key: _Optional[bytes] = ...) -> None: ...
+    record_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., record_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_count", "record_found")
+    __slots__ = ("hit_count", "records_found")
     HIT_COUNT_FIELD_NUMBER: _ClassVar[int]
-    RECORD_FOUND_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FOUND_FIELD_NUMBER: _ClassVar[int]
     hit_count: int
-    record_found: bool
-    def __init__(self, hit_count: _Optional[int] = ..., record_found: _Optional[bool] = ...) -> None: ...
+    records_found: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, hit_count: _Optional[int] = ..., records_found: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PutSlice(_message.Message):
     __slots__ = ("key", "total_bytes", "offset", "data")
