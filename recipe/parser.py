@@ -86,9 +86,10 @@ class _Branch(NamedTuple):
 _PLAIN = {_Act.RAW: Out.CONTENT, _Act.REASONING: Out.REASONING, _Act.ARGS_RAW: Out.ARGS}
 _SPANNED = {_Act.RAW: Out.CONTENT, _Act.REASONING: Out.REASONING, _Act.SPACE: Out.CONTENT}
 _COALESCED = frozenset({Out.REASONING, Out.CONTENT, Out.ARGS})  # consecutive pieces of a kind join up
-# Python 3.11 looks an enum member up on its class in ~80 ns; the per-chunk code uses these names instead.
-_SKIP, _SPACE, _NAME, _ARGS_STRING = _Act.SKIP, _Act.SPACE, _Act.NAME, _Act.ARGS_STRING
+# Python 3.11 looks an enum member up on its class in ~90 ns; the per-chunk code uses these names instead.
+_SKIP, _SPACE, _NAME, _ARGS_STRING, _LABEL = _Act.SKIP, _Act.SPACE, _Act.NAME, _Act.ARGS_STRING, _Act.LABEL
 _LEADING, _NEWLINES = _Match.LEADING, _Match.NEWLINES
+_ARGS = Out.ARGS
 
 
 class Markers(NamedTuple):
@@ -142,7 +143,9 @@ class _Stage(NamedTuple):
     scanner: re.Pattern[str] | None
     by_marker: dict[str, _Branch]
     lookback: bool  # a `\n*marker` branch looks at the stage's earlier text (see `_newlines_before`)
-    quick: re.Pattern[str]  # not found in a text: no marker starts there, all of it gets the stage's action
+    # Not found in a text: no marker starts there, all of it gets the stage's action (None: search with the
+    # scanner at once).
+    quick: re.Pattern[str] | None
     plain: Out | None  # the kind of text the stage passes through unchanged
     spanned: Out | None  # the kind whose input ranges `track` reports
     leading: bool  # leading newlines are dropped (reasoning and answer with the flag set)
@@ -212,31 +215,33 @@ class Parser:
         return self.stage is Stage.REASONING
 
     def feed(self, chunk: str) -> list[tuple[Out, str]]:
-        held = self._held
-        text = held + chunk if held else chunk
-        start = self.fed - len(held)
-        self.fed += len(chunk)
-        spec = self._spec
-        self._held = ""
-        found = spec.quick.search(text)
-        if found is None:
-            # The fast path: no marker starts in the text, so all of it gets the stage's action.
-            if not text:
+        quick = self._quick
+        if quick is not None and not self._held and quick(chunk) is None:
+            # The fast path: no marker starts in the chunk, so all of it gets the stage's action.
+            start = self.fed
+            self.fed = start + len(chunk)
+            if not chunk:
                 return []
             self.fresh = False
             self._context = ""  # text without trigger characters ends no partial marker
-            plain = spec.plain
+            plain = self._plain
             if plain is not None:
                 if self.track:
-                    self.spans = [(plain, start, self.fed)] if spec.spanned is not None else []
-                return [(plain, text)]
+                    self.spans = [(plain, start, self.fed)] if self._spec.spanned is not None else []
+                return [(plain, chunk)]
+            self._out = []
+            self.spans = []
+            self._base = start
+            self._unmatched(chunk, 0)
+            return self._out
+        held = self._held
         self._out = []
-        self.spans = []
-        self._base = start
-        if found is None:
-            self._unmatched(text, 0)
-        else:
-            self._scan(text)
+        if self.track:
+            self.spans = []
+        self._base = self.fed - len(held)
+        self.fed += len(chunk)
+        self._held = ""
+        self._scan(held + chunk if held else chunk)
         return self._out
 
     def finish(self) -> list[tuple[Out, str]]:
@@ -255,10 +260,11 @@ class Parser:
         if spec is None:
             spec = self._stages[(stage, flag)] = self._build(stage, flag)
         self.stage, self.flag, self._spec = stage, flag, spec
+        self._quick = None if spec.quick is None else spec.quick.search
+        self._plain = spec.plain
         self.fresh = flag and spec.leading
         self._context = ""
         self._spaced = False
-        self._step = self._next_branch if spec.scanner is None else self._next_marker
 
     def _build(self, stage: Stage, flag: bool) -> _Stage:
         opts, m = self.options, self.markers
@@ -332,9 +338,9 @@ class Parser:
             cut = _cut_markers(patterns)
             scanner = re.compile("|".join(re.escape(p) for p in patterns) + (f"|{cut}\\Z" if cut else ""))
         plain = _PLAIN.get(unmatched)
-        # The scanner finds every marker and cut marker; text the stage passes through unchanged must also
-        # be free of token-mode sentinels, which the trigger characters include.
-        quick = scanner if scanner is not None and not (plain is not None and self._restore) else trigger
+        # A stage of plain markers searches with its scanner at once, unless the text it passes through must
+        # first be checked for token-mode sentinels (which the trigger characters include).
+        quick = None if scanner is not None and not (plain is not None and self._restore) else trigger
         return _Stage(
             branches=tuple(branches),
             unmatched=unmatched,
@@ -354,29 +360,27 @@ class Parser:
         """Work through `text` stage by stage; a tail that may still become a marker is held back."""
         pos, size = 0, len(text)
         while pos < size:  # the finished stage has no markers: its step takes the rest
-            pos = self._step(text, pos)
+            spec = self._spec
+            if spec.scanner is None:
+                pos = self._next_branch(text, pos)
+                continue
+            # A stage of plain markers: up to the earliest marker, or to the end holding a cut one.
+            found = spec.scanner.search(text, pos)
+            start, end = (size, size) if found is None else found.span()
+            if start > pos and spec.unmatched is not _SKIP:
+                self._unmatched(text[pos:start], pos)
+            if found is not None:
+                branch = spec.by_marker.get(found.group())
+                if branch is None:
+                    self._held = text[start:]
+                else:
+                    self._take(branch, text[start:end])
+            pos = end
 
     def _take(self, branch: _Branch, marker: str) -> None:
         """The one transition: `branch`'s marker matched, its action runs and its stage starts."""
         self._matched(branch, marker)
         self._enter(branch.stage, branch.flag)
-
-    def _next_marker(self, text: str, pos: int) -> int:
-        """One step of a stage of plain markers: up to the earliest marker, or to the end holding a cut one."""
-        spec = self._spec
-        found = spec.scanner.search(text, pos)  # type: ignore[union-attr]
-        if found is None:
-            self._unmatched(text[pos:], pos)
-            return len(text)
-        start, end = found.span()
-        if start > pos:
-            self._unmatched(text[pos:start], pos)
-        branch = spec.by_marker.get(found.group())
-        if branch is None:
-            self._held = text[start:]
-        else:
-            self._take(branch, text[start:end])
-        return end
 
     def _next_branch(self, text: str, pos: int) -> int:
         """One step of any stage: the earliest branch to complete wins; if none can, the end is held back."""
@@ -462,7 +466,7 @@ class Parser:
         if spec.plain is not None:
             self._emit(spec.plain, text)
         elif act is _ARGS_STRING:
-            self._emit(Out.ARGS, _escape_json(text)[1:-1].decode())
+            self._emit(_ARGS, _escape_json(text)[1:-1].decode())
         elif act is _NAME:
             self._name.append(text)
         elif act is _SPACE and not self._spaced:
@@ -474,8 +478,10 @@ class Parser:
 
     def _matched(self, branch: _Branch, text: str) -> None:
         act = branch.act
-        if act is _Act.LABEL:
-            self._emit(Out.ARGS, branch.label)
+        if act is _SKIP:
+            return
+        if act is _LABEL:
+            self._emit(_ARGS, branch.label)
         elif act is _Act.JSON_LABEL:
             self._emit(Out.CONTENT, branch.label)
         elif act is _Act.TOOL_BEGIN:

@@ -34,6 +34,7 @@ THINK_END_SENTINEL = "\ufdd0"
 DSML_SENTINEL = "\ufdd1"
 TOKEN_MARKERS = Markers(think_end=THINK_END_SENTINEL, dsml=DSML_SENTINEL)
 
+# An enum member looked up per chunk (a class lookup costs ~90 ns on Python 3.11).
 _REASONING = Stage.REASONING
 _BACKEND_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "content_filter": Finish.CONTENT_FILTER}
 _ID_PREFIX = {"chat.completions": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
@@ -106,7 +107,9 @@ class StreamProcessor:
         self._text_open = False  # started, not finished, text mode: push_text's fast path
         self.usage = Usage()
         self._calls = 0
+        # The writer of each kind of text, called with the text alone on the fast path.
         self._text_writers = {Out.CONTENT: self.writer.content, Out.REASONING: self.writer.reasoning}
+        self._text_writers[Out.ARGS] = self.writer.tool_args
 
     # -- input ------------------------------------------------------------------------------------------
 
@@ -135,10 +138,13 @@ class StreamProcessor:
         if parser.stage is _REASONING:
             usage.reasoning_tokens += token_count
         items = parser.feed(text)
-        if len(items) == 1:  # the common case: one piece of text
-            write = self._text_writers.get(items[0][0])
-            if write is not None and parser.stop_sequence is None:
-                return write(items[0][1], None)
+        if len(items) == 1 and parser.stop_sequence is None:  # the common case: one piece of text
+            kind, piece = items[0]
+            write = self._text_writers.get(kind)
+            if write is not None:
+                return write(piece)
+        elif not items:  # inside tool-call markup, most chunks
+            return []
         events = self._dispatch(items, None)
         if parser.stop_sequence is not None:
             events += self._end(Finish.STOP_SEQUENCE)

@@ -56,6 +56,8 @@ class ChatWriter(Writer):
         self._head = self._tail = b""
         # Pre-encoded chunk pieces around a delta's text: the hot path only encodes the text.
         self._reasoning_head = self._content_head = self._reasoning_tail = self._content_tail = b""
+        self._args_head = self._args_tail = b""  # around the open call's argument text
+        self._args: list[str] = []  # the open call's argument pieces
 
     def chunk_head(self) -> bytes:
         meta = self.meta
@@ -88,7 +90,7 @@ class ChatWriter(Writer):
             return [self._chunk(b'{"role":"assistant","content":null,"reasoning_content":""}')]
         return [self._chunk(b'{"role":"assistant","content":""}')]
 
-    def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
+    def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         self.reasoning_parts.append(text)
         if logprobs:
             self.reasoning_logprobs += logprobs
@@ -99,7 +101,7 @@ class ChatWriter(Writer):
         lp = encode({"reasoning_content": logprobs})
         return [self._chunk(b'{"content":null,"reasoning_content":' + encode(text) + b"}", lp)]
 
-    def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         self.content_parts.append(text)
         if logprobs:
             self.content_logprobs += logprobs
@@ -113,20 +115,21 @@ class ChatWriter(Writer):
         return [self._chunk(b'{"content":' + encode(text) + b"}", lp)]
 
     def tool_start(self, index: int, call_id: str, name: str) -> list[Event]:
-        self.calls.append((call_id, name, []))
+        self._args = []
+        self.calls.append((call_id, name, self._args))
         if not self.stream:
             return []
+        self._args_head = (
+            self._head + b'{"index":' + str(self.index).encode() + b',"delta":{"tool_calls":[{"index":'
+            + str(len(self.calls) - 1).encode() + b',"function":{"arguments":'
+        )  # fmt: skip
+        self._args_tail = b'}}]},"logprobs":null,"finish_reason":null}]' + self._tail
         call = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
         return [self._chunk(encode({"tool_calls": [call]}))]
 
     def tool_args(self, fragment: str) -> list[Event]:
-        self.calls[-1][2].append(fragment)
-        if not self.stream:
-            return []
-        index = str(len(self.calls) - 1).encode()
-        return [
-            self._chunk(b'{"tool_calls":[{"index":' + index + b',"function":{"arguments":' + encode(fragment) + b"}}]}")
-        ]
+        self._args.append(fragment)
+        return [Event(None, self._args_head + encode(fragment) + self._args_tail)] if self.stream else []
 
     def tool_end(self) -> list[Event]:
         return []

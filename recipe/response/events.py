@@ -14,8 +14,10 @@ _decode = msgspec.json.decode
 DONE = b"[DONE]"
 
 
-class Event(msgspec.Struct, frozen=True):
-    """One server-sent event: `name` (the `event:` line; None for a bare `data:` event) and JSON `data`."""
+class Event(msgspec.Struct, frozen=True, gc=False):
+    """One server-sent event: `name` (the `event:` line; None for a bare `data:` event) and JSON `data`.
+
+    Untracked by the garbage collector (it holds only a str and bytes): one per streamed chunk, made faster."""
 
     name: str | None
     data: bytes

@@ -153,7 +153,7 @@ class ResponsesWriter(Writer):
         name, head, tail = item.delta
         sequence = self.sequence
         self.sequence = sequence + 1
-        return Event(name, head + encode(text) + tail + str(sequence).encode() + b"}")
+        return Event(name, b"%b%b%b%d}" % (head, encode(text), tail, sequence))
 
     def _open(self, kind: str, prefix: str, call: tuple[str, str, str | None] = ("", "", None)) -> list[Event]:
         events = self._close("completed")
@@ -217,32 +217,25 @@ class ResponsesWriter(Writer):
             self._event("response.in_progress", {"response": self.response()}),
         ]
 
-    def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
+    def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         item = self.open
-        events = [] if item is not None and item.kind == "reasoning" else self._open("reasoning", "rs")
-        item = self.open
-        assert item is not None
+        if item is None or item.kind != "reasoning":
+            return self._open("reasoning", "rs") + self.reasoning(text, logprobs)
         item.parts.append(text)
-        if self.stream:
-            events.append(self._delta(item, text))
-        return events
+        return [self._delta(item, text)] if self.stream else []
 
-    def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         item = self.open
-        events = [] if item is not None and item.kind == "message" else self._open("message", "msg")
-        item = self.open
-        assert item is not None
+        if item is None or item.kind != "message":
+            return self._open("message", "msg") + self.content(text, logprobs)
         item.parts.append(text)
-        if logprobs:
-            item.logprobs += logprobs
+        if not logprobs:
+            return [self._delta(item, text)] if self.stream else []
+        item.logprobs += logprobs
         if not self.stream:
-            return events
-        if logprobs:
-            fields = {"content_index": 0, "delta": text, "item_id": item.item_id, "logprobs": logprobs}
-            events.append(self._event("response.output_text.delta", {**fields, "output_index": item.index}))
-        else:
-            events.append(self._delta(item, text))
-        return events
+            return []
+        fields = {"content_index": 0, "delta": text, "item_id": item.item_id, "logprobs": logprobs}
+        return [self._event("response.output_text.delta", {**fields, "output_index": item.index})]
 
     def tool_start(self, index: int, call_id: str, name: str) -> list[Event]:
         if self.open is not None and self.open.kind == "message":

@@ -25,10 +25,10 @@ class Writer:
     def start(self, usage: Usage) -> list[Event]:
         raise NotImplementedError
 
-    def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
+    def reasoning(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         raise NotImplementedError
 
-    def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[Event]:
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[Event]:
         raise NotImplementedError
 
     def tool_start(self, index: int, call_id: str, name: str) -> list[Event]:
