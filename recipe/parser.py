@@ -210,10 +210,6 @@ class Parser:
         """How much of the text fed so far is decided (the rest is held back as a possible marker)."""
         return self.fed - len(self._held)
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.stage is Stage.REASONING
-
     def feed(self, chunk: str) -> list[tuple[Out, str]]:
         quick = self._quick
         if quick is not None and not self._held and quick(chunk) is None:

@@ -100,6 +100,7 @@ class StreamProcessor:
             }
             self._stop_ids = frozenset(request.stop_token_ids)
             self._decoder = tokenizer.decode_stream()
+            self._hf = tokenizer.hf
             self._pending: list[_PendingToken] = []
             self._carry: list[dict[str, Any]] = []
         self.started = False
@@ -157,26 +158,31 @@ class StreamProcessor:
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise RecipeError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens", status=500)
         events = self.start() if not self.started else []
+        if self.finished:
+            return events
+        parser, usage, markers, step, hf = self.parser, self.usage, self._markers, self._decoder.step, self._hf
         for position, token_id in enumerate(token_ids):
-            if self.finished:
-                break
-            self.usage.completion_tokens += 1
-            if self.parser.in_reasoning:
-                self.usage.reasoning_tokens += 1
+            usage.completion_tokens += 1
+            if parser.stage is _REASONING:
+                usage.reasoning_tokens += 1
             if token_id in self._stop_ids:
                 continue
-            text = self._markers.get(token_id)
+            text = markers.get(token_id)
             if text is None:
-                text = self._decoder.step(self.tokenizer.hf, token_id) or ""
-            start = self.parser.fed
-            items = self.parser.feed(text)
-            lps = None
+                text = step(hf, token_id) or ""
+            start = parser.fed
+            items = parser.feed(text)
             if self.track:
                 if logprobs is not None:
                     self._queue(token_id, logprobs[position], start, start + len(text))
-                lps = self._attribute()
-            events += self._dispatch(items, lps)
-        return events + self._after_stop()
+                events += self._dispatch(items, self._attribute())
+            elif len(items) == 1 and items[0][0] in self._text_writers:  # the common case: one piece of text
+                events += self._text_writers[items[0][0]](items[0][1])
+            elif items:
+                events += self._dispatch(items, None)
+        if parser.stop_sequence is not None:
+            events += self._end(Finish.STOP_SEQUENCE)
+        return events
 
     def finish(self, reason: BackendFinish | None = "stop", usage: Usage | None = None) -> list[Event]:
         """End the output: the backend's finish reason (None: the stream just ended) and, optionally, its usage
@@ -214,9 +220,6 @@ class StreamProcessor:
         return self.writer.response()
 
     # -- internals --------------------------------------------------------------------------------------
-
-    def _after_stop(self) -> list[Event]:
-        return self._end(Finish.STOP_SEQUENCE) if self.parser.stopped else []
 
     def _end(self, finish: Finish) -> list[Event]:
         self.finished = True

@@ -453,3 +453,26 @@ def test_parameter_names_are_escaped_into_valid_json() -> None:
     output = "</think>" + dsml([("f", [("a\nb\\c", "false", "1")])])
     arguments = parse(TOOLS_BODY, [output])["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
     assert json.loads(arguments) == {"a\nb\\c": 1}
+
+
+def test_tokens_pushed_after_a_stop_sequence_end_the_stream_once(tokenizer: Tokenizer) -> None:
+    body = chat([{"role": "user", "content": "q"}], stop=["STOP"], stream=True, **OFF)
+    processor = StreamProcessor(convert("chat.completions", body), tokenizer=tokenizer)
+    events = processor.push_tokens(tokenizer.encode_plain("Hello STOP more"))
+    assert processor.finished
+    assert processor.push_tokens(tokenizer.encode_plain(" and more")) == []
+    assert [event.json() for event in events].count(None) == 1  # one `[DONE]`
+    assert processor.response()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_template_token_in_a_stage_without_markers_is_text(tokenizer: Tokenizer) -> None:
+    """A `｜DSML｜` token after the JSON answer of a request without tools: plain text, as the same text is."""
+    body = chat([{"role": "user", "content": "json"}], response_format={"type": "json_object"}, **OFF)
+    output = '```json\n{"a": 1}\n```<｜DSML｜tool_calls> x'
+    processor = StreamProcessor(convert("chat.completions", body), tokenizer=tokenizer)
+    ids = tokenizer.hf.encode(output, add_special_tokens=False).ids
+    assert tokenizer.special_id(tokenizer.tokens.dsml) in ids
+    for token_id in ids:
+        processor.push_tokens([token_id])
+    processor.finish("stop")
+    assert processor.response()["choices"][0]["message"] == parse(body, [output])["choices"][0]["message"]
