@@ -143,9 +143,7 @@ class _Stage(NamedTuple):
     scanner: re.Pattern[str] | None
     by_marker: dict[str, _Branch]
     lookback: bool  # a `\n*marker` branch looks at the stage's earlier text (see `_newlines_before`)
-    # Not found in a text: no marker starts there, all of it gets the stage's action (None: search with the
-    # scanner at once).
-    quick: re.Pattern[str] | None
+    triggers: str  # the trigger characters, tested one by one (`in` is faster than a search on short chunks)
     plain: Out | None  # the kind of text the stage passes through unchanged
     spanned: Out | None  # the kind whose input ranges `track` reports
     leading: bool  # leading newlines are dropped (reasoning and answer with the flag set)
@@ -211,25 +209,9 @@ class Parser:
         return self.fed - len(self._held)
 
     def feed(self, chunk: str) -> list[tuple[Out, str]]:
-        quick = self._quick
-        if quick is not None and not self._held and quick(chunk) is None:
-            # The fast path: no marker starts in the chunk, so all of it gets the stage's action.
-            start = self.fed
-            self.fed = start + len(chunk)
-            if not chunk:
-                return []
-            self.fresh = False
-            self._context = ""  # text without trigger characters ends no partial marker
-            plain = self._plain
-            if plain is not None:
-                if self.track:
-                    self.spans = [(plain, start, self.fed)] if self._spec.spanned is not None else []
-                return [(plain, chunk)]
-            self._out = []
-            self.spans = []
-            self._base = start
-            self._unmatched(chunk, 0)
-            return self._out
+        kind = self.feed_plain(chunk)
+        if kind is not None:
+            return [(kind, chunk)]
         held = self._held
         self._out = []
         if self.track:
@@ -240,7 +222,25 @@ class Parser:
         self._scan(held + chunk if held else chunk)
         return self._out
 
+    def feed_plain(self, chunk: str) -> Out | None:
+        """The fast path: take all of `chunk` if the stage passes its text through and no marker can start in
+        the chunk, and say what kind of text it is; otherwise take nothing (None: `feed` it)."""
+        plain = self._plain
+        if plain is None or self._held or not chunk:
+            return None
+        for char in self._triggers:
+            if char in chunk:
+                return None
+        start = self.fed
+        self.fed = start + len(chunk)
+        self.fresh = False
+        self._context = ""  # text without trigger characters ends no partial marker
+        if self.track:
+            self.spans = [(plain, start, self.fed)] if self._spec.spanned is not None else []
+        return plain
+
     def finish(self) -> list[tuple[Out, str]]:
+
         self._out = []
         self.spans = []
         if self._held:
@@ -256,8 +256,11 @@ class Parser:
         if spec is None:
             spec = self._stages[(stage, flag)] = self._build(stage, flag)
         self.stage, self.flag, self._spec = stage, flag, spec
-        self._quick = None if spec.quick is None else spec.quick.search
+        # What the per-chunk code reads, as attributes of the parser (faster to read than the spec's fields).
+        self._triggers = spec.triggers
+        self._search = None if spec.scanner is None else spec.scanner.search
         self._plain = spec.plain
+        self._skips = spec.unmatched is _SKIP
         self.fresh = flag and spec.leading
         self._context = ""
         self._spaced = False
@@ -334,9 +337,6 @@ class Parser:
             cut = _cut_markers(patterns)
             scanner = re.compile("|".join(re.escape(p) for p in patterns) + (f"|{cut}\\Z" if cut else ""))
         plain = _PLAIN.get(unmatched)
-        # A stage of plain markers searches with its scanner at once, unless the text it passes through must
-        # first be checked for token-mode sentinels (which the trigger characters include).
-        quick = None if scanner is not None and not (plain is not None and self._restore) else trigger
         return _Stage(
             branches=tuple(branches),
             unmatched=unmatched,
@@ -344,7 +344,7 @@ class Parser:
             scanner=scanner,
             by_marker={b.pattern: b for b in branches},
             lookback=any(b.match is _Match.NEWLINES for b in branches),
-            quick=quick,
+            triggers="".join(sorted(starts)),
             plain=plain,
             spanned=_SPANNED.get(unmatched),
             leading=stage in (Stage.CONTENT, Stage.REASONING),
@@ -356,17 +356,17 @@ class Parser:
         """Work through `text` stage by stage; a tail that may still become a marker is held back."""
         pos, size = 0, len(text)
         while pos < size:  # the finished stage has no markers: its step takes the rest
-            spec = self._spec
-            if spec.scanner is None:
+            search = self._search
+            if search is None:
                 pos = self._next_branch(text, pos)
                 continue
             # A stage of plain markers: up to the earliest marker, or to the end holding a cut one.
-            found = spec.scanner.search(text, pos)
+            found = search(text, pos)
             start, end = (size, size) if found is None else found.span()
-            if start > pos and spec.unmatched is not _SKIP:
+            if start > pos and not self._skips:
                 self._unmatched(text[pos:start], pos)
             if found is not None:
-                branch = spec.by_marker.get(found.group())
+                branch = self._spec.by_marker.get(found.group())
                 if branch is None:
                     self._held = text[start:]
                 else:

@@ -11,6 +11,7 @@ text the parser swallowed, such as markers, report none).
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -34,8 +35,8 @@ THINK_END_SENTINEL = "\ufdd0"
 DSML_SENTINEL = "\ufdd1"
 TOKEN_MARKERS = Markers(think_end=THINK_END_SENTINEL, dsml=DSML_SENTINEL)
 
-# An enum member looked up per chunk (a class lookup costs ~90 ns on Python 3.11).
-_REASONING = Stage.REASONING
+# Enum members looked up per chunk (a class lookup costs ~90 ns on Python 3.11).
+_REASONING, _TOOL_START, _TOOL_END = Stage.REASONING, Out.TOOL_START, Out.TOOL_END
 _BACKEND_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "content_filter": Finish.CONTENT_FILTER}
 _ID_PREFIX = {"chat.completions": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 
@@ -45,7 +46,7 @@ def new_id(api: str) -> str:
 
 
 def _call_id(api: str, index: int) -> str:
-    return ("toolu_" if api == "messages" else f"call_{index:02d}_") + uuid.uuid4().hex[:24]
+    return ("toolu_" if api == "messages" else f"call_{index:02d}_") + secrets.token_hex(12)
 
 
 class _PendingToken:
@@ -138,8 +139,11 @@ class StreamProcessor:
         usage.completion_tokens += token_count
         if parser.stage is _REASONING:
             usage.reasoning_tokens += token_count
+        kind = parser.feed_plain(text)
+        if kind is not None:  # the common case: reasoning or answer text without a marker character
+            return self._text_writers[kind](text)
         items = parser.feed(text)
-        if len(items) == 1 and parser.stop_sequence is None:  # the common case: one piece of text
+        if len(items) == 1:  # one piece of text (a stop would add its own item)
             kind, piece = items[0]
             write = self._text_writers.get(kind)
             if write is not None:
@@ -170,16 +174,18 @@ class StreamProcessor:
             text = markers.get(token_id)
             if text is None:
                 text = step(hf, token_id) or ""
-            start = parser.fed
-            items = parser.feed(text)
             if self.track:
+                start = parser.fed
+                items = parser.feed(text)
                 if logprobs is not None:
                     self._queue(token_id, logprobs[position], start, start + len(text))
                 events += self._dispatch(items, self._attribute())
-            elif len(items) == 1 and items[0][0] in self._text_writers:  # the common case: one piece of text
-                events += self._text_writers[items[0][0]](items[0][1])
-            elif items:
-                events += self._dispatch(items, None)
+                continue
+            kind = parser.feed_plain(text)
+            if kind is not None:  # the common case: reasoning or answer text without a marker character
+                events += self._text_writers[kind](text)
+            else:
+                events += self._dispatch(parser.feed(text), None)
         if parser.stop_sequence is not None:
             events += self._end(Finish.STOP_SEQUENCE)
         return events
@@ -230,16 +236,14 @@ class StreamProcessor:
         events: list[Event] = []
         writer: Writer = self.writer
         for kind, text in items:
-            if kind is Out.CONTENT:
-                events += writer.content(text, logprobs.pop(Out.CONTENT, None) if logprobs else None)
-            elif kind is Out.REASONING:
-                events += writer.reasoning(text, logprobs.pop(Out.REASONING, None) if logprobs else None)
-            elif kind is Out.ARGS:
-                events += writer.tool_args(text)
-            elif kind is Out.TOOL_START:
+            write = self._text_writers.get(kind)
+            if write is not None:
+                entries = logprobs.pop(kind, None) if logprobs else None  # reasoning and answer text only
+                events += write(text, entries) if entries else write(text)
+            elif kind is _TOOL_START:
                 events += writer.tool_start(self._calls, _call_id(self.request.api, self._calls), text)
                 self._calls += 1
-            elif kind is Out.TOOL_END:
+            elif kind is _TOOL_END:
                 events += writer.tool_end()
         return events
 
