@@ -1,9 +1,12 @@
 """The decode engine: continuous batching on one thread that owns the model.
 
-    loop:  take aborts ─▶ admit waiting sequences (≤ max_batch running) ─▶ one step of each lane ─▶ deliver tokens
+    loop:  take aborts ─▶ admit waiting sequences (≤ max_batch running) ─▶ one chunk of local prefill
+           ─▶ one step of each lane ─▶ deliver tokens
 
-- **Admit**: restore the prompt into its lane's `DecodeBatch` (a handoff's blocks + encoder state, or a local prefill
-  on top of a cached prefix), which runs the decoder's bounded replay and gives the first token's logits.
+- **Admit**: a handoff's blocks + encoder state join their lane's `DecodeBatch` at once (the decoder's bounded replay
+  gives the first token's logits). A token-ids prompt is PREFILLING first: decode encodes it itself on top of the
+  cached prefix, ONE chunk per iteration for the first prefilling sequence (arrival order), so the running streams
+  wait at most one chunk between two tokens (local_prefill.py); after its last chunk it joins its lane the same way.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
   per step): a request that turns speculation off, or every request under --no-speculation. Every row draws from its
   own generator, and a seeded sampled row's tokens are fixed by its seed per output position (sampler.py), so seeded
@@ -33,13 +36,13 @@ import grpc
 import torch
 from torch import Tensor
 
+from decode_svc.local_prefill import LocalPrefill
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
 from decode_svc.step_times import Forward, StepTimes, profile
-from mesh.model_service.kvstore import encode_with_past
 from mesh.model_service.runtime import RequestError
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
 from proto.decode.v1 import decode_pb2
@@ -76,6 +79,7 @@ class Engine:
         self.write_back = write_back
         self.batches: dict[Lane, DecodeBatch] = {lane: model.new_decode_batch() for lane in Lane}
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
+        self.prefilling: dict[Sequence, LocalPrefill] = {}  # PREFILLING sequences, in arrival order
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
@@ -85,7 +89,7 @@ class Engine:
         self._registry: dict[str, Sequence] = {}  # live sequences by request id
         self._inbox: deque[Sequence] = deque()
         self._aborts: list[Sequence] = []
-        self._running = 0
+        self._running = 0  # sequences holding a batch slot: PREFILLING or RUNNING
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
 
@@ -158,30 +162,39 @@ class Engine:
     # ------------------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
         self._profile()
-        while True:
-            with self._cond:
-                while not self._stopping and not self._aborts and not self._running and not self._inbox:
-                    self._cond.wait()
-                if self._stopping:
-                    break
-                aborts, self._aborts = self._aborts, []
-                arrivals = []
-                while self._inbox and self._running + len(arrivals) < self.settings.max_batch:
-                    arrivals.append(self._inbox.popleft())
-            for seq in aborts:
-                self._abort(seq)
-            for seq in arrivals:
-                self._admit(seq)
-            for lane in Lane:
-                if len(self.batches[lane]):
-                    self._step(lane)
-            self.calibration.tick()
+        while self.iterate():
+            pass
         with self._cond:
-            left = [*self._inbox, *(s for lane in Lane for s in self.rows[lane].values())]
+            left = [*self._inbox, *self.prefilling, *(s for lane in Lane for s in self.rows[lane].values())]
             self._inbox.clear()
         for seq in left:
             seq.abort_reason = seq.abort_reason or "shutdown"
             self._abort(seq)
+
+    def iterate(self) -> bool:
+        """One iteration of the engine thread's loop (waiting for work first); False once the engine is stopping.
+
+        Tests drive an engine whose thread was never started with it, one deterministic iteration at a time."""
+        with self._cond:
+            while not self._stopping and not self._aborts and not self._running and not self._inbox:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            aborts, self._aborts = self._aborts, []
+            arrivals = []
+            while self._inbox and self._running + len(arrivals) < self.settings.max_batch:
+                arrivals.append(self._inbox.popleft())
+        for seq in aborts:
+            self._abort(seq)
+        for seq in arrivals:
+            self._admit(seq)
+        if self.prefilling:
+            self._prefill_chunk()
+        for lane in Lane:
+            if len(self.batches[lane]):
+                self._step(lane)
+        self.calibration.tick()
+        return True
 
     def _profile(self) -> None:
         """Seed the step times DSpark's scheduler reads (requests that arrive meanwhile wait in the queue)."""
@@ -200,18 +213,57 @@ class Engine:
         if seq.abort_reason:
             self._abort(seq)
             return
-        params = seq.params
-        lane = Lane.SPECULATIVE if self.settings.speculation and params.speculate else Lane.PLAIN
+        prompt = seq.prompt
+        assert prompt is not None
+        if prompt.state is not None and prompt.blocks is not None:  # a handoff: join at once
+            self._join(seq, prompt.blocks, prompt.state)
+            return
+        self.prefilling[seq] = LocalPrefill(self.model, prompt.token_ids, prompt.past, self.settings.chunk_size)
+        self._enter(seq, State.PREFILLING)
+
+    def _prefill_chunk(self) -> None:
+        """One chunk of the first prefilling sequence's prompt; after its last it joins its lane."""
+        seq, prefill = next(iter(self.prefilling.items()))
         try:
-            blocks, state = self._restore(seq)
+            done = prefill.advance()
+        except Exception as exc:  # a cached prefix that does not fit, or out of memory: this sequence only
+            self.log.exception("local_prefill_failed", request_id=seq.request_id, position=prefill.position)
+            del self.prefilling[seq]
+            self._fail([seq], f"decode could not prefill the prompt: {exc}")
+            return
+        self.metrics.local_prefill_chunks.inc()
+        if not done:
+            return
+        del self.prefilling[seq]
+        prompt = seq.prompt
+        assert prompt is not None
+        assert prefill.state is not None
+        prompt.cached_tokens, prompt.bounded_replay = prefill.cached_tokens, prefill.bounded_replay
+        self.metrics.local_prefills.labels(prompt.local_prefill).inc()
+        if prefill.bounded_replay:
+            self.metrics.bounded_replays.inc()
+        self.log.info(
+            "local_prefill",
+            request_id=seq.request_id,
+            reason=prompt.local_prefill,
+            prompt=len(prompt.token_ids),
+            cached=prefill.cached_tokens,
+            chunks=prefill.chunks,
+            seconds=round(prefill.seconds, 3),
+        )
+        self.write_back(seq, prompt.token_ids, prefill.blocks, None)  # what a prefill replica would have written
+        self._join(seq, prefill.cached_blocks + prefill.blocks, prefill.state)
+
+    def _join(self, seq: Sequence, blocks: list[GlobalKVBlock], state: EncoderState) -> None:
+        """Restore a prompt into its lane's batch (the decoder's bounded replay) and send its first token."""
+        lane = Lane.SPECULATIVE if self.settings.speculation and seq.params.speculate else Lane.PLAIN
+        try:
             seq.seq_id, logits = self.batches[lane].join(blocks, state)
-            seq.lane, seq.state = lane, State.RUNNING
-            seq.generator = new_generator(params.sampling, self.model.device)
-            seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
+            seq.lane = lane
             self.rows[lane][seq.seq_id] = seq
-            with self._cond:
-                self._running += 1
-                self._gauges()
+            self._enter(seq, State.RUNNING)
+            seq.generator = new_generator(seq.params.sampling, self.model.device)
+            seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
             logits = logits.unsqueeze(0)
             self._deliver(seq, sample_rows(batch_sampling([seq]).probs(logits), [seq]), logits)
         except Exception as exc:  # a corrupt or mismatched record, or out of memory: this sequence only
@@ -219,21 +271,6 @@ class Engine:
             if seq.state is State.RUNNING:
                 self._leave(seq, State.FAILED)
             self._fail([seq], f"decode could not restore the prompt: {exc}")
-
-    def _restore(self, seq: Sequence) -> tuple[list[GlobalKVBlock], EncoderState]:
-        """The blocks and encoder state a sequence joins its batch with; a token-ids prompt is prefilled here."""
-        prompt = seq.prompt
-        assert prompt is not None
-        if prompt.state is not None and prompt.blocks is not None:
-            return prompt.blocks, prompt.state
-        out = encode_with_past(self.model, prompt.token_ids, prompt.past, self.settings.chunk_size)
-        prompt.cached_tokens, prompt.bounded_replay = out.cached_tokens, out.bounded_replay
-        self.metrics.local_prefills.labels(prompt.local_prefill).inc()
-        if out.bounded_replay:
-            self.metrics.bounded_replays.inc()
-        self.write_back(seq, prompt.token_ids, out.blocks, None)  # what a prefill replica would have written
-        cached = prompt.past.blocks if prompt.past is not None else []
-        return cached + out.blocks, out.encoder_state
 
     def _step(self, lane: Lane) -> None:
         batch = self.batches[lane]
@@ -333,6 +370,7 @@ class Engine:
         if seq.state is State.RUNNING:
             self._leave(seq, State.ABORTED)
         else:
+            self.prefilling.pop(seq, None)
             self._unregister(seq, State.ABORTED)
         self.metrics.aborts.labels(seq.abort_reason).inc()
         self.log.info("aborted", request_id=seq.request_id, reason=seq.abort_reason, tokens=len(seq.output))
@@ -353,10 +391,14 @@ class Engine:
 
     def _unregister(self, seq: Sequence, state: State) -> None:
         with self._cond:  # re-entrant: `release` holds it already
-            if seq.state is State.RUNNING:
-                self._running -= 1
             if self._registry.get(seq.request_id) is seq:
                 del self._registry[seq.request_id]
+            self._enter(seq, state)
+
+    def _enter(self, seq: Sequence, state: State) -> None:
+        """Every state change: the slot count (PREFILLING and RUNNING hold one) and the gauges follow it."""
+        with self._cond:
+            self._running += state.holds_slot - seq.state.holds_slot
             seq.state = state
             self._gauges()
 

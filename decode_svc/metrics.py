@@ -36,6 +36,9 @@ class DecodeMetrics:
         self.batch_size = histogram("batch_size", "Sequences in a lane's step", BATCH_BUCKETS, ("lane",))
         self.bounded_replays = counter("bounded_replays", "Prompts whose encoder rings came from a bounded replay")
         self.local_prefills = counter("local_prefills", "Prompts decode prefilled itself", ("reason",))
+        self.local_prefill_chunks = counter(
+            "local_prefill_chunks", "Chunks of local prefill run between two engine steps (at most one per iteration)"
+        )
         self.draft_proposed = counter("draft_proposed_tokens", "DSpark drafts verified")
         self.draft_accepted = counter("draft_accepted_tokens", "DSpark drafts accepted")
         self.speculative_steps = counter("speculative_row_steps", "Sequence-steps decoded by draft + verify")

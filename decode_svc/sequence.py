@@ -1,13 +1,16 @@
 """One generation inside the decode engine: its validated request, what its prompt restores from, its state, and the
 outbox its gRPC stream reads.
 
-    WAITING ──admit──▶ RUNNING ──stop token / max_tokens──▶ FINISHED
-       │                  │
-       └──────────────────┴──Abort, client gone, replica stopping──▶ ABORTED      (engine error ──▶ FAILED)
+    WAITING ──admit: handoff──────────────────────────────▶ RUNNING ──stop token / max_tokens──▶ FINISHED
+       │    └─admit: token ids──▶ PREFILLING ──last chunk──▶    │
+       │                              │                         │
+       └──────────────────────────────┴─────────────────────────┴──Abort, client gone, replica stopping──▶ ABORTED
+                                                                             (engine error ──▶ FAILED)
 
-Every transition happens on the engine thread (`Engine`), except that a sequence never submitted (its prompt could
-not be restored, its caller left first) simply leaves the registry. The outbox carries what the stream sends: token
-deltas, then one `End`, or a `Failure`.
+Every transition happens on the engine thread (`Engine._enter`), except that a sequence never submitted (its prompt
+could not be restored, its caller left first) simply leaves the registry. A PREFILLING sequence holds its batch slot
+while decode encodes its prompt a chunk per engine iteration (local_prefill.py). The outbox carries what the stream
+sends: token deltas, then one `End`, or a `Failure`.
 """
 
 from __future__ import annotations
@@ -28,11 +31,21 @@ TokenLogprob = tuple[float, TopLogprobs]
 
 
 class State(enum.Enum):
-    WAITING = "waiting"  # registered: its prompt is being restored, or it waits for a batch slot
+    WAITING = "waiting"  # registered: its prompt is being fetched, or it waits for a batch slot
+    PREFILLING = "prefilling"  # holds a batch slot; decode encodes its token-ids prompt, a chunk per iteration
     RUNNING = "running"  # in a lane of the batch
     FINISHED = "finished"  # a stop token or max_tokens; its state is being written back
     ABORTED = "aborted"  # Abort, its caller gone, or the replica stopping
     FAILED = "failed"  # the engine failed while running it
+
+    @property
+    def live(self) -> bool:
+        return self in (State.WAITING, State.PREFILLING, State.RUNNING)
+
+    @property
+    def holds_slot(self) -> bool:
+        """Counts against --max-batch (and in the `running` gauge): it is in the batch or will join it."""
+        return self in (State.PREFILLING, State.RUNNING)
 
 
 class Lane(enum.Enum):
@@ -145,7 +158,7 @@ class Sequence:
 
     @property
     def live(self) -> bool:
-        return self.state in (State.WAITING, State.RUNNING)
+        return self.state.live
 
     def usage(self) -> decode_pb2.Usage:
         prompt = self.prompt or Prompt([])
