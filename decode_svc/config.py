@@ -14,7 +14,7 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     """Decode service: the full model and DSpark, continuous batching, write-back of finished sequences to cache_svc.
 
     cache: cache_svc addresses, host:port[,host:port...] (empty: no reuse and no write-back; token_ids prompts only)
-    chunk_size: prompt tokens per encoder forward when decode prefills a prompt itself
+    chunk_size: prompt tokens decode prefills itself per engine iteration (a running stream waits one chunk at most)
     max_batch: sequences decoded together; more wait in the queue
     max_queue: sequences waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED
     speculation: DSpark speculative decoding (a request may still turn it off)
