@@ -100,13 +100,13 @@ class StreamProcessor:
                 tokenizer.special_id(tokens.dsml): DSML_SENTINEL,
             }
             self._stop_ids = frozenset(request.stop_token_ids)
-            self._decoder = tokenizer.decode_stream()
-            self._hf = tokenizer.hf
+            self._step, self._hf = tokenizer.decode_stream().step, tokenizer.hf  # the incremental decoder
             self._pending: list[_PendingToken] = []
             self._carry: list[dict[str, Any]] = []
         self.started = False
         self.finished = False
-        self._text_open = False  # started, not finished, text mode: push_text's fast path
+        # Started and not finished, in text / token mode: the first test of push_text / push_tokens.
+        self._text_open = self._tokens_open = False
         self.usage = Usage()
         self._calls = 0
         # The writer of each kind of text, called with the text alone on the fast path.
@@ -123,6 +123,7 @@ class StreamProcessor:
             return []
         self.started = True
         self._text_open = self.tokenizer is None
+        self._tokens_open = not self._text_open
         self.usage.prompt_tokens, self.usage.cached_tokens = prompt_tokens, cached_tokens
         self.writer.meta.system_fingerprint = system_fingerprint
         return self.writer.start(self.usage)
@@ -157,15 +158,19 @@ class StreamProcessor:
 
     def push_tokens(self, token_ids: Sequence[int], logprobs: TokenLogprobs | None = None) -> list[Event]:
         """Feed generated token ids, with one `(logprob, top_logprobs)` pair per id if the request asked."""
-        if self.tokenizer is None:
-            raise RecipeError("push_tokens needs a processor made with a tokenizer", status=500)
         if logprobs is not None and len(logprobs) != len(token_ids):
             raise RecipeError(f"{len(logprobs)} logprobs for {len(token_ids)} tokens", status=500)
-        events = self.start() if not self.started else []
-        if self.finished:
-            return events
-        parser, usage, markers, step, hf = self.parser, self.usage, self._markers, self._decoder.step, self._hf
-        for position, token_id in enumerate(token_ids):
+        if not self._tokens_open:
+            if self.tokenizer is None:
+                raise RecipeError("push_tokens needs a processor made with a tokenizer", status=500)
+            if self.finished:
+                return []
+            return self.start() + self.push_tokens(token_ids, logprobs)
+        events: list[Event] = []
+        parser, usage, markers = self.parser, self.usage, self._markers
+        entries = None if logprobs is None else iter(logprobs)
+        for token_id in token_ids:
+            entry = None if entries is None else next(entries)
             usage.completion_tokens += 1
             if parser.stage is _REASONING:
                 usage.reasoning_tokens += 1
@@ -173,12 +178,12 @@ class StreamProcessor:
                 continue
             text = markers.get(token_id)
             if text is None:
-                text = step(hf, token_id) or ""
+                text = self._step(self._hf, token_id) or ""
             if self.track:
                 start = parser.fed
                 items = parser.feed(text)
-                if logprobs is not None:
-                    self._queue(token_id, logprobs[position], start, start + len(text))
+                if entry is not None:
+                    self._queue(token_id, entry, start, start + len(text))
                 events += self._dispatch(items, self._attribute())
                 continue
             kind = parser.feed_plain(text)
@@ -218,7 +223,8 @@ class StreamProcessor:
         events = self.start() if not self.started else []
         if self.finished:
             return events
-        self.finished, self._text_open = True, False
+        self.finished = True
+        self._text_open = self._tokens_open = False
         return events + self.writer.fail(message)
 
     def response(self) -> dict[str, Any]:
@@ -229,7 +235,7 @@ class StreamProcessor:
 
     def _end(self, finish: Finish) -> list[Event]:
         self.finished = True
-        self._text_open = False
+        self._text_open = self._tokens_open = False
         return self.writer.finish(finish, self.parser.stop_sequence, self.usage)
 
     def _dispatch(self, items: list[tuple[Out, str]], logprobs: dict[Out, list[dict[str, Any]]] | None) -> list[Event]:
