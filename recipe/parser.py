@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import msgspec
@@ -138,15 +139,17 @@ class _Stage(NamedTuple):
     branches: tuple[_Branch, ...]
     unmatched: _Act
     trigger: re.Pattern[str]  # characters that can start a marker (or a newline run before one)
-    # Stages whose markers are plain strings, none inside another (the DSML stages): one search of `scanner`
-    # finds the earliest marker, or else the tail that may still become one (none can sit inside such a tail).
-    scanner: re.Pattern[str] | None
+    # Stages whose markers are plain strings, none inside another (the DSML stages): one search (the `search`
+    # of a compiled pattern) finds the earliest marker, or else the tail that may still become one (none can
+    # sit inside such a tail).
+    search: Callable[[str, int], re.Match[str] | None] | None
     by_marker: dict[str, _Branch]
     lookback: bool  # a `\n*marker` branch looks at the stage's earlier text (see `_newlines_before`)
     triggers: str  # the trigger characters, tested one by one (`in` is faster than a search on short chunks)
     plain: Out | None  # the kind of text the stage passes through unchanged
     spanned: Out | None  # the kind whose input ranges `track` reports
     leading: bool  # leading newlines are dropped (reasoning and answer with the flag set)
+    skips: bool  # the stage drops its text (tool-call markup)
 
 
 @functools.lru_cache(maxsize=256)
@@ -209,9 +212,10 @@ class Parser:
         return self.fed - len(self._held)
 
     def feed(self, chunk: str) -> list[tuple[Out, str]]:
-        kind = self.feed_plain(chunk)
-        if kind is not None:
-            return [(kind, chunk)]
+        if self._plain is not None:
+            kind = self.feed_plain(chunk)
+            if kind is not None:
+                return [(kind, chunk)]
         held = self._held
         self._out = []
         if self.track:
@@ -258,9 +262,9 @@ class Parser:
         self.stage, self.flag, self._spec = stage, flag, spec
         # What the per-chunk code reads, as attributes of the parser (faster to read than the spec's fields).
         self._triggers = spec.triggers
-        self._search = None if spec.scanner is None else spec.scanner.search
+        self._search = spec.search
         self._plain = spec.plain
-        self._skips = spec.unmatched is _SKIP
+        self._skips = spec.skips
         self.fresh = flag and spec.leading
         self._context = ""
         self._spaced = False
@@ -341,13 +345,14 @@ class Parser:
             branches=tuple(branches),
             unmatched=unmatched,
             trigger=trigger,
-            scanner=scanner,
+            search=None if scanner is None else scanner.search,
             by_marker={b.pattern: b for b in branches},
             lookback=any(b.match is _Match.NEWLINES for b in branches),
             triggers="".join(sorted(starts)),
             plain=plain,
             spanned=_SPANNED.get(unmatched),
             leading=stage in (Stage.CONTENT, Stage.REASONING),
+            skips=unmatched is _Act.SKIP,
         )
 
     # -- matching ---------------------------------------------------------------------------------------
@@ -375,7 +380,24 @@ class Parser:
 
     def _take(self, branch: _Branch, marker: str) -> None:
         """The one transition: `branch`'s marker matched, its action runs and its stage starts."""
-        self._matched(branch, marker)
+        act = branch.act
+        if act is _SKIP:
+            pass
+        elif act is _LABEL:
+            self._emit(_ARGS, branch.label)
+        elif act is _Act.JSON_LABEL:
+            self._emit(Out.CONTENT, branch.label)
+        elif act is _Act.TOOL_BEGIN:
+            self._name = []
+        elif act is _Act.TOOL_NAME_END:
+            self.tool_calls += 1
+            self._emit(Out.TOOL_START, "".join(self._name))
+        elif act is _Act.ARGS_END:
+            self._emit(Out.ARGS, branch.label)
+            self._emit(Out.TOOL_END, "")
+        elif act is _Act.STOP:
+            self.stop_sequence = marker
+            self._emit(Out.STOP, marker)
         self._enter(branch.stage, branch.flag)
 
     def _next_branch(self, text: str, pos: int) -> int:
@@ -471,23 +493,3 @@ class Parser:
         if self.track and spec.spanned is not None:
             start = self._base + at
             self.spans.append((spec.spanned, start, start + len(text)))
-
-    def _matched(self, branch: _Branch, text: str) -> None:
-        act = branch.act
-        if act is _SKIP:
-            return
-        if act is _LABEL:
-            self._emit(_ARGS, branch.label)
-        elif act is _Act.JSON_LABEL:
-            self._emit(Out.CONTENT, branch.label)
-        elif act is _Act.TOOL_BEGIN:
-            self._name = []
-        elif act is _Act.TOOL_NAME_END:
-            self.tool_calls += 1
-            self._emit(Out.TOOL_START, "".join(self._name))
-        elif act is _Act.ARGS_END:
-            self._emit(Out.ARGS, branch.label)
-            self._emit(Out.TOOL_END, "")
-        elif act is _Act.STOP:
-            self.stop_sequence = text
-            self._emit(Out.STOP, text)

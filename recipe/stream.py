@@ -189,8 +189,10 @@ class StreamProcessor:
             kind = parser.feed_plain(text)
             if kind is not None:  # the common case: reasoning or answer text without a marker character
                 events += self._text_writers[kind](text)
-            else:
-                events += self._dispatch(parser.feed(text), None)
+                continue
+            items = parser.feed(text)
+            if items:  # (inside tool-call markup most tokens give none)
+                events += self._dispatch(items, None)
         if parser.stop_sequence is not None:
             events += self._end(Finish.STOP_SEQUENCE)
         return events

@@ -109,7 +109,7 @@ class MessagesWriter(Writer):
         else:
             self.blocks[index] = {**block, "input": _tool_input(text)}
         if self.stream:
-            events.append(self._event("content_block_stop", {"index": index}))
+            events.append(Event("content_block_stop", b'{"type":"content_block_stop","index":%d}' % index))
         return events
 
     def start(self, usage: Usage) -> list[Event]:
