@@ -220,10 +220,12 @@ class Parser:
         self._out = []
         if self.track:
             self.spans = []
-        self._base = self.fed - len(held)
+            self._base = self.fed - len(held)
         self.fed += len(chunk)
-        self._held = ""
-        self._scan(held + chunk if held else chunk)
+        if held:
+            self._held = ""
+            chunk = held + chunk
+        self._scan(chunk)
         return self._out
 
     def feed_plain(self, chunk: str) -> Out | None:
@@ -367,15 +369,19 @@ class Parser:
                 continue
             # A stage of plain markers: up to the earliest marker, or to the end holding a cut one.
             found = search(text, pos)
-            start, end = (size, size) if found is None else found.span()
+            if found is None:
+                if not self._skips:
+                    self._unmatched(text[pos:], pos)
+                return
+            start, end = found.span()
             if start > pos and not self._skips:
                 self._unmatched(text[pos:start], pos)
-            if found is not None:
-                branch = self._spec.by_marker.get(found.group())
-                if branch is None:
-                    self._held = text[start:]
-                else:
-                    self._take(branch, text[start:end])
+            marker = found.group()
+            branch = self._spec.by_marker.get(marker)
+            if branch is None:  # a cut marker, at the end
+                self._held = marker
+                return
+            self._take(branch, marker)
             pos = end
 
     def _take(self, branch: _Branch, marker: str) -> None:
