@@ -190,10 +190,11 @@ class Engine:
             self._admit(seq)
         if self.prefilling:
             self._prefill_chunk()
-        for lane in Lane:
-            if len(self.batches[lane]):
-                self._step(lane)
-        self.calibration.tick()
+        stepping = [lane for lane in Lane if len(self.batches[lane])]
+        for lane in stepping:
+            self._step(lane)
+        if stepping:  # the calibration forgets per batch step, not per chunk of a prefill running alone
+            self.calibration.tick()
         return True
 
     def _profile(self) -> None:
