@@ -1,11 +1,12 @@
 """One generation inside the decode engine: its validated request, what its prompt restores from, its state, and the
 outbox its gRPC stream reads.
 
-    WAITING ──admit: handoff──────────────────────────────▶ RUNNING ──stop token / max_tokens──▶ FINISHED
-       │    └─admit: token ids──▶ PREFILLING ──last chunk──▶    │
-       │                              │                         │
-       └──────────────────────────────┴─────────────────────────┴──Abort, client gone, replica stopping──▶ ABORTED
-                                                                             (engine error ──▶ FAILED)
+    WAITING ──admit: handoff─────────────────────────────▶ RUNNING ──stop token / max_tokens──▶ FINISHED
+     │  │                                                   ▲  │
+     │  └─admit: token ids──▶ PREFILLING ──last chunk───────┘  │
+     │                          │                              │
+     └──────────────────────────┴──────────────────────────────┴──Abort, client gone, replica stopping──▶ ABORTED
+                                                                                (engine error ──▶ FAILED)
 
 Every transition happens on the engine thread (`Engine._enter`), except that a sequence never submitted (its prompt
 could not be restored, its caller left first) simply leaves the registry. A PREFILLING sequence holds its batch slot
