@@ -102,9 +102,15 @@ def test_a_small_chunk_size_serves_and_writes_back_what_one_chunk_does(
     # Float parts of the record (H^{L/2}) follow the chunking's reduction order; the rest is the same bytes.
     a, b = (EncoderState.from_bytes(r, models[1].args, mesh.fingerprint) for r in (small_record, large_record))
     assert (a.position, a.ring_start) == (b.position, b.ring_start)
-    assert torch.equal(a.ring_data, b.ring_data)
-    assert torch.equal(a.history, b.history)
-    torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-12, atol=1e-12)
+    for x, y in [(a.ring_data, b.ring_data), (a.ring_scale, b.ring_scale), (a.history, b.history)]:
+        assert torch.equal(x, y)
+    for layer, entries in a.tail.items():
+        assert all(torch.equal(x, y) for x, y in zip(entries.tensors(), b.tail[layer].tensors(), strict=True))
+    for x, y in [(a.hidden, b.hidden), (a.hidden_pre, b.hidden_pre)]:
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    for layer, (kv, score) in a.pending.items():
+        torch.testing.assert_close(kv, b.pending[layer][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(score, b.pending[layer][1], rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------------------- the engine, driven
