@@ -246,7 +246,6 @@ class Parser:
         return plain
 
     def finish(self) -> list[tuple[Out, str]]:
-
         self._out = []
         self.spans = []
         if self._held:
@@ -387,7 +386,7 @@ class Parser:
     def _take(self, branch: _Branch, marker: str) -> None:
         """The one transition: `branch`'s marker matched, its action runs and its stage starts."""
         act = branch.act
-        if act is _SKIP:
+        if act is _SKIP:  # (most markers of tool-call markup, tested first)
             pass
         elif act is _LABEL:
             self._emit(_ARGS, branch.label)

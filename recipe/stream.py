@@ -110,8 +110,8 @@ class StreamProcessor:
         self.usage = Usage()
         self._calls = 0
         # The writer of each kind of text, called with the text alone on the fast path.
-        self._text_writers = {Out.CONTENT: self.writer.content, Out.REASONING: self.writer.reasoning}
-        self._text_writers[Out.ARGS] = self.writer.tool_args
+        writer = self.writer
+        self._text_writers = {Out.CONTENT: writer.content, Out.REASONING: writer.reasoning, Out.ARGS: writer.tool_args}
 
     # -- input ------------------------------------------------------------------------------------------
 
