@@ -6,19 +6,17 @@ in one piece it would stall every running stream for the whole prompt; so, as vL
 do, the engine advances it by one chunk (`--chunk-size` tokens) per iteration and steps the lanes in between: a
 running stream waits at most one chunk between two tokens.
 
-Resuming is exact: the encoder state after a chunk (SWA rings, compressor partial groups, the partial tail block,
-H^{L/2} of the last W tokens) is what an SWA record holds, and `encode_prefill` continues from
-Past(blocks so far, that state) exactly as a conversation's next turn does (model/serving.py). The chunk
-boundaries are those of one `encode_with_past` over the whole prompt with the same chunk size, so the blocks and the
-final state are the same, byte for byte (tests/decode_svc/test_local_prefill.py).
+The chunks are those of one `encode_with_past` over the whole prompt: the same `model.PrefillRun` (one encoder cache
+row, restored from the cached prefix once) advanced between the batch's steps instead of in one loop, so the blocks
+and the final state are the same, byte for byte (tests/decode_svc/test_local_prefill.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from mesh.model_service.kvstore import encode_with_past
-from model import EncoderState, GlobalKVBlock, Past, Transformer
+from mesh.model_service.kvstore import start_prefill
+from model import EncoderState, GlobalKVBlock, Past, PrefillRun, Transformer
 
 
 class LocalPrefill:
@@ -29,27 +27,22 @@ class LocalPrefill:
         self.token_ids = token_ids
         self.past = past
         self.chunk_tokens = chunk_tokens
-        self.blocks: list[GlobalKVBlock] = []  # new complete blocks so far (indices from the cached ones on)
-        self.state: EncoderState | None = None  # the encoder state where the chunks so far end
+        self.run: PrefillRun | None = None  # started by the first chunk: restoring the cached prefix is its work
+        self.blocks: list[GlobalKVBlock] = []  # new complete blocks (indices from the cached ones on), once done
+        self.state: EncoderState | None = None  # the encoder state at the prompt's end, once done
         self.chunks = 0
         self.seconds = 0.0  # spent in the encoder so far
-        self.cached_tokens = 0  # prompt tokens covered by cached blocks (set by the first chunk)
+        self.cached_tokens = 0  # prompt tokens covered by cached blocks
         self.bounded_replay = False  # the cached prefix's encoder rings were rebuilt by bounded replay
 
     @property
     def position(self) -> int:
-        """Where the next chunk starts."""
-        if self.state is not None:
-            return self.state.position
-        if self.past is None:
-            return 0
-        if self.past.encoder_state is not None:
-            return self.past.encoder_state.position
-        return len(self.past.blocks) * self.model.args.kv_block_tokens
+        """Tokens encoded so far (the cached prefix included; 0 before the first chunk)."""
+        return self.run.position if self.run is not None else 0
 
     @property
     def done(self) -> bool:
-        return self.state is not None and self.state.position == len(self.token_ids)
+        return self.state is not None
 
     @property
     def cached_blocks(self) -> list[GlobalKVBlock]:
@@ -59,17 +52,18 @@ class LocalPrefill:
         """Encode the next chunk; True once the whole prompt is encoded.
 
         The first chunk starts from the cached prefix: its SWA record, or a bounded replay of the encoder rings when
-        there is none — or when the record turns out not to fit these tokens, in which case that chunk also covers
-        the tokens between the last cached block and the record (fewer than one block)."""
+        there is none — or when the record turns out not to fit these tokens, in which case the chunks start at the
+        last cached block instead."""
         started = time.monotonic()
-        end = min(self.position + self.chunk_tokens, len(self.token_ids))
-        first = self.state is None
-        resume = self.past if first else Past(self.cached_blocks + self.blocks, self.state)
-        out = encode_with_past(self.model, self.token_ids[:end], resume, self.chunk_tokens)
-        if first:
-            self.cached_tokens, self.bounded_replay = out.cached_tokens, out.bounded_replay
-        self.blocks += out.blocks
-        self.state = out.encoder_state
+        if self.run is None:
+            self.run = start_prefill(self.model, self.token_ids, self.past, self.chunk_tokens)
+        if not self.run.done:
+            self.run.advance()
         self.chunks += 1
+        if self.run.done:
+            out = self.run.output()
+            self.blocks, self.state = out.blocks, out.encoder_state
+            self.cached_tokens, self.bounded_replay = out.cached_tokens, out.bounded_replay
+            self.run = None  # its cache row is no longer needed
         self.seconds += time.monotonic() - started
         return self.done

@@ -7,7 +7,7 @@ from model.config import PRESETS, ModelArgs, preset
 from model.dspark import Draft, draft_logits
 from model.kv import LAYOUT_VERSION, EncoderState, GlobalKVBlock, PackedEntries, global_kv_bytes_per_token
 from model.sampling import SamplingParams, sample, speculative_accept
-from model.serving import DecodeBatch, Past, PrefillOutput, SequenceExport, VerifyResult
+from model.serving import DecodeBatch, Past, PrefillOutput, PrefillRun, SequenceExport, VerifyResult
 from model.transformer import Transformer
 from model.weights import (
     build_model,
@@ -30,6 +30,7 @@ __all__ = [
     "PackedEntries",
     "Past",
     "PrefillOutput",
+    "PrefillRun",
     "SamplingParams",
     "SequenceExport",
     "Transformer",

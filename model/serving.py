@@ -87,47 +87,89 @@ def encode_chunk(model: Transformer, step: Step) -> None:
         projection.attn.write_entries(projection.attention_input(X, pre), step)
 
 
+class PrefillRun:
+    """The encoder half over `tokens` (the whole sequence; `past` covers a prefix of it), a chunk at a time.
+
+    Construction restores the cached prefix (and bounded-replays the encoder rings when it has no SWA record);
+    `advance()` encodes the next `chunk_tokens`; `output()` exports the new blocks and the encoder state. One cache row
+    lives across the chunks, so a caller that interleaves other work between them (decode's local prefill) pays the
+    restore once. ValueError when `past` does not fit `tokens`."""
+
+    def __init__(self, model: Transformer, tokens: Tensor | Sequence[int], past: Past | None, chunk_tokens: int = 512):
+        self.tokens = model.check_tokens(tokens).flatten()
+        if self.tokens.shape[0] == 0:
+            raise ValueError("encode_prefill needs at least one token")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.model, self.past, self.chunk_tokens = model, past, chunk_tokens
+        self.cache = model.new_cache(encoder_only=True)
+        self.row = self.cache.add_row()
+        self.bounded_replay = False
+        if past is not None:
+            with torch.no_grad():
+                self._restore(past)
+        self.resumed_at = self.position
+
+    @property
+    def position(self) -> int:
+        """Tokens encoded so far (the cached prefix included)."""
+        return self.cache.pos[self.row]
+
+    @property
+    def done(self) -> bool:
+        return self.position == self.tokens.shape[0]
+
+    @property
+    def chunks_left(self) -> int:
+        return -(-(self.tokens.shape[0] - self.position) // self.chunk_tokens)
+
+    def advance(self) -> bool:
+        """Encode the next chunk; True once every token is encoded."""
+        a = self.position
+        step = self.cache.step(self.tokens[None, a : a + self.chunk_tokens])
+        with torch.no_grad():
+            encode_chunk(self.model, step)
+        step.commit()
+        return self.done
+
+    def finish(self, progress: bool = False) -> PrefillOutput:
+        """Encode every chunk left and export the result."""
+        for _ in tqdm(range(self.chunks_left), desc="prefill", unit="chunk", disable=not progress):
+            self.advance()
+        return self.output()
+
+    def output(self) -> PrefillOutput:
+        cache, row, Bt = self.cache, self.row, self.model.args.kv_block_tokens
+        first = len(self.past.blocks) if self.past is not None else 0
+        return PrefillOutput(
+            blocks=export_blocks(cache, row, first, self.position // Bt, self.model.fingerprint),
+            encoder_state=export_state(cache, row, self.model.fingerprint),
+            cached_tokens=first * Bt,
+            resumed_at=self.resumed_at,
+            swa_restored=self.past is not None and self.past.encoder_state is not None,
+            bounded_replay=self.bounded_replay,
+        )
+
+    def _restore(self, past: Past) -> None:
+        cache, row, tokens = self.cache, self.row, self.tokens
+        restore(cache, row, past.blocks, past.encoder_state)
+        start = cache.pos[row]
+        if start > tokens.shape[0]:
+            raise ValueError(f"the cached prefix covers {start} tokens but the sequence has only {tokens.shape[0]}")
+        if past.encoder_state is not None:
+            expected = _history(tokens, start, cache.history.shape[1])[0]
+            if not torch.equal(past.encoder_state.history.to(tokens.device), expected):
+                raise ValueError("the encoder state does not belong to this token sequence (look-back ids differ)")
+        elif start > 0:
+            bounded_replay(self.model, cache, row, "encoder", tokens)
+            self.bounded_replay = True
+
+
 def encode_prefill(
     model: Transformer, tokens: Tensor | Sequence[int], past: Past | None, chunk_tokens: int = 512, progress=False
 ) -> PrefillOutput:
     """Run the encoder half over `tokens` (the whole sequence; `past` covers a prefix of it)."""
-    tokens = model.check_tokens(tokens).flatten()
-    N, Bt = tokens.shape[0], model.args.kv_block_tokens
-    if N == 0:
-        raise ValueError("encode_prefill needs at least one token")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    cache = model.new_cache(encoder_only=True)
-    row = cache.add_row()
-    replayed = False
-    with torch.no_grad():
-        if past is not None:
-            restore(cache, row, past.blocks, past.encoder_state)
-            start = cache.pos[row]
-            if start > N:
-                raise ValueError(f"the cached prefix covers {start} tokens but the sequence has only {N}")
-            if past.encoder_state is not None:
-                expected = _history(tokens, start, cache.history.shape[1])[0]
-                if not torch.equal(past.encoder_state.history.to(tokens.device), expected):
-                    raise ValueError("the encoder state does not belong to this token sequence (look-back ids differ)")
-            elif start > 0:
-                bounded_replay(model, cache, row, "encoder", tokens)
-                replayed = True
-        start = resumed = cache.pos[row]
-        chunks = range(start, N, chunk_tokens)
-        for a in tqdm(chunks, desc="prefill", unit="chunk", disable=not progress):
-            step = cache.step(tokens[None, a : a + chunk_tokens])
-            encode_chunk(model, step)
-            step.commit()
-    first = len(past.blocks) if past is not None else 0
-    return PrefillOutput(
-        blocks=export_blocks(cache, row, first, N // Bt, model.fingerprint),
-        encoder_state=export_state(cache, row, model.fingerprint),
-        cached_tokens=first * Bt,
-        resumed_at=resumed,
-        swa_restored=past is not None and past.encoder_state is not None,
-        bounded_replay=replayed,
-    )
+    return PrefillRun(model, tokens, past, chunk_tokens).finish(progress)
 
 
 # ---------------------------------------------------------------------------------------------------- replay

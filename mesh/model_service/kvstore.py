@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from cache_svc.client import AsyncCacheClient, CacheError
 from mesh.block_keys import block_keys, sequence_key
-from model import EncoderState, GlobalKVBlock, Past, PrefillOutput, Transformer
+from model import EncoderState, GlobalKVBlock, Past, PrefillOutput, PrefillRun, Transformer
 from proto.prefill.v1 import prefill_pb2
 
 HANDLE_PREFIX = b"handoff:"
@@ -157,14 +157,20 @@ class KVStore:
         return state
 
 
-def encode_with_past(
-    model: Transformer, token_ids: Sequence[int], past: Past | None, chunk_tokens: int
-) -> PrefillOutput:
-    """`model.encode_prefill` over the prompt on top of a cached prefix. A record that does not belong to these tokens
-    (look-back ids differ) is dropped: the encoder rings are then bounded-replayed from the blocks."""
+def start_prefill(model: Transformer, token_ids: Sequence[int], past: Past | None, chunk_tokens: int) -> PrefillRun:
+    """The encoder pass over the prompt on top of a cached prefix, ready for its first chunk. A record that does not
+    belong to these tokens (look-back ids differ) is dropped: the encoder rings are then bounded-replayed from the
+    blocks."""
     try:
-        return model.encode_prefill(token_ids, past, chunk_tokens=chunk_tokens)
+        return PrefillRun(model, token_ids, past, chunk_tokens)
     except ValueError:
         if past is None or past.encoder_state is None:
             raise
-    return model.encode_prefill(token_ids, Past(past.blocks), chunk_tokens=chunk_tokens)
+    return PrefillRun(model, token_ids, Past(past.blocks), chunk_tokens)
+
+
+def encode_with_past(
+    model: Transformer, token_ids: Sequence[int], past: Past | None, chunk_tokens: int
+) -> PrefillOutput:
+    """The whole encoder pass of `start_prefill`."""
+    return start_prefill(model, token_ids, past, chunk_tokens).finish()
