@@ -225,8 +225,11 @@ class Attention(nn.Module):
         return self.project_out(o, positions)
 
     def write_entries(self, x: Tensor, step: Step) -> None:
-        """Owner: compress this step's complete groups and write their packed entries ahead into the cache."""
+        """Owner: compress this step's complete groups and write their packed entries ahead into the cache (not
+        those of a replayed prefix: they are cached)."""
         latent, first, end = self.compressor.forward_step(x, step)
+        skip = step.cached_groups(self.compressor.ratio)
+        latent, first = latent[:, skip:], first + skip
         kv, k = self.entry_latents(latent, first)
         be = kernels.backend_for(x)
         packed = (*kernels.quantize_kv_fp4(kv, backend=be), *kernels.quantize_index_fp4(k, backend=be))

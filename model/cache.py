@@ -241,13 +241,16 @@ class KVCache:
         positions: Tensor | None = None,
         replay: bool = False,
         history: Tensor | None = None,
+        replayed: int = 0,
     ) -> Step:
         """A forward over tokens [B, T] of cache rows `rows` (all active rows by default) at their next positions.
 
         A bounded replay (`replay`) runs at explicit `positions` whose global entries are cached already: owners
         write no entries, positions and history do not advance; SWA rings (and H rows) are rebuilt. Its `history`
         is the Engram look-back before the first replayed token (the decoder replay has no tokens at all: it
-        starts from H^{L/2}).
+        starts from H^{L/2}). `replayed` > 0 makes only the step's first `replayed` positions such a replay: one
+        forward rebuilds the windows of a cached prefix and encodes the tokens after it, whose entries are written
+        and past which positions and history advance.
         """
         rows = slice(0, self.n_rows) if rows is None else rows
         if positions is None:
@@ -256,7 +259,7 @@ class KVCache:
         else:
             start = positions[:, 0].tolist()
         history = self.history[rows] if history is None else history
-        return Step(self, rows, tokens, positions, start, replay, history)
+        return Step(self, rows, tokens, positions, start, positions.shape[1] if replay else replayed, history)
 
     def next_positions(self, rows: slice) -> Tensor:
         """int64 [B]: the next position of each row (its committed length), on the device."""
@@ -285,7 +288,7 @@ class Step:
     tokens: Tensor | None  # [B, T]
     positions: Tensor  # int64 [B, T]
     start: list[int]  # positions[:, 0] on the host (shapes and bounds never wait for the device)
-    replay: bool
+    replayed: int  # leading positions that only rebuild windows (their global entries are cached); T: a replay
     history: Tensor  # int64 [B, n−1] token ids before the step (Engram look-back)
     selection: Selection = field(default_factory=Selection)  # Top-K per index source, candidate pool
     rings: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer → staged (data, scale) [B, T, ·]
@@ -299,6 +302,18 @@ class Step:
     @property
     def length(self) -> int:
         return self.positions.shape[1]
+
+    @property
+    def replay(self) -> bool:
+        """The whole step is a bounded replay: it writes no entries and its rows do not advance."""
+        return self.replayed == self.length
+
+    def cached_groups(self, ratio: int) -> int:
+        """Groups of `ratio` positions completed inside the replayed prefix: their entries are cached already."""
+        counts = {(s + self.replayed) // ratio - s // ratio for s in self.start}
+        if len(counts) > 1:
+            raise ValueError("the rows of a step must replay the same number of groups")
+        return counts.pop()
 
     def n_visible(self, ratio: int) -> Tensor:
         """[B, T] compressed entries visible to each query: entry j once j < ⌊(t+1)/m⌋."""
@@ -333,7 +348,7 @@ class Step:
         """Each row's look-back ends with its kept tokens."""
         history = self.cache.history
         h = history.shape[1]
-        seen = torch.cat((history[self.rows], self.tokens), dim=1)
+        seen = torch.cat((self.history, self.tokens), dim=1)  # the step's look-back: before a replayed prefix too
         if keep is None:
             history[self.rows] = seen[:, seen.shape[1] - h :]
         else:

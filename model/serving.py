@@ -105,6 +105,7 @@ class PrefillRun:
         self.cache = model.new_cache(encoder_only=True)
         self.row = self.cache.add_row()
         self.bounded_replay = False
+        self._replay_from: int | None = None  # where the first chunk starts its bounded replay, if it owes one
         if past is not None:
             with torch.no_grad():
                 self._restore(past)
@@ -125,8 +126,16 @@ class PrefillRun:
 
     def advance(self) -> bool:
         """Encode the next chunk; True once every token is encoded."""
-        a = self.position
-        step = self.cache.step(self.tokens[None, a : a + self.chunk_tokens])
+        a, cache = self.position, self.cache
+        end = a + self.chunk_tokens
+        if self._replay_from is None:
+            step = cache.step(self.tokens[None, a:end])
+        else:  # the bounded replay rides in the first chunk's forward: its positions rebuild the windows only
+            s, self._replay_from = self._replay_from, None
+            positions = torch.arange(s, min(end, self.tokens.shape[0]), device=cache.device).unsqueeze(0)
+            history = _history(self.tokens, s, cache.history.shape[1])
+            rows = slice(self.row, self.row + 1)
+            step = cache.step(self.tokens[None, s:end], rows, positions, history=history, replayed=a - s)
         with torch.no_grad():
             encode_chunk(self.model, step)
         step.commit()
@@ -161,8 +170,11 @@ class PrefillRun:
             if not torch.equal(past.encoder_state.history.to(tokens.device), expected):
                 raise ValueError("the encoder state does not belong to this token sequence (look-back ids differ)")
         elif start > 0:
-            bounded_replay(self.model, cache, row, "encoder", tokens)
             self.bounded_replay = True
+            if start == tokens.shape[0]:  # nothing to encode: the replay runs alone
+                bounded_replay(self.model, cache, row, "encoder", tokens)
+            else:  # one forward instead of two: the first chunk replays the W positions before it
+                self._replay_from = max(0, start - self.model.args.sliding_window)
 
 
 def encode_prefill(

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from model import DecodeBatch, Past, PrefillOutput, Transformer
 from model.attention import Attention
-from model.kv import EncoderState, GlobalKVBlock
+from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
+from model.serving import bounded_replay, encode_chunk
 
 
 def packed_parts(state: EncoderState) -> list[torch.Tensor]:
@@ -187,6 +188,29 @@ def test_missing_record_is_repaired_by_encoder_replay(tiny, tokens):
     kl = float((logits[0].exp() * (logits[0] - logits[1])).sum())
     print(f"encoder bounded replay at a {2 * Bt}-token hit (W={W}): KL(cold || replayed) = {kl:.3e}")
     assert 0 < kl < 1.0
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_the_replay_in_the_first_chunk_equals_a_replay_forward_of_its_own(tiny, tokens, chunk):
+    """A hit without a record replays the W positions before it in its first chunk's forward (one forward, not two):
+    the same blocks and encoder state as the replay run alone, then the chunks (the path before the merge)."""
+    Bt = tiny.args.kv_block_tokens
+    ids = tokens(3 * Bt + 5)
+    hit = tiny.encode_prefill(ids).blocks[:2]
+    merged = tiny.encode_prefill(ids, Past(hit), chunk_tokens=chunk)
+    cache = tiny.new_cache(encoder_only=True)
+    row = cache.add_row()
+    restore(cache, row, hit, None)
+    with torch.no_grad():
+        bounded_replay(tiny, cache, row, "encoder", ids)
+        for a in range(2 * Bt, ids.shape[0], chunk):
+            step = cache.step(ids[None, a : a + chunk])
+            encode_chunk(tiny, step)
+            step.commit()
+    assert merged.bounded_replay
+    assert merged.resumed_at == 2 * Bt
+    assert_same_blocks(merged.blocks, export_blocks(cache, row, 2, ids.shape[0] // Bt, tiny.fingerprint))
+    assert_same_state(merged.encoder_state, export_state(cache, row, tiny.fingerprint))
 
 
 def test_batch_of_different_lengths_equals_each_alone(tiny, tokens, gen):
