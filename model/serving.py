@@ -90,10 +90,11 @@ def encode_chunk(model: Transformer, step: Step) -> None:
 class PrefillRun:
     """The encoder half over `tokens` (the whole sequence; `past` covers a prefix of it), a chunk at a time.
 
-    Construction restores the cached prefix (and bounded-replays the encoder rings when it has no SWA record);
-    `advance()` encodes the next `chunk_tokens`; `output()` exports the new blocks and the encoder state. One cache row
-    lives across the chunks, so a caller that interleaves other work between them (decode's local prefill) pays the
-    restore once. ValueError when `past` does not fit `tokens`."""
+    Construction restores the cached prefix; `advance()` encodes the next `chunk_tokens` (the first chunk also
+    bounded-replays the W positions before it when the prefix has no SWA record: one forward, not two); `output()`
+    exports the new blocks and the encoder state. One cache row lives across the chunks, so a caller that interleaves
+    other work between them (decode's local prefill) pays the restore once. ValueError when `past` does not fit
+    `tokens`."""
 
     def __init__(self, model: Transformer, tokens: Tensor | Sequence[int], past: Past | None, chunk_tokens: int = 512):
         self.tokens = model.check_tokens(tokens).flatten()
