@@ -75,7 +75,7 @@ Layout = list[tuple[tuple, torch.dtype, tuple[int, ...]]]  # (key, dtype, shape)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _pack(magic: bytes, header: bytes, layout: Layout, tensors: dict[tuple, Tensor]) -> bytes:
