@@ -179,24 +179,14 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def _write_handoffs(self, handoff: prefill_pb2.Handoff, lease: float, count: int) -> list[bytes]:
         """`count` records of the handoff, each under its own handle; all or none (FAILED_PRECONDITION)."""
-        written = await asyncio.gather(
-            *(self.store.put_handoff(handoff, lease) for _ in range(count)), return_exceptions=True
-        )
-        handles = [h for h in written if isinstance(h, bytes)]
-        failed = [e for e in written if isinstance(e, BaseException)]
-        if not failed:
-            return handles
-        # Nobody will ever ask for the records that were written: consume them now rather than leave them pinning
-        # the pool until their leases end (best effort: a cache that is down expires them on its own).
-        await asyncio.gather(*(self.store.take_handoff(h) for h in handles), return_exceptions=True)
-        error = failed[0]
-        if not isinstance(error, CacheError):
-            raise error
-        self.metrics.cache_errors.labels("put_handoff").inc()
-        if error.code in DOWN:
-            self._cache_down_until = time.monotonic() + self.cfg.cache_retry_s
-        raise RequestError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"the cache cannot take the handoff record ({error}); {SEND_TOKENS}",
-            "cache_unavailable",
-        ) from None
+        try:
+            return await self.store.put_handoffs(handoff, lease, count)
+        except CacheError as exc:
+            self.metrics.cache_errors.labels("put_handoff").inc()
+            if exc.code in DOWN:
+                self._cache_down_until = time.monotonic() + self.cfg.cache_retry_s
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the cache cannot take the handoff record ({exc}); {SEND_TOKENS}",
+                "cache_unavailable",
+            ) from None

@@ -117,12 +117,25 @@ class KVStore:
         return await self.cache.put_record(self.sequence_key(token_ids, salt), payload, ttl_s=0.0)
 
     # -------------------------------------------------------------------------------------------- handoff
-    async def put_handoff(self, handoff: prefill_pb2.Handoff, lease_s: float) -> bytes:
-        """Store a handoff under a fresh handle, pinned for `lease_s`; returns the handle.
-
-        A replica that is down costs one handle: the next one most likely lands on another replica. CacheError when
-        no replica took it."""
+    async def put_handoffs(self, handoff: prefill_pb2.Handoff, lease_s: float, count: int = 1) -> list[bytes]:
+        """Store `count` records of a handoff (one per decode that will consume one), each under a fresh handle,
+        pinned for `lease_s`; returns the handles. All or none: when one cannot be stored, those that were are
+        consumed again (nobody will ask for them; best effort) and the first error is raised — CacheError when no
+        replica took a record."""
         payload = handoff.SerializeToString()
+        written = await asyncio.gather(
+            *(self._put_handoff(payload, lease_s) for _ in range(count)), return_exceptions=True
+        )
+        handles = [h for h in written if isinstance(h, bytes)]
+        failed = [e for e in written if isinstance(e, BaseException)]
+        if failed:
+            await asyncio.gather(*(self.cache.get_record(h, consume=True) for h in handles), return_exceptions=True)
+            raise failed[0]
+        return handles
+
+    async def _put_handoff(self, payload: bytes, lease_s: float) -> bytes:
+        """One record under a fresh handle. A replica that is down costs one handle: the next one most likely lands
+        on another replica."""
         error: CacheError | None = None
         for _ in range(len(self.cache.ring.nodes)):
             handle = HANDLE_PREFIX + secrets.token_bytes(16)
