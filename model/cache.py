@@ -310,6 +310,8 @@ class Step:
 
     def cached_groups(self, ratio: int) -> int:
         """Groups of `ratio` positions completed inside the replayed prefix: their entries are cached already."""
+        if not self.replayed:  # every decode step, for every owner layer: no per-row work
+            return 0
         counts = {(s + self.replayed) // ratio - s // ratio for s in self.start}
         if len(counts) > 1:
             raise ValueError("the rows of a step must replay the same number of groups")
