@@ -236,24 +236,24 @@ class Engine:
         if not done:
             return
         del self.prefilling[seq]
-        prompt = seq.prompt
+        prompt, out = seq.prompt, prefill.output
         assert prompt is not None
-        assert prefill.state is not None
-        prompt.cached_tokens, prompt.bounded_replay = prefill.cached_tokens, prefill.bounded_replay
+        assert out is not None
+        prompt.cached_tokens, prompt.bounded_replay = out.cached_tokens, out.bounded_replay
         self.metrics.local_prefills.labels(prompt.local_prefill).inc()
-        if prefill.bounded_replay:
+        if out.bounded_replay:
             self.metrics.bounded_replays.inc()
         self.log.info(
             "local_prefill",
             request_id=seq.request_id,
             reason=prompt.local_prefill,
             prompt=len(prompt.token_ids),
-            cached=prefill.cached_tokens,
+            cached=out.cached_tokens,
             chunks=prefill.chunks,
             seconds=round(prefill.seconds, 3),
         )
-        self.write_back(seq, prompt.token_ids, prefill.blocks, None)  # what a prefill replica would have written
-        self._join(seq, prefill.cached_blocks + prefill.blocks, prefill.state)
+        self.write_back(seq, prompt.token_ids, out.blocks, None)  # what a prefill replica would have written
+        self._join(seq, prefill.cached_blocks + out.blocks, out.encoder_state)
 
     def _join(self, seq: Sequence, blocks: list[GlobalKVBlock], state: EncoderState) -> None:
         """Restore a prompt into its lane's batch (the decoder's bounded replay) and send its first token."""

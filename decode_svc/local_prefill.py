@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from mesh.model_service.kvstore import start_prefill
-from model import EncoderState, GlobalKVBlock, Past, PrefillRun, Transformer
+from model import GlobalKVBlock, Past, PrefillOutput, PrefillRun, Transformer
 
 
 class LocalPrefill:
@@ -28,12 +28,9 @@ class LocalPrefill:
         self.past = past
         self.chunk_tokens = chunk_tokens
         self.run: PrefillRun | None = None  # started by the first chunk: restoring the cached prefix is its work
-        self.blocks: list[GlobalKVBlock] = []  # new complete blocks (indices from the cached ones on), once done
-        self.state: EncoderState | None = None  # the encoder state at the prompt's end, once done
+        self.output: PrefillOutput | None = None  # the run's result (new blocks, encoder state), once done
         self.chunks = 0
         self.seconds = 0.0  # spent in the encoder so far
-        self.cached_tokens = 0  # prompt tokens covered by cached blocks
-        self.bounded_replay = False  # the cached prefix's encoder rings were rebuilt by bounded replay
 
     @property
     def position(self) -> int:
@@ -42,7 +39,7 @@ class LocalPrefill:
 
     @property
     def done(self) -> bool:
-        return self.state is not None
+        return self.output is not None
 
     @property
     def cached_blocks(self) -> list[GlobalKVBlock]:
@@ -61,9 +58,6 @@ class LocalPrefill:
             self.run.advance()
         self.chunks += 1
         if self.run.done:
-            out = self.run.output()
-            self.blocks, self.state = out.blocks, out.encoder_state
-            self.cached_tokens, self.bounded_replay = out.cached_tokens, out.bounded_replay
-            self.run = None  # its cache row is no longer needed
+            self.output, self.run = self.run.output(), None  # its cache row is no longer needed
         self.seconds += time.monotonic() - started
         return self.done

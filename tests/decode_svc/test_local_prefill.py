@@ -64,12 +64,13 @@ def test_chunks_equal_one_encode_over_the_whole_prompt(models, prompt: Callable,
     prefill = chunked(model, ids, past, chunk)
     start = {"none": 0, "record": 2 * Bt + 5, "blocks": 2 * Bt}[past_kind]
     assert prefill.chunks == -(-(len(ids) - start) // chunk)
-    assert [b.to_bytes() for b in prefill.blocks] == [b.to_bytes() for b in one.blocks]
-    assert prefill.state is not None
-    assert prefill.state.to_bytes() == one.encoder_state.to_bytes()
-    assert (prefill.cached_tokens, prefill.bounded_replay) == (one.cached_tokens, one.bounded_replay)
-    assert prefill.bounded_replay == (past_kind == "blocks")
-    logits = first_logits(model, past, prefill.blocks, prefill.state)
+    out = prefill.output
+    assert out is not None
+    assert [b.to_bytes() for b in out.blocks] == [b.to_bytes() for b in one.blocks]
+    assert out.encoder_state.to_bytes() == one.encoder_state.to_bytes()
+    assert (out.cached_tokens, out.bounded_replay) == (one.cached_tokens, one.bounded_replay)
+    assert out.bounded_replay == (past_kind == "blocks")
+    logits = first_logits(model, past, out.blocks, out.encoder_state)
     assert torch.equal(logits, first_logits(model, past, one.blocks, one.encoder_state))
 
 
