@@ -41,7 +41,7 @@ def metric(base_url: str, name: str, **labels: str) -> float:
 
 def prefills_of(mesh: Mesh, request_id: str) -> list[dict]:
     """The prompts the mesh's prefill replicas encoded for a request: their `prefill` log lines (one per prompt) that
-    carry its id. (Log lines, not metrics: the mesh's replicas serve no metrics port.)"""
+    carry its id. (Log lines, not metrics: a counter does not say which request it counted.)"""
     lines = []
     for child in mesh.children:
         if child.name.startswith("prefill"):
