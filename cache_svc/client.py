@@ -8,12 +8,15 @@
         hit = cache.lookup(keys)                                # -> leading keys present
         cache.put_record(seq_key, swa_state, ttl_s=300)         # volatile, DRAM only
         cache.put_record(handoff_key, handoff, ttl_s=60, lease_s=30)
+        cache.put_records_shared(handles, handoff, ttl_s=60, lease_s=30)  # one payload, a record per key
         cache.get_record(handoff_key, consume=True)             # -> bytes | None
+        cache.delete_records(handles)                           # -> how many existed
         cache.stats()                                           # -> {address: {...}}
 
 `AsyncCacheClient` has the same methods as coroutines (create it inside the event loop that uses it).
 
-Blocks are sharded over the replicas by consistent hashing of their key, records by theirs. A replica
+Blocks are sharded over the replicas by consistent hashing of their key, records by theirs: a payload stored under
+several record keys travels once to each replica that owns any of them (and is stored once there). A replica
 that is down or too slow only costs its own keys: they read as misses (get → None, lookup stops at the
 first of them) while writes to it raise `CacheError` with code UNAVAILABLE or DEADLINE_EXCEEDED. Every
 RPC carries a deadline (`timeout_s`); nothing waits longer. Payloads travel in slices of ≤ 1 MiB.
@@ -76,10 +79,10 @@ def _put_requests(blocks: Sequence[Block], chunk_bytes: int) -> Iterator[bytes]:
 
 
 def _record_requests(
-    key: bytes, payload: bytes, ttl_s: float, lease_s: float | None, chunk_bytes: int
+    keys: Sequence[bytes], payload: bytes, ttl_s: float, lease_s: float | None, chunk_bytes: int
 ) -> Iterator[bytes]:
     """Encoded PutRecordRequests: the header on the first, then consecutive slices of the payload."""
-    header = {"key": key, "total_bytes": len(payload), "ttl_s": ttl_s, "lease_s": lease_s or 0.0}
+    header = {"keys": keys, "total_bytes": len(payload), "ttl_s": ttl_s, "lease_s": lease_s or 0.0}
     yield frames.put_record_request(payload[:chunk_bytes], **header)
     for offset in range(chunk_bytes, len(payload), chunk_bytes):
         yield frames.put_record_request(payload[offset : offset + chunk_bytes])
@@ -138,6 +141,31 @@ def _ordered(blocks: Sequence[Block], committed: set[bytes]) -> list[bytes]:
     return [key for key, _ in blocks if key in committed]
 
 
+def _record_shards(ring: HashRing, keys: Sequence[bytes]) -> dict[str, list[bytes]]:
+    """The record keys each replica owns; a payload under several keys is sent once per replica in here."""
+    if not keys:
+        raise ValueError("no record keys given")
+    return {address: [keys[i] for i in positions] for address, positions in ring.split(keys).items()}
+
+
+Failure = tuple[str, grpc.RpcError]
+
+
+def _shared_put(
+    shards: dict[str, list[bytes]], answers: dict[str, pb.PutRecordResponse], failure: Failure | None
+) -> float:
+    """The lifetime every replica granted; CacheError (`.committed`: the keys stored elsewhere) if one failed."""
+    if failure is not None:
+        raise _error(failure[1], failure[0], [key for address in answers for key in shards[address]])
+    return min(answer.expires_in_s for answer in answers.values())
+
+
+def _deleted(answers: dict[str, pb.DeleteRecordsResponse], failure: Failure | None) -> int:
+    if failure is not None:
+        raise _error(failure[1], failure[0])
+    return sum(answer.deleted for answer in answers.values())
+
+
 def _down(exc: grpc.RpcError, address: str, method: str) -> bool:
     """Whether a read failure means 'replica down' (its keys miss); logs it if so."""
     if exc.code() in DOWN:
@@ -181,28 +209,33 @@ class CacheClient(_Replicas):
         Raises CacheError (with `.committed`) if any replica refused or could not be reached."""
         blocks = list(blocks)
         shards = self.ring.split([k for k, _ in blocks])
-        answers = {
-            address: self._start_put(address, [blocks[i] for i in positions], fan_out=len(shards) > 1)
-            for address, positions in shards.items()
-        }
-        committed: set[bytes] = set()
-        failure: tuple[str, grpc.RpcError] | None = None
-        for address, answer in answers.items():
-            try:
-                committed.update(answer().committed)
-            except grpc.RpcError as exc:
-                failure = failure or (address, exc)
+        answers, failure = self._fan_out(
+            "PutBlocks", {a: _put_requests([blocks[i] for i in p], self.chunk_bytes) for a, p in shards.items()}
+        )
+        committed = {key for answer in answers.values() for key in answer.committed}
         if failure is not None:
             raise _error(failure[1], failure[0], _ordered(blocks, committed))
         return _ordered(blocks, committed)
 
-    def _start_put(self, address: str, blocks: list[Block], *, fan_out: bool) -> Callable[[], pb.PutBlocksResponse]:
-        """Start a put; returns what waits for its answer. One replica: a plain blocking call (cheaper)."""
-        method = self._stubs[address].PutBlocks
-        requests = _put_requests(blocks, self.chunk_bytes)
-        if not fan_out:
-            return lambda: method(requests, timeout=self.timeout_s)
-        return method.future(requests, timeout=self.timeout_s).result
+    def _fan_out(self, method: str, requests: dict[str, Any]) -> tuple[dict[str, Any], Failure | None]:
+        """Call `method` on each replica with its request (stream), all at once; the answers of those that
+        succeeded and the first failure. One replica: a plain blocking call (cheaper than a future)."""
+        if len(requests) == 1:
+            ((address, request),) = requests.items()
+            waits = {address: functools.partial(getattr(self._stubs[address], method), request, timeout=self.timeout_s)}
+        else:
+            waits = {
+                address: getattr(self._stubs[address], method).future(request, timeout=self.timeout_s).result
+                for address, request in requests.items()
+            }
+        answers: dict[str, Any] = {}
+        failure: Failure | None = None
+        for address, wait in waits.items():
+            try:
+                answers[address] = wait()
+            except grpc.RpcError as exc:
+                failure = failure or (address, exc)
+        return answers, failure
 
     def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Payloads in key order; None for a key that is missing, corrupt, or on a replica that is down."""
@@ -251,12 +284,28 @@ class CacheClient(_Replicas):
     def put_record(self, key: bytes, payload: bytes, ttl_s: float, lease_s: float | None = None) -> float:
         """Store a volatile record; with a lease it is pinned until consumed or the lease ends.
         Returns the lifetime granted (the server caps it at its --record-ttl-s)."""
-        address = self.ring.node(key)
-        requests = _record_requests(key, payload, ttl_s, lease_s, self.chunk_bytes)
-        try:
-            return self._stubs[address].PutRecord(requests, timeout=self.timeout_s).expires_in_s
-        except grpc.RpcError as exc:
-            raise _error(exc, address) from None
+        return self.put_records_shared([key], payload, ttl_s, lease_s)
+
+    def put_records_shared(
+        self, keys: Sequence[bytes], payload: bytes, ttl_s: float, lease_s: float | None = None
+    ) -> float:
+        """Store `payload` under each of `keys` (distinct): a record per key, consumed once and ended on its own,
+        the bytes sent once to each replica owning any of the keys and stored once there. Returns the lifetime
+        granted. Raises CacheError if a replica refused or could not be reached; `.committed` lists the keys
+        the other replicas stored (the failed replica's keys were not, unless its answer was lost in a timeout)."""
+        shards = _record_shards(self.ring, keys)
+        requests = {a: _record_requests(k, payload, ttl_s, lease_s, self.chunk_bytes) for a, k in shards.items()}
+        return _shared_put(shards, *self._fan_out("PutRecord", requests))
+
+    def delete_records(self, keys: Sequence[bytes]) -> int:
+        """Remove these records (distinct keys), one DeleteRecords per replica owning any; returns how many existed.
+        A missing key is no error. CacheError if a replica could not answer (the others' deletes are done)."""
+        if not keys:
+            return 0
+        shards = _record_shards(self.ring, keys)
+        return _deleted(
+            *self._fan_out("DeleteRecords", {a: pb.DeleteRecordsRequest(keys=k) for a, k in shards.items()})
+        )
 
     def get_record(self, key: bytes, consume: bool = False) -> bytes | None:
         """The record, or None if absent, expired, already consumed, or its replica is down."""
@@ -322,23 +371,32 @@ class AsyncCacheClient(_Replicas):
 
     async def put_blocks(self, blocks: Iterable[Block]) -> list[bytes]:
         blocks = list(blocks)
-        shards = list(self.ring.split([k for k, _ in blocks]).items())
-        answers = await asyncio.gather(
-            *(
-                self._stubs[address].PutBlocks(
-                    _put_requests([blocks[i] for i in positions], self.chunk_bytes), timeout=self.timeout_s
-                )
-                for address, positions in shards
-            ),
+        shards = self.ring.split([k for k, _ in blocks])
+        answers, failure = await self._fan_out(
+            "PutBlocks", {a: _put_requests([blocks[i] for i in p], self.chunk_bytes) for a, p in shards.items()}
+        )
+        committed = {key for answer in answers.values() for key in answer.committed}
+        if failure is not None:
+            raise _error(failure[1], failure[0], _ordered(blocks, committed))
+        return _ordered(blocks, committed)
+
+    async def _fan_out(self, method: str, requests: dict[str, Any]) -> tuple[dict[str, Any], Failure | None]:
+        """Call `method` on each replica with its request (stream), concurrently; the answers of those that
+        succeeded and the first failure (in request order). Any other exception propagates."""
+        results = await asyncio.gather(
+            *(getattr(self._stubs[a], method)(r, timeout=self.timeout_s) for a, r in requests.items()),
             return_exceptions=True,
         )
-        committed = {k for a in answers if isinstance(a, pb.PutBlocksResponse) for k in a.committed}
-        for (address, _), answer in zip(shards, answers, strict=True):
-            if isinstance(answer, grpc.RpcError):
-                raise _error(answer, address, _ordered(blocks, committed))
-            if isinstance(answer, BaseException):
-                raise answer
-        return _ordered(blocks, committed)
+        answers: dict[str, Any] = {}
+        failure: Failure | None = None
+        for address, result in zip(requests, results, strict=True):
+            if isinstance(result, grpc.RpcError):
+                failure = failure or (address, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                answers[address] = result
+        return answers, failure
 
     async def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | None]:
         gather = _Gather(len(keys))
@@ -372,13 +430,21 @@ class AsyncCacheClient(_Replicas):
         return min(firsts, default=len(keys))
 
     async def put_record(self, key: bytes, payload: bytes, ttl_s: float, lease_s: float | None = None) -> float:
-        address = self.ring.node(key)
-        requests = _record_requests(key, payload, ttl_s, lease_s, self.chunk_bytes)
-        try:
-            answer = await self._stubs[address].PutRecord(requests, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise _error(exc, address) from None
-        return answer.expires_in_s
+        return await self.put_records_shared([key], payload, ttl_s, lease_s)
+
+    async def put_records_shared(
+        self, keys: Sequence[bytes], payload: bytes, ttl_s: float, lease_s: float | None = None
+    ) -> float:
+        shards = _record_shards(self.ring, keys)
+        requests = {a: _record_requests(k, payload, ttl_s, lease_s, self.chunk_bytes) for a, k in shards.items()}
+        return _shared_put(shards, *await self._fan_out("PutRecord", requests))
+
+    async def delete_records(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        shards = _record_shards(self.ring, keys)
+        requests = {a: pb.DeleteRecordsRequest(keys=k) for a, k in shards.items()}
+        return _deleted(*await self._fan_out("DeleteRecords", requests))
 
     async def get_record(self, key: bytes, consume: bool = False) -> bytes | None:
         address = self.ring.node(key)

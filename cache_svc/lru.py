@@ -1,5 +1,4 @@
-"""Values kept in least-recently-used order within a byte budget: the DRAM tier in front of the SSD tier,
-and the order in which the record pool gives up unleased records."""
+"""Values kept in least-recently-used order within a byte budget: the DRAM tier in front of the SSD tier."""
 
 from __future__ import annotations
 
@@ -29,10 +28,6 @@ class Lru(Generic[V]):
         if value is not None:
             self._items.move_to_end(key)
         return value
-
-    def peek(self, key: Hashable) -> V | None:
-        """The value, leaving the order alone."""
-        return self._items.get(key)
 
     def put(self, key: Hashable, value: V) -> int:
         """Insert as most recently used, evicting the least recently used to fit; returns how many went.

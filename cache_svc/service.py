@@ -32,6 +32,7 @@ from proto.cache.v1 import cache_pb2_grpc
 
 MAX_KEYS = 1 << 16  # keys per request: a 4 M-token context in 64-token blocks
 MAX_RECORD_KEY_BYTES = 64
+MAX_SHARED_KEYS = 256  # keys of one PutRecord: a request's n choices (OpenAI's n goes to 128), 16 KiB of keys at most
 GET_WINDOW = 32  # blocks read from the store at a time while streaming a GetBlocks answer
 
 
@@ -105,17 +106,18 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             async for message in self._within_lease(request_iterator):
                 if header is None:
                     header = _record_header(message)
-                elif message.key or message.total_bytes or message.ttl_s or message.lease_s:
-                    raise InvalidArgumentError("key, total_bytes, ttl_s and lease_s belong on the first message only")
+                elif message.keys or message.total_bytes or message.ttl_s or message.lease_s:
+                    raise InvalidArgumentError("keys, total_bytes, ttl_s and lease_s belong on the first message only")
                 stage(len(message.data))
-                _add(staged, header.key, header.total_bytes, received, message.data)
+                _add(staged, header.keys[0], header.total_bytes, received, message.data)
                 received += len(message.data)
             if header is None:
-                raise InvalidArgumentError("empty stream: the first message must carry key and total_bytes")
+                raise InvalidArgumentError("empty stream: the first message must carry keys and total_bytes")
             if incomplete := staged.incomplete():
                 raise InvalidArgumentError(f"stream ended early: {incomplete[0]}")
-            ((key, payload),) = staged.complete()
-            lifetime = self._records.put(key, payload, header.ttl_s, header.lease_s)
+            ((_, payload),) = staged.complete()
+            lifetime = self._records.put(header.keys, payload, header.ttl_s, header.lease_s)
+            self._counters.record_put_bytes += len(payload)
             stage.done()
             return pb.PutRecordResponse(expires_in_s=lifetime)
 
@@ -130,6 +132,13 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             for offset in range(0, len(payload), CHUNK_BYTES):
                 total = len(payload) if offset == 0 else 0
                 yield frames.get_record_response(total, payload[offset : offset + CHUNK_BYTES])
+
+    async def DeleteRecords(  # noqa: N802
+        self, request: pb.DeleteRecordsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteRecordsResponse:
+        async with self._rpc("DeleteRecords", context):
+            keys = _record_keys(request.keys, MAX_KEYS)
+            return pb.DeleteRecordsResponse(deleted=self._records.delete(keys))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:  # noqa: N802
         async with self._rpc("Stats", context):
@@ -149,6 +158,8 @@ class KvCacheService(cache_pb2_grpc.KvCacheServicer):
             refusals=c.refusals_ssd + c.refusals_records + c.refusals_staging,
             corrupt_blocks=c.corrupt_blocks,
             record_expiries=c.record_expiries,
+            record_deletions=c.record_deletions,
+            record_put_bytes=c.record_put_bytes,
             compactions=c.compactions,
             aborted_puts=c.aborted_puts,
             retention_hours=self._cfg.retention_hours,
@@ -257,14 +268,31 @@ def _bounded(keys: Sequence[bytes], what: str) -> Sequence[bytes]:
     return keys
 
 
-def _record_key(key: bytes) -> bytes:
+def _record_key(key: bytes, position: int | None = None) -> bytes:
     if not 0 < len(key) <= MAX_RECORD_KEY_BYTES:
-        raise InvalidArgumentError(f"record key is {len(key)} bytes; it must be 1 to {MAX_RECORD_KEY_BYTES} bytes")
+        where = "" if position is None else f" #{position}"
+        raise InvalidArgumentError(
+            f"record key{where} is {len(key)} bytes; it must be 1 to {MAX_RECORD_KEY_BYTES} bytes"
+        )
     return key
 
 
+def _record_keys(keys: Sequence[bytes], limit: int) -> Sequence[bytes]:
+    """`keys` of a PutRecord or DeleteRecords: 1 to `limit` distinct record keys."""
+    if not keys:
+        raise InvalidArgumentError("keys is empty: name at least one record key")
+    if len(keys) > limit:
+        raise InvalidArgumentError(f"{len(keys)} keys in one request; the limit is {limit}")
+    for i, key in enumerate(keys):
+        _record_key(key, i if len(keys) > 1 else None)
+    if len(set(keys)) != len(keys):
+        repeated = next(key for i, key in enumerate(keys) if key in keys[:i])
+        raise InvalidArgumentError(f"keys repeat {repeated.hex()}: each key names one record")
+    return keys
+
+
 def _record_header(message: pb.PutRecordRequest) -> pb.PutRecordRequest:
-    _record_key(message.key)
+    _record_keys(message.keys, MAX_SHARED_KEYS)
     for name in ("ttl_s", "lease_s"):
         value = getattr(message, name)
         if not math.isfinite(value) or value < 0:

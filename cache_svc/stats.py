@@ -35,6 +35,8 @@ class Counters(msgspec.Struct):
     record_misses: int = 0
     record_expiries: int = 0
     record_evictions: int = 0
+    record_deletions: int = 0
+    record_put_bytes: int = 0
     aborted_puts: int = 0
     put_bytes: int = 0
     get_bytes: int = 0
@@ -96,6 +98,12 @@ class StatsCollector(Collector):
         yield refusals
         for name, help_, value in (
             ("cache_record_expiries", "Records dropped at the end of their TTL or lease", c.record_expiries),
+            ("cache_record_deletions", "Records removed by DeleteRecords", c.record_deletions),
+            (
+                "cache_record_put_bytes",
+                "Record payload bytes received (once per put, however many keys)",
+                c.record_put_bytes,
+            ),
             ("cache_corrupt_blocks", "Blocks that failed their checksum and were dropped", c.corrupt_blocks),
             ("cache_compactions", "Segments compacted away", c.compactions),
             ("cache_compaction_copied_bytes", "Bytes re-appended by compaction", c.compaction_copied_bytes),

@@ -16,6 +16,7 @@ rings are bounded-replayed instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ from model import EncoderState, GlobalKVBlock, Past, PrefillOutput, PrefillRun, 
 from proto.prefill.v1 import prefill_pb2
 
 HANDLE_PREFIX = b"handoff:"
-# A handoff write failing with these may succeed under another handle (records are sharded by key).
+# A handoff write failing with these may succeed under other handles (records are sharded by key).
 _RETRY_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -119,36 +120,40 @@ class KVStore:
     # -------------------------------------------------------------------------------------------- handoff
     async def put_handoffs(self, handoff: prefill_pb2.Handoff, lease_s: float, count: int = 1) -> list[bytes]:
         """Store `count` records of a handoff (one per decode that will consume one), each under a fresh handle,
-        pinned for `lease_s`; returns the handles. All or none: when one cannot be stored, those that were are
-        consumed again (nobody will ask for them; best effort) and the first error is raised — CacheError when no
-        replica took a record."""
-        payload = handoff.SerializeToString()
-        written = await asyncio.gather(
-            *(self._put_handoff(payload, lease_s) for _ in range(count)), return_exceptions=True
-        )
-        handles = [h for h in written if isinstance(h, bytes)]
-        failed = [e for e in written if isinstance(e, BaseException)]
-        if failed:
-            await asyncio.gather(*(self.cache.get_record(h, consume=True) for h in handles), return_exceptions=True)
-            raise failed[0]
-        return handles
+        pinned for `lease_s`; returns the handles. The handoff is serialised once and sent once to each cache replica
+        owning any of the handles, which stores it once for all of them (`put_records_shared`).
 
-    async def _put_handoff(self, payload: bytes, lease_s: float) -> bytes:
-        """One record under a fresh handle. A replica that is down costs one handle: the next one most likely lands
-        on another replica."""
-        error: CacheError | None = None
-        for _ in range(len(self.cache.ring.nodes)):
-            handle = HANDLE_PREFIX + secrets.token_bytes(16)
+        A replica that is down (UNAVAILABLE, DEADLINE_EXCEEDED) costs its handles: fresh ones are drawn on the other
+        replicas, once per replica at most. All or none: when the handles cannot all be stored, every handle tried is
+        deleted (`delete_records`: idempotent, so a put whose answer was lost in a timeout is covered too; best effort)
+        and the error that ended the batch is raised as CacheError. (When the batch outlives a timeout, records the slow
+        replica may still have stored end with their lease.)"""
+        payload = handoff.SerializeToString()
+        stored: list[bytes] = []
+        tried: list[bytes] = []
+        down: set[str] = set()
+        handles = [self._new_handle(down) for _ in range(count)]
+        while True:
+            tried += handles
             try:
-                await self.cache.put_record(handle, payload, ttl_s=lease_s, lease_s=lease_s)
+                await self.cache.put_records_shared(handles, payload, ttl_s=lease_s, lease_s=lease_s)
             except CacheError as exc:
-                if exc.code not in _RETRY_ELSEWHERE:
+                stored += exc.committed
+                down.add(exc.address)
+                if exc.code not in _RETRY_ELSEWHERE or down.issuperset(self.cache.ring.nodes):
+                    with contextlib.suppress(CacheError):
+                        await self.cache.delete_records(tried)
                     raise
-                error = exc
+                handles = [self._new_handle(down) for _ in range(count - len(stored))]
             else:
+                return stored + handles
+
+    def _new_handle(self, down: set[str]) -> bytes:
+        """A fresh random handoff handle owned by a cache replica not in `down` (which is not all of them)."""
+        while True:
+            handle = HANDLE_PREFIX + secrets.token_bytes(16)
+            if self.cache.ring.node(handle) not in down:
                 return handle
-        assert error is not None
-        raise error
 
     async def take_handoff(self, handle: bytes) -> prefill_pb2.Handoff | None:
         """Consume a handoff (exactly one decode picks it up); None if absent, expired, consumed, or unreachable.

@@ -136,13 +136,21 @@ def test_oversized_message_is_refused_by_the_server(cache: Any) -> None:
 
 
 RECORD_CASES = {
-    "empty key": (pb.PutRecordRequest(key=b"", total_bytes=1, data=b"x"), INVALID, "record key is 0 bytes"),
-    "long key": (pb.PutRecordRequest(key=b"k" * 65, total_bytes=1, data=b"x"), INVALID, "record key is 65"),
-    "negative ttl": (pb.PutRecordRequest(key=b"k", total_bytes=1, ttl_s=-1, data=b"x"), INVALID, "ttl_s"),
-    "nan lease": (pb.PutRecordRequest(key=b"k", total_bytes=1, lease_s=math.nan, data=b"x"), INVALID, "lease_s"),
-    "empty record": (pb.PutRecordRequest(key=b"k", total_bytes=0), INVALID, "is empty"),
-    "short record": (pb.PutRecordRequest(key=b"k", total_bytes=9, data=b"x"), INVALID, "1 of 9 bytes"),
-    "larger than the pool": (pb.PutRecordRequest(key=b"k", total_bytes=2 << 20), INVALID, "the limit is 1048576"),
+    "no keys": (pb.PutRecordRequest(total_bytes=1, data=b"x"), INVALID, "keys is empty"),
+    "empty key": (pb.PutRecordRequest(keys=[b""], total_bytes=1, data=b"x"), INVALID, "record key is 0 bytes"),
+    "long key": (pb.PutRecordRequest(keys=[b"k" * 65], total_bytes=1, data=b"x"), INVALID, "record key is 65"),
+    "long second key": (pb.PutRecordRequest(keys=[b"k", b"k" * 65], total_bytes=1, data=b"x"), INVALID, "key #1"),
+    "repeated key": (pb.PutRecordRequest(keys=[b"a", b"b", b"a"], total_bytes=1, data=b"x"), INVALID, "repeat 61"),
+    "too many keys": (
+        pb.PutRecordRequest(keys=[b"%d" % i for i in range(257)], total_bytes=1, data=b"x"),
+        INVALID,
+        "257 keys in one request; the limit is 256",
+    ),
+    "negative ttl": (pb.PutRecordRequest(keys=[b"k"], total_bytes=1, ttl_s=-1, data=b"x"), INVALID, "ttl_s"),
+    "nan lease": (pb.PutRecordRequest(keys=[b"k"], total_bytes=1, lease_s=math.nan, data=b"x"), INVALID, "lease_s"),
+    "empty record": (pb.PutRecordRequest(keys=[b"k"], total_bytes=0), INVALID, "is empty"),
+    "short record": (pb.PutRecordRequest(keys=[b"k"], total_bytes=9, data=b"x"), INVALID, "1 of 9 bytes"),
+    "larger than the pool": (pb.PutRecordRequest(keys=[b"k"], total_bytes=2 << 20), INVALID, "the limit is 1048576"),
 }
 
 
@@ -158,13 +166,32 @@ def test_bad_records(cache: Any, case: str) -> None:
 
 def test_record_header_fields_only_on_the_first_message(cache: Any) -> None:
     stub, _ = cache
-    messages = [pb.PutRecordRequest(key=b"k", total_bytes=2, data=b"x"), pb.PutRecordRequest(key=b"k", data=b"y")]
+    messages = [pb.PutRecordRequest(keys=[b"k"], total_bytes=2, data=b"x"), pb.PutRecordRequest(keys=[b"k"], data=b"y")]
     code, details = _code(lambda: stub.PutRecord(iter(messages), timeout=RPC_TIMEOUT_S))
     assert code == INVALID
     assert "first message only" in details
     code, details = _code(lambda: stub.PutRecord(iter([]), timeout=RPC_TIMEOUT_S))
     assert code == INVALID
     assert "empty stream" in details
+
+
+DELETE_CASES = {
+    "no keys": ([], "keys is empty"),
+    "empty key": ([b"a", b""], "record key #1 is 0 bytes"),
+    "repeated key": ([b"a", b"a"], "keys repeat 61"),
+    "too many keys": ([b"%d" % i for i in range(65537)], "65537 keys in one request; the limit is 65536"),
+}
+
+
+@pytest.mark.parametrize("case", DELETE_CASES, ids=list(DELETE_CASES))
+def test_bad_deletes_are_invalid_argument_and_delete_nothing(cache: Any, case: str) -> None:
+    stub, client = cache
+    client.put_record(b"a", b"kept", ttl_s=60, lease_s=30)
+    keys, detail = DELETE_CASES[case]
+    code, details = _code(lambda: stub.DeleteRecords(pb.DeleteRecordsRequest(keys=keys), timeout=RPC_TIMEOUT_S))
+    assert (code, detail in details) == (INVALID, True), details
+    assert client.get_record(b"a") == b"kept"
+    assert _stats(client)["record_deletions"] == 0
 
 
 def _open_put(stub: cache_pb2_grpc.KvCacheStub) -> tuple[Any, Callable[[], None]]:

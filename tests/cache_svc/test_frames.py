@@ -39,7 +39,7 @@ def test_get_blocks_response_is_protobufs_encoding(batch: list) -> None:
 def test_record_messages_are_protobufs_encoding(
     payload: bytes, key: bytes, total: int, ttl_s: float, lease_s: float
 ) -> None:
-    header = {"key": key, "total_bytes": total, "ttl_s": ttl_s, "lease_s": lease_s}
+    header = {"keys": [key], "total_bytes": total, "ttl_s": ttl_s, "lease_s": lease_s}
     assert (
         frames.put_record_request(payload, **header) == pb.PutRecordRequest(data=payload, **header).SerializeToString()
     )
@@ -61,3 +61,10 @@ def test_data_is_the_last_field_of_every_payload_message() -> None:
     for message in (pb.PutSlice, pb.GetSlice, pb.PutRecordRequest, pb.GetRecordResponse):
         numbers = [f.number for f in message.DESCRIPTOR.fields]
         assert message.DESCRIPTOR.fields_by_name["data"].number == max(numbers), message.DESCRIPTOR.name
+
+
+def test_one_key_from_a_client_of_the_singular_field_reads_as_a_list_of_one() -> None:
+    """`PutRecordRequest.keys` was `bytes key = 1`: a sender of the old message still names one record."""
+    key = b"handoff:old-client"
+    old_wire = bytes([1 << 3 | 2, len(key)]) + key + pb.PutRecordRequest(total_bytes=3, data=b"abc").SerializeToString()
+    assert list(pb.PutRecordRequest.FromString(old_wire).keys) == [key]

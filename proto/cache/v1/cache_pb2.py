@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aproto/cache/v1/cache.proto\x12\x08\x63\x61\x63he.v1\"8\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0brecord_keys\x18\x03 \x03(\x0cJ\x04\x08\x02\x10\x03\"@\n\x0eLookupResponse\x12\x11\n\thit_count\x18\x01 \x01(\r\x12\x15\n\rrecords_found\x18\x03 \x03(\x08J\x04\x08\x02\x10\x03\"J\n\x08PutSlice\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"F\n\x10PutBlocksRequest\x12\"\n\x06slices\x18\x01 \x03(\x0b\x32\x12.cache.v1.PutSlice\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\x08\"&\n\x11PutBlocksResponse\x12\x11\n\tcommitted\x18\x01 \x03(\x0c\" \n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"L\n\x08GetSlice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"7\n\x11GetBlocksResponse\x12\"\n\x06slices\x18\x01 \x03(\x0b\x32\x12.cache.v1.GetSlice\"b\n\x10PutRecordRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\")\n\x11PutRecordResponse\x12\x14\n\x0c\x65xpires_in_s\x18\x01 \x01(\x01\"0\n\x10GetRecordRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63onsume\x18\x02 \x01(\x08\"6\n\x11GetRecordResponse\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"t\n\tTierStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\"\xbd\x02\n\rStatsResponse\x12!\n\x04\x64ram\x18\x01 \x01(\x0b\x32\x13.cache.v1.TierStats\x12 \n\x03ssd\x18\x02 \x01(\x0b\x32\x13.cache.v1.TierStats\x12$\n\x07records\x18\x03 \x01(\x0b\x32\x13.cache.v1.TierStats\x12\x10\n\x08segments\x18\x04 \x01(\x04\x12\x12\n\ndead_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cstaged_bytes\x18\x06 \x01(\x04\x12\x10\n\x08refusals\x18\x07 \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x08 \x01(\x04\x12\x17\n\x0frecord_expiries\x18\t \x01(\x04\x12\x13\n\x0b\x63ompactions\x18\n \x01(\x04\x12\x14\n\x0c\x61\x62orted_puts\x18\x0b \x01(\x04\x12\x17\n\x0fretention_hours\x18\x0c \x01(\x01\x32\xa0\x03\n\x07KvCache\x12;\n\x06Lookup\x12\x17.cache.v1.LookupRequest\x1a\x18.cache.v1.LookupResponse\x12\x46\n\tPutBlocks\x12\x1a.cache.v1.PutBlocksRequest\x1a\x1b.cache.v1.PutBlocksResponse(\x01\x12\x46\n\tGetBlocks\x12\x1a.cache.v1.GetBlocksRequest\x1a\x1b.cache.v1.GetBlocksResponse0\x01\x12\x46\n\tPutRecord\x12\x1a.cache.v1.PutRecordRequest\x1a\x1b.cache.v1.PutRecordResponse(\x01\x12\x46\n\tGetRecord\x12\x1a.cache.v1.GetRecordRequest\x1a\x1b.cache.v1.GetRecordResponse0\x01\x12\x38\n\x05Stats\x12\x16.cache.v1.StatsRequest\x1a\x17.cache.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aproto/cache/v1/cache.proto\x12\x08\x63\x61\x63he.v1\"8\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0brecord_keys\x18\x03 \x03(\x0cJ\x04\x08\x02\x10\x03\"@\n\x0eLookupResponse\x12\x11\n\thit_count\x18\x01 \x01(\r\x12\x15\n\rrecords_found\x18\x03 \x03(\x08J\x04\x08\x02\x10\x03\"J\n\x08PutSlice\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"F\n\x10PutBlocksRequest\x12\"\n\x06slices\x18\x01 \x03(\x0b\x32\x12.cache.v1.PutSlice\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\x08\"&\n\x11PutBlocksResponse\x12\x11\n\tcommitted\x18\x01 \x03(\x0c\" \n\x10GetBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"L\n\x08GetSlice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"7\n\x11GetBlocksResponse\x12\"\n\x06slices\x18\x01 \x03(\x0b\x32\x12.cache.v1.GetSlice\"c\n\x10PutRecordRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\")\n\x11PutRecordResponse\x12\x14\n\x0c\x65xpires_in_s\x18\x01 \x01(\x01\"0\n\x10GetRecordRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63onsume\x18\x02 \x01(\x08\"6\n\x11GetRecordResponse\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"$\n\x14\x44\x65leteRecordsRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"(\n\x15\x44\x65leteRecordsResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"t\n\tTierStats\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\"\xf1\x02\n\rStatsResponse\x12!\n\x04\x64ram\x18\x01 \x01(\x0b\x32\x13.cache.v1.TierStats\x12 \n\x03ssd\x18\x02 \x01(\x0b\x32\x13.cache.v1.TierStats\x12$\n\x07records\x18\x03 \x01(\x0b\x32\x13.cache.v1.TierStats\x12\x10\n\x08segments\x18\x04 \x01(\x04\x12\x12\n\ndead_bytes\x18\x05 \x01(\x04\x12\x14\n\x0cstaged_bytes\x18\x06 \x01(\x04\x12\x10\n\x08refusals\x18\x07 \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x08 \x01(\x04\x12\x17\n\x0frecord_expiries\x18\t \x01(\x04\x12\x13\n\x0b\x63ompactions\x18\n \x01(\x04\x12\x14\n\x0c\x61\x62orted_puts\x18\x0b \x01(\x04\x12\x17\n\x0fretention_hours\x18\x0c \x01(\x01\x12\x18\n\x10record_deletions\x18\r \x01(\x04\x12\x18\n\x10record_put_bytes\x18\x0e \x01(\x04\x32\xf2\x03\n\x07KvCache\x12;\n\x06Lookup\x12\x17.cache.v1.LookupRequest\x1a\x18.cache.v1.LookupResponse\x12\x46\n\tPutBlocks\x12\x1a.cache.v1.PutBlocksRequest\x1a\x1b.cache.v1.PutBlocksResponse(\x01\x12\x46\n\tGetBlocks\x12\x1a.cache.v1.GetBlocksRequest\x1a\x1b.cache.v1.GetBlocksResponse0\x01\x12\x46\n\tPutRecord\x12\x1a.cache.v1.PutRecordRequest\x1a\x1b.cache.v1.PutRecordResponse(\x01\x12\x46\n\tGetRecord\x12\x1a.cache.v1.GetRecordRequest\x1a\x1b.cache.v1.GetRecordResponse0\x01\x12P\n\rDeleteRecords\x12\x1e.cache.v1.DeleteRecordsRequest\x1a\x1f.cache.v1.DeleteRecordsResponse\x12\x38\n\x05Stats\x12\x16.cache.v1.StatsRequest\x1a\x17.cache.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,19 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETBLOCKSRESPONSE']._serialized_start=464
   _globals['_GETBLOCKSRESPONSE']._serialized_end=519
   _globals['_PUTRECORDREQUEST']._serialized_start=521
-  _globals['_PUTRECORDREQUEST']._serialized_end=619
-  _globals['_PUTRECORDRESPONSE']._serialized_start=621
-  _globals['_PUTRECORDRESPONSE']._serialized_end=662
-  _globals['_GETRECORDREQUEST']._serialized_start=664
-  _globals['_GETRECORDREQUEST']._serialized_end=712
-  _globals['_GETRECORDRESPONSE']._serialized_start=714
-  _globals['_GETRECORDRESPONSE']._serialized_end=768
-  _globals['_STATSREQUEST']._serialized_start=770
-  _globals['_STATSREQUEST']._serialized_end=784
-  _globals['_TIERSTATS']._serialized_start=786
-  _globals['_TIERSTATS']._serialized_end=902
-  _globals['_STATSRESPONSE']._serialized_start=905
-  _globals['_STATSRESPONSE']._serialized_end=1222
-  _globals['_KVCACHE']._serialized_start=1225
-  _globals['_KVCACHE']._serialized_end=1641
+  _globals['_PUTRECORDREQUEST']._serialized_end=620
+  _globals['_PUTRECORDRESPONSE']._serialized_start=622
+  _globals['_PUTRECORDRESPONSE']._serialized_end=663
+  _globals['_GETRECORDREQUEST']._serialized_start=665
+  _globals['_GETRECORDREQUEST']._serialized_end=713
+  _globals['_GETRECORDRESPONSE']._serialized_start=715
+  _globals['_GETRECORDRESPONSE']._serialized_end=769
+  _globals['_DELETERECORDSREQUEST']._serialized_start=771
+  _globals['_DELETERECORDSREQUEST']._serialized_end=807
+  _globals['_DELETERECORDSRESPONSE']._serialized_start=809
+  _globals['_DELETERECORDSRESPONSE']._serialized_end=849
+  _globals['_STATSREQUEST']._serialized_start=851
+  _globals['_STATSREQUEST']._serialized_end=865
+  _globals['_TIERSTATS']._serialized_start=867
+  _globals['_TIERSTATS']._serialized_end=983
+  _globals['_STATSRESPONSE']._serialized_start=986
+  _globals['_STATSRESPONSE']._serialized_end=1355
+  _globals['_KVCACHE']._serialized_start=1358
+  _globals['_KVCACHE']._serialized_end=1856
 # @@protoc_insertion_point(module_scope)

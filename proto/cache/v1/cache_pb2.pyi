@@ -73,18 +73,18 @@ class GetBlocksResponse(_message.Message):
     def __init__(self, slices: _Optional[_Iterable[_Union[GetSlice, _Mapping]]] = ...) -> None: ...
 
 class PutRecordRequest(_message.Message):
-    __slots__ = ("key", "total_bytes", "ttl_s", "lease_s", "data")
-    KEY_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("keys", "total_bytes", "ttl_s", "lease_s", "data")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    key: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
     total_bytes: int
     ttl_s: float
     lease_s: float
     data: bytes
-    def __init__(self, key: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., total_bytes: _Optional[int] = ..., ttl_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutRecordResponse(_message.Message):
     __slots__ = ("expires_in_s",)
@@ -108,6 +108,18 @@ class GetRecordResponse(_message.Message):
     data: bytes
     def __init__(self, total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class DeleteRecordsRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteRecordsResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -129,7 +141,7 @@ class TierStats(_message.Message):
     def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("dram", "ssd", "records", "segments", "dead_bytes", "staged_bytes", "refusals", "corrupt_blocks", "record_expiries", "compactions", "aborted_puts", "retention_hours")
+    __slots__ = ("dram", "ssd", "records", "segments", "dead_bytes", "staged_bytes", "refusals", "corrupt_blocks", "record_expiries", "compactions", "aborted_puts", "retention_hours", "record_deletions", "record_put_bytes")
     DRAM_FIELD_NUMBER: _ClassVar[int]
     SSD_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +154,8 @@ class StatsResponse(_message.Message):
     COMPACTIONS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_PUTS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_DELETIONS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_PUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     dram: TierStats
     ssd: TierStats
     records: TierStats
@@ -154,4 +168,6 @@ class StatsResponse(_message.Message):
     compactions: int
     aborted_puts: int
     retention_hours: float
-    def __init__(self, dram: _Optional[_Union[TierStats, _Mapping]] = ..., ssd: _Optional[_Union[TierStats, _Mapping]] = ..., records: _Optional[_Union[TierStats, _Mapping]] = ..., segments: _Optional[int] = ..., dead_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., refusals: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., record_expiries: _Optional[int] = ..., compactions: _Optional[int] = ..., aborted_puts: _Optional[int] = ..., retention_hours: _Optional[float] = ...) -> None: ...
+    record_deletions: int
+    record_put_bytes: int
+    def __init__(self, dram: _Optional[_Union[TierStats, _Mapping]] = ..., ssd: _Optional[_Union[TierStats, _Mapping]] = ..., records: _Optional[_Union[TierStats, _Mapping]] = ..., segments: _Optional[int] = ..., dead_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., refusals: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., record_expiries: _Optional[int] = ..., compactions: _Optional[int] = ..., aborted_puts: _Optional[int] = ..., retention_hours: _Optional[float] = ..., record_deletions: _Optional[int] = ..., record_put_bytes: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class KvCacheStub:
                 request_serializer=proto_dot_cache_dot_v1_dot_cache__pb2.GetRecordRequest.SerializeToString,
                 response_deserializer=proto_dot_cache_dot_v1_dot_cache__pb2.GetRecordResponse.FromString,
                 _registered_method=True)
+        self.DeleteRecords = channel.unary_unary(
+                '/cache.v1.KvCache/DeleteRecords',
+                request_serializer=proto_dot_cache_dot_v1_dot_cache__pb2.DeleteRecordsRequest.SerializeToString,
+                response_deserializer=proto_dot_cache_dot_v1_dot_cache__pb2.DeleteRecordsResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/cache.v1.KvCache/Stats',
                 request_serializer=proto_dot_cache_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
@@ -95,8 +100,10 @@ class KvCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutRecord(self, request_iterator, context):
-        """Put a volatile record (DRAM only) with a TTL and an optional lease. The first message carries the
-        header fields; the record is stored when the stream ends with all `total_bytes` received.
+        """Put a volatile record (DRAM only) with a TTL and an optional lease under one or several keys. The first
+        message carries the header fields; the records are stored when the stream ends with all `total_bytes`
+        received. Several keys share one stored copy of the payload, but each is a record of its own (consumed
+        once, its own lease); the bytes are freed when the last of them ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +111,14 @@ class KvCacheServicer:
 
     def GetRecord(self, request, context):
         """A record's payload in slices; NOT_FOUND when absent or expired. `consume` removes it atomically.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRecords(self, request, context):
+        """Remove records now (a batch of handoffs nobody will pick up). Idempotent: a key without a record is no
+        error; the answer says how many had one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +157,11 @@ def add_KvCacheServicer_to_server(servicer, server):
                     servicer.GetRecord,
                     request_deserializer=proto_dot_cache_dot_v1_dot_cache__pb2.GetRecordRequest.FromString,
                     response_serializer=proto_dot_cache_dot_v1_dot_cache__pb2.GetRecordResponse.SerializeToString,
+            ),
+            'DeleteRecords': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRecords,
+                    request_deserializer=proto_dot_cache_dot_v1_dot_cache__pb2.DeleteRecordsRequest.FromString,
+                    response_serializer=proto_dot_cache_dot_v1_dot_cache__pb2.DeleteRecordsResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -284,6 +304,33 @@ class KvCache:
             '/cache.v1.KvCache/GetRecord',
             proto_dot_cache_dot_v1_dot_cache__pb2.GetRecordRequest.SerializeToString,
             proto_dot_cache_dot_v1_dot_cache__pb2.GetRecordResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRecords(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cache.v1.KvCache/DeleteRecords',
+            proto_dot_cache_dot_v1_dot_cache__pb2.DeleteRecordsRequest.SerializeToString,
+            proto_dot_cache_dot_v1_dot_cache__pb2.DeleteRecordsResponse.FromString,
             options,
             channel_credentials,
             insecure,
