@@ -1,6 +1,7 @@
 """prefill.v1.Prefill on real servers: what lands in the cache (blocks under the shared keys, a leased handoff that
 decode can restore; several records of one prefill for n choices), reuse of a cached prefix, model info, bad input, a
-full queue, a cancelled prompt that never runs, an unreachable cache, a record pool too full for every handoff."""
+full queue, a cancelled prompt that never runs, an unreachable cache. How the n records are stored:
+test_handoff_records."""
 
 from __future__ import annotations
 
@@ -171,23 +172,3 @@ def test_an_unreachable_cache_is_failed_precondition_at_once(
     assert metric_value(text, "v41mesh_prefill_requests_total", 'outcome="cache_unavailable"') == 2
     assert metric_value(text, "v41mesh_prefill_prompt_tokens_total") == 20  # the second never ran the encoder
     assert metric_value(text, "v41mesh_prefill_cache_errors_total", 'op="put_handoff"') == 1
-
-
-def test_handoffs_the_record_pool_cannot_all_take_are_failed_precondition_and_none_is_left_pinned(
-    start_mesh: Callable[..., Mesh], models: tuple[Transformer, Transformer], salt: bytes, prompt: Callable
-) -> None:
-    """A pool with room for two leased handoffs: asking for three fails as one handoff that does not fit fails, and
-    the two that were written are released at once (else the next request's two would not fit until their leases
-    end)."""
-    ids = prompt(20)
-    state = models[0].encode_prefill(ids, chunk_tokens=16).encoder_state.to_bytes()
-    size = prefill_pb2.Handoff(token_ids=ids, cache_salt=salt, encoder_state=state).ByteSize()
-    mesh = start_mesh(cache_options={"record_bytes": size * 5 // 2})
-    with pytest.raises(grpc.RpcError) as full:
-        mesh.prefill_tokens(ids, salt, handoffs=3)
-    assert full.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "record pool full" in full.value.details()
-    with mesh.cache_client() as cache:
-        (stats,) = cache.stats().values()
-    assert stats["records"]["entries"] == 0
-    assert len(mesh.prefill_tokens(ids, salt, handoffs=2).handles) == 2
