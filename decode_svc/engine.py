@@ -123,7 +123,7 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         """Hand a registered sequence, its prompt ready, to the engine thread."""
         with self._cond:
-            seq.submitted = True
+            seq.submitted, seq.submitted_at = True, time.monotonic()
             self._inbox.append(seq)
             self._cond.notify()
 
@@ -184,10 +184,15 @@ class Engine:
             arrivals = []
             while self._inbox and self._running + len(arrivals) < self.settings.max_batch:
                 arrivals.append(self._inbox.popleft())
+        admitted = time.monotonic()
         for seq in aborts:
             self._abort(seq)
+        handoffs = []
         for seq in arrivals:
-            self._admit(seq)
+            self.metrics.admit_wait.observe(admitted - seq.submitted_at)
+            if self._admit(seq):
+                handoffs.append(seq)
+        self._join(handoffs)
         if self.prefilling:
             self._prefill_chunk()
         stepping = [lane for lane in Lane if len(self.batches[lane])]
@@ -210,17 +215,18 @@ class Engine:
         ms = {f.value: {n: round(s * 1e3, 2) for n, s in self.times.known(f).items()} for f in Forward}
         self.log.info("step_times", seconds=round(time.monotonic() - started, 3), ms_by_tokens=ms)
 
-    def _admit(self, seq: Sequence) -> None:
+    def _admit(self, seq: Sequence) -> bool:
+        """Take an arrival in; True for a handoff, which joins its lane with this iteration's other handoffs."""
         if seq.abort_reason:
             self._abort(seq)
-            return
+            return False
         prompt = seq.prompt
         assert prompt is not None
-        if prompt.state is not None and prompt.blocks is not None:  # a handoff: join at once
-            self._join(seq, prompt.blocks, prompt.state)
-            return
+        if prompt.restorable is not None:
+            return True
         self.prefilling[seq] = LocalPrefill(self.model, prompt.token_ids, prompt.past, self.settings.chunk_size)
         self._enter(seq, State.PREFILLING)
+        return False
 
     def _prefill_chunk(self) -> None:
         """One chunk of the first prefilling sequence's prompt; after its last it joins its lane."""
@@ -253,25 +259,60 @@ class Engine:
             seconds=round(prefill.seconds, 3),
         )
         self.write_back(seq, prompt.token_ids, out.blocks, None)  # what a prefill replica would have written
-        self._join(seq, prefill.cached_blocks + out.blocks, out.encoder_state)
+        prompt.blocks, prompt.state = prefill.cached_blocks + out.blocks, out.encoder_state
+        self._join([seq])
 
-    def _join(self, seq: Sequence, blocks: list[GlobalKVBlock], state: EncoderState) -> None:
-        """Restore a prompt into its lane's batch (the decoder's bounded replay) and send its first token."""
-        lane = Lane.SPECULATIVE if self.settings.speculation and seq.params.speculate else Lane.PLAIN
-        try:
-            seq.seq_id, logits = self.batches[lane].join(blocks, state)
-            seq.lane = lane
-            self.rows[lane][seq.seq_id] = seq
+    def _join(self, seqs: list[Sequence]) -> None:
+        """Restore prompts into their lanes' batches and send each its first token: one decoder bounded replay
+        forward per lane for all of them (a forward's fixed cost is most of a replay's on a small batch). If the
+        batch cannot join (a corrupt or mismatched record), each tries alone, so only the one at fault fails."""
+        for lane in Lane:
+            joining = [seq for seq in seqs if self._lane(seq) is lane]
+            if not joining:
+                continue
+            started = time.monotonic()
+            try:
+                joined = self.batches[lane].join_many([self._restorable(seq) for seq in joining])
+            except Exception as exc:
+                if len(joining) > 1:
+                    for seq in joining:
+                        self._join([seq])
+                    continue
+                self.log.exception("restore_failed", request_id=joining[0].request_id)
+                self._fail(joining, f"decode could not restore the prompt: {exc}")
+                continue
+            self.metrics.join.labels(lane.value).observe(time.monotonic() - started)
+            self.metrics.join_size.labels(lane.value).observe(len(joining))
+            self._start(lane, joining, joined)
+
+    @staticmethod
+    def _restorable(seq: Sequence) -> tuple[list[GlobalKVBlock], EncoderState]:
+        assert seq.prompt is not None
+        assert seq.prompt.restorable is not None
+        return seq.prompt.restorable
+
+    def _lane(self, seq: Sequence) -> Lane:
+        return Lane.SPECULATIVE if self.settings.speculation and seq.params.speculate else Lane.PLAIN
+
+    def _start(self, lane: Lane, seqs: list[Sequence], joined: list[tuple[int, Tensor]]) -> None:
+        """Joined sequences become RUNNING rows of their lane and get their first tokens."""
+        for seq, (seq_id, _) in zip(seqs, joined, strict=True):
+            seq.seq_id, seq.lane = seq_id, lane
+            self.rows[lane][seq_id] = seq
             self._enter(seq, State.RUNNING)
             seq.generator = new_generator(seq.params.sampling, self.model.device)
             seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
-            logits = logits.unsqueeze(0)
-            self._deliver(seq, sample_rows(batch_sampling([seq]).probs(logits), [seq]), logits)
-        except Exception as exc:  # a corrupt or mismatched record, or out of memory: this sequence only
-            self.log.exception("restore_failed", request_id=seq.request_id)
-            if seq.state is State.RUNNING:
-                self._leave(seq, State.FAILED)
-            self._fail([seq], f"decode could not restore the prompt: {exc}")
+        try:
+            logits = torch.stack([row for _, row in joined])
+            tokens = sample_rows(batch_sampling(seqs).probs(logits), seqs)
+            for b, seq in enumerate(seqs):
+                self._deliver(seq, [tokens[b]], logits[b : b + 1])
+        except Exception as exc:  # a bug or out of memory: these sequences only
+            self.log.exception("first_token_failed", request_ids=[seq.request_id for seq in seqs])
+            for seq in seqs:
+                if seq.state is State.RUNNING:
+                    self._leave(seq, State.FAILED)
+            self._fail(seqs, f"decode could not sample the first token: {exc}")
 
     def _step(self, lane: Lane) -> None:
         batch = self.batches[lane]

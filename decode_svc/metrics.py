@@ -34,6 +34,13 @@ class DecodeMetrics:
         self.itl = histogram("itl_seconds", "Gap between successive token messages of a stream", LATENCY_BUCKETS)
         self.step = histogram("step_seconds", "One engine step of a lane", LATENCY_BUCKETS, ("lane",))
         self.batch_size = histogram("batch_size", "Sequences in a lane's step", BATCH_BUCKETS, ("lane",))
+        self.admit_wait = histogram(
+            "admit_wait_seconds", "Prompt ready → taken in by the engine (after its step)", LATENCY_BUCKETS
+        )
+        self.join = histogram(
+            "join_seconds", "Restore + decoder bounded replay of a lane's joining prompts", LATENCY_BUCKETS, ("lane",)
+        )
+        self.join_size = histogram("join_size", "Prompts joining a lane in one replay", BATCH_BUCKETS, ("lane",))
         self.bounded_replays = counter("bounded_replays", "Prompts whose encoder rings came from a bounded replay")
         self.local_prefills = counter("local_prefills", "Prompts decode prefilled itself", ("reason",))
         self.local_prefill_chunks = counter(

@@ -100,6 +100,11 @@ class Prompt:
     bounded_replay: bool = False
     local_prefill: str = ""  # why decode prefills it itself ("" = it comes from a handoff)
 
+    @property
+    def restorable(self) -> tuple[list[GlobalKVBlock], EncoderState] | None:
+        """(blocks, state) a batch restores it from: a prefill's handoff, or decode's own prefill once done."""
+        return (self.blocks, self.state) if self.blocks is not None and self.state is not None else None
+
 
 @dataclass
 class Delta:
@@ -149,6 +154,7 @@ class Sequence:
     limit: int = 0  # most tokens it may emit (its max_tokens, or what the context leaves)
     output: list[int] = field(default_factory=list)
     submitted: bool = False  # handed to the engine thread
+    submitted_at: float = 0.0  # when (time.monotonic)
     abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
     draft: DraftRecord = field(default_factory=DraftRecord)
     writebacks: list[asyncio.Task[None]] = field(default_factory=list)  # its writes to the cache (event loop only)

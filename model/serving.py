@@ -17,6 +17,7 @@ replay** over the last W = sliding_window tokens from H^{L/2}, each decoder wind
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
@@ -193,34 +194,55 @@ def bounded_replay(model: Transformer, cache: KVCache, row: int, side: str, toke
     `decoder`: run layers L/2..L−1 from the stored H^{L/2} rows, filling the decoder and DSpark rings; returns the
     next-token logits [V] of the last position.
     """
-    a = model.args
-    n, W, L2 = cache.pos[row], a.sliding_window, a.n_encoder_layers
-    s = max(0, n - W)
-    positions = torch.arange(s, n, device=cache.device).unsqueeze(0)
-    rows = slice(row, row + 1)
-    if side == "encoder":
-        if tokens is None:
-            raise ValueError("the encoder bounded replay needs the token ids")
-        h = cache.history.shape[1]
-        step = cache.step(tokens[None, s:n], rows, positions, replay=True, history=_history(tokens, s, h))
-        with torch.no_grad():
-            encode_chunk(model, step)
-        step.commit()
-        cache.history[row] = _history(tokens, n, h)[0]
-        return None
-    if side != "decoder":
+    if side == "decoder":
+        return decoder_replay(model, cache, slice(row, row + 1))[0]
+    if side != "encoder":
         raise ValueError(f"bounded_replay side must be 'encoder' or 'decoder', got {side!r}")
-    if n == 0:
+    if tokens is None:
+        raise ValueError("the encoder bounded replay needs the token ids")
+    n, h = cache.pos[row], cache.history.shape[1]
+    s = max(0, n - model.args.sliding_window)
+    positions = torch.arange(s, n, device=cache.device).unsqueeze(0)
+    step = cache.step(tokens[None, s:n], slice(row, row + 1), positions, replay=True, history=_history(tokens, s, h))
+    with torch.no_grad():
+        encode_chunk(model, step)
+    step.commit()
+    cache.history[row] = _history(tokens, n, h)[0]
+    return None
+
+
+def replay_length(model: Transformer, position: int) -> int:
+    """Positions a decoder bounded replay runs for a sequence of `position` tokens: its last W (all, if fewer)."""
+    return min(position, model.args.sliding_window)
+
+
+def decoder_replay(model: Transformer, cache: KVCache, rows: slice) -> Tensor:
+    """The decoder bounded replay of several rows in one forward → their next-token logits [B, V].
+
+    Layers L/2..L−1 run from the stored H^{L/2} rows of each row's last T = min(n, W) positions (T must be the same
+    for every row; their positions may differ), filling the decoder and DSpark rings. A row's result is its own
+    replay's: the rows of a step never see each other.
+    """
+    a = model.args
+    W, L2, ends = a.sliding_window, a.n_encoder_layers, cache.pos[rows]
+    lengths = {replay_length(model, n) for n in ends}
+    if 0 in lengths:
         raise ValueError("nothing to replay: the sequence is empty")
+    if len(lengths) != 1:
+        raise ValueError(f"the rows of one decoder replay must replay as many positions, got {sorted(lengths)}")
+    T = lengths.pop()
+    device = cache.device
+    positions = torch.tensor(ends, device=device).unsqueeze(1) - T + torch.arange(T, device=device)
     step = cache.step(None, rows, positions, replay=True)
-    X, pre = cache.hidden[row, positions[0] % W].unsqueeze(0), cache.hidden_pre[row, positions[0] % W].unsqueeze(0)
+    at = (torch.arange(rows.start, rows.stop, device=device).unsqueeze(1), positions % W)
+    X, pre = cache.hidden[at], cache.hidden_pre[at]
     with torch.no_grad():
         taps: list[Tensor] = []
         X, pre = model.step_layers(step, X, pre, range(L2, a.num_hidden_layers), taps)
         absorb(model.mtp, step, taps)
         logits = model.logits(X[:, -1:], pre[:, -1:])
     step.commit()
-    return logits[0, -1]
+    return logits[:, -1]
 
 
 # ---------------------------------------------------------------------------------------------------- decode
@@ -246,19 +268,37 @@ class DecodeBatch:
 
     def join(self, blocks: list[GlobalKVBlock], state: EncoderState) -> tuple[int, Tensor]:
         """Restore a prefilled sequence, replay the decoder over its last W positions → (seq id, next logits [V])."""
-        if state.position == 0:
+        (joined,) = self.join_many([(blocks, state)])
+        return joined
+
+    def join_many(self, prompts: Sequence[tuple[list[GlobalKVBlock], EncoderState]]) -> list[tuple[int, Tensor]]:
+        """`join` for several prefilled sequences at once, in one decoder replay forward → (seq id, next logits [V])
+        per prompt, in order. The forward's fixed cost (most of a replay's, on a small batch) is paid once, not per
+        sequence; prompts of fewer than W tokens replay all of theirs, one forward per such length.
+
+        All or none: if any prompt cannot be restored, none joins and the error is raised."""
+        if any(state.position == 0 for _, state in prompts):
             raise ValueError("cannot decode after an empty prompt")
-        row = self.cache.add_row()
+        # Rows in order of replay length, so each length's rows form the slice one forward runs.
+        length = [replay_length(self.model, state.position) for _, state in prompts]
+        order = sorted(range(len(prompts)), key=length.__getitem__)
+        first = self.cache.n_rows
+        logits: list[Tensor] = []
         try:
-            restore(self.cache, row, blocks, state)
-            logits = bounded_replay(self.model, self.cache, row, "decoder")
+            for i in order:
+                restore(self.cache, self.cache.add_row(), *prompts[i])
+            for _, run in groupby(range(len(order)), key=lambda r: length[order[r]]):
+                rows = list(run)
+                logits += decoder_replay(self.model, self.cache, slice(first + rows[0], first + rows[-1] + 1))
         except Exception:
-            self.cache.remove_row(row)
+            while self.cache.n_rows > first:
+                self.cache.remove_row(self.cache.n_rows - 1)
             raise
-        seq_id, self._next = self._next, self._next + 1
-        self.seq_ids.append(seq_id)
-        self._written.append(len(blocks))
-        return seq_id, logits
+        seq_ids = list(range(self._next, self._next + len(order)))  # in row order
+        self._next += len(order)
+        self.seq_ids += seq_ids
+        self._written += [len(prompts[i][0]) for i in order]
+        return [(seq_id, row) for _, seq_id, row in sorted(zip(order, seq_ids, logits, strict=True))]
 
     def fork(self, seq_id: int) -> int:
         """A new sequence continuing from a copy of `seq_id`'s state (e.g. n samples of one prompt)."""
