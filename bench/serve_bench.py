@@ -160,16 +160,23 @@ async def replay(base_url: str, sessions: list[Session], concurrency: int, max_t
     return results, time.monotonic() - started
 
 
-def gateway_counters(base_url: str) -> dict[str, float]:
+def scrape(metrics_url: str, prefix: str) -> dict[str, float]:
+    """Totals, sums and counts of a process's metrics (labels summed), named without `prefix`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
         for sample in family.samples:
             if sample.name.endswith(("_total", "_sum", "_count")) and not sample.labels.get("le"):
-                name = sample.name.removeprefix("v41mesh_gateway_").removesuffix("_total")
+                name = sample.name.removeprefix(prefix).removesuffix("_total")
                 totals[name] = totals.get(name, 0.0) + sample.value
     return totals
+
+
+def mesh_counters(mesh: Mesh) -> dict[str, float]:
+    """The gateway's counters, and the decode replica's as `decode.<name>`."""
+    decode = scrape(mesh.child("decode-0").metrics, "v41mesh_decode_")
+    return {**scrape(mesh.base_url + "/metrics", "v41mesh_gateway_"), **{f"decode.{k}": v for k, v in decode.items()}}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -209,7 +216,20 @@ def summarise(results: list[CallResult], wall_s: float, counters: dict[str, floa
         else None,
         "dspark_acceptance": counters.get("dspark_draft_tokens_accepted", 0.0) / proposed if proposed else None,
         "tokens_per_decode_step": counters.get("completion_tokens", 0.0) / steps if steps else None,
+        # Decode's share of a TTFT: waiting to be taken in, then the join (restore + decoder bounded replay).
+        "admit_wait_mean_s": mean(counters, "decode.admit_wait_seconds"),
+        "join_mean_s": mean(counters, "decode.join_seconds"),
+        "prompts_per_join": mean(counters, "decode.join_size"),
+        "join_s_per_prompt": counters["decode.join_seconds_sum"] / counters["decode.join_size_sum"]
+        if counters.get("decode.join_size_sum")
+        else None,
+        "step_mean_s": mean(counters, "decode.step_seconds"),
     }
+
+
+def mean(counters: dict[str, float], histogram: str) -> float | None:
+    count = counters.get(histogram + "_count")
+    return counters[histogram + "_sum"] / count if count else None
 
 
 def run_config(name: str, args: argparse.Namespace, sessions: list[Session]) -> dict[str, Any]:
@@ -227,9 +247,9 @@ def run_config(name: str, args: argparse.Namespace, sessions: list[Session]) -> 
             warm = asyncio.run(replay(mesh.base_url, [Session("warm-up", 0, ["Hello!"])], 1, 2))[0]
             if warm[0].error:
                 raise RuntimeError(f"warm-up request failed: {warm[0].error}")
-            before = gateway_counters(mesh.base_url)
+            before = mesh_counters(mesh)
             results, wall = asyncio.run(replay(mesh.base_url, sessions, args.concurrency, args.max_tokens))
-            after = gateway_counters(mesh.base_url)
+            after = mesh_counters(mesh)
         finally:
             mesh.stop()
     counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
@@ -255,6 +275,16 @@ def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) ->
             ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]), f"{s['output_tokens_per_s']:.1f}", f"{s['cached_share']:.1%}",
             f"{s['bounded_replays']:.0f}", "–" if accept is None else f"{accept:.1%}",
             "–" if step is None else f"{step:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    table = Table(title="decode's share of a TTFT (means)")
+    for column in ("config", "admit wait ms", "join ms", "prompts / join", "join ms / prompt", "step ms"):
+        table.add_column(column, justify="right")
+    for name, s in summary.items():
+        size = s["prompts_per_join"]
+        table.add_row(
+            name, ms(s["admit_wait_mean_s"]), ms(s["join_mean_s"]), "–" if size is None else f"{size:.2f}",
+            ms(s["join_s_per_prompt"]), ms(s["step_mean_s"]),
         )  # fmt: skip
     console.print(table)
     for label, value in ratios.items():
