@@ -87,7 +87,7 @@ def main() -> int:
             try:
                 for concurrency in map(int, args.concurrency.split(",")):
                     seconds = asyncio.run(measure([s.address for s in servers], args.ends, concurrency, args.rounds))
-                    stats = {name: _summary(values) for name, values in seconds.items()}
+                    stats = {name: latency_summary(values) for name, values in seconds.items()}
                     rows.append({"shards": shards, "concurrency": concurrency, **stats})
                     ratio = stats["peer"]["median_ms"] / stats["ours"]["median_ms"]
                     table.add_row(
@@ -105,7 +105,7 @@ def main() -> int:
     return 0
 
 
-def _summary(values: list[float]) -> dict[str, float]:
+def latency_summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {
         "median_ms": statistics.median(ordered) * 1e3,
