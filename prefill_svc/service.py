@@ -4,12 +4,13 @@
     one encoder thread) → cache: new full blocks + the handoff record(s) (leased) → handle(s)
 
 A request may ask for several handoff records of its one prefill (`handoffs`): the gateway's n choices of a prompt
-each restore their own, since a decode consumes the record it takes.
+each restore their own, since a decode consumes the record it takes. The handoff travels once to each cache replica
+holding any of the records and is stored once there (`KVStore.put_handoffs`).
 
 Stateless between requests: any replica serves any prompt. Failure semantics (docs/services.md):
 - bad input → INVALID_ARGUMENT naming the field; queue full → RESOURCE_EXHAUSTED; draining → UNAVAILABLE;
 - the cache cannot take a handoff record (unreachable, or its pool full of leases) → FAILED_PRECONDITION, the
-  records it did take released: the gateway then sends the token ids to decode, which prefills itself. After an
+  records it did take deleted: the gateway then sends the token ids to decode, which prefills itself. After an
   unreachable cache the replica answers so at once for `cache_retry_s` instead of running the encoder for nothing;
 - new blocks the cache refuses (SSD full, a shard down) are counted and logged, never fatal: decode recomputes
   what it cannot fetch.
