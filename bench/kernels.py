@@ -483,19 +483,20 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
 
 
 def tune_attention(tiny: bool) -> Iterator[Row]:
-    """Launch shapes of sparse attention (heads per program, keys per tile, warps) at batch 1 and 64."""
-    shapes = [(16, 32, 8), (16, 64, 8), (32, 32, 8), (64, 16, 8), (64, 32, 8), (64, 32, 16), (64, 64, 16)]
-    for B in [1] if tiny else [1, 64]:
+    """Launch shapes of sparse attention at batch 1, 8 and 64: heads per program, keys per tile, warps, and (the
+    default shape) fewer key-range splits than `sparse_attn._splits` picks."""
+    shapes = [(16, 64, 8), (32, 64, 8), (64, 32, 8), (64, 64, 16)]
+    variants = [dict(zip(("block_h", "block_n", "num_warps"), shape, strict=True)) for shape in shapes]
+    variants += [{"splits": n} for n in (1, 2, 4, 10)]
+    for B in [1] if tiny else [1, 8, 64]:
         if tiny:
             case = attention_inputs(B, 1, 64, 64, 16, 256, 32, False)
         else:
             case = attention_inputs(B, 1, 64, 512, 128, 65_536, 512, ragged=False)
         want = sparse_attn.sparse_attention_triton(*case)
-        for block_h, block_n, warps in shapes[:2] if tiny else shapes:
-            fn = functools.partial(
-                sparse_attn.sparse_attention_triton, *case, block_n=block_n, block_h=block_h, num_warps=warps
-            )
-            shape = f"B={B} block_h={block_h} block_n={block_n} warps={warps}"
+        for variant in variants[:2] if tiny else variants:
+            fn = functools.partial(sparse_attn.sparse_attention_triton, *case, **variant)
+            shape = f"B={B} " + " ".join(f"{k}={v}" for k, v in variant.items())
             yield from tune("tune attention", shape, fn, want, B * (128 * 528 + 512 * 288))
 
 

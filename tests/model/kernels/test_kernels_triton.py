@@ -221,6 +221,14 @@ def test_sparse_attention(B: int, T: int, H: int, D: int, W: int, N: int, K: int
     assert got[0, 0].abs().max() == 0  # the query that sees only its sink
 
 
+@pytest.mark.parametrize("block_h", [32, 64])
+def test_sparse_attention_head_blocks_wider_than_the_combine(block_h: int) -> None:
+    """Split programs of 32 / 64 heads, merged by combine programs of 16 (ragged: 40 heads)."""
+    case = attention_case(generator(block_h), 2, 1, 40, 32, 6, 40, 24)
+    got = sparse_attention_triton(*case, splits=3, block_h=block_h)
+    torch.testing.assert_close(got, kernels.sparse_attention(*case), rtol=1e-5, atol=1e-6)
+
+
 def test_sparse_attention_with_no_entries_stored() -> None:
     case = list(attention_case(generator(4), 2, 3, 2, 32, 6, 5, 4))
     case[4:7] = case[4][:, :0], case[5][:, :0], torch.full_like(case[6], -1)  # N = 0, every slot −1
