@@ -3,7 +3,8 @@
 A conversation is recognised by a session header when the client sends one (coding agents do), otherwise by
 its prompt's block keys: the next turn's prompt extends this one, so the deepest block key already seen names
 the replica that wrote that prefix's state (its blocks and end-of-sequence SWA record). Entries are kept in
-LRU order up to a fixed count per role.
+LRU order up to a fixed count per role. A gateway that never saw the conversation has no entry: it names the
+conversation by what every turn shares (`AffinityKey.conversation`) and asks gateway/rendezvous.py for its owner.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ class AffinityKey(msgspec.Struct, frozen=True):
 
     session: str | None = None
     blocks: tuple[bytes, ...] = ()
+
+    @property
+    def conversation(self) -> bytes | None:
+        """What names the conversation in every turn, on every gateway: its session, else its prompt's first block key
+        (each next turn's prompt extends this one, so it starts with the same block); None for a prompt shorter than a
+        block. The tags keep a session from ever meaning the same as a block key."""
+        if self.session is not None:
+            return b"session:" + self.session.encode()
+        return b"prefix:" + self.blocks[0] if self.blocks else None
 
 
 def session_of(headers: Mapping[str, str]) -> str | None:

@@ -43,6 +43,7 @@ class GatewayMetrics:
         self.decode_messages = counter("decode_messages", "Decode messages carrying tokens (one per engine step)")
         self.draft_proposed = counter("dspark_draft_tokens_proposed", "DSpark draft tokens proposed (decode usage)")
         self.draft_accepted = counter("dspark_draft_tokens_accepted", "DSpark draft tokens accepted (decode usage)")
+        self.routed = counter("routed", "Routing decisions by what chose the replica", ("role", "reason"))
         self.replica_load = gauge("replica_load", "Routing load of each replica", ("role", "replica"))
         self.replica_up = gauge("replica_up", "1 if the replica answered its last load poll", ("role", "replica"))
         self.cache_up = gauge("cache_up", "1 if every cache shard answered its last health check")

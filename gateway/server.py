@@ -82,7 +82,8 @@ class GatewayServer:
         self._discovery.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer or None)
         self._pools = {role: ReplicaPool(role, self._discovery, self.metrics, cfg.inhibit_s) for role in ROLES}
-        router = Router(self._pools, AffinityTable(cfg.affinity_entries), cfg.affinity_slack)  # type: ignore[arg-type]
+        affinity = AffinityTable(cfg.affinity_entries)
+        router = Router(self._pools, affinity, cfg.affinity_slack, self.metrics)  # type: ignore[arg-type]
         self._cache = CacheHealth(list(cfg.cache), self.metrics)
         settings = Settings(
             retries=cfg.retries,

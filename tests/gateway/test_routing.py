@@ -1,10 +1,14 @@
-"""Routing: least load, bounded conversation affinity (session header or prompt prefix), replicas routed around."""
+"""Routing: least load, bounded conversation affinity (session header or prompt prefix; remembered, else the
+conversation's rendezvous owner), replicas routed around."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from prometheus_client import CollectorRegistry
+
+from gateway import rendezvous
 from gateway.affinity import AffinityKey, AffinityTable, session_of
 from gateway.discovery import StaticDiscovery
 from gateway.metrics import GatewayMetrics
@@ -17,13 +21,17 @@ A, B, C = "127.0.0.1:7101", "127.0.0.1:7102", "127.0.0.1:7103"
 
 
 def with_router(
-    check: Callable[[Router, dict[str, ReplicaState]], Awaitable[None]], *, slack: float = 1.0, capacity: int = 100
+    check: Callable[[Router, dict[str, ReplicaState]], Awaitable[None]],
+    *,
+    slack: float = 1.0,
+    capacity: int = 100,
+    registry: CollectorRegistry | None = None,
 ) -> None:
     async def scenario() -> None:
         discovery = StaticDiscovery([A, B], [A, B, C])
-        metrics = GatewayMetrics(new_registry())
+        metrics = GatewayMetrics(registry or new_registry())
         pools = {role: ReplicaPool(role, discovery, metrics, inhibit_s=60.0) for role in ("prefill", "decode")}
-        router = Router(pools, AffinityTable(capacity), slack)  # type: ignore[arg-type]
+        router = Router(pools, AffinityTable(capacity), slack, metrics)  # type: ignore[arg-type]
         states = {s.name: s for s in pools["decode"].states()}
         try:
             await check(router, states)
@@ -37,14 +45,24 @@ def key(*blocks: bytes, session: str | None = None) -> AffinityKey:
     return AffinityKey(session, tuple(blocks))
 
 
+def routed(registry: CollectorRegistry, reason: str, role: str = "decode") -> float:
+    return registry.get_sample_value("v41mesh_gateway_routed_total", {"role": role, "reason": reason}) or 0.0
+
+
 def test_least_loaded_wins_and_ties_rotate() -> None:
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
         states[A].reported, states[B].reported, states[C].reported = 3, 1, 2
-        assert router.pick("decode", key(b"x")).name == B
+        assert router.pick("decode", key()).name == B  # a prompt shorter than a block names no conversation
         for s in states.values():
             s.reported, s.sent_since_poll = 0, 0
-        picked = [router.pick("decode", key(bytes([i]))).name for i in range(6)]
+        picked = [router.pick("decode", key()).name for _ in range(6)]
         assert sorted(picked) == sorted([A, B, C] * 2)  # a burst between polls spreads evenly
+        for s in states.values():
+            s.sent_since_poll = 0
+        # Without slack a conversation's owner wins only while it is as idle as any: new conversations spread too.
+        router.slack = 0.0
+        picked = [router.pick("decode", key(bytes([i]))).name for i in range(6)]
+        assert sorted(picked) == sorted([A, B, C] * 2)
 
     with_router(check)
 
@@ -70,10 +88,58 @@ def test_a_conversation_returns_to_its_replica_by_prefix() -> None:
             state.sent_since_poll = 0
         second_turn = key(b"system", b"turn-1", b"turn-2")  # extends the first prompt
         assert router.pick("decode", second_turn).name == chosen.name
-        other = key(b"unrelated")
-        assert router.pick("decode", other).name != chosen.name
+        assert routed(registry, "table") == 1
 
-    with_router(check)
+    registry = new_registry()
+    with_router(check, registry=registry)
+
+
+def test_a_conversation_this_gateway_never_saw_goes_to_its_rendezvous_owner_as_on_every_gateway() -> None:
+    """Two gateways with empty tables agree on every conversation: by session, or by the first block key its turns
+    share; a retry (the owner excluded) goes to the next owner, again the same on both."""
+
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        other = Router(router.pools, AffinityTable(100), router.slack, GatewayMetrics(new_registry()))
+        owners = set()
+        for i in range(30):
+            for conversation in (key(session=f"agent-{i}"), key(b"first-%d" % i)):
+                mine = router.pick("decode", conversation)
+                assert other.pick("decode", conversation).name == mine.name
+                assert mine.name == rendezvous.owner(conversation.conversation, [A, B, C])  # type: ignore[arg-type]
+                retry = router.pick("decode", conversation, exclude={mine.name})
+                assert retry.name != mine.name
+                assert other.pick("decode", conversation, exclude={mine.name}).name == retry.name
+                owners.add(mine.name)
+                for s in states.values():
+                    s.sent_since_poll = 0
+        assert owners == {A, B, C}
+        later_turn = key(b"first-7", b"turn-1", b"turn-2")  # extends the prompt of conversation 7: same owner
+        assert router.pick("decode", later_turn).name == router.pick("decode", key(b"first-7")).name
+        assert routed(registry, "hash") == 4 * 30 + 2
+        assert routed(registry, "table") == routed(registry, "load") == routed(registry, "slack") == 0
+
+    registry = new_registry()
+    with_router(check, registry=registry)
+
+
+def test_the_slack_overrides_a_busy_hashed_owner_and_the_table_outranks_the_hash() -> None:
+    async def check(router: Router, states: dict[str, ReplicaState]) -> None:
+        conversation = key(b"first", b"second")
+        owner = rendezvous.owner(conversation.conversation, [A, B, C])  # type: ignore[arg-type]
+        states[owner].reported = 3
+        chosen = router.pick("decode", conversation)
+        assert chosen.name != owner  # 3 > 0 + 1: a hot prompt does not pile everything on its owner
+        assert routed(registry, "slack") == 1
+        router.served("decode", conversation, chosen)  # this gateway remembers where the turn went
+        states[owner].reported, chosen.sent_since_poll = 0, 0
+        assert router.pick("decode", key(b"first", b"second", b"third")).name == chosen.name
+        assert routed(registry, "table") == 1
+        chosen.sent_since_poll = 0
+        router.pools["decode"].failed(chosen)  # the remembered replica is out: the conversation's owner again
+        assert router.pick("decode", conversation).name == owner
+
+    registry = new_registry()
+    with_router(check, registry=registry)
 
 
 def test_affinity_yields_to_load_beyond_the_slack() -> None:
