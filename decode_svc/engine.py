@@ -4,9 +4,11 @@
            ─▶ one step of each lane ─▶ deliver tokens
 
 - **Admit**: a handoff's blocks + encoder state join their lane's `DecodeBatch` at once (the decoder's bounded replay
-  gives the first token's logits). A token-ids prompt is PREFILLING first: decode encodes it itself on top of the
-  cached prefix, ONE chunk per iteration for the first prefilling sequence (arrival order), so the running streams
-  wait at most one chunk between two tokens (local_prefill.py); after its last chunk it joins its lane the same way.
+  gives the first token's logits), together with the other handoffs taken in at that iteration: one replay forward
+  per lane for all of them (`DecodeBatch.join_many`), whose fixed cost is most of a replay's. A token-ids prompt is
+  PREFILLING first: decode encodes it itself on top of the cached prefix, ONE chunk per iteration for the first
+  prefilling sequence (arrival order), so the running streams wait at most one chunk between two tokens
+  (local_prefill.py); after its last chunk it joins its lane the same way.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
   per step): a request that turns speculation off, or every request under --no-speculation. Every row draws from its
   own generator, and a seeded sampled row's tokens are fixed by its seed per output position (sampler.py), so seeded

@@ -10,6 +10,7 @@ replay** over the last W = sliding_window tokens from H^{L/2}, each decoder wind
 - Without the encoder state (SWA record expired), the encoder rings are rebuilt by an encoder bounded replay of
   the W tokens before the prefix end — the approximate path the paper accepts (results depend on the hit position).
 - `DecodeBatch.join(blocks, state)` restores a sequence and runs the decoder bounded replay (→ first logits);
+  `join_many` does it for several sequences in one replay forward;
   `decode_step` / `verify` then advance every layer exactly, and `DecodeBatch.leave` exports the new complete blocks
   and the end-of-sequence encoder state, so a next turn with that record equals a cold run of the whole sequence.
 """

@@ -12,28 +12,21 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
-from service_mesh import Mesh, metric_value, new_id, token_ids
+from driven import Driven, driven_engine
+from service_mesh import Mesh, metric_value, token_ids
 
-from decode_svc.engine import Engine, EngineSettings
 from decode_svc.local_prefill import LocalPrefill
-from decode_svc.metrics import DecodeMetrics
-from decode_svc.sequence import End, Failure, Outbox, Params, Prompt, Sampling, Sequence, State
+from decode_svc.sequence import End, Failure, State
 from mesh.block_keys import block_keys, sequence_key
-from mesh.logging import get_logger
 from mesh.model_service.kvstore import encode_with_past
 from model import EncoderState, Past, Transformer
 from proto.decode.v1 import decode_pb2
 
 CHUNK = 16
-GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -115,48 +108,10 @@ def test_a_small_chunk_size_serves_and_writes_back_what_one_chunk_does(
 
 
 # ----------------------------------------------------------------------------------------- the engine, driven
-@dataclass
-class Driven:
-    """An engine on the tiny model whose thread never runs: the test calls `iterate()` itself."""
-
-    engine: Engine
-    registry: CollectorRegistry
-    loop: asyncio.AbstractEventLoop
-    written: list[tuple[Any, ...]] = field(default_factory=list)
-
-    def submit(self, ids: list[int], limit: int, past: Past | None = None) -> Sequence:
-        params = Params(new_id(), GREEDY, frozenset(), limit, False, 0, False, b"")
-        seq = Sequence(params, Outbox(self.loop), Prompt(ids, past=past, local_prefill="token_ids"), limit=limit)
-        self.engine.register(seq)
-        self.engine.submit(seq)
-        return seq
-
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.registry.get_sample_value("v41mesh_decode_" + name, labels or {}) or 0.0
-
-    def received(self, seq: Sequence) -> list[Any]:
-        """What the sequence's stream would have sent so far."""
-        return self.loop.run_until_complete(seq.outbox.get())
-
-    def run_to_end(self, seq: Sequence) -> None:
-        for _ in range(64):
-            if not seq.live:
-                return
-            self.engine.iterate()
-        raise AssertionError(f"{seq.request_id} still {seq.state} after 64 iterations")
-
-
 @pytest.fixture
 def driven(models) -> Iterator[Driven]:
-    settings = EngineSettings(
-        max_batch=4, max_queue=4, speculation=False, max_draft=1, draft_policy="measured", chunk_size=CHUNK
-    )
-    registry = CollectorRegistry()
-    loop = asyncio.new_event_loop()
-    written: list[tuple[Any, ...]] = []
-    engine = Engine(models[1], settings, DecodeMetrics(registry), get_logger("decode"), lambda *a: written.append(a))
-    yield Driven(engine, registry, loop, written)
-    loop.close()
+    with driven_engine(models[1], chunk_size=CHUNK) as engine:
+        yield engine
 
 
 def greedy_alone(model: Transformer, ids: list[int], n: int) -> list[int]:

@@ -254,6 +254,64 @@ def test_batch_of_different_lengths_equals_each_alone(tiny, tokens, gen):
         torch.testing.assert_close(torch.stack(got[i]), alone(i), rtol=2**-23, atol=1e-9)
 
 
+def test_joining_together_equals_joining_each_alone(tiny, tokens):
+    """`join_many`: ragged prompts (two of one length under the window, one of another, longer ones replaying W
+    positions each from a different position) join a running batch in one call; each sequence's first logits, next
+    steps and export equal those of its join alone, and the results come back in prompt order."""
+    W = tiny.args.sliding_window
+    lengths = [3 * W + 5, 3, W // 2, 3, W, 5 * W + 1]
+    outs = [tiny.encode_prefill(tokens(n), chunk_tokens=16) for n in lengths]
+    feeds = [tokens(3) for _ in lengths]
+
+    def decode(batch: DecodeBatch, seqs: list[int], firsts: list[torch.Tensor], fed_to: list[torch.Tensor]):
+        """Each sequence's first logits, then its logits after each token of its feed; its export at the end."""
+        rows = [batch.row(s) for s in seqs]
+        got = [[first] for first in firsts]
+        for t in range(3):
+            fed = torch.zeros(len(batch), dtype=torch.int64)
+            fed[rows] = torch.stack([f[t] for f in fed_to])
+            logits = tiny.decode_step(batch, fed)
+            for i, row in enumerate(rows):
+                got[i].append(logits[row])
+        return [torch.stack(g) for g in got], [batch.leave(s) for s in seqs]
+
+    alone = []
+    for out, feed in zip(outs, feeds, strict=True):
+        batch = tiny.new_decode_batch()
+        seq, first = batch.join(out.blocks, out.encoder_state)
+        (logits,), (export,) = decode(batch, [seq], [first], [feed])
+        alone.append((logits, export))
+
+    batch = tiny.new_decode_batch(capacity=1)
+    batch.join(outs[0].blocks, outs[0].encoder_state)  # already running
+    joined = batch.join_many([(out.blocks, out.encoder_state) for out in outs])
+    assert len(batch) == 1 + len(outs)
+    seqs = [seq for seq, _ in joined]
+    assert sorted(seqs) == list(range(1, 1 + len(outs)))
+    together, exports = decode(batch, seqs, [first for _, first in joined], feeds)
+    for (logits, export), got, got_export in zip(alone, together, exports, strict=True):
+        torch.testing.assert_close(got, logits, rtol=2**-23, atol=1e-9)  # batched matmuls: see the test above
+        assert_same_blocks(got_export.blocks, export.blocks)
+        assert got_export.encoder_state.position == export.encoder_state.position
+
+
+def test_a_join_of_several_is_all_or_none(tiny, tokens):
+    """A prompt that cannot be restored fails the whole call; the batch is left as it was (its running row decodes as
+    one that saw no failed join)."""
+    outs = [tiny.encode_prefill(tokens(n)) for n in (20, 37, 5)]
+    batch, witness = tiny.new_decode_batch(), tiny.new_decode_batch()
+    for b in (batch, witness):
+        seq, _ = b.join(outs[0].blocks, outs[0].encoder_state)
+        tiny.decode_step(b, [7])
+    good = [(o.blocks, o.encoder_state) for o in outs]
+    unfit = [(outs[1].blocks[1:], outs[1].encoder_state), (outs[1].blocks, outs[2].encoder_state)]
+    for bad, message in zip(unfit, ["must be blocks 0..0", "needs 0 preceding blocks"], strict=True):
+        with pytest.raises(ValueError, match=message):
+            batch.join_many([good[0], bad, good[2]])
+        assert (batch.seq_ids, batch.positions()) == ([seq], witness.positions())
+    assert torch.equal(tiny.decode_step(batch, [3]), tiny.decode_step(witness, [3]))
+
+
 def test_bad_requests_are_value_errors(tiny, tokens):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny.encode_prefill([1, 2, tiny.args.vocab_size])

@@ -1,0 +1,83 @@
+"""An engine on the tiny model whose thread never runs: a test calls `iterate()` itself, one deterministic iteration
+at a time, and reads what each sequence's stream would have sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from service_mesh import new_id
+
+from decode_svc.engine import Engine, EngineSettings
+from decode_svc.metrics import DecodeMetrics
+from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence
+from mesh.logging import get_logger
+from model import Past, PrefillOutput, Transformer
+
+GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+@dataclass
+class Driven:
+    engine: Engine
+    registry: CollectorRegistry
+    loop: asyncio.AbstractEventLoop
+    written: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def submit(
+        self,
+        ids: list[int],
+        limit: int,
+        past: Past | None = None,
+        handoff: PrefillOutput | None = None,
+        sampling: Sampling = GREEDY,
+        speculate: bool = True,
+    ) -> Sequence:
+        """A token-ids prompt decode prefills itself (on top of `past`), or a prefill's `handoff` of `ids`."""
+        params = Params(new_id(), sampling, frozenset(), limit, False, 0, speculate, b"")
+        if handoff is None:
+            prompt = Prompt(ids, past=past, local_prefill="token_ids")
+        else:
+            prompt = Prompt(ids, blocks=handoff.blocks, state=handoff.encoder_state)
+        seq = Sequence(params, Outbox(self.loop), prompt, limit=limit)
+        self.engine.register(seq)
+        self.engine.submit(seq)
+        return seq
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.registry.get_sample_value("v41mesh_decode_" + name, labels or {}) or 0.0
+
+    def received(self, seq: Sequence) -> list[Any]:
+        """What the sequence's stream would have sent so far."""
+        return self.loop.run_until_complete(seq.outbox.get())
+
+    def run_to_end(self, *seqs: Sequence) -> None:
+        for _ in range(64):
+            if not any(seq.live for seq in seqs):
+                return
+            self.engine.iterate()
+        raise AssertionError(f"{[seq.state for seq in seqs]} after 64 iterations")
+
+
+@contextmanager
+def driven_engine(model: Transformer, **settings: Any) -> Iterator[Driven]:
+    """A driven engine; `settings` override EngineSettings' test defaults (4 slots, no speculation, 16-token chunks)."""
+    defaults = {"max_batch": 4, "max_queue": 4, "speculation": False, "max_draft": 1, "draft_policy": "measured"}
+    registry = CollectorRegistry()
+    loop = asyncio.new_event_loop()
+    written: list[tuple[Any, ...]] = []
+    engine = Engine(
+        model,
+        EngineSettings(**{**defaults, "chunk_size": 16, **settings}),
+        DecodeMetrics(registry),
+        get_logger("decode"),
+        lambda *a: written.append(a),
+    )
+    try:
+        yield Driven(engine, registry, loop, written)
+    finally:
+        loop.close()
