@@ -357,7 +357,7 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                              (check_indexer, 2, 1, 5_000, 14), (check_indexer, 2, 3, 5_000, 15)],
                  "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
                  "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
-                                        (2, 20_000_000, 512), (64, 131_072, 512)])],
+                                        (2, 20_000_000, 512), (64, 131_072, 512), (256, 262_144, 512)])],
                  "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)]}  # fmt: skip
     c = Checks()
     for name in plans if names == ["all"] else names:
@@ -466,10 +466,12 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
     """Launch shapes of top-k at batch 256 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
-    default (`topk._select_shape`, `topk._gather_programs`) against the full tile (16 K groups of 16), the half tile
-    with 2 K groups, 2 / 4 / 8 / 16 gathering programs per row, 4 warps."""
-    variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 2048, "max_groups": 2048}, {"gather_programs": 2},
-                {"gather_programs": 4}, {"gather_programs": 8}, {"gather_programs": 16}, {"num_warps": 4}]  # fmt: skip
+    default (`topk._select_shape`, `topk._gather_programs`) against the full and half register tiles with 2 K … 16 K
+    groups, 4 / 8 gathering programs per row, 4 warps."""
+    variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 4096, "max_groups": 8192},
+                {"tile": 4096, "max_groups": 4096}, {"tile": 2048, "max_groups": 8192},
+                {"tile": 2048, "max_groups": 2048}, {"gather_programs": 4}, {"gather_programs": 8},
+                {"num_warps": 4}]  # fmt: skip
     k = 16 if tiny else 512
     shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]

@@ -313,13 +313,13 @@ def _group_size(L: int, k: int, max_groups: int) -> int:
 
 def _select_shape(R: int, L: int) -> tuple[int, int]:
     """(register tile, most groups) by default. With more rows than multiprocessors and rows of 32 K–256 K scores,
-    half the tile and 4 K groups (groups of 16 / 64 at 64 K / 256 K): on the H200 with the gather kernel,
-    256 × 64 K took 0.047 ms against 0.061 with the full tile and 16 K groups, 256 × 256 K 0.120 against 0.130 (the
-    threshold's search over 16 K group maxima costs more than the larger groups' extra gathering). At 1 M and at
-    batch 1 the full tile is faster (256 × 1 M: 0.30 vs 0.43 ms with the half tile before the gather kernel; 0.29 vs
-    0.54 with the half tile and 2 K groups after)."""
+    half the tile and 8 K groups (groups of 16 / 32 at 64 K / 256 K): on the H200 (tune-topk, 2026-11-30, fifth
+    session) 256 × 256 K took 0.107 ms against 0.117 with 4 K groups and 0.116 with the full tile and 16 K groups;
+    256 × 64 K 0.044 either way (groups of 16 at most 4 K: the floor), 0.047 with the full tile. With 256 rows of 1 M
+    the full tile is faster (0.275 against 0.314 with the half tile and 8 K groups). One row of 1 M took 0.034 with
+    the half tile and 8 K groups against 0.040 (not adopted: batch 1–6 was measured at that one shape only)."""
     if multiprocessors() < R and 32_768 < L <= 262_144:
-        return _TILE // 2, 4096
+        return _TILE // 2, 8192
     return _TILE, _MAX_GROUPS
 
 
