@@ -1,16 +1,19 @@
-"""Conversation affinity: remember which replica served a conversation, so its next turn goes back there.
+"""Conversation affinity: which replica a conversation's next turn goes back to, on any gateway.
 
-A conversation is recognised by a session header when the client sends one (coding agents do), otherwise by
-its prompt's block keys: the next turn's prompt extends this one, so the deepest block key already seen names
-the replica that wrote that prefix's state (its blocks and end-of-sequence SWA record). Entries are kept in
-LRU order up to a fixed count per role. A gateway that never saw the conversation has no entry: it names the
-conversation by what every turn shares (`AffinityKey.conversation`) and asks gateway/rendezvous.py for its owner.
+A conversation is named by its session header when the client sends one (coding agents do), else by its opening:
+the digest of its messages up to its first user message, which every later turn sends again (gateway/job.py). This
+gateway remembers where each conversation it served went (LRU, a fixed count per role), which knows a turn the load
+sent away from its owner; a conversation it never served goes to its rendezvous owner (gateway/rendezvous.py), the
+same replica every other gateway picks for it.
+
+Not the prompt's block keys: a conversation new here shares its first blocks with every other one (the V4.1 system
+header, an agent's system prompt), so their deepest match would send it after another conversation.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import msgspec
 
@@ -24,19 +27,20 @@ SESSION_HEADERS = (
 
 
 class AffinityKey(msgspec.Struct, frozen=True):
-    """How a request names its conversation: an optional session id and its prompt's block keys."""
+    """How a request names its conversation: an optional session id and the digest of its opening (routing), and its
+    prompt's block keys (the previous turn's write-back: gateway/writebacks.py)."""
 
     session: str | None = None
     blocks: tuple[bytes, ...] = ()
+    opening: bytes | None = None
 
     @property
     def conversation(self) -> bytes | None:
-        """What names the conversation in every turn, on every gateway: its session, else its prompt's first block key
-        (each next turn's prompt extends this one, so it starts with the same block); None for a prompt shorter than a
-        block. The tags keep a session from ever meaning the same as a block key."""
+        """What names the conversation in every turn, on every gateway: its session, else its opening; None when it has
+        neither (no user message). The tags keep a session from ever meaning the same as an opening."""
         if self.session is not None:
             return b"session:" + self.session.encode()
-        return b"prefix:" + self.blocks[0] if self.blocks else None
+        return b"opening:" + self.opening if self.opening is not None else None
 
 
 def session_of(headers: Mapping[str, str]) -> str | None:
@@ -48,36 +52,30 @@ def session_of(headers: Mapping[str, str]) -> str | None:
 
 
 class AffinityTable:
-    """Per role, key → name of the replica that last served it (LRU, at most `capacity` keys per role)."""
+    """Per role, conversation → name of the replica that last served it (LRU, at most `capacity` per role)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._by_role: dict[str, OrderedDict[str | bytes, str]] = {}
+        self._by_role: dict[str, OrderedDict[bytes, str]] = {}
 
     def lookup(self, role: str, key: AffinityKey) -> str | None:
-        """The replica of the session, else of the deepest block key seen; None for a new conversation."""
+        """The replica that served the conversation here last; None for one new here (or nameless)."""
+        conversation = key.conversation
         entries = self._by_role.get(role)
-        if not entries:
-            return None
-        if key.session is not None and key.session in entries:
-            return entries[key.session]
-        for block in reversed(key.blocks):
-            name = entries.get(block)
-            if name is not None:
-                return name
-        return None
+        return entries.get(conversation) if entries and conversation is not None else None
 
     def remember(self, role: str, key: AffinityKey, replica: str) -> None:
+        conversation = key.conversation
+        if conversation is None:
+            return
         entries = self._by_role.setdefault(role, OrderedDict())
-        keys: Sequence[str | bytes] = (*key.blocks, key.session) if key.session is not None else key.blocks
-        for k in keys:
-            entries[k] = replica
-            entries.move_to_end(k)
-        while len(entries) > self.capacity:
+        entries[conversation] = replica
+        entries.move_to_end(conversation)
+        if len(entries) > self.capacity:
             entries.popitem(last=False)
 
     def forget(self, role: str, replica: str) -> None:
-        """Drop a replica that left: its conversations start over on load."""
+        """Drop a replica that left: its conversations go to their next rendezvous owner."""
         entries = self._by_role.get(role)
         if entries:
             for k in [k for k, name in entries.items() if name == replica]:

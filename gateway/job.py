@@ -4,6 +4,7 @@ request is found here, before it takes an admission slot."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import msgspec
@@ -11,7 +12,18 @@ import msgspec
 from gateway.affinity import AffinityKey
 from gateway.errors import GatewayError, Kind
 from mesh.block_keys import block_keys
-from recipe import Api, ConversionOptions, ConvertedRequest, ModelVersion, RecipeError, Tokenizer, convert, render
+from recipe import (
+    Api,
+    Conversation,
+    ConversionOptions,
+    ConvertedRequest,
+    ModelVersion,
+    RecipeError,
+    Tokenizer,
+    User,
+    convert,
+    render,
+)
 
 MAX_SALT_CHARS = 256
 
@@ -115,7 +127,8 @@ class Codec:
             salt=rendered.salt,
             layout_version=model.layout_version,
         )
-        return Job(request_id, request, token_ids, max_tokens, rendered.salt, AffinityKey(session, tuple(keys)))
+        affinity = AffinityKey(session, tuple(keys), opening(request.conversation, rendered.salt))
+        return Job(request_id, request, token_ids, max_tokens, rendered.salt, affinity)
 
     def _salt(self, body: bytes) -> bytes:
         if not self.prefix_reuse:
@@ -128,3 +141,14 @@ class Codec:
             message = f"cache_salt is longer than {MAX_SALT_CHARS} characters"
             raise GatewayError(Kind.BAD_REQUEST, message, param="cache_salt")
         return salt.encode()
+
+
+def opening(conversation: Conversation, salt: bytes) -> bytes | None:
+    """The digest of what every turn of a conversation sends again: its messages up to its first user message (a
+    system prompt and the task), with the cache salt; None without a user message. Later turns only append."""
+    messages = conversation.messages
+    first_user = next((i for i, message in enumerate(messages) if isinstance(message, User)), None)
+    if first_user is None:
+        return None
+    encoded = msgspec.json.encode((salt, messages[: first_user + 1]))
+    return hashlib.blake2b(encoded, digest_size=16).digest()

@@ -2,10 +2,10 @@
 
 Pure cache affinity hot-spots a replica and pure load balancing scatters a conversation's state; every project
 in the field ended with affinity bounded by load (serving-anchors summary). A conversation's own replica is the one
-this gateway's affinity table remembers (it knows the deepest block, and a turn the slack sent elsewhere), else its
+this gateway's affinity table remembers (it knows where a turn the slack sent away from the owner went), else its
 rendezvous owner among the live replicas (gateway/rendezvous.py): what every gateway computes alike, so a turn that
-lands on a gateway that never saw the conversation still goes where the others went. Ties on load rotate, so idle
-replicas share conversations without an owner instead of the first one taking them all.
+lands on a gateway that never saw the conversation still goes where the others sent it. Ties on load rotate, so idle
+replicas share requests that name no conversation instead of the first one taking them all.
 """
 
 from __future__ import annotations

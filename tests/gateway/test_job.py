@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gateway.errors import GatewayError, Kind
-from gateway.job import Codec, Model
+from gateway.job import Codec, Job, Model
 from mesh.block_keys import block_keys
 from recipe import Tokenizer, load_tokenizer
 
@@ -80,6 +80,26 @@ def test_salt_isolates_tenants_and_keys_name_the_conversation(tokenizer: Tokeniz
     assert not set(plain.affinity.blocks) & set(salted.affinity.blocks)
     assert refused(codec, chat(cache_salt=5)).param == "cache_salt"
     assert refused(codec, chat(cache_salt="x" * 257)).param == "cache_salt"
+
+
+def test_every_turn_of_a_conversation_shares_its_opening_and_other_conversations_do_not(tokenizer: Tokenizer) -> None:
+    """The opening names a conversation on any gateway: what a later turn sends again (the system prompt and the
+    first user message), not what every prompt starts with (the V4.1 system header fills the first blocks)."""
+    codec = Codec(tokenizer, model_name="DeepSeek-V4.1-Flash", max_output_tokens=0, prefix_reuse=True)
+    system = {"role": "system", "content": "You are a coding agent. " * 10}
+    first = [system, {"role": "user", "content": "fix the flaky test"}]
+    later = [*first, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "now the docs"}]
+    other = [system, {"role": "user", "content": "write a parser"}]
+
+    def job(messages: list[dict[str, str]], **fields: object) -> Job:
+        return job_of(codec, json.dumps({"model": "DeepSeek-V4.1-Flash", "messages": messages, **fields}).encode())
+
+    one, two, three = job(first), job(later), job(other)
+    assert one.affinity.blocks[:4] == three.affinity.blocks[:4]  # the same first blocks: they name no conversation
+    assert one.affinity.opening == two.affinity.opening is not None
+    assert three.affinity.opening != one.affinity.opening
+    assert job(first, cache_salt="tenant-a").affinity.opening != one.affinity.opening
+    assert job_of(codec, chat("fix the flaky test")).affinity.opening != one.affinity.opening  # another system prompt
 
 
 def test_reuse_off_gives_every_request_its_own_salt(tokenizer: Tokenizer) -> None:

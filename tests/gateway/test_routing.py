@@ -1,5 +1,5 @@
-"""Routing: least load, bounded conversation affinity (session header or prompt prefix; remembered, else the
-conversation's rendezvous owner), replicas routed around."""
+"""Routing: least load, bounded conversation affinity (a conversation named by its session header or its opening goes
+to the replica this gateway remembers, else to its rendezvous owner), replicas routed around."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def with_router(
     asyncio.run(scenario())
 
 
-def key(*blocks: bytes, session: str | None = None) -> AffinityKey:
-    return AffinityKey(session, tuple(blocks))
+def key(opening: bytes | None = None, session: str | None = None) -> AffinityKey:
+    """A request's conversation key (its prompt's block keys play no part in routing)."""
+    return AffinityKey(session, (b"system-header",), opening)
 
 
 def routed(registry: CollectorRegistry, reason: str, role: str = "decode") -> float:
@@ -52,7 +53,7 @@ def routed(registry: CollectorRegistry, reason: str, role: str = "decode") -> fl
 def test_least_loaded_wins_and_ties_rotate() -> None:
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
         states[A].reported, states[B].reported, states[C].reported = 3, 1, 2
-        assert router.pick("decode", key()).name == B  # a prompt shorter than a block names no conversation
+        assert router.pick("decode", key()).name == B  # no session, no user message: no conversation
         for s in states.values():
             s.reported, s.sent_since_poll = 0, 0
         picked = [router.pick("decode", key()).name for _ in range(6)]
@@ -72,37 +73,35 @@ def test_load_is_per_batch_slot() -> None:
         states[A].reported, states[A].capacity = 8, 16  # half full
         states[B].reported, states[B].capacity = 2, 2  # full
         states[C].reported, states[C].capacity = 6, 8
-        assert router.pick("decode", key(b"x")).name == A
+        assert router.pick("decode", key()).name == A
 
     with_router(check, slack=0.0)
 
 
-def test_a_conversation_returns_to_its_replica_by_prefix() -> None:
+def test_a_conversation_returns_to_its_replica() -> None:
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
-        states[A].reported = 1
-        first_turn = key(b"system", b"turn-1")
-        chosen = router.pick("decode", first_turn)
-        router.served("decode", first_turn, chosen)
+        conversation = key(b"opening")
+        chosen = router.pick("decode", conversation)
+        router.served("decode", conversation, chosen)
         for name, state in states.items():
             state.reported = 1.0 if name == chosen.name else 0.0  # its replica is now a little busier
             state.sent_since_poll = 0
-        second_turn = key(b"system", b"turn-1", b"turn-2")  # extends the first prompt
-        assert router.pick("decode", second_turn).name == chosen.name
-        assert routed(registry, "table") == 1
+        assert router.pick("decode", conversation).name == chosen.name
+        assert (routed(registry, "hash"), routed(registry, "table")) == (1, 1)
 
     registry = new_registry()
     with_router(check, registry=registry)
 
 
 def test_a_conversation_this_gateway_never_saw_goes_to_its_rendezvous_owner_as_on_every_gateway() -> None:
-    """Two gateways with empty tables agree on every conversation: by session, or by the first block key its turns
-    share; a retry (the owner excluded) goes to the next owner, again the same on both."""
+    """Two gateways with empty tables agree on every conversation: by session, or by the opening its turns share; a
+    retry (the owner excluded) goes to the next owner, again the same on both."""
 
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
         other = Router(router.pools, AffinityTable(100), router.slack, GatewayMetrics(new_registry()))
         owners = set()
         for i in range(30):
-            for conversation in (key(session=f"agent-{i}"), key(b"first-%d" % i)):
+            for conversation in (key(session=f"agent-{i}"), key(b"chat-%d" % i)):
                 mine = router.pick("decode", conversation)
                 assert other.pick("decode", conversation).name == mine.name
                 assert mine.name == rendezvous.owner(conversation.conversation, [A, B, C])  # type: ignore[arg-type]
@@ -113,9 +112,7 @@ def test_a_conversation_this_gateway_never_saw_goes_to_its_rendezvous_owner_as_o
                 for s in states.values():
                     s.sent_since_poll = 0
         assert owners == {A, B, C}
-        later_turn = key(b"first-7", b"turn-1", b"turn-2")  # extends the prompt of conversation 7: same owner
-        assert router.pick("decode", later_turn).name == router.pick("decode", key(b"first-7")).name
-        assert routed(registry, "hash") == 4 * 30 + 2
+        assert routed(registry, "hash") == 4 * 30
         assert routed(registry, "table") == routed(registry, "load") == routed(registry, "slack") == 0
 
     registry = new_registry()
@@ -124,7 +121,7 @@ def test_a_conversation_this_gateway_never_saw_goes_to_its_rendezvous_owner_as_o
 
 def test_the_slack_overrides_a_busy_hashed_owner_and_the_table_outranks_the_hash() -> None:
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
-        conversation = key(b"first", b"second")
+        conversation = key(b"hello")
         owner = rendezvous.owner(conversation.conversation, [A, B, C])  # type: ignore[arg-type]
         states[owner].reported = 3
         chosen = router.pick("decode", conversation)
@@ -132,7 +129,7 @@ def test_the_slack_overrides_a_busy_hashed_owner_and_the_table_outranks_the_hash
         assert routed(registry, "slack") == 1
         router.served("decode", conversation, chosen)  # this gateway remembers where the turn went
         states[owner].reported, chosen.sent_since_poll = 0, 0
-        assert router.pick("decode", key(b"first", b"second", b"third")).name == chosen.name
+        assert router.pick("decode", conversation).name == chosen.name
         assert routed(registry, "table") == 1
         chosen.sent_since_poll = 0
         router.pools["decode"].failed(chosen)  # the remembered replica is out: the conversation's owner again
@@ -156,11 +153,14 @@ def test_affinity_yields_to_load_beyond_the_slack() -> None:
     with_router(check)
 
 
-def test_session_header_outranks_the_prefix() -> None:
+def test_session_header_outranks_the_opening() -> None:
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
         router.served("decode", key(b"p"), states[B])
         router.served("decode", key(session="agent-7"), states[C])
         assert router.pick("decode", key(b"p", session="agent-7")).name == C
+        # A session new here is its own conversation, though its opening is another's: its owner decides.
+        new = key(b"p", session="agent-8")
+        assert router.pick("decode", new).name == rendezvous.owner(new.conversation, [A, B, C])  # type: ignore[arg-type]
         assert session_of({"x-claude-code-session-id": "abc"}) == "abc"
         assert session_of({"content-type": "application/json"}) is None
 
@@ -171,15 +171,15 @@ def test_failed_draining_and_down_replicas_get_no_work() -> None:
     async def check(router: Router, states: dict[str, ReplicaState]) -> None:
         router.pools["decode"].failed(states[A])
         states[B].draining = True
-        assert router.pick("decode", key(b"x")).name == C
+        assert router.pick("decode", key()).name == C
         states[C].up = False
         # No healthy decode replica: rather than refuse, decode tries those ruled out by health (never draining).
         assert {router.pick("decode", key(bytes([i]))).name for i in range(4)} == {A, C}
         prefill = {s.name: s for s in router.pools["prefill"].states()}
         prefill[A].up = False
-        assert router.pick("prefill", key(b"x")).name == B
+        assert router.pick("prefill", key()).name == B
         router.pools["prefill"].failed(prefill[B])
-        assert router.pick("prefill", key(b"x")) is None  # prefill has a fallback: decode prefills itself
+        assert router.pick("prefill", key()) is None  # prefill has a fallback: decode prefills itself
 
     with_router(check)
 
@@ -200,12 +200,14 @@ def test_a_poll_marks_an_unreachable_replica_down() -> None:
 
 
 def test_affinity_table_is_bounded_and_forgets_departed_replicas() -> None:
-    table = AffinityTable(capacity=3)
-    table.remember("decode", key(b"1", b"2"), "r1")
-    table.remember("decode", key(b"3", b"4"), "r2")  # evicts b"1"
+    table = AffinityTable(capacity=2)
+    table.remember("decode", key(b"1"), "r1")
+    table.remember("decode", key(b"2"), "r2")
+    table.remember("decode", key(b"1"), "r3")  # served again, elsewhere: the latest replica, and the newest entry
+    table.remember("decode", key(b"4"), "r1")  # evicts the least recently served: b"2"
+    table.remember("decode", key(), "r1")  # nameless: nothing to remember
+    assert [table.lookup("decode", key(o)) for o in (b"1", b"2", b"4")] == ["r3", None, "r1"]
+    assert table.lookup("decode", key()) is None
+    assert table.lookup("prefill", key(b"1")) is None  # per role
+    table.forget("decode", "r3")
     assert table.lookup("decode", key(b"1")) is None
-    assert table.lookup("decode", key(b"2", b"9")) == "r1"
-    assert table.lookup("decode", key(b"3", b"4")) == "r2"  # the deepest block wins
-    assert table.lookup("prefill", key(b"3")) is None  # per role
-    table.forget("decode", "r2")
-    assert table.lookup("decode", key(b"3", b"4")) is None
