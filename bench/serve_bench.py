@@ -16,7 +16,10 @@ Each configuration runs on a fresh mesh (`mesh.processes.Mesh`, same machine, sa
 
 Reported per configuration: TTFT and ITL (gap between streamed chunks) p50/p99, TPOT, output tokens/s over the run,
 the cached share of prompt tokens, bounded replays, DSpark acceptance (accepted / proposed drafts) and tokens per
-decode step, errors. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output tokens/s ours / no-dspark.
+decode step, errors; and decode's share of a TTFT, from the decode replica's metrics: the mean wait before the engine
+takes a prompt in (its running step), the mean join (restore + decoder bounded replay, one forward for the prompts of
+an iteration), prompts per join, and the mean step. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output
+tokens/s ours / no-dspark.
 """
 
 from __future__ import annotations
