@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from k8s_helpers import (
     workloads,
 )
 
+from gateway.affinity import SESSION_HEADERS
 from mesh.k8s import ManifestError
 from mesh.k8s.schema import CRD_SCHEMAS, validate
 
@@ -331,6 +333,30 @@ def test_one_pinned_image_everywhere(overlay: str, objects: list[dict[str, Any]]
     name, _, tag = image.rpartition(":")
     assert name == "ghcr.io/v41mesh/v41mesh"
     assert tag == {"dev": "0.1.0-cpu", "gpu": "0.1.0-cuda"}[overlay]
+
+
+# --- conversations across gateway replicas ---
+
+
+def test_the_gateway_service_keeps_a_client_on_one_gateway_while_its_swa_records_live(
+    objects: list[dict[str, Any]],
+) -> None:
+    """Gateways agree on a conversation's replicas by hashing it; the write-back its previous turn left in flight is
+    known to one gateway only. A client keeps its gateway at least as long as the cache keeps SWA records."""
+    spec = named(objects, "Service", "gateway")["spec"]
+    assert spec["sessionAffinity"] == "ClientIP"
+    cache = pod_spec(workload(objects, "cache"))["containers"][0]
+    record_ttl_s = float(env_value(cache, "CACHE_SVC_RECORD_TTL_S")["value"])
+    assert spec["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] >= record_ttl_s
+
+
+def test_the_ingress_hashes_a_request_onto_a_gateway_by_every_session_header_the_gateway_reads() -> None:
+    """ingress-nginx sends to the pods itself (no ClientIP affinity there) and sees only its own clients: it must
+    hash on the session, then the client's address, for a conversation's turns to meet on one gateway."""
+    (ingress,) = of_kind(rendered("gpu"), "Ingress")
+    hash_by = ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"]
+    headers = ["http_" + name.replace("-", "_") for name in SESSION_HEADERS]
+    assert re.findall(r"\$(\w+)", hash_by) == [*headers, "remote_addr"]
 
 
 # --- network policies ---
