@@ -1,4 +1,4 @@
-"""Real gateways (HTTP + gRPC servers) on background event loops, for the tests of tests/gateway."""
+"""A real gateway (HTTP + gRPC servers) on a background event loop, for the tests of tests/gateway."""
 
 from __future__ import annotations
 
@@ -14,34 +14,24 @@ from gateway.server import GatewayServer
 API_KEY = "test-key"
 
 
-class BackgroundLoop:
-    """An event loop on a daemon thread; `call(coro)` runs a coroutine there and returns its result."""
-
-    def __init__(self) -> None:
+class InProcessGateway:
+    def __init__(self, cfg: GatewayConfig) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
-class InProcessGateway(BackgroundLoop):
-    def __init__(self, cfg: GatewayConfig) -> None:
-        super().__init__()
         self.server = GatewayServer(cfg)
         self.call(self.server.start())
         self.base_url = f"http://127.0.0.1:{self.server.port}"
         self.grpc_address = f"127.0.0.1:{self.server.grpc_port}"
 
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
     def stop(self) -> None:
         self.call(self.server.stop(1.0))
-        self.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
 
 
 def refusing_address(held: ExitStack) -> str:

@@ -6,31 +6,25 @@ first user message). Gateways that no longer see one replica move only the conve
 from __future__ import annotations
 
 import collections
-import time
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from gateway_helpers import BackgroundLoop, InProcessGateway, refusing_address
+from gateway_helpers import InProcessGateway, refusing_address
 
 from decode_svc.config import DecodeConfig
 from decode_svc.server import DecodeServer
 from gateway.config import GatewayConfig
 from model import build_model, preset
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "prefill_svc"))
+from service_mesh import WAIT_S, Loop, wait_until  # the service tests' background loop and polling wait
+
 MODEL = "DeepSeek-V4.1-Flash"
-WAIT_S = 60.0  # an upper bound against hangs, never a wait
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll `condition` (it reads real state) until true; fail naming `what` after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class Decodes:
@@ -39,7 +33,7 @@ class Decodes:
     def __init__(self, count: int) -> None:
         torch.set_num_threads(1)
         model = build_model(preset("tiny"), "full")
-        self.loop = BackgroundLoop()
+        self.loop = Loop()
         self.servers = [DecodeServer(DecodeConfig(port=0, metrics_port=0, speculation=False), model=model)]
         self.servers += [DecodeServer(self.servers[0].cfg, model=model) for _ in range(count - 1)]
         for server in self.servers:
