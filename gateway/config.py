@@ -44,7 +44,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     writeback_wait_s: how long a conversation's next turn waits for its previous turn's write-back (0: never)
     load_interval_s: how often every replica's load (GetLoad) and the cache's health are polled
     inhibit_s: a replica that failed a call gets no new work for this long
-    affinity_entries: conversations (prefix keys) whose replica is remembered
+    affinity_entries: conversations whose replica is remembered, per role (one unknown here goes to its hashed owner)
     affinity_slack: extra load (requests per batch slot) a conversation's own replica may carry before another is chosen
     grace_s: seconds in-flight requests get to finish after SIGTERM
     log_level: debug, info, warning or error
