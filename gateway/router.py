@@ -27,7 +27,7 @@ class Reason(enum.StrEnum):
     TABLE = "table"  # the replica this gateway remembers for the conversation
     HASH = "hash"  # the conversation's rendezvous owner
     SLACK = "slack"  # the least loaded: the conversation's own replica was more than `slack` busier
-    LOAD = "load"  # the least loaded: the request names no conversation (no session, shorter than a block)
+    LOAD = "load"  # the least loaded: the request names no conversation (no session header, no user message)
 
 
 class Router:
