@@ -9,13 +9,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 from service_mesh import new_id
 
 from decode_svc.engine import Engine, EngineSettings
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence
-from mesh.logging import get_logger
 from model import Past, PrefillOutput, Transformer
 
 GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
@@ -63,6 +63,17 @@ class Driven:
         raise AssertionError(f"{[seq.state for seq in seqs]} after 64 iterations")
 
 
+def json_logger() -> Any:
+    """JSON lines, as the services log (mesh.logging), without configuring structlog for the whole test process: its
+    default console renderer draws a logged exception's traceback with every frame's locals (seconds per failure)."""
+    processors = [
+        structlog.processors.add_log_level,
+        structlog.processors.format_exc_info,
+        structlog.processors.JSONRenderer(),
+    ]
+    return structlog.wrap_logger(structlog.PrintLogger(), processors=processors, service="decode")
+
+
 @contextmanager
 def driven_engine(model: Transformer, **settings: Any) -> Iterator[Driven]:
     """A driven engine; `settings` override EngineSettings' test defaults (4 slots, no speculation, 16-token chunks)."""
@@ -74,7 +85,7 @@ def driven_engine(model: Transformer, **settings: Any) -> Iterator[Driven]:
         model,
         EngineSettings(**{**defaults, "chunk_size": 16, **settings}),
         DecodeMetrics(registry),
-        get_logger("decode"),
+        json_logger(),
         lambda *a: written.append(a),
     )
     try:
