@@ -111,13 +111,28 @@ class Attention(nn.Module):
     # --------------------------------------------------------------------------------------------- pieces
     def query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """(q latent c^Q [B, T, q_lora], rotated q [B, T, H, D]); x is the FP8-cast input (`quantize_input`)."""
-        qr = self.q_norm(self.wq_a(x, True))
-        q = self.wq_b(qr).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
+        qr, q = self.query_heads(x)
         return qr, self.rope.rotate(q, positions)
+
+    def query_window(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`query` and `window_kv` of one input: (c^Q, rotated q, rotated K=V latent). The latent rides as one more
+        head of q through a single rotation (same positions, same frequencies): half the RoPE ops of every layer."""
+        qr, q = self.query_heads(x)
+        rotated = self.rope.rotate(torch.cat((q, self.window_latent(x).unsqueeze(-2)), -2), positions)
+        return qr, rotated[..., :-1, :], rotated[..., -1, :]
+
+    def query_heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(c^Q [B, T, q_lora], q [B, T, H, D] before RoPE)."""
+        qr = self.q_norm(self.wq_a(x, True))
+        return qr, self.wq_b(qr).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
+
+    def window_latent(self, x: Tensor) -> Tensor:
+        """This layer's K=V latent [B, T, D] before RoPE and the FP8 cast."""
+        return self.kv_norm(self.wkv(x, True))
 
     def window_kv(self, x: Tensor, positions: Tensor) -> Tensor:
         """This layer's rotated K=V latent [B, T, D] (before the FP8 cast); x is the FP8-cast input."""
-        return self.rope.rotate(self.kv_norm(self.wkv(x, True)), positions)
+        return self.rope.rotate(self.window_latent(x), positions)
 
     def cast_input(self, x: Tensor) -> Tensor:
         """One FP8 cast of the attention input for wq_a and wkv (both FP8 linears), plain if unquantised."""
@@ -148,9 +163,8 @@ class Attention(nn.Module):
         a, role = self.args, self.role
         B, T = x.shape[:2]
         positions = torch.arange(T, device=x.device).expand(B, T)
-        xq = self.cast_input(x)
-        qr, q = self.query(xq, positions)
-        kv = quantize_input(self.window_kv(xq, positions))
+        qr, q, kv = self.query_window(self.cast_input(x), positions)
+        kv = quantize_input(kv)
         i, j = positions[0].unsqueeze(1), positions[0].unsqueeze(0)
         parts = [(kv, ((j <= i) & (j > i - a.sliding_window) & (j >= window_start)).expand(B, T, T))]
         if role.ratio:
@@ -185,9 +199,8 @@ class Attention(nn.Module):
         """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
         a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
-        xq = self.cast_input(x)
-        qr, q = self.query(xq, positions)
-        swa_data, swa_scale = kernels.quantize_swa_fp8(self.window_kv(xq, positions), backend=be)
+        qr, q, kv = self.query_window(self.cast_input(x), positions)
+        swa_data, swa_scale = kernels.quantize_swa_fp8(kv, backend=be)
         swa_data, swa_scale, swa_mask = step.window(self.layer, swa_data, swa_scale)
         compressed = None
         if role.ratio:

@@ -96,9 +96,8 @@ class DSparkBlock(Block):
     def block_attention(self, x: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
         """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
         attn, W = self.attn, self.args.sliding_window
-        xq = attn.cast_input(x)
-        _, q = attn.query(xq, positions)
-        data, scale = kernels.quantize_swa_fp8(attn.window_kv(xq, positions), backend=kernels.backend_for(x))
+        _, q, kv = attn.query_window(attn.cast_input(x), positions)
+        data, scale = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(x))
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)
@@ -109,9 +108,8 @@ class DSparkBlock(Block):
     def dense_block_attention(self, x: Tensor, positions: Tensor, ring: Tensor, ring_mask: Tensor) -> Tensor:
         """Dense, differentiable form of `block_attention`: ring keys [N, W, D] (fake-quantised) with their mask."""
         attn = self.attn
-        xq = attn.cast_input(x)
-        _, q = attn.query(xq, positions)
-        kv = quantize_input(attn.window_kv(xq, positions))
+        _, q, kv = attn.query_window(attn.cast_input(x), positions)
+        kv = quantize_input(kv)
         block = torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
         o = dense_attention(q, [(ring, ring_mask.unsqueeze(1).expand(-1, x.shape[1], -1)), (kv, block)],
                             attn.attn_sink, attn.softmax_scale)  # fmt: skip
@@ -127,8 +125,9 @@ def context(mtp: nn.ModuleList, taps: list[Tensor] | Tensor) -> Tensor:
 def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
     """Stage every DSpark ring's entries for the step's real positions from the target features `taps`."""
     main_x = context(mtp, taps)
+    xq = mtp[0].attn.cast_input(main_x)  # one FP8 cast of main_x serves every block's wkv (same format)
     for block in mtp:
-        kv = block.attn.window_kv(block.attn.cast_input(main_x), step.positions)
+        kv = block.attn.window_kv(xq, step.positions)
         step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(kv))
 
 
@@ -159,8 +158,9 @@ def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tens
     X, pre = model.embed_stream(ids.view(B * A, g))
     every = torch.arange(T, device=dev).expand(B, T)
     rows = ring_pos.clamp_min(0).unsqueeze(-1)
+    main_xq = model.mtp[0].attn.cast_input(main_x)  # one FP8 cast for every block's wkv, as in `absorb`
     for block in model.mtp:
-        ring_kv = quantize_input(block.attn.window_kv(block.attn.cast_input(main_x), every))  # [B, T, D]
+        ring_kv = quantize_input(block.attn.window_kv(main_xq, every))  # [B, T, D]
         ring = ring_kv.gather(1, rows.expand(-1, -1, ring_kv.shape[-1])).view(B * A, W, -1)
         X, pre = block(
             X, pre, lambda x, b=block, r=ring: b.dense_block_attention(x, block_pos.view(B * A, g), r, ring_mask)
