@@ -39,6 +39,11 @@ class Gate(nn.Module):
         return weights * self.scale, ids
 
 
+def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """silu(min(gate, limit)) · clamp(up, ±limit): the released clamps."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 class Expert(nn.Module):
     """SwiGLU with the released clamps: gate ≤ limit, up in [−limit, limit]."""
 
@@ -51,7 +56,7 @@ class Expert(nn.Module):
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """x: the FP8-cast input (quantize_input), shared by every expert of a token."""
-        h = F.silu(self.w1(x, True).clamp(max=self.limit)) * self.w3(x, True).clamp(-self.limit, self.limit)
+        h = swiglu(self.w1(x, True), self.w3(x, True), self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype).unsqueeze(-1)
         return self.w2(h)
@@ -66,7 +71,7 @@ class MoE(nn.Module):
         routed: WeightFormat = "fp4" if q and q.expert_dtype == "fp4" else ("fp8" if q else "bf16")
         shared: WeightFormat = "fp8" if q else "bf16"
         dim, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
-        self.gate = Gate(args, n_experts, topk, dtype)
+        self.gate, self.limit = Gate(args, n_experts, topk, dtype), limit
         self.experts = nn.ModuleList(Expert(dim, inter, limit, routed, dtype) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, limit, shared, dtype)
 
@@ -77,14 +82,32 @@ class MoE(nn.Module):
         xq = quantize_input(x) if self.shared_experts.w1.quantized else x  # one FP8 cast for every expert
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation over experts
         y = self.shared_experts(xq).to(compute)
-        # (token, slot) pairs grouped by expert, tokens ascending within each (a stable sort of the row-major ids):
-        # the host waits for the device once per layer (the group sizes), not once per expert.
-        k = ids.shape[1]
+        routed = self.routed(xq, weights, ids).to(compute)
+        for r in range(routed.shape[1]):  # each token's experts added one at a time, in ascending id
+            y = y + routed[:, r]
+        return y.to(x.dtype).view(shape)
+
+    def routed(self, xq: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """Weighted routed-expert outputs [N, k, C], each token's k slots in ascending expert id.
+
+        Only the matmuls run expert by expert; the gathers, the activation, the routing weights and the FP8 cast of
+        W2's input run once over every (token, slot) pair (each is elementwise or per row: the same values).
+        """
+        N, k = ids.shape
+        ids, slot = ids.sort(-1)
+        # pairs grouped by expert, tokens ascending within each (a stable sort of the row-major ids): the host waits
+        # for the device once per layer (the group sizes), not once per expert
         order = torch.argsort(ids.flatten(), stable=True)
         sizes = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        for e, pairs in enumerate(order.split(sizes)):
-            if not sizes[e]:
-                continue
-            token, slot = pairs // k, pairs % k
-            y.index_add_(0, token, self.experts[e](xq[token], weights[token, slot]).to(compute))
-        return y.to(x.dtype).view(shape)
+        active = [e for e, size in enumerate(sizes) if size]
+        x = xq[order // k].split(sizes)
+        gate = torch.cat([self.experts[e].w1(x[e], True) for e in active])
+        up = torch.cat([self.experts[e].w3(x[e], True) for e in active])
+        weight = weights.gather(-1, slot).flatten()[order]
+        h = swiglu(gate, up, self.limit) * weight.to(gate.dtype).unsqueeze(-1)
+        w2 = [self.experts[e].w2 for e in active]
+        h = (quantize_input(h) if w2[0].quantized else h).split([sizes[e] for e in active])
+        out = torch.cat([linear(part, True) for linear, part in zip(w2, h, strict=True)])
+        pairs = out.new_empty(out.shape)
+        pairs[order] = out
+        return pairs.view(N, k, -1)
