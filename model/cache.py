@@ -210,7 +210,7 @@ class KVCache:
                 setattr(owner, name, _grow(getattr(owner, name), 0, row + 1))
         for owner, name in self._row_tensors():
             t = getattr(owner, name)
-            t[row] = -1 if t.dtype == torch.int64 else 0
+            t[row].fill_(-1 if t.dtype == torch.int64 else 0)  # fill_: no scalar tensor made per tensor and row
         self.pos.append(0)
         return row
 

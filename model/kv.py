@@ -375,14 +375,17 @@ def restore(cache: KVCache, row: int, blocks: list[GlobalKVBlock], state: Encode
     cache.pos[row] = n
     if state is None:
         return
-    for i, start in enumerate(state.ring_start):
-        slot_pos = torch.arange(n - W, n) % W  # slot of each of the last W positions
-        positions = torch.arange(n - W, n)
+    # The position each slot holds, for every ring at once (one host-to-device copy): the last W positions from the
+    # ring's start on, −1 before it
+    positions = torch.arange(n - W, n)
+    starts = torch.tensor(state.ring_start, dtype=torch.int64).clamp_min(0).unsqueeze(1)
+    held = torch.full((len(state.ring_start), W), -1, dtype=torch.int64)
+    held[:, positions % W] = torch.where(positions >= starts, positions, -1)
+    held = held.to(cache.device)
+    for i, ring_pos in enumerate(held):
         ring = cache.rings[i]
         ring.data[row], ring.scale[row] = state.ring_data[i].to(cache.device), state.ring_scale[i].to(cache.device)
-        held = torch.full((W,), -1, dtype=torch.int64)
-        held[slot_pos] = torch.where(positions >= max(start, 0), positions, -1)
-        ring.pos[row] = held.to(cache.device)
+        ring.pos[row] = ring_pos
     for layer, (kv, score) in state.pending.items():
         cache.pending[layer].kv[row, : kv.shape[0]] = kv.to(cache.device)
         cache.pending[layer].score[row, : score.shape[0]] = score.to(cache.device)
