@@ -16,7 +16,8 @@ Prints a table, writes JSON (default bench/out/model_bench.json). Imports only t
     python bench/model_bench.py --decode-step --baseline 7cfa99c     # the decode step, ours vs a git revision
 
 The decode-step section times one `decode_step` and one `dspark_draft` + `verify` round (greedy, full width) on a
-filled DecodeBatch (a prompt joined, forked to the batch), per preset and batch, together with the aten ops one
+filled DecodeBatch (a prompt joined, forked to the batch), and one `join_many` of B prompts (one decoder bounded
+replay forward; the lane is emptied, untimed, between calls), per preset and batch B, together with the aten ops one
 call dispatches (torch.profiler): the host work of a step. The peer is the same code path at another git revision
 (checked out into a temporary worktree); ours and the peer run in alternating child processes, `--rounds` times,
 and each figure is the median over rounds (CPU time of the child: the shared cores' other load does not count).
@@ -147,8 +148,12 @@ def table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- decode step
+SECTION_CALLS = ("decode_step", "draft_verify", "join")
+
+
 def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """Median CPU seconds of a decode step and of a draft + verify round, and the aten ops each dispatches."""
+    """Median CPU seconds of a decode step, of a draft + verify round and of joining `batch` prompts in one decoder
+    replay (`join_many`, what a decode engine runs for an iteration's arrivals), and the aten ops each dispatches."""
     from torch.profiler import ProfilerActivity, profile
 
     from model import SamplingParams
@@ -161,21 +166,31 @@ def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.dev
     for _ in range(batch - 1):
         b.fork(seq)
     ids, sampling = [1] * batch, SamplingParams.uniform(batch)
+    lane = model.new_decode_batch(capacity=batch)
 
     def speculate() -> None:
         model.verify(b, ids, model.dspark_draft(b, ids, sampling), sampling)
 
+    def join() -> None:
+        lane.join_many([(out.blocks, out.encoder_state)] * batch)
+
+    def leave_all() -> None:  # between timed joins, untimed: the lane is empty again
+        for s in list(lane.seq_ids):
+            lane.leave(s)
+
     row = {"preset": name, "batch": batch, "prompt_tokens": prompt}
-    for key, fn in (("decode_step", lambda: model.decode_step(b, ids)), ("draft_verify", speculate)):
-        fn()
+    calls = (("decode_step", lambda: model.decode_step(b, ids)), ("draft_verify", speculate), ("join", join))
+    for key, fn in calls:
         times = []
-        for _ in range(steps):
+        for _ in range(steps + 1):  # the first call warms up
             start = time.process_time()
             fn()
             times.append(time.process_time() - start)
+            leave_all()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        row[f"{key}_s"] = statistics.median(times)
+        leave_all()
+        row[f"{key}_s"] = statistics.median(times[1:])
         row[f"{key}_aten_ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
     return row
 
@@ -204,7 +219,7 @@ def decode_step_section(ns: argparse.Namespace) -> list[dict]:
     rows = []
     for i, ours in enumerate(rounds[0][0]):
         row = {k: ours[k] for k in ("preset", "batch", "prompt_tokens")}
-        for key in ("decode_step", "draft_verify"):
+        for key in SECTION_CALLS:
             for side, j in (("ours", 0), ("peer", 1)):
                 row[f"{key}_{side}_s"] = statistics.median(r[j][i][f"{key}_s"] for r in rounds)
                 row[f"{key}_{side}_aten_ops"] = rounds[0][j][i][f"{key}_aten_ops"]
@@ -214,18 +229,19 @@ def decode_step_section(ns: argparse.Namespace) -> list[dict]:
 
 
 def decode_step_table(rows: list[dict], baseline: str) -> str:
-    head = f"{'preset':<6} {'B':>3} | {'step ms':>8} {baseline[:10]:>10} {'×':>5} {'aten ops':>15} | "
-    head += f"{'draft+verify ms':>15} {baseline[:10]:>10} {'×':>5} {'aten ops':>15}"
+    head = f"{'preset':<6} {'B':>3}"
+    for key in SECTION_CALLS:
+        head += f" | {key + ' ms':>16} {baseline[:10]:>10} {'×':>5} {'aten ops':>15}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        cells = []
-        for key in ("decode_step", "draft_verify"):
+        line = f"{r['preset']:<6} {r['batch']:>3}"
+        for key in SECTION_CALLS:
             ops = f"{r[f'{key}_ours_aten_ops']}/{r[f'{key}_peer_aten_ops']}"
-            cells.append(
-                f"{r[f'{key}_ours_s'] * 1e3:>{8 if key == 'decode_step' else 15}.1f} "
-                f"{r[f'{key}_peer_s'] * 1e3:>10.1f} {r[f'{key}_speedup']:>5.2f} {ops:>15}"
+            line += (
+                f" | {r[f'{key}_ours_s'] * 1e3:>16.1f} {r[f'{key}_peer_s'] * 1e3:>10.1f} {r[f'{key}_speedup']:>5.2f}"
+                f" {ops:>15}"
             )
-        lines.append(f"{r['preset']:<6} {r['batch']:>3} | {cells[0]} | {cells[1]}")
+        lines.append(line)
     return "\n".join(lines)
 
 
