@@ -1,16 +1,20 @@
-"""The decode path's host-side bookkeeping: MoE token grouping, device positions, writes without host syncs.
+"""The decode path's host-side bookkeeping: MoE token grouping, device positions, writes without host syncs, and
+the op-count rewrites (batched MoE dispatch, in-place Sinkhorn, one RoPE for q and the window latent).
 
-These parts were rewritten to avoid per-row / per-expert Python work and device waits; each test checks one of
-them against the plain computation it replaces.
+These parts were rewritten to avoid per-row / per-expert Python work, device waits and small ops; each test checks
+one of them against the plain computation it replaces (bit for bit where the rewrite claims so).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from model import Transformer
 from model.cache import _kept, _write_kept
 from model.linear import quantize_input
+from model.mhc import hc_split_sinkhorn
 
 
 def test_moe_sums_each_tokens_chosen_experts(tiny: Transformer, gen):
@@ -76,3 +80,49 @@ def test_kept_writes_equal_writing_only_the_kept_columns(gen):
             assert torch.equal(dst, expected), (T, keep)
     b, t = _kept(torch.tensor([0, 3, 20]), 20, W)
     assert list(zip(b.tolist(), t.tolist(), strict=True)) == [(1, 0), (1, 1), (1, 2), *((2, c) for c in range(12, 20))]
+
+
+def test_moe_equals_the_per_expert_loop_bit_for_bit(tiny: Transformer, gen):
+    """The batched dispatch (matmuls per expert, everything else once over all pairs) gives the bits of running each
+    expert on its tokens and index_add_-ing its weighted output, expert by expert in ascending id. Off-grid weights,
+    so that every rounding shows (on the checkpoint's FP4/FP8 grid most fp64 sums are exact in any order)."""
+    moe = copy.deepcopy(tiny.layers[3].ffn)
+    for p in moe.parameters():
+        p.data = torch.randn(p.shape, generator=gen, dtype=p.dtype) / 4
+    x = torch.randn(3, 9, tiny.args.hidden_size, generator=gen, dtype=torch.float64)
+    flat = x.reshape(-1, x.shape[-1])
+    weights, ids = moe.gate(flat)
+    xq = quantize_input(flat)
+    y = moe.shared_experts(xq)
+    for e, expert in enumerate(moe.experts):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if token.numel():
+            y.index_add_(0, token, expert(xq[token], weights[token, slot]))
+    assert torch.equal(moe(x), y.view_as(x))
+
+
+def test_sinkhorn_in_place_equals_the_recorded_form(gen):
+    """Without autograd the normalisations run in place; with it, out of place: the same bits, and a gradient."""
+    n = 4
+    mixes = torch.randn(5, 3, (2 + n) * n, generator=gen, dtype=torch.float64, requires_grad=True)
+    scale, base = torch.rand(3, generator=gen, dtype=torch.float64), torch.randn(24, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        fast = hc_split_sinkhorn(mixes, scale, base, n, 20, 1e-6)
+    recorded = hc_split_sinkhorn(mixes, scale, base, n, 20, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(fast, recorded, strict=True))
+    recorded[2].square().sum().backward()
+    assert mixes.grad is not None
+    assert bool(mixes.grad.isfinite().all())
+    assert bool(mixes.grad.abs().sum() > 0)
+
+
+def test_query_window_equals_query_and_window_kv(tiny: Transformer, gen):
+    """q and the window latent rotated together equal each rotated alone, bit for bit."""
+    attn = tiny.layers[4].attn
+    x = quantize_input(torch.randn(2, 5, tiny.args.hidden_size, generator=gen, dtype=torch.float64))
+    positions = torch.randint(0, 10_000, (2, 5), generator=gen)
+    qr, q, kv = attn.query_window(x, positions)
+    qr_alone, q_alone = attn.query(x, positions)
+    assert torch.equal(qr, qr_alone)
+    assert torch.equal(q, q_alone)
+    assert torch.equal(kv, attn.window_kv(x, positions))
