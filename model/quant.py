@@ -13,8 +13,6 @@ per byte with the lower-indexed element in the low nibble (the FlashMLA / checkp
 pure torch and device-agnostic; the Triton kernels in `model.kernels` reproduce these bytes exactly.
 """
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -152,8 +150,8 @@ def _blocks(x: Tensor, block: int) -> Tensor:
 
 
 def _block_amax(xb: Tensor, floor: float) -> Tensor:
-    """max |x| per block (the ∞-norm: one op instead of abs + amax, the same value), at least `floor`."""
-    return torch.linalg.vector_norm(xb, math.inf, dim=-1, keepdim=True).clamp_min(floor)
+    # not linalg.vector_norm(ord=inf), one op fewer: the same value, but 16× slower on the CPU from a few hundred rows
+    return xb.abs().amax(dim=-1, keepdim=True).clamp_min(floor)
 
 
 def _fp8_scale(xb: Tensor) -> Tensor:
