@@ -207,7 +207,8 @@ def fake_quant_fp8_torch(x: Tensor) -> Tensor:
 
 
 def fake_quant_fp8_triton(x: Tensor) -> Tensor:
-    """quant.fake_quant_fp8 in one launch (it is ≈ 15 small torch ops, on every linear input of every step)."""
+    """quant.fake_quant_fp8 in one launch (the torch form is several small ops — block amax, scale, E4M3 cast,
+    rescale — on every linear input of every step)."""
     quant.check_block(x, SWA_BLOCK, "fake_quant_fp8")
     D = x.shape[-1]
     x2 = x.detach().reshape(-1, D).contiguous()
