@@ -30,6 +30,8 @@ import pytest
 from e2e_helpers import MODEL, decode_load, killed, metric, model_info, signal_child, start_gateway, wait_for
 
 from cache_svc.client import CacheClient
+from gateway import rendezvous
+from gateway.affinity import AffinityKey
 from mesh.processes import Mesh, http_ready
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
@@ -58,13 +60,25 @@ def unpolled_gateway(mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> It
     process.wait(30)
 
 
+def sessions_owned_by(mesh: Mesh, role: str) -> list[str]:
+    """Two session ids, the first owned by `role`-0 and the second by the other replica: a conversation this gateway
+    never saw goes to its rendezvous owner among the replicas (named by their addresses, random ports here)."""
+    names = [c.address for c in mesh.children if c.name.startswith(role)]
+    frozen = mesh.child(f"{role}-0").address
+    owners = {f"s{i}": rendezvous.owner(AffinityKey(session=f"s{i}").conversation or b"", names) for i in range(64)}
+    return [next(s for s, o in owners.items() if o == frozen), next(s for s, o in owners.items() if o != frozen)]
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_replica_that_dies_under_a_request_is_retried_elsewhere(mesh: Mesh, unpolled_gateway: str, role: str) -> None:
     client = openai.OpenAI(base_url=unpolled_gateway + "/v1", api_key="k", max_retries=0, timeout=STREAM_TIMEOUT_S)
     retries = metric(unpolled_gateway, "v41mesh_gateway_retries_total", role=role)
     with killed(mesh, f"{role}-0"), ThreadPoolExecutor(2) as pool:
         signal_child(mesh, f"{role}-0", signal.SIGSTOP)  # frozen: the request routed to it waits
-        futures = [pool.submit(chat, client, f"question {i}") for i in range(2)]  # equal load: one on each replica
+        futures = [  # one conversation owned by each replica
+            pool.submit(chat, client, f"question {i}", extra_headers={"x-session-id": session})
+            for i, session in enumerate(sessions_owned_by(mesh, role))
+        ]
         wait_for(lambda: sum(f.done() for f in futures) >= 1, "the request on the live replica")
         assert sum(f.done() for f in futures) == 1, f"both requests avoided the frozen {role}-0"
         signal_child(mesh, f"{role}-0", signal.SIGKILL)
