@@ -125,14 +125,14 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         """Hand a registered sequence, its prompt ready, to the engine thread."""
         with self._cond:
-            seq.submitted, seq.submitted_at = True, time.monotonic()
+            seq.submitted_at = time.monotonic()
             self._inbox.append(seq)
             self._cond.notify()
 
     def release(self, seq: Sequence, reason: str) -> None:
         """Its RPC ended: a sequence never submitted leaves the queue; one still live is aborted (its caller left)."""
         with self._cond:
-            if not seq.submitted:
+            if seq.submitted_at is None:
                 if seq.live:
                     self._unregister(seq, State.ABORTED)
                 return
@@ -191,6 +191,7 @@ class Engine:
             self._abort(seq)
         handoffs = []
         for seq in arrivals:
+            assert seq.submitted_at is not None  # every arrival came through submit()
             self.metrics.admit_wait.observe(admitted - seq.submitted_at)
             if self._admit(seq):
                 handoffs.append(seq)

@@ -153,8 +153,7 @@ class Sequence:
     generator: torch.Generator | None = None
     limit: int = 0  # most tokens it may emit (its max_tokens, or what the context leaves)
     output: list[int] = field(default_factory=list)
-    submitted: bool = False  # handed to the engine thread
-    submitted_at: float = 0.0  # when (time.monotonic)
+    submitted_at: float | None = None  # when it was handed to the engine thread (time.monotonic); None: not yet
     abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
     draft: DraftRecord = field(default_factory=DraftRecord)
     writebacks: list[asyncio.Task[None]] = field(default_factory=list)  # its writes to the cache (event loop only)
