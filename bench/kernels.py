@@ -466,12 +466,10 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
     """Launch shapes of top-k at batch 256 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
-    default (`topk._select_shape`, `topk._gather_programs`) against the full and half register tiles with 2 K … 16 K
-    groups, 4 / 8 gathering programs per row, 4 warps."""
-    variants = [{}, {"tile": 4096, "max_groups": 16384}, {"tile": 4096, "max_groups": 8192},
-                {"tile": 4096, "max_groups": 4096}, {"tile": 2048, "max_groups": 8192},
-                {"tile": 2048, "max_groups": 2048}, {"gather_programs": 4}, {"gather_programs": 8},
-                {"num_warps": 4}]  # fmt: skip
+    defaults of `topk.topk_indices_triton` against 4 K / 16 K groups, 8 K scores per group-max program, 512 / 2048
+    per gathering program, a select tile of 2048, its 4 warps, the threshold's 8."""
+    variants = [{}, {"max_groups": 4096}, {"max_groups": 16384}, {"group_tile": 8192}, {"gather": 512},
+                {"gather": 2048}, {"tile": 2048}, {"num_warps": 4}, {"threshold_warps": 8}]  # fmt: skip
     k = 16 if tiny else 512
     shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
     rows = [(R, L, "gaussian", randn(R, L, dtype=torch.bfloat16)) for R, L in shapes]

@@ -168,29 +168,30 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
 
 
 def topk_reports(rows: int, length: int, k: int) -> list[Report]:
-    """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks."""
-    tile, groups = topk._select_shape(rows, length)
-    GS = topk._group_size(length, k, groups)
+    """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks by default."""
+    GS = topk._group_size(length, k, topk._MAX_GROUPS)
     NGP = triton.next_power_of_2(triton.cdiv(length, GS))
-    P = topk._gather_programs(rows)
+    KP = triton.next_power_of_2(k)
+    CG, P, span, _slots = topk._gather_shape(k, GS, None, None)
     row = {"x_ptr": "*bf16", "len_ptr": "*i32"}
     candidates = {"ckey_ptr": "*u32", "cpos_ptr": "*i32", "count_ptr": "*i32"}
     return [
         compile_sm90("top-k group maxima", topk._group_max_kernel,
                      row | {"gmax_ptr": "*u32", "L": "i32", "NG": "i32", "tiles": "i32"},
-                     {"HAS_LENGTHS": False, "TILE": max(tile, GS), "GS": GS, "LOW_BIT": 16}, 4, None, ("L", "NG")),
+                     {"HAS_LENGTHS": False, "TILE": max(topk._group_tile(length), GS), "GS": GS, "LOW_BIT": 16}, 4,
+                     None, ("L", "NG")),
         compile_sm90("top-k threshold", topk._threshold_kernel,
                      {"gmax_ptr": "*u32", "glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32", "NG": "i32",
-                      "k": "i32"}, {"NGP": NGP, "LOW_BIT": 16}, 16 if NGP >= 8192 else 8, None, ("NG",)),
+                      "k": "i32"}, {"NGP": NGP, "KP": KP, "LOW_BIT": 16}, topk._threshold_warps(NGP), None, ("NG",)),
         compile_sm90("top-k gather", topk._gather_kernel,
                      row | {"glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32"} | candidates
                      | {"L": "i32", "NGP": "i32", "SEG": "i32"},
-                     {"HAS_LENGTHS": False, "P": P, "GS": GS, "LOW_BIT": 16, "GATHER": max(min(tile, 2048), GS)}, 4,
-                     None, ("L", "NGP", "SEG")),
+                     {"HAS_LENGTHS": False, "P": P, "SPAN": span, "CG": CG, "GS": GS,
+                      "LOW_BIT": 16}, 4, None, ("L", "NGP", "SEG")),
         compile_sm90("top-k select", topk._select_kernel,
                      row | {"thr_ptr": "*u32"} | candidates | {"out_ptr": "*i32", "L": "i32", "SEG": "i32", "k": "i32"},
-                     {"HAS_LENGTHS": False, "DIRECT": False, "P": P, "LOW_BIT": 16, "TILE": tile,
-                      "KP": triton.next_power_of_2(k)}, 8, None, ("L", "SEG")),
+                     {"HAS_LENGTHS": False, "DIRECT": False, "P": P, "PP": triton.next_power_of_2(P), "LOW_BIT": 16,
+                      "TILE": topk._select_tile(k), "KP": KP}, 8, None, ("L", "SEG")),
     ]  # fmt: skip
 
 

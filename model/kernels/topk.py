@@ -10,27 +10,30 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
 2. Threshold (a kernel, one program per row): T = the k-th largest group maximum. k groups reach T, so the k-th
    largest score is ≥ T; and a score ≥ T lies in a group whose maximum is ≥ T — about k groups on ordinary rows, and
    never more than k·GS scores whatever the row (ties at T aside). The passing groups' ids are listed, ascending.
-3. Gather (a kernel, P programs per row): program p reads the p-th slice of that list and appends every score ≥ T
-   of its groups, in position order, to its own segment of the row's candidate buffer.
-4. Select (a kernel, one program per row): exact radix select among the candidates, the P segments read in order
-   (bitwise search for the k-th key; keys equal to it are taken in position order, so ties go to the lowest
-   positions), held in registers when they fit. The k-th key lies between T and the row's maximum key, so it has
-   every bit those two share: the search starts below them (8 steps instead of 16 on Gaussian bf16 rows of 64 K–1 M
-   at k = 512). The candidates are in position order, so the chosen ones are written sorted. A row whose candidates
-   overflow a segment (adversarial ties) is selected the same way straight from its scores.
+   T is bisected (`_bisect`) between a cheap lower bound and the largest maximum.
+3. Gather (a kernel, P programs per row, one pass each by default): program p takes the p-th span of that list
+   and writes every score ≥ T of its groups, in position order, to its own segment of the row's candidate buffer.
+   The programs cover k + k/4 + 8 passing groups; a row with more (ties at T) is selected from its scores.
+4. Select (a kernel, one program per row): exact select among the candidates, the P segments read in order, held
+   in registers when they fit: the k-th largest key is bisected between T and the row's maximum key (7 halvings on
+   Gaussian bf16 rows of 64 K–1 M at k = 512), and keys equal to it are taken in position order, so ties go to the
+   lowest positions. The candidates are in position order, so the chosen ones are written sorted. A row whose
+   candidates overflow a segment (adversarial ties) is selected the same way straight from its scores.
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
-Where a row's time went on the H200 with one program doing 2–4 (clock64 stamps, docs/benchmarks.md): the serial
-gather 50–80 %, each search 2–5 µs; hence the gather's own kernel with P programs per row, whose loads overlap.
+Where the time goes at 256 × 64 K on the H200 (torch.profiler, 2026-11-30, sixth session): group maxima 11.8 µs
+(the scores' bandwidth), threshold 6.4, gather 9.9, select 4.7 — the last three chains of block-wide sums and
+dependent loads, which is why their steps are counted and cut (`_search_range`, one pass per gathering program).
+Measured and dropped there: a 4-ary search (three pivots counted in one int64 sum: threshold 7.7, select 5.0 µs —
+an int64 sum costs more than two int32 ones), a register cap on the gather for more programs per SM (no change),
+and the select reading the passing groups' scores itself, no gather kernel (16 K items in registers: 62 µs).
 """
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from model.kernels.formats import multiprocessors
 
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
@@ -59,8 +62,10 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 
 # ---------------------------------------------------------------------------------------------- Triton
 
-_TILE = 4096  # items the select kernel holds in registers (a short row, or the candidates); the group-max tile
-_MAX_GROUPS = 16384  # group maxima per row that the threshold kernel holds in registers at once
+_TILE = 4096  # items the select kernel holds in registers (a short row); the group-max tile
+_MAX_GROUPS = 8192  # group maxima per row that the threshold kernel holds in registers at once
+_GATHER = 2048  # scores per gathering program's pass, by default (`_gather_scores`)
+_MAX_SEGMENTS = 32  # gathering programs per row at most (the select kernel maps its items to their segments)
 
 
 @triton.jit
@@ -68,7 +73,7 @@ def _order_key(x, valid, LOW_BIT: tl.constexpr):
     """Score → uint32 whose unsigned order is the float order (−0 = +0); 0 marks an entry that cannot be chosen.
 
     Bits below LOW_BIT are cleared: a bf16/fp16 score widened to fp32 has zeros there, but a negative score's key
-    is its inverted bits (ones there), and the radix searches, which stop at LOW_BIT, must see equal scores as equal
+    is its inverted bits (ones there), and the searches, which stop at LOW_BIT, must see equal scores as equal
     keys for the tie cut to work."""
     x = x.to(tl.float32)
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
@@ -92,39 +97,45 @@ def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key(keys, k, LOW_BIT: tl.constexpr):
-    """Bitwise radix search: the largest T with #(keys ≥ T) ≥ k (k ≥ 1), the k-th largest key (bits below LOW_BIT
-    are zero in every key)."""
-    return _radix_search(keys, k, tl.zeros((), dtype=tl.uint32), tl.full((), 1 << 31, tl.uint32), 32 - LOW_BIT)
+def _search_range(lo, hi, LOW_BIT: tl.constexpr):
+    """The k-th largest key T is known to lie in [lo, hi] → that range in units of 2^LOW_BIT, [a, b], and how many
+    halvings (`_halve`) narrow it to T. Bisecting the range itself, not T's bits one by one, takes log2 of its
+    width: on Gaussian bf16 rows ≈ 8 halvings for the group threshold and 7 for the select instead of 16 and 8."""
+    a = lo >> LOW_BIT  # still ≤ T, whose low bits are zero
+    b = tl.maximum(hi >> LOW_BIT, a)  # hi < lo only where nothing is selectable (k = 0): any key serves
+    return a, b, _highest_bit(b - a) + 1
 
 
 @triton.jit
-def _radix_search(keys, k, threshold, step, steps):
-    """Sets the bits step, step / 2, … (`steps` of them) of threshold, each where ≥ k keys stay at or above it."""
-    for _bit in range(steps):
-        trial = threshold | step
-        threshold = tl.where(tl.sum((keys >= trial).to(tl.int32), axis=0) >= k, trial, threshold)
-        step = step >> 1
-    return threshold
+def _midpoint(a, b):
+    """The upper middle of [a, b] (a ≤ b, no overflow for any uint32 pair)."""
+    return a + ((b - a) >> 1) + ((b - a) & 1)
+
+
+@triton.jit
+def _halve(a, b, mid, count, k):
+    """[a, b] → its half holding T, given count = #(keys ≥ mid): T ≥ mid iff count ≥ k. [a, a] stays (count ≥ k
+    holds at a throughout)."""
+    return tl.where(count >= k, mid, a), tl.where(count >= k, b, mid - 1)
+
+
+@triton.jit
+def _bisect(keys, k, lo, hi, LOW_BIT: tl.constexpr):
+    """The largest T in [lo, hi] with #(keys ≥ T) ≥ k: the k-th largest key (k ≥ 1, or k = 0: some key), given
+    that it lies in [lo, hi]; bits below LOW_BIT are zero in every key. One block-wide count per halving."""
+    a, b, steps = _search_range(lo, hi, LOW_BIT)
+    for _step in range(steps):
+        mid = _midpoint(a, b)
+        a, b = _halve(a, b, mid, tl.sum((keys >= (mid << LOW_BIT)).to(tl.int32), axis=0), k)
+    return a << LOW_BIT
 
 
 @triton.jit
 def _highest_bit(x):
-    """floor(log2(x)) for x ≥ 1, or one more (fp32 may round x up to the next power of two: one harmless extra radix
-    step), at most 31; −1 for x = 0."""
+    """floor(log2(x)) for x ≥ 1, or one more (fp32 may round x up to the next power of two: one harmless extra
+    halving), at most 31; −1 for x = 0."""
     exponent = ((x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 255) - 127
     return tl.where(x == 0, -1, tl.minimum(exponent, 31))
-
-
-@triton.jit
-def _shared_prefix(lo, hi, LOW_BIT: tl.constexpr):
-    """Where the search for the k-th largest key T, known to lie in [lo, hi], starts: every value in that range has
-    the bits where lo and hi agree, so T has them too → (those bits, the first bit to try, how many bits remain)."""
-    lo = lo >> LOW_BIT << LOW_BIT  # still ≤ T, whose low bits are zero
-    top = _highest_bit(lo ^ hi)
-    step = tl.full((), 1, tl.uint32) << tl.maximum(top, 0).to(tl.uint32)
-    prefix = lo - (lo & (step - 1))  # lo's bits above `top` (its bit `top` is 0: lo < hi, and they differ there)
-    return prefix, step, tl.maximum(top - LOW_BIT + 1, 0)
 
 
 @triton.jit
@@ -142,17 +153,25 @@ def _group_max_kernel(
 
 @triton.jit
 def _threshold_kernel(
-    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k, NGP: tl.constexpr, LOW_BIT: tl.constexpr,
+    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k,
+    NGP: tl.constexpr, KP: tl.constexpr, LOW_BIT: tl.constexpr,
 ):  # fmt: skip
     """Row r's candidate threshold T and the ids of the groups that reach it, ascending.
 
     T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
-    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read."""
+    score ≥ T lies in a group whose maximum is ≥ T — about k of them on ordinary rows. Only those groups are read.
+    T is bisected between the largest maximum and a lower bound: the least of the maxima of KP ≥ k disjoint
+    subsets (strided, so that a row whose scores trend with position still gives a tight bound) — KP maxima reach
+    it, so the k-th largest does."""
     r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NGP)
     gmax = tl.load(gmax_ptr + r * NG + g, mask=g < NG, other=0)
-    occupied = tl.sum((gmax > 0).to(tl.int32), axis=0)
-    threshold = tl.where(occupied > k, _kth_largest_key(gmax, k, LOW_BIT), 1)  # 1: every selectable score
+    if NGP >= KP:
+        lo = tl.min(tl.max(tl.reshape(gmax, (NGP // KP, KP)), axis=0), axis=0)
+    else:  # fewer groups than k: the bisection stays at 0
+        lo = tl.zeros((), dtype=tl.uint32)
+    # fewer than k selectable groups: their k-th largest maximum is 0, and T = 1 passes every selectable score
+    threshold = tl.maximum(_bisect(gmax, k, lo, tl.max(gmax, axis=0), LOW_BIT), 1)
     passed = gmax >= threshold
     tl.store(glist_ptr + r * NGP + tl.cumsum(passed.to(tl.int32), axis=0) - 1, g, mask=passed)
     tl.store(thr_ptr + r, threshold)
@@ -160,41 +179,60 @@ def _threshold_kernel(
 
 
 @triton.jit
+def _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start, last, n, SEG,
+                 CG: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr):  # fmt: skip
+    """Passing groups start … start + CG − 1 (those before `last`): their scores ≥ T appended, in position order,
+    after the segment's first n candidates → the new count. [groups, positions] throughout: the slots are a scan
+    over the groups' counts and one inside each group (a scan over the flattened scores, and the reshapes to it,
+    cost more than the loads)."""
+    i = start + tl.arange(0, CG)
+    group = tl.load(glist_row + i, mask=i < last, other=0)
+    pos = group[:, None] * GS + tl.arange(0, GS)[None, :]
+    ok = (i < last)[:, None] & (pos < length)
+    key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf")), ok, LOW_BIT)
+    keep = (key >= threshold).to(tl.int32)
+    per_group = tl.sum(keep, axis=1)
+    slot = n + (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(keep, axis=1) - 1
+    stored = (keep > 0) & (slot < SEG)
+    tl.store(ckey_seg + slot, key, mask=stored)
+    tl.store(cpos_seg + slot, pos, mask=stored)
+    return n + tl.sum(per_group, axis=0)
+
+
+@triton.jit
 def _gather_kernel(
     x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
-    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, GATHER: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, SPAN: tl.constexpr, CG: tl.constexpr, GS: tl.constexpr,
+    LOW_BIT: tl.constexpr,
 ):  # fmt: skip
-    """Program (r, p) reads the p-th of P equal slices of row r's passing groups and appends their scores ≥ T, in
-    position order, to segment p of the row's candidate buffer (SEG slots) → count[r, p] (> SEG: it overflowed).
+    """Program (r, p) takes row r's passing groups p·SPAN … (p + 1)·SPAN − 1 (in list order: ascending), CG per
+    pass, and writes their scores ≥ T, in position order, to segment p of the row's candidate buffer (SEG slots)
+    → count[r, p]. The P programs of a row cover P·SPAN passing groups; a row with more (ties at T), or a segment
+    with more candidates than slots, is marked overflowing (a count above SEG) and selected from its scores.
 
-    One program per row gathered serially before (≈ 3 µs per chunk, 50–80 % of a row's select time on the H200);
-    P small programs per row overlap their loads."""
+    By default SPAN ≤ CG: one pass per program, with no loop (a loop costs registers, so fewer programs per SM).
+    Programs that looped over their share of the groups paid a chain of dependent loads and scans per pass
+    (≈ 2–3 µs each on the H200), and one program per row gathering all of them 50–80 % of the row's select time."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
-    x_row, segment = x_ptr + r * L, r * P + p
-    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
-    threshold = tl.load(thr_ptr + r)
+    segment = r * P + p
+    x_row, glist_row = x_ptr + r * L, glist_ptr + r * NGP
+    ckey_seg, cpos_seg = ckey_ptr + segment * SEG, cpos_ptr + segment * SEG
     n_groups = tl.load(ngroups_ptr + r)
-    span = tl.cdiv(n_groups, P)
-    first = p * span
-    last = tl.minimum(first + span, n_groups)
+    first = p * SPAN
+    last = tl.minimum(first + SPAN, n_groups)
+    threshold = tl.load(thr_ptr + r)
+    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     n = 0
-    if n_groups <= P * SEG:  # each passing group holds at least one candidate: more groups than slots overflow anyway
-        CG: tl.constexpr = GATHER // GS
-        for start in range(first, last, CG):
-            i = start + tl.arange(0, CG)
-            group = tl.load(glist_ptr + r * NGP + i, mask=i < last, other=0)
-            pos = tl.reshape(group[:, None] * GS + tl.arange(0, GS)[None, :], (GATHER,))
-            ok = tl.reshape(tl.broadcast_to((i < last)[:, None], (CG, GS)), (GATHER,)) & (pos < length)
-            key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf")), ok, LOW_BIT)
-            keep = key >= threshold
-            slot = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(ckey_ptr + segment * SEG + slot, key, mask=keep & (slot < SEG))
-            tl.store(cpos_ptr + segment * SEG + slot, pos, mask=keep & (slot < SEG))
-            n += tl.sum(keep.to(tl.int32), axis=0)
+    if SPAN <= CG:
+        if first < last:
+            n = _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, first, last, n, SEG, CG, GS,
+                             LOW_BIT)  # fmt: skip
     else:
-        n = SEG + 1
-    tl.store(count_ptr + segment, n)
+        for start in range(first, last, CG):
+            n = _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start, last, n, SEG, CG, GS,
+                             LOW_BIT)  # fmt: skip
+    tl.store(count_ptr + segment, tl.where((p == P - 1) & (n_groups > P * SPAN), SEG + 1, n))
 
 
 @triton.jit
@@ -224,24 +262,31 @@ def _items(
 @triton.jit
 def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k):
     """Append the chosen items of one tile (in position order) to the output: keys above T, and the first
-    `missing` keys equal to T (the lowest positions); returns the updated (ties seen, written) counts."""
+    `missing` keys equal to T (the lowest positions); returns the updated (ties seen, written) counts.
+
+    One scan counts both kinds, packed as (above << 16) | tie (a tile holds fewer than 2^16 items): an item's slot
+    is the aboves and the chosen ties up to it."""
     tie = key == threshold
-    tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0)
-    chosen = (key > threshold) | (tie & (tie_rank <= missing))
-    slot = written + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    above = key > threshold
+    through = tl.cumsum((above.to(tl.int32) << 16) | tie.to(tl.int32), axis=0)
+    chosen_ties = tl.minimum(ties_before + (through & 0xFFFF), missing) - tl.minimum(ties_before, missing)
+    chosen = above | (tie & (ties_before + (through & 0xFFFF) <= missing))
+    slot = written + (through >> 16) + chosen_ties - 1
     tl.store(out_row + slot, pos, mask=chosen & (slot < k))  # never past the row, whatever the keys
-    return ties_before + tl.sum(tie.to(tl.int32), axis=0), written + tl.sum(chosen.to(tl.int32), axis=0)
+    total = tl.max(through, axis=0)  # the scan's last item
+    ties = ties_before + (total & 0xFFFF)
+    return ties, written + (total >> 16) + tl.minimum(ties, missing) - tl.minimum(ties_before, missing)
 
 
 @triton.jit
 def _select_kernel(
     x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k,
-    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, LOW_BIT: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, LOW_BIT: tl.constexpr,
     TILE: tl.constexpr, KP: tl.constexpr,
 ):  # fmt: skip
     """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
-    written in position order and −1 padded. The k-th largest key is searched below the bits that its bounds
-    share: every chosen key is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
+    written in position order and −1 padded. The k-th largest key is bisected between its bounds: every chosen key
+    is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
     r = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + r * L, out_ptr + r * k
     ckey_row, cpos_row, count_row = ckey_ptr + r * P * SEG, cpos_ptr + r * P * SEG, count_ptr + r * P
@@ -250,16 +295,17 @@ def _select_kernel(
     from_row = DIRECT
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
     if not DIRECT:
-        counts = tl.load(count_row + tl.arange(0, P))
+        counts = tl.load(count_row + tl.arange(0, PP), mask=tl.arange(0, PP) < P, other=0)  # PP: P padded
         from_row = tl.max(counts, axis=0) > SEG  # a segment overflowed (adversarial ties): select from the scores
         n = tl.where(from_row, length, tl.sum(counts, axis=0))
         lo = tl.where(from_row, 1, tl.load(thr_ptr + r))
 
     if n <= TILE:  # everything in registers
         key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, 0, from_row, P, SEG, TILE, LOW_BIT)
-        kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
-        prefix, step, steps = _shared_prefix(lo, tl.max(key, axis=0), LOW_BIT)
-        threshold = _radix_search(key, kk, prefix, step, steps)
+        kk = k  # above a threshold T > 1 lie at least k candidates: no count needed
+        if lo <= 1:
+            kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
+        threshold = _bisect(key, kk, lo, tl.max(key, axis=0), LOW_BIT)
         missing = kk - tl.sum((key > threshold).to(tl.int32), axis=0)
         _write_chosen(out_row, key, pos, threshold, missing, 0, 0, k)
     else:  # streamed in tiles: the same steps, each a pass over the items
@@ -271,16 +317,16 @@ def _select_kernel(
             selectable += tl.sum((key > 0).to(tl.int32), axis=0)
             hi = tl.maximum(hi, tl.max(key, axis=0))
         kk = tl.minimum(k, selectable)
-        threshold, step, steps = _shared_prefix(lo, hi, LOW_BIT)
-        for _bit in range(steps):
-            trial = threshold | step
+        a, b, steps = _search_range(lo, hi, LOW_BIT)
+        for _step in range(steps):
+            mid = _midpoint(a, b)
             count = 0
             for start in range(0, n, TILE):
                 key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
                                    LOW_BIT)  # fmt: skip
-                count += tl.sum((key >= trial).to(tl.int32), axis=0)
-            threshold = tl.where(count >= kk, trial, threshold)
-            step = step >> 1
+                count += tl.sum((key >= (mid << LOW_BIT)).to(tl.int32), axis=0)
+            a, b = _halve(a, b, mid, count, kk)
+        threshold = a << LOW_BIT
         above = 0
         for start in range(0, n, TILE):
             key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
@@ -297,7 +343,7 @@ def _select_kernel(
 
 def _low_bit(dtype: torch.dtype) -> int:
     """Low key bits without information: a bf16 / fp16 score widened to fp32 has 16 / 13 trailing zero bits (the
-    radix searches skip them; `_order_key` clears them)."""
+    searches skip them; `_order_key` clears them)."""
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
@@ -311,23 +357,44 @@ def _group_size(L: int, k: int, max_groups: int) -> int:
     return size
 
 
-def _select_shape(R: int, L: int) -> tuple[int, int]:
-    """(register tile, most groups) by default. With more rows than multiprocessors and rows of 32 K–256 K scores,
-    half the tile and 8 K groups (groups of 16 / 32 at 64 K / 256 K): on the H200 (tune-topk, 2026-11-30, fifth
-    session) 256 × 256 K took 0.107 ms against 0.117 with 4 K groups and 0.116 with the full tile and 16 K groups;
-    256 × 64 K 0.044 either way (groups of 16 at most 4 K: the floor), 0.047 with the full tile. With 256 rows of 1 M
-    the full tile is faster (0.275 against 0.314 with the half tile and 8 K groups). One row of 1 M took 0.034 with
-    the half tile and 8 K groups against 0.040 (not adopted: batch 1–6 was measured at that one shape only)."""
-    if multiprocessors() < R and 32_768 < L <= 262_144:
-        return _TILE // 2, 8192
-    return _TILE, _MAX_GROUPS
+def _threshold_warps(NGP: int) -> int:
+    """Warps of the threshold kernel, by group maxima per row. On the H200 (2026-11-30, sixth session): 4 warps take
+    8.0 µs at 4 K maxima (256 × 64 K) and 15.7 at 8 K (256 × 256 K) against 8.9 / 22.4 with 8 / 16; 16 K maxima (1 M
+    rows with `max_groups` 16 K) keep 16 warps (1 × 1 M 0.040 ms against 0.046 with 4; 6 × 1 M 0.044 against
+    0.049)."""
+    return 16 if NGP >= 16384 else 4
 
 
-def _gather_programs(R: int) -> int:
-    """Programs per row that gather candidates. On the H200: 8 while the rows leave SMs idle (1 × 1 M 0.064 →
-    0.040 ms, 6 × 1 M 0.067 → 0.044), 2 once more rows than SMs fill it (256 × 64 K / 256 K / 1 M: 0.0442 / 0.1165 /
-    0.2740 ms with 2, 0.0469 / 0.1199 / 0.2913 with 8, 0.0438 / 0.122 / 0.301 with the single select program)."""
-    return 2 if multiprocessors() < R else 8
+def _group_tile(L: int) -> int:
+    """Scores per group-max program: 8 K for rows of 256 K and more (H200, 2026-11-30, sixth session: 256 × 256 K
+    0.0764 ms against 0.0779 with 4 K, 256 × 1 M 0.240 against 0.253; 6 × 1 M the same), else 4 K (256 × 64 K 11.5 µs
+    against 13.0 with 8 K)."""
+    return 2 * _TILE if L >= 262_144 else _TILE
+
+
+def _gather_scores(GS: int) -> int:
+    """Scores per gathering pass: 2 K, or 4 K for groups of more than 64 (rows of 1 M; H200, 2026-11-30, sixth
+    session: 1 × 1 M 0.0189 ms against 0.0205 with 2 K, 256 × 1 M 0.221 against 0.230). One pass covers a program's
+    share of the passing groups wherever the programs do not hit `_MAX_SEGMENTS`: 64 K rows take 6 programs of 128
+    groups of 16, 256 K rows 11 of 64 × 32, 1 M rows 21 of 32 × 128 (k = 512)."""
+    return _GATHER if GS <= 64 else 2 * _GATHER
+
+
+def _gather_shape(k: int, GS: int, gather: int | None, covered_groups: int | None) -> tuple[int, int, int, int]:
+    """(passing groups per gathering pass CG, gathering programs per row P, passing groups per program, candidate
+    slots per segment). The programs cover k + k/4 + 8 passing groups by default (k reach T, and bf16 rows tie a
+    few more at it); a segment holds 2k candidates at most — all of a row's, ties at T aside."""
+    CG = max((gather or _gather_scores(GS)) // GS, 1)
+    covered = covered_groups or k + k // 4 + 8
+    P = min(triton.cdiv(covered, CG), _MAX_SEGMENTS)
+    span = triton.cdiv(covered, P)
+    return CG, P, span, min(span * GS, 2 * triton.next_power_of_2(k))
+
+
+def _select_tile(k: int) -> int:
+    """The select kernel's register tile on the group path: 2k candidates, at least 1 K (256 × 64 K 0.0366 ms
+    against 0.0378 with 2 K, 1 × 64 K 0.0150 against 0.0200; H200, sixth session), at most `_TILE`."""
+    return min(_TILE, max(1024, 2 * triton.next_power_of_2(k)))
 
 
 def topk_indices_triton(
@@ -336,24 +403,25 @@ def topk_indices_triton(
     lengths: Tensor | None,
     direct_max: int = _TILE,
     group_size: int | None = None,
-    capacity: int | None = None,
-    tile: int | None = None,
-    max_groups: int | None = None,
+    max_groups: int = _MAX_GROUPS,
+    group_tile: int | None = None,
+    threshold_warps: int | None = None,
     gather: int | None = None,
-    gather_programs: int | None = None,
-    num_warps: int | None = None,
+    covered_groups: int | None = None,
+    tile: int | None = None,
+    num_warps: int = 8,
 ) -> Tensor:
-    """Rows longer than `direct_max` take the group-max path with groups of `group_size` positions (a power of two;
-    default: at most `max_groups` groups); `gather_programs` programs per row (a power of two; by default from the
-    batch) gather the candidates, `gather` scores per step, into `capacity` slots per row (split evenly among them);
-    `tile` is the select kernel's register tile, `num_warps` the threshold and select kernels' warps. The defaults
-    suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes them."""
+    """The launch knobs (the defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes
+    them): rows longer than `direct_max` take the group path, with groups of `group_size` positions (a power of
+    two; default: at most `max_groups` groups), their maxima taken `group_tile` scores per program (default
+    `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather` scores per pass
+    of a gathering program (a power of two; default `_gather_scores`), whose programs — as many as cover one pass
+    each, at most `_MAX_SEGMENTS` — cover `covered_groups` passing groups per row (default k + k/4 + 8; a row with
+    more selects from its scores); the select kernel's register `tile` (default: a direct row whole, else
+    `_select_tile`) and `num_warps`."""
+    if gather is not None and (gather < 1 or gather & (gather - 1)):
+        raise ValueError(f"gather must be a power of two, got {gather}")
     R, L = scores.shape
-    default_tile, default_groups = _select_shape(R, L)
-    tile, max_groups = tile or default_tile, max_groups or default_groups
-    gather_programs = gather_programs or _gather_programs(R)
-    if gather_programs & (gather_programs - 1):
-        raise ValueError(f"gather_programs must be a power of two, got {gather_programs}")
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
     if R == 0 or k == 0:
@@ -361,13 +429,13 @@ def topk_indices_triton(
     x = scores.contiguous()
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
-    KP, low_bit, P = triton.next_power_of_2(k), _low_bit(scores.dtype), gather_programs
+    KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
     direct = scores.shape[1] <= direct_max
+    tile = tile or (_TILE if direct else _select_tile(k))
     GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
     NG = triton.cdiv(L, GS)
     NGP = 1 if direct else triton.next_power_of_2(NG)
-    SEG = 0 if direct else triton.cdiv(capacity or max(2 * tile, 4 * KP), P)  # candidate slots per segment
-    gather = max(gather or min(tile, 2048), GS)
+    CG, P, span, SEG = (1, 1, 1, 1) if direct else _gather_shape(k, GS, gather, covered_groups)
 
     def per_row(*shape: int, dtype: torch.dtype) -> Tensor:
         """A buffer of the group path (nothing for direct rows)."""
@@ -377,15 +445,16 @@ def topk_indices_triton(
     threshold, n_groups = per_row(dtype=torch.uint32), per_row(dtype=torch.int32)
     ckey, cpos = per_row(P * SEG, dtype=torch.uint32), per_row(P * SEG, dtype=torch.int32)
     counts = per_row(P, dtype=torch.int32)
-    warps = num_warps or (16 if NGP >= 8192 else 8)
     if not direct:
-        group_tile = max(tile, GS)
+        group_tile = max(group_tile or _group_tile(L), GS)
         tiles = triton.cdiv(L, group_tile)
         _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
                                         num_warps=4)  # fmt: skip
-        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, low_bit, num_warps=warps)
+        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, KP, low_bit,
+                                num_warps=threshold_warps or _threshold_warps(NGP))  # fmt: skip
         _gather_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG,
-                               has_lengths, P, GS, low_bit, gather, num_warps=4)  # fmt: skip
+                               has_lengths, P, span, CG, GS, low_bit, num_warps=4)  # fmt: skip
     _select_kernel[(R,)](x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k,
-                         has_lengths, direct, P, low_bit, tile, KP, num_warps=num_warps or 8)  # fmt: skip
+                         has_lengths, direct, P, triton.next_power_of_2(P), low_bit, tile, KP,
+                         num_warps=num_warps)  # fmt: skip
     return out

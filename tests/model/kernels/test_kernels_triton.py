@@ -139,7 +139,8 @@ DIRECT = {}  # one program per row, the row in registers
 DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tiles
 GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
 GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
-OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many candidates: select from the row
+OVERFLOW = {"direct_max": 64, "group_size": 16, "gather": 16, "covered_groups": 1}  # more passing groups than the
+# gathering programs cover: select from the row
 
 
 @pytest.mark.parametrize(
@@ -154,9 +155,9 @@ OVERFLOW = {"direct_max": 64, "group_size": 16, "capacity": 16}  # too many cand
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
         (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: more rows than the interpreter's one "SM" → half tile
-        (3, 300, 8, torch.float32, {**GROUPS, "gather_programs": 1}),  # one gathering program per row
-        (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather_programs": 32}),  # more programs than passing groups
-        (2, 300, 8, torch.float32, {**GROUPS, "capacity": 64, "gather_programs": 2}),  # full-ish segments
+        (3, 300, 8, torch.float32, {**GROUPS, "gather": 4096}),  # one gathering program per row
+        (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather": 32}),  # a few passing groups per gathering program
+        (2, 300, 8, torch.float32, {**GROUPS, "gather": 1, "covered_groups": 100}),  # programs with no group
     ],
 )
 def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
@@ -173,8 +174,8 @@ def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
         assert torch.equal(topk_indices_triton(scores, k, lengths, **paths), lowest_position_topk(scores, k, lengths))
 
 
-def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """Rows whose k-th key sits where the shared-prefix search could go wrong: bounds equal (all tied), bounds a few
+def search_edge_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Rows whose k-th key sits where a search between bounds could go wrong: bounds equal (all tied), bounds a few
     representable values apart, a binade boundary between them, the sign between them, every score negative."""
     L = 120
     near = 1.0 + torch.randint(0, 6, (L,), generator=g) / 64
@@ -186,22 +187,22 @@ def shared_prefix_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
-def test_topk_search_below_the_shared_prefix(paths: dict[str, int], dtype: torch.dtype) -> None:
-    scores = shared_prefix_rows(generator(5), dtype)
+def test_topk_search_range_edges(paths: dict[str, int], dtype: torch.dtype) -> None:
+    scores = search_edge_rows(generator(5), dtype)
     for k in (30,) if "tile" in paths else (1, 30, 61):  # the streamed paths are slow in the interpreter: one k
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
 
 
-def test_topk_names_a_bad_gather_program_count() -> None:
-    with pytest.raises(ValueError, match="gather_programs"):
-        topk_indices_triton(torch.zeros(1, 100), 4, None, gather_programs=3)
+def test_topk_names_a_bad_gather_size() -> None:
+    with pytest.raises(ValueError, match="gather"):
+        topk_indices_triton(torch.zeros(1, 100), 4, None, gather=3)
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
     scores = torch.zeros(3, 130, dtype=torch.bfloat16)
     scores[1, ::3] = 1.0
     scores[2, 40:] = float("-inf")
-    for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "capacity": 32}):
+    for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "gather": 16, "covered_groups": 2}):
         got = topk_indices_triton(scores, 10, None, **paths)
         assert got[0].tolist() == list(range(10))
         assert got[1].tolist() == list(range(0, 30, 3))
