@@ -1,4 +1,4 @@
-"""The local mesh as child processes: a cache, prefill and decode replicas and a gateway on loopback ports.
+"""The local mesh as child processes: a cache, prefill and decode replicas and gateways on loopback ports.
 
 `Mesh` starts them (each `python -m <package> serve ...`, logging to DATA_DIR/logs/<name>.log), waits until every
 one answers its health check (gRPC health for the services, GET /health for the gateway), and stops them in
@@ -46,6 +46,9 @@ class MeshSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     prefill_replicas: int = 1
     decode_replicas: int = 1
+    # Gateways in front of the same replicas, as a load balancer would spread clients over them; the first keeps
+    # `port` (when given), the others get free ports.
+    gateway_replicas: int = 1
     api_key: str = ""
     cache_args: Sequence[str] = ()
     prefill_args: Sequence[str] = ()
@@ -191,9 +194,12 @@ class Child:
 
 
 class Mesh:
-    """A local mesh: `start()`, use `base_url`, `stop()` (or `with Mesh(spec) as mesh:`)."""
+    """A local mesh: `start()`, use `base_url` (or `base_urls`, one per gateway), `stop()` (or `with Mesh(spec) as
+    mesh:`)."""
 
     def __init__(self, spec: MeshSpec, on_event: Callable[[str], None] = lambda line: None) -> None:
+        if spec.gateway_replicas < 1:
+            raise MeshError(f"gateway_replicas must be at least 1, not {spec.gateway_replicas}")
         self.spec = spec
         self.on_event = on_event
         self.data_dir = Path(spec.data_dir).expanduser().resolve()
@@ -227,16 +233,28 @@ class Mesh:
                 name = f"{role}-{index}"
                 healthy = functools.partial(grpc_serving, address)
                 self.children.append(Child(name, argv, address, healthy, self.logs / f"{name}.log", metrics))
-        port = spec.port or free_port(host)
-        self.base_url = f"http://{host}:{port}"
-        self.grpc_address = f"{host}:{free_port(host)}"
-        argv = [*py, "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
-                self.grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
-                "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
-        url, counts = self.base_url, (spec.prefill_replicas, spec.decode_replicas, 1)
-        healthy = functools.partial(gateway_sees, url, *counts)
-        self.children.append(Child("gateway", argv, url, healthy, self.logs / "gateway.log", f"{url}/metrics"))
+        self.base_urls: list[str] = []  # every gateway's, in order; base_url is the first
+        self.grpc_addresses: list[str] = []
+        for index in range(spec.gateway_replicas):
+            self.children.append(self._gateway(index, workers, cache_address))
+        self.base_url = self.base_urls[0]
+        self.grpc_address = self.grpc_addresses[0]
         self._env = self._environment()
+
+    def _gateway(self, index: int, workers: dict[str, list[str]], cache_address: str) -> Child:
+        """Gateway `index` over every replica; the first keeps `spec.port` (when given), the others get free ports."""
+        spec, host = self.spec, self.spec.host
+        port = (spec.port if index == 0 else 0) or free_port(host)
+        url, grpc_address = f"http://{host}:{port}", f"{host}:{free_port(host)}"
+        self.base_urls.append(url)
+        self.grpc_addresses.append(grpc_address)
+        argv = [sys.executable, "-m", "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
+                grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
+                "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
+        # One gateway keeps the name it always had; several are numbered like the replicas.
+        name = "gateway" if spec.gateway_replicas == 1 else f"gateway-{index}"
+        healthy = functools.partial(gateway_sees, url, spec.prefill_replicas, spec.decode_replicas, 1)
+        return Child(name, argv, url, healthy, self.logs / f"{name}.log", f"{url}/metrics")
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -300,6 +318,8 @@ class Mesh:
         state = {
             "base_url": self.base_url,
             "grpc": self.grpc_address,
+            "base_urls": self.base_urls,
+            "grpc_addresses": self.grpc_addresses,
             "model": self.spec.model,
             "children": {
                 c.name: {"pid": c.pid, "address": c.address, "metrics": c.metrics, "log": str(c.log)}

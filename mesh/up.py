@@ -36,6 +36,7 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: the cache's SSD tier, logs and mesh.json live here (kept between runs: prefixes stay cached)
     prefill_replicas: prefill processes
     decode_replicas: decode processes
+    gateway_replicas: gateway processes in front of the same replicas (the first on --port, the others on free ports)
     api_key: require this key from API clients
     cache_args: extra flags for the cache, as one shell-quoted string
     prefill_args: extra flags for every prefill replica
@@ -50,6 +51,7 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_dir: str = DEFAULT_DATA_DIR
     prefill_replicas: Count = 1
     decode_replicas: Count = 1
+    gateway_replicas: Count = 1
     api_key: str = ""
     cache_args: str = ""
     prefill_args: str = ""
@@ -66,6 +68,7 @@ def spec_of(cfg: UpConfig) -> MeshSpec:
         port=cfg.port,
         prefill_replicas=cfg.prefill_replicas,
         decode_replicas=cfg.decode_replicas,
+        gateway_replicas=cfg.gateway_replicas,
         api_key=cfg.api_key,
         cache_args=shlex.split(cfg.cache_args),
         prefill_args=shlex.split(cfg.prefill_args),
@@ -109,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     except MeshError as exc:
         say(f"the mesh could not start: {exc}")
         return 1
-    say(f"\nv41mesh is up: {mesh.base_url}/v1   (gRPC gateway.v1.Gateway at {mesh.grpc_address})")
+    say("")
+    for url, grpc_address in zip(mesh.base_urls, mesh.grpc_addresses, strict=True):
+        say(f"v41mesh is up: {url}/v1   (gRPC gateway.v1.Gateway at {grpc_address})")
     say(f"  try: python -m mesh demo --base-url {mesh.base_url}\n  Ctrl-C stops it.")
     print(mesh.base_url, flush=True)
     status = watch(mesh, stop, cfg.max_restarts)
