@@ -482,6 +482,34 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
             yield from tune("tune topk", f"R={R} L={L} {kind} {variant or 'default'}", fn, want, R * L * 2)
 
 
+def kernel_device_us(fn: Callable[[], object], calls: int = 20) -> dict[str, float]:
+    """Device microseconds per call of fn in each CUDA kernel it launches, by kernel name (torch.profiler over
+    `calls` calls after one warm-up); nothing on the CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def topk_phases(tiny: bool) -> Iterator[Row]:
+    """Where a top-k call's time goes: each of its kernels' device time per call (extra `µs <kernel>`; none on the
+    CPU) beside the whole call's median, at the issue's batch-256 shapes and one row of 1 M."""
+    k = 16 if tiny else 512
+    shapes = [(2, 8192)] if tiny else [(256, 65_536), (256, 262_144), (256, 1_048_576), (1, 1_048_576)]
+    for R, L in shapes:
+        call = functools.partial(topk.topk_indices_triton, randn(R, L, dtype=torch.bfloat16), k, None)
+        phases = {f"µs {name.strip('_').removesuffix('_kernel')}": us for name, us in kernel_device_us(call).items()}
+        yield Row("topk phases", f"R={R} L={L} k={k} bf16", median_ms(call), "", None, R * L * 2, {"R": R, "L": L},
+                  phases)  # fmt: skip
+
+
 def tune_attention(tiny: bool) -> Iterator[Row]:
     """Launch shapes of sparse attention at batch 1, 8 and 64: heads per program, keys per tile, warps, and (the
     default shape) fewer key-range splits than `sparse_attn._splits` picks."""
@@ -645,6 +673,7 @@ SECTIONS: dict[str, Callable[[bool], Iterator[Row]]] = {
     "attention-64": lambda tiny: bench_attention(64 if not tiny else 2, tiny),
     "attention-256": lambda tiny: bench_attention(256 if not tiny else 3, tiny),
     "tune-topk": tune_topk,
+    "topk-phases": topk_phases,
     "tune-attention": tune_attention,
     "tune-indexer": tune_indexer,
     "tune-quant": tune_quantisers,
@@ -721,6 +750,9 @@ def print_table(rows: list[Row], copy: float) -> None:
         peer_ms = f"{r.peer_ms:9.4f}" if r.peer_ms else "        –"
         gbs = f"{bandwidth / 1e9:8.0f} {100 * bandwidth / copy:6.1f}%" if bandwidth else f"{'–':>8} {'–':>7}"
         print(f"{r.kernel:<20} {r.shape:<44} {r.ours_ms or 0:9.4f} {gbs} {r.peer:<16} {peer_ms} {speedup}")
+        phases = {key.removeprefix("µs "): us for key, us in r.extra.items() if key.startswith("µs ")}
+        if phases:
+            print(f"{'':<20}   µs per call: " + ", ".join(f"{name} {us:.1f}" for name, us in phases.items()))
         if r.extra.get("same_as_default") == 0.0:
             print(f"{'':<20}   ^ its output DIFFERS from the default launch shape's", flush=True)
         for key, label in (("dense_sdpa_ms", "dense SDPA"), ("dense_floor_ms", "dense floor")):
