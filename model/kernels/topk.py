@@ -62,7 +62,7 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 
 # ---------------------------------------------------------------------------------------------- Triton
 
-_TILE = 4096  # items the select kernel holds in registers (a short row); the group-max tile
+_TILE = 4096  # scores of a short row, held in the select kernel's registers; a group-max program's (`_group_tile`)
 _MAX_GROUPS = 8192  # group maxima per row that the threshold kernel holds in registers at once
 _GATHER = 2048  # scores per gathering program's pass, by default (`_gather_scores`)
 _MAX_SEGMENTS = 32  # gathering programs per row at most (the select kernel maps its items to their segments)
