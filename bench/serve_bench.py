@@ -2,6 +2,7 @@
 
     python bench/serve_bench.py [--model tiny] [--sessions 6] [--calls 12] [--max-tokens 16] [--concurrency 8]
                                 [--configs ours,no-reuse,no-dspark] [--out bench/out/serve_bench.json]
+    python bench/serve_bench.py --configs ours,two-gateways --sessions 3 --calls 8
 
 Replays the agent sessions of ../shared/data/agent-traces/{miniswe,taubench}/ through the gateway with the real
 `openai` SDK (streamed Chat Completions, greedy, thinking off): sessions start in timestamp order, `--concurrency`
@@ -12,14 +13,18 @@ earlier ones. A session is cut at its first call that does not fit the model's c
 Each configuration runs on a fresh mesh (`mesh.processes.Mesh`, same machine, same data):
 - ours: prefix reuse on, DSpark on (the defaults);
 - no-reuse: the gateway gives every request its own cache salt (`--no-prefix-reuse`), so nothing is reused;
-- no-dspark: decode without speculation (`--no-speculation`).
+- no-dspark: decode without speculation (`--no-speculation`);
+- two-gateways (only when asked for in --configs): ours with two gateways over the same replicas, call i of every
+  session sent to gateway i mod 2 — a load balancer without stickiness, the worst case for the write-back wait,
+  which only the gateway that served the previous turn knows (docs/gateway.md, "Routing").
 
 Reported per configuration: TTFT and ITL (gap between streamed chunks) p50/p99, TPOT, output tokens/s over the run,
-the cached share of prompt tokens, bounded replays, DSpark acceptance (accepted / proposed drafts) and tokens per
-decode step, errors; and decode's share of a TTFT, from the decode replica's metrics: the mean wait before the engine
-takes a prompt in (its running step), the mean join (restore + decoder bounded replay, one forward for the prompts of
-an iteration), prompts per join, and the mean step. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output
-tokens/s ours / no-dspark.
+the cached share of prompt tokens, bounded replays, write-back waits (turns that waited for their previous turn's
+write-back, all gateways), DSpark acceptance (accepted / proposed drafts) and tokens per decode step, errors; and
+decode's share of a TTFT, from the decode replica's metrics: the mean wait before the engine takes a prompt in (its
+running step), the mean join (restore + decoder bounded replay, one forward for the prompts of an iteration), prompts
+per join, and the mean step. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output tokens/s ours / no-dspark, TTFT
+p50 two-gateways / ours.
 """
 
 from __future__ import annotations
@@ -51,11 +56,24 @@ from recipe import convert, load_tokenizer, render  # noqa: E402
 
 TRACES = ROOT.parent / "shared/data/agent-traces"
 MODEL_NAME = "DeepSeek-V4.1-Flash"
-CONFIGS: dict[str, dict[str, list[str]]] = {
-    "ours": {},
-    "no-reuse": {"gateway_args": ["--no-prefix-reuse"]},
-    "no-dspark": {"decode_args": ["--no-speculation"]},
+
+
+@dataclass(frozen=True)
+class Config:
+    """How a configuration's mesh differs from ours."""
+
+    gateway_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    gateways: int = 1  # call i of a session goes to gateway i mod gateways
+
+
+CONFIGS = {
+    "ours": Config(),
+    "no-reuse": Config(gateway_args=("--no-prefix-reuse",)),
+    "no-dspark": Config(decode_args=("--no-speculation",)),
+    "two-gateways": Config(gateways=2),
 }
+DEFAULT_CONFIGS = ("ours", "no-reuse", "no-dspark")
 console = Console(width=160)
 
 
@@ -139,10 +157,13 @@ async def one_call(client: Any, session: str, text: str, max_tokens: int) -> Cal
     return result
 
 
-async def replay(base_url: str, sessions: list[Session], concurrency: int, max_tokens: int) -> tuple[list, float]:
+async def replay(
+    base_urls: list[str], sessions: list[Session], concurrency: int, max_tokens: int
+) -> tuple[list, float]:
+    """Every session's calls in order, call i through gateway i mod len(base_urls)."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=3600)
+    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600) for url in base_urls]
     queue: asyncio.Queue[Session] = asyncio.Queue()
     for session in sessions:
         queue.put_nowait(session)
@@ -152,14 +173,16 @@ async def replay(base_url: str, sessions: list[Session], concurrency: int, max_t
     async def worker() -> None:
         while not queue.empty():
             session = queue.get_nowait()
-            for text in session.inputs:
+            for index, text in enumerate(session.inputs):
+                client = clients[index % len(clients)]
                 results.append(await one_call(client, session.name, text, max_tokens))
                 progress.update()
 
     started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     progress.close()
-    await client.close()
+    for client in clients:
+        await client.close()
     return results, time.monotonic() - started
 
 
@@ -177,9 +200,12 @@ def scrape(metrics_url: str, prefix: str) -> dict[str, float]:
 
 
 def mesh_counters(mesh: Mesh) -> dict[str, float]:
-    """The gateway's counters, and the decode replica's as `decode.<name>`."""
-    decode = scrape(mesh.child("decode-0").metrics, "v41mesh_decode_")
-    return {**scrape(mesh.base_url + "/metrics", "v41mesh_gateway_"), **{f"decode.{k}": v for k, v in decode.items()}}
+    """The gateways' counters (summed), and the decode replica's as `decode.<name>`."""
+    totals = {f"decode.{k}": v for k, v in scrape(mesh.child("decode-0").metrics, "v41mesh_decode_").items()}
+    for url in mesh.base_urls:
+        for name, value in scrape(url + "/metrics", "v41mesh_gateway_").items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -212,6 +238,7 @@ def summarise(results: list[CallResult], wall_s: float, counters: dict[str, floa
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "bounded_replays": counters.get("bounded_replays", 0.0),
+        "writeback_waits": counters.get("writeback_waits", 0.0),
         "fallbacks": counters.get("fallbacks", 0.0),
         "retries": counters.get("retries", 0.0),
         "prefill_mean_s": counters["prefill_seconds_sum"] / counters["prefill_seconds_count"]
@@ -236,22 +263,26 @@ def mean(counters: dict[str, float], histogram: str) -> float | None:
 
 
 def run_config(name: str, args: argparse.Namespace, sessions: list[Session]) -> dict[str, Any]:
-    extra = CONFIGS[name]
+    config = CONFIGS[name]
     with tempfile.TemporaryDirectory(prefix=f"serve-bench-{name}-") as data_dir:
         spec = MeshSpec(
             model=args.model,
             data_dir=Path(data_dir),
-            gateway_args=["--stall-timeout-s", "600", *extra.get("gateway_args", [])],
-            decode_args=extra.get("decode_args", []),
+            gateway_replicas=config.gateways,
+            gateway_args=["--stall-timeout-s", "600", *config.gateway_args],
+            decode_args=config.decode_args,
         )
         mesh = Mesh(spec, on_event=lambda line: console.print(f"  [dim]{name}: {line}[/dim]"))
         mesh.start()
         try:
-            warm = asyncio.run(replay(mesh.base_url, [Session("warm-up", 0, ["Hello!"])], 1, 2))[0]
-            if warm[0].error:
-                raise RuntimeError(f"warm-up request failed: {warm[0].error}")
+            # One warm-up call through each gateway.
+            warm_up = Session("warm-up", 0, ["Hello!"] * len(mesh.base_urls))
+            warm = asyncio.run(replay(mesh.base_urls, [warm_up], 1, 2))[0]
+            failed = [call.error for call in warm if call.error]
+            if failed:
+                raise RuntimeError(f"warm-up request failed: {failed[0]}")
             before = mesh_counters(mesh)
-            results, wall = asyncio.run(replay(mesh.base_url, sessions, args.concurrency, args.max_tokens))
+            results, wall = asyncio.run(replay(mesh.base_urls, sessions, args.concurrency, args.max_tokens))
             after = mesh_counters(mesh)
         finally:
             mesh.stop()
@@ -266,8 +297,8 @@ def ms(value: float | None) -> str:
 def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
     table = Table(title="serving: agent traces through the gateway")
     for column in ("config", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms", "prefill ms", "ITL p50 ms",
-                   "ITL p99 ms", "TPOT ms", "out tok/s", "cached share", "bounded replays", "DSpark accept",
-                   "tok/step"):  # fmt: skip
+                   "ITL p99 ms", "TPOT ms", "out tok/s", "cached share", "bounded replays", "write-back waits",
+                   "DSpark accept", "tok/step"):  # fmt: skip
         table.add_column(column, justify="right")
     for name, s in summary.items():
         accept = s["dspark_acceptance"]
@@ -276,7 +307,7 @@ def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) ->
             name, str(s["calls"]), str(s["errors"]), ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["prefill_mean_s"]),
             ms(s["itl_p50_s"]),
             ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]), f"{s['output_tokens_per_s']:.1f}", f"{s['cached_share']:.1%}",
-            f"{s['bounded_replays']:.0f}", "–" if accept is None else f"{accept:.1%}",
+            f"{s['bounded_replays']:.0f}", f"{s['writeback_waits']:.0f}", "–" if accept is None else f"{accept:.1%}",
             "–" if step is None else f"{step:.2f}",
         )  # fmt: skip
     console.print(table)
@@ -318,7 +349,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
     parser.add_argument("--context", type=int, default=4096, help="the model's context (cuts sessions that exceed it)")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/serve_bench.json")
     args = parser.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -344,6 +375,7 @@ def main() -> int:
     ratios = {
         "TTFT p50, no-reuse / ours (target ≥ 4×)": ratio("no-reuse", "ours", "ttft_p50_s"),
         "output tokens/s, ours / no-dspark": ratio("ours", "no-dspark", "output_tokens_per_s"),
+        "two-gateways TTFT p50 / ours": ratio("two-gateways", "ours", "ttft_p50_s"),
     }
     show(summary, ratios)
     args.out.parent.mkdir(parents=True, exist_ok=True)
