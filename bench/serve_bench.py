@@ -74,7 +74,7 @@ CONFIGS = {
     "two-gateways": Config(gateways=2),
 }
 DEFAULT_CONFIGS = ("ours", "no-reuse", "no-dspark")
-console = Console(width=160)
+console = Console(width=180)
 
 
 @dataclass
