@@ -10,6 +10,13 @@ of them at once, each replaying its calls one after another with the call's `inp
 `--max-tokens` as the budget. A session's inputs grow turn by turn, so later calls share long prefixes with
 earlier ones. A session is cut at its first call that does not fit the model's context (counted as skipped).
 
+The traces flatten a conversation into one user message per call, so a call's prompt never extends the previous
+call's prompt *and reply*: the end-of-sequence SWA record never matches and the write-back wait buys nothing. With
+`--turns` a session is replayed as a real conversation instead: a call whose input extends the previous call's
+sends the previous messages, the reply the mesh generated as the assistant's turn, and the new text as the next
+user message (an input that does not extend the previous one opens a new conversation), so the next turn can
+continue from the SWA record its previous turn wrote back.
+
 Each configuration runs on a fresh mesh (`mesh.processes.Mesh`, same machine, same data):
 - ours: prefix reuse on, DSpark on (the defaults);
 - no-reuse: the gateway gives every request its own cache salt (`--no-prefix-reuse`), so nothing is reused;
@@ -74,7 +81,8 @@ CONFIGS = {
     "two-gateways": Config(gateways=2),
 }
 DEFAULT_CONFIGS = ("ours", "no-reuse", "no-dspark")
-console = Console(width=180)
+TURN_TEMPLATE_TOKENS = 8  # an assistant turn's and the next user turn's tags, at most (--turns)
+console = Console(width=200)
 
 
 @dataclass
@@ -93,6 +101,7 @@ class CallResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    text: str = ""
     error: str | None = None
 
 
@@ -125,14 +134,22 @@ def load_sessions(datasets: list[str], per_dataset: int, calls: int, room: int) 
     return sorted(sessions, key=lambda s: s.started), skipped
 
 
-async def one_call(client: Any, session: str, text: str, max_tokens: int) -> CallResult:
+def next_turn(messages: list[dict[str, str]], previous: str | None, reply: str, text: str) -> list[dict[str, str]]:
+    """The conversation that sends `text` next: `messages`, `reply` and the part of `text` after `previous` when
+    `text` extends it (`--turns`), else `text` alone."""
+    if previous is None or len(text) <= len(previous) or not text.startswith(previous):
+        return [{"role": "user", "content": text}]
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": text[len(previous) :]}]
+
+
+async def one_call(client: Any, session: str, messages: list[dict[str, str]], max_tokens: int) -> CallResult:
     result = CallResult(session)
     started = time.monotonic()
     last = None
     try:
         stream = await client.chat.completions.create(
             model=MODEL_NAME,
-            messages=[{"role": "user", "content": text}],
+            messages=messages,
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
@@ -145,6 +162,7 @@ async def one_call(client: Any, session: str, text: str, max_tokens: int) -> Cal
                 result.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
                 result.completion_tokens = chunk.usage.completion_tokens
             if chunk.choices and chunk.choices[0].delta.content:
+                result.text += chunk.choices[0].delta.content
                 now = time.monotonic()
                 if last is None:
                     result.ttft_s = now - started
@@ -158,9 +176,10 @@ async def one_call(client: Any, session: str, text: str, max_tokens: int) -> Cal
 
 
 async def replay(
-    base_urls: list[str], sessions: list[Session], concurrency: int, max_tokens: int
+    base_urls: list[str], sessions: list[Session], concurrency: int, max_tokens: int, turns: bool = False
 ) -> tuple[list, float]:
-    """Every session's calls in order, call i through gateway i mod len(base_urls)."""
+    """Every session's calls in order, call i through gateway i mod len(base_urls); with `turns`, as a conversation
+    that carries the mesh's replies (`next_turn`)."""
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600) for url in base_urls]
@@ -173,9 +192,14 @@ async def replay(
     async def worker() -> None:
         while not queue.empty():
             session = queue.get_nowait()
+            messages: list[dict[str, str]] = []
+            previous: str | None = None  # the last input whose reply the conversation can carry
+            reply = ""
             for index, text in enumerate(session.inputs):
-                client = clients[index % len(clients)]
-                results.append(await one_call(client, session.name, text, max_tokens))
+                messages = next_turn(messages, previous, reply, text)
+                result = await one_call(clients[index % len(clients)], session.name, messages, max_tokens)
+                results.append(result)
+                previous, reply = (text if turns and result.error is None else None), result.text
                 progress.update()
 
     started = time.monotonic()
@@ -282,7 +306,7 @@ def run_config(name: str, args: argparse.Namespace, sessions: list[Session]) -> 
             if failed:
                 raise RuntimeError(f"warm-up request failed: {failed[0]}")
             before = mesh_counters(mesh)
-            results, wall = asyncio.run(replay(mesh.base_urls, sessions, args.concurrency, args.max_tokens))
+            results, wall = asyncio.run(replay(mesh.base_urls, sessions, args.concurrency, args.max_tokens, args.turns))
             after = mesh_counters(mesh)
         finally:
             mesh.stop()
@@ -294,12 +318,19 @@ def ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f}"
 
 
-def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
-    table = Table(title="serving: agent traces through the gateway")
-    for column in ("config", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms", "prefill ms", "ITL p50 ms",
-                   "ITL p99 ms", "TPOT ms", "out tok/s", "cached share", "bounded replays", "write-back waits",
-                   "DSpark accept", "tok/step"):  # fmt: skip
+def config_table(title: str, *columns: str) -> Table:
+    """A table with one row per configuration, its name in full."""
+    table = Table(title=title)
+    table.add_column("config", justify="right", min_width=max(map(len, CONFIGS)))
+    for column in columns:
         table.add_column(column, justify="right")
+    return table
+
+
+def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
+    table = config_table("serving: agent traces through the gateway", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms",
+                         "prefill ms", "ITL p50 ms", "ITL p99 ms", "TPOT ms", "out tok/s", "cached share",
+                         "bounded replays", "write-back waits", "DSpark accept", "tok/step")  # fmt: skip
     for name, s in summary.items():
         accept = s["dspark_acceptance"]
         step = s["tokens_per_decode_step"]
@@ -311,9 +342,8 @@ def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) ->
             "–" if step is None else f"{step:.2f}",
         )  # fmt: skip
     console.print(table)
-    table = Table(title="decode's share of a TTFT (means)")
-    for column in ("config", "admit wait ms", "join ms", "prompts / join", "join ms / prompt", "step ms"):
-        table.add_column(column, justify="right")
+    table = config_table("decode's share of a TTFT (means)", "admit wait ms", "join ms", "prompts / join",
+                         "join ms / prompt", "step ms")  # fmt: skip
     for name, s in summary.items():
         size = s["prompts_per_join"]
         table.add_row(
@@ -349,6 +379,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="sessions replayed at once")
     parser.add_argument("--context", type=int, default=4096, help="the model's context (cuts sessions that exceed it)")
+    parser.add_argument("--turns", action="store_true", help="replay sessions as conversations carrying the replies")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/serve_bench.json")
     args = parser.parse_args()
@@ -357,12 +388,15 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
 
+    # With --turns a prompt also carries the earlier replies: room for each, and its turn's template tokens.
+    replies = args.calls * (args.max_tokens + TURN_TEMPLATE_TOKENS) if args.turns else 0
     sessions, skipped = load_sessions(
-        args.datasets.split(","), args.sessions, args.calls, args.context - args.max_tokens
+        args.datasets.split(","), args.sessions, args.calls, args.context - args.max_tokens - replies
     )
     calls = sum(len(s.inputs) for s in sessions)
     console.print(f"{len(sessions)} sessions, {calls} calls ({skipped} cut: longer than the context), "
-                  f"{args.concurrency} sessions at once, max_tokens {args.max_tokens}, model {args.model}")  # fmt: skip
+                  f"{args.concurrency} sessions at once, max_tokens {args.max_tokens}, model {args.model}"
+                  f"{', as conversations (--turns)' if args.turns else ''}")  # fmt: skip
     summary = {}
     for name in configs:
         console.print(f"[bold]{name}[/bold]: starting a fresh mesh")
