@@ -56,6 +56,8 @@ class MeshSpec(msgspec.Struct, frozen=True, kw_only=True):
     gateway_args: Sequence[str] = ()
 
 
+_PYTHON_M = (sys.executable, "-m")  # every child is `python -m <package> serve ...`
+
 # Ports at most this far below the kernel's ephemeral range are candidates for free_port.
 _PORT_SPAN = 10_000
 
@@ -205,13 +207,12 @@ class Mesh:
         self.data_dir = Path(spec.data_dir).expanduser().resolve()
         self.logs = self.data_dir / "logs"
         host = spec.host
-        py = [sys.executable, "-m"]
         cache_address = f"{host}:{free_port(host)}"
         metrics_args, metrics = _metrics_endpoint(host)
         self.children: list[Child] = [
             Child(
                 "cache",
-                [*py, "cache_svc", "serve", "--host", host, "--port", cache_address.rsplit(":", 1)[1],
+                [*_PYTHON_M, "cache_svc", "serve", "--host", host, "--port", cache_address.rsplit(":", 1)[1],
                  "--data-dir", str(self.data_dir / "cache"), *metrics_args, *spec.cache_args],
                 cache_address,
                 functools.partial(grpc_serving, cache_address),
@@ -228,7 +229,7 @@ class Mesh:
                 address = f"{host}:{free_port(host)}"
                 workers[role].append(address)
                 metrics_args, metrics = _metrics_endpoint(host)
-                argv = [*py, f"{role}_svc", "serve", "--host", host, "--port", address.rsplit(":", 1)[1],
+                argv = [*_PYTHON_M, f"{role}_svc", "serve", "--host", host, "--port", address.rsplit(":", 1)[1],
                         *metrics_args, "--model", spec.model, "--cache", cache_address, *extra]  # fmt: skip
                 name = f"{role}-{index}"
                 healthy = functools.partial(grpc_serving, address)
@@ -248,7 +249,7 @@ class Mesh:
         url, grpc_address = f"http://{host}:{port}", f"{host}:{free_port(host)}"
         self.base_urls.append(url)
         self.grpc_addresses.append(grpc_address)
-        argv = [sys.executable, "-m", "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
+        argv = [*_PYTHON_M, "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
                 grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
                 "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
         # One gateway keeps the name it always had; several are numbered like the replicas.
