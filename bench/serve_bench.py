@@ -27,11 +27,11 @@ Each configuration runs on a fresh mesh (`mesh.processes.Mesh`, same machine, sa
 
 Reported per configuration: TTFT and ITL (gap between streamed chunks) p50/p99, TPOT, output tokens/s over the run,
 the cached share of prompt tokens, bounded replays, write-back waits (turns that waited for their previous turn's
-write-back, all gateways), DSpark acceptance (accepted / proposed drafts) and tokens per decode step, errors; and
-decode's share of a TTFT, from the decode replica's metrics: the mean wait before the engine takes a prompt in (its
-running step), the mean join (restore + decoder bounded replay, one forward for the prompts of an iteration), prompts
-per join, and the mean step. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output tokens/s ours / no-dspark, TTFT
-p50 two-gateways / ours.
+write-back, all gateways, and their mean wait), DSpark acceptance (accepted / proposed drafts) and tokens per decode
+step, errors; and decode's share of a TTFT, from the decode replica's metrics: the mean wait before the engine takes
+a prompt in (its running step), the mean join (restore + decoder bounded replay, one forward for the prompts of an
+iteration), prompts per join, and the mean step. Ratios: TTFT p50 no-reuse / ours (target ≥ 4×), output tokens/s
+ours / no-dspark, TTFT p50 two-gateways / ours.
 """
 
 from __future__ import annotations
@@ -263,6 +263,7 @@ def summarise(results: list[CallResult], wall_s: float, counters: dict[str, floa
         "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "bounded_replays": counters.get("bounded_replays", 0.0),
         "writeback_waits": counters.get("writeback_waits", 0.0),
+        "writeback_wait_mean_s": mean(counters, "writeback_wait_seconds"),
         "fallbacks": counters.get("fallbacks", 0.0),
         "retries": counters.get("retries", 0.0),
         "prefill_mean_s": counters["prefill_seconds_sum"] / counters["prefill_seconds_count"]
@@ -330,7 +331,7 @@ def config_table(title: str, *columns: str) -> Table:
 def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) -> None:
     table = config_table("serving: agent traces through the gateway", "calls", "errors", "TTFT p50 ms", "TTFT p99 ms",
                          "prefill ms", "ITL p50 ms", "ITL p99 ms", "TPOT ms", "out tok/s", "cached share",
-                         "bounded replays", "write-back waits", "DSpark accept", "tok/step")  # fmt: skip
+                         "bounded replays", "write-back waits", "wait ms", "DSpark accept", "tok/step")  # fmt: skip
     for name, s in summary.items():
         accept = s["dspark_acceptance"]
         step = s["tokens_per_decode_step"]
@@ -338,7 +339,8 @@ def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) ->
             name, str(s["calls"]), str(s["errors"]), ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["prefill_mean_s"]),
             ms(s["itl_p50_s"]),
             ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]), f"{s['output_tokens_per_s']:.1f}", f"{s['cached_share']:.1%}",
-            f"{s['bounded_replays']:.0f}", f"{s['writeback_waits']:.0f}", "–" if accept is None else f"{accept:.1%}",
+            f"{s['bounded_replays']:.0f}", f"{s['writeback_waits']:.0f}", ms(s["writeback_wait_mean_s"]),
+            "–" if accept is None else f"{accept:.1%}",
             "–" if step is None else f"{step:.2f}",
         )  # fmt: skip
     console.print(table)

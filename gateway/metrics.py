@@ -39,6 +39,7 @@ class GatewayMetrics:
         self.writeback_waits = counter(
             "writeback_waits", "Turns that waited for their previous turn's write-back, by outcome", ("outcome",)
         )
+        self.writeback_wait = histogram("writeback_wait_seconds", "How long those turns waited (before their prefill)")
         self.bounded_replays = counter("bounded_replays", "Generations whose SWA state was rebuilt by bounded replay")
         self.decode_messages = counter("decode_messages", "Decode messages carrying tokens (one per engine step)")
         self.draft_proposed = counter("dspark_draft_tokens_proposed", "DSpark draft tokens proposed (decode usage)")

@@ -69,9 +69,11 @@ async def _settle(backends: Backends, prompt: Prompt) -> None:
     wait_s = backends.settings.writeback_wait_s
     if wait_s <= 0:
         return
+    started = time.monotonic()
     settled = await backends.writebacks.settle(prompt.affinity, wait_s)
     if settled is not None:
         backends.metrics.writeback_waits.labels("settled" if settled else "timeout").inc()
+        backends.metrics.writeback_wait.observe(time.monotonic() - started)
 
 
 async def _prefill_on(backends: Backends, state: ReplicaState, prompt: Prompt, choices: int) -> Prefilled:
