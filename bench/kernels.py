@@ -246,10 +246,12 @@ def check_activations(c: Checks, rows: int) -> None:
                  f"{rows}×8×512, positions < 2^20, {off} values off, worst |Δ| {float(error.max()):.2e}")  # fmt: skip
 
 
-def check_indexer(c: Checks, B: int, T: int, S: int, spread: int | None = None) -> None:
+def check_indexer(c: Checks, B: int, T: int, S: int, spread: int | None = None, room: int = 0) -> None:
     """With `spread`, batch row 0's queries hold one channel block 2^-spread below their others (the kernel folds
     spreads ≤ 14 into its FP8 query operand and rescales wider ones block by block), the last query a NaN scale,
-    and two K entries the scales the quantiser never writes (2^-127, NaN: their programs decode scales in full)."""
+    and two K entries the scales the quantiser never writes (2^-127, NaN: their programs decode scales in full).
+    `room`: K read in place from buffers with room for that many more entries per row, as from the cache (16: bytes
+    and scales by TMA; 13: scale rows off TMA's 16-byte pitch)."""
     case = list(indexer_inputs(B, T, 32, 128, S, ragged=True))
     if spread is not None:
         case[1] = torch.full_like(case[1], 150)
@@ -257,7 +259,10 @@ def check_indexer(c: Checks, B: int, T: int, S: int, spread: int | None = None) 
         case[1][-1, -1, 0, 0] = 255
         case[4][0, 3, 1], case[4][-1, S // 2, 2] = 0, 255
     want = kernels.indexer_scores(*case, backend="torch")
-    got = kernels.indexer_scores(*case, backend="triton")
+    views = list(case)
+    for i in (3, 4):
+        views[i] = torch.cat([case[i], case[i].new_zeros(B, room, case[i].shape[2])], dim=1)[:, :S]
+    got = kernels.indexer_scores(*views, backend="triton")
     q = quant.fp4_dequant_ue8m0(*case[:2])
     k = quant.fp4_dequant_ue8m0(*case[3:5])
     bound = torch.einsum("bth,bths->bts", case[2].abs(), torch.einsum("bthd,bsd->bths", q, k).abs()) * 2.0**-20
@@ -265,7 +270,9 @@ def check_indexer(c: Checks, B: int, T: int, S: int, spread: int | None = None) 
     same_mask = bool(torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.isnan(), want.isnan()))
     excess = float(((got - want).abs() - bound)[finite].max()) if finite.any() else 0.0
     c.report(
-        f"indexer B={B} T={T} S={S}" + ("" if spread is None else f" spread={spread}"),
+        f"indexer B={B} T={T} S={S}"
+        + ("" if spread is None else f" spread={spread}")
+        + (f" room={room}" if room else ""),
         same_mask and excess <= 0,
         f"inf/NaN masks equal {same_mask}, worst excess {excess:.2e}",
     )
@@ -348,13 +355,15 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
     print("checks (Triton against the torch references)", flush=True)
     if tiny:
         plans = {"quant": [(check_quantisers, 16)], "activations": [(check_activations, 8)],
-                 "indexer": [(check_indexer, 2, 3, 100), (check_indexer, 2, 2, 50, 120)],
+                 "indexer": [(check_indexer, 2, 3, 100), (check_indexer, 2, 2, 50, 120),
+                             (check_indexer, 2, 1, 90, None, 13)],
                  "candidates": [(check_candidates, 1, 2, 200, 4)], "topk": [(check_topk, [(3, 300, 8)])],
                  "attention": [(check_attention, 1, 2, 100)]}  # fmt: skip
     else:
         plans = {"quant": [(check_quantisers, 1 << 16)], "activations": [(check_activations, 1 << 14)],
                  "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
-                             (check_indexer, 2, 1, 5_000, 14), (check_indexer, 2, 3, 5_000, 15)],
+                             (check_indexer, 2, 1, 5_000, 14), (check_indexer, 2, 3, 5_000, 15),
+                             (check_indexer, 4, 1, 65_536, None, 16), (check_indexer, 4, 1, 65_531, None, 13)],
                  "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
                  "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
                                         (2, 20_000_000, 512), (64, 131_072, 512), (256, 262_144, 512)])],
@@ -542,14 +551,14 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
     """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
-    launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — 128 × 16 / 32 / 64 positions per
-    program, 256 × 32 uncapped (two programs per SM), no register cap and a tighter one (112), 4 pipeline stages and
-    the FP16 operand (GPUs before sm_89); the prefill tile at B=1, T=1024, S=64 K — 64 positions, 8 warps, one tile
-    per program."""
-    decode = [{"block_s": 128, "tiles_per_program": t} for t in (16, 32, 64)]
-    decode += [{"block_s": 256, "tiles_per_program": 32}, {"max_registers": 255},
-               {"max_registers": 112}, {"num_stages": 4}, {"operand": indexer.FP16.value}]  # fmt: skip
-    prefill = [{"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}]
+    launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — 128 × 8 / 16 / 32 / 64 positions
+    per program, 256 × 32 uncapped (two programs per SM), no register cap, 4 pipeline stages, per-thread loads
+    instead of TMA and the FP16 operand (GPUs before sm_89); the prefill tile at B=1, T=1024, S=64 K — 64 positions,
+    8 warps, one tile per program, per-thread loads."""
+    decode = [{"block_s": 128, "tiles_per_program": t} for t in (8, 16, 32, 64)]
+    decode += [{"block_s": 256, "tiles_per_program": 32}, {"max_registers": 255}, {"num_stages": 4}, {"tma": False},
+               {"operand": indexer.FP16.value}]  # fmt: skip
+    prefill = [{"block_s": 64}, {"num_warps": 8}, {"tiles_per_program": 1}, {"tma": False}]
     if tiny:  # the interpreter: fp32 (or exact fp16) dots
         shapes = [(2, 1, 256, [{"block_s": 16, "tiles_per_program": 4}, {"operand": indexer.FP16.value}])]
     else:

@@ -143,13 +143,14 @@ def indexer_reports(
     block_s: int, tiles: int, warps: int, max_registers: int | None, queries: int = 1, heads: int = 32
 ) -> list[Report]:
     """The launch for `queries` queries per program (1: decode; prefill tiles take 2 at 32 heads), Di = 128, FP8
-    operands, at one tile shape."""
+    operands, K tiles by TMA, at one tile shape."""
     signature = {"q_ptr": "*u8", "qs_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*u8",
+                 "k_desc": f"tensordesc<u8[1, {block_s}, 64]>", "ks_desc": f"tensordesc<i32[1, {block_s}]>",
                  "nv_ptr": "*i64", "out_ptr": "*fp32", "T": "i32", "H": "i32", "S": "i32", "k_stride": "i64",
                  "ks_stride": "i64"}  # fmt: skip
     constexprs = {"DI": 128, "DIP": 128, "HP": triton.next_power_of_2(heads), "BLOCK_T": queries, "BLOCK_S": block_s,
                   "OPERAND": indexer.FP8.value, "TILES": tiles, "STAGES": 3, "SCALE_WORDS": True,
-                  "SCAN": triton.next_power_of_2(tiles * block_s)}  # fmt: skip
+                  "SCAN": triton.next_power_of_2(tiles * block_s), "TMA_K": True, "TMA_SCALES": True}  # fmt: skip
     name = f"indexer {queries} × {block_s} × {tiles}"
     strides = ("k_stride", "ks_stride")
     return [compile_sm90(name, indexer._indexer_kernel, signature, constexprs, warps, max_registers, strides)]

@@ -105,8 +105,10 @@ class Entries:
     FIELDS = ("kv_data", "kv_scale", "k_data", "k_scale")
 
     def reserve(self, n: int) -> None:
+        """Room for n entries per row, in multiples of 4: the indexer K's scale rows (4 bytes an entry) are then
+        16-byte multiples apart, which its kernel needs to read them by TMA."""
         for name in self.FIELDS:
-            setattr(self, name, _grow(getattr(self, name), 1, n))
+            setattr(self, name, _grow(getattr(self, name), 1, -(-n // 4) * 4))
 
     def write(self, rows: slice, first: Tensor, end: int, packed: tuple[Tensor, ...]) -> None:
         """Step row b takes packed[...][b, j] at entry first[b] + j for every j; `end` bounds first + G on the host.

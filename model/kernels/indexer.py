@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from model.kernels.formats import dense_rows, e2m1_to_f16, interpreting, multiprocessors, ue8m0_decode
 from model.kernels.kv_quant import dequantize_index_fp4_torch
@@ -62,27 +63,39 @@ def _column_blocks(x, N: tl.constexpr):
 
 
 @triton.jit
-def _channel_blocks(ptr, scale_ptr, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr,
-                    SCALE_WORDS: tl.constexpr, PLAIN: tl.constexpr):  # fmt: skip
-    """Rows of DI packed FP4 channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale
-    [rows] as fp32). One load of the rows' bytes and one of their scales, cut in registers: a load per block
-    compiles to loads each issued only after the previous block's dot (shared-memory barriers between them), four
-    serial global latencies per tile at DI = 128. With SCALE_WORDS the scales are read as 32-bit words (four blocks
-    each): a thread's share of a tile's scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load —
-    byte-wise, the scale load stalled every tile. PLAIN: every scale byte is known to lie in 1 … 254
-    (`_all_plain_scales`). DIP: DI padded to a power of two (a tl.arange's length)."""
-    byte = tl.arange(0, DIP // 2)
-    byte_ok = ok[:, None] if DI == DIP else ok[:, None] & (byte < DI // 2)[None, :]
-    packed = tl.load(ptr + byte_offsets[:, None] + byte[None, :], mask=byte_ok, other=0)
+def _channel_blocks(k, b, s0, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr,
+                    SCALE_WORDS: tl.constexpr, PLAIN: tl.constexpr, TMA_K: tl.constexpr,
+                    TMA_SCALES: tl.constexpr):  # fmt: skip
+    """Rows s0 … of batch row b of the K entries `k` = (bytes, scales, their tensor descriptors): DI packed FP4
+    channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale [rows] as fp32). One load of
+    the rows' bytes and one of their scales, cut in registers: a load per block compiles to loads each issued only
+    after the previous block's dot (shared-memory barriers between them), four serial global latencies per tile at
+    DI = 128. With SCALE_WORDS the scales are read as 32-bit words (four blocks each): a thread's share of a tile's
+    scales is then ≥ 4 bytes, what `cp.async` needs to pipeline the load — byte-wise, the scale load stalled every
+    tile. TMA_K / TMA_SCALES: the bytes / scale words come by TMA (sm_90: one copy of the whole tile into shared
+    memory, no per-thread addresses or masks; rows ≥ S read as zeros) — 8 % faster at B=64 × 64 K. PLAIN: every
+    scale byte is known to lie in 1 … 254 (`_all_plain_scales`). DIP: DI padded to a power of two (a tl.arange's
+    length)."""
+    k_ptr, ks_ptr, k_desc, ks_desc = k
+    if TMA_K:  # DI = DIP
+        packed = tl.reshape(k_desc.load([b, s0, 0]), (ok.shape[0], DI // 2))
+    else:
+        byte = tl.arange(0, DIP // 2)
+        byte_ok = ok[:, None] if DI == DIP else ok[:, None] & (byte < DI // 2)[None, :]
+        packed = tl.load(k_ptr + byte_offsets[:, None] + byte[None, :], mask=byte_ok, other=0)
     packed = _column_blocks(packed, DIP // 32)
     if SCALE_WORDS:  # DI is a multiple of 128: whole words, no padding
-        word_ptr = (scale_ptr + scale_offsets).to(tl.pointer_type(tl.int32))
-        words = tl.load(word_ptr[:, None] + tl.arange(0, DI // 128), mask=ok[:, None], other=0)  # rows ≥ S: unstored
+        if TMA_SCALES:
+            words = tl.reshape(ks_desc.load([b, s0 * (DI // 128)]), (ok.shape[0], DI // 128))
+        else:
+            word_ptr = (ks_ptr + scale_offsets).to(tl.pointer_type(tl.int32))
+            word = tl.arange(0, DI // 128)
+            words = tl.load(word_ptr[:, None] + word, mask=ok[:, None], other=0)  # rows ≥ S: unstored
         words = _column_blocks(words, DI // 128)
     else:
         block = tl.arange(0, DIP // 32)
         block_ok = ok[:, None] if DI == DIP else ok[:, None] & (block < DI // 32)[None, :]
-        scales = tl.load(scale_ptr + scale_offsets[:, None] + block[None, :], mask=block_ok, other=127)
+        scales = tl.load(ks_ptr + scale_offsets[:, None] + block[None, :], mask=block_ok, other=127)
         scales = _column_blocks(scales, DIP // 32)
     blocks = ()
     for j in tl.static_range(DI // 32):
@@ -110,7 +123,7 @@ def _all_plain_scales(ks_ptr, ks_base, first, last, DI: tl.constexpr, SCAN: tl.c
     scale words (SCAN ≥ last − first of them, a power of two) before its tiles stream them again, from L2."""
     s = first + tl.arange(0, SCAN)
     word_ptr = (ks_ptr + ks_base + s * (DI // 32)).to(tl.pointer_type(tl.int32))
-    words = tl.load(word_ptr[:, None] + tl.arange(0, DI // 128)[None, :], mask=(s < last)[:, None], other=1)
+    words = tl.load(word_ptr[:, None] + tl.arange(0, DI // 128)[None, :], mask=(s < last)[:, None], other=0x01010101)
     special = tl.zeros_like(words)
     for j in tl.static_range(4):
         byte = (words >> (8 * j)) & 0xFF
@@ -190,12 +203,12 @@ def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, may_fold, DI: tl.constexpr,
 
 
 @triton.jit
-def _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr,
-        SCALE_WORDS: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+def _qk(k, b, s0, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr,
+        SCALE_WORDS: tl.constexpr, FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr):  # fmt: skip
     """q·K per (position, column) = Σ_j qs_j · ks_j · (code sum of block j): per channel block one dot of exact code
     sums (small integers times a power of two) and its fp32 rescale. FAST: the queries' scales are folded
     (`_query_operands`) and the K scales plain (`_all_plain_scales`)."""
-    k_blocks = _channel_blocks(k_ptr, ks_ptr, k_row, ks_row, s_ok, DI, DIP, SCALE_WORDS, FAST)
+    k_blocks = _channel_blocks(k, b, s0, k_row, ks_row, s_ok, DI, DIP, SCALE_WORDS, FAST, TMA_K, TMA_SCALES)
     acc = tl.zeros((k_row.shape[0], q_ops[0][1].shape[0]), dtype=tl.float32)
     for j in tl.static_range(DI // 32):
         packed, k_scale = k_blocks[j]
@@ -206,14 +219,15 @@ def _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.con
 
 
 @triton.jit
-def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
+def _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
                 DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+                OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr, FAST: tl.constexpr, TMA_K: tl.constexpr,
+                TMA_SCALES: tl.constexpr):  # fmt: skip
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
     k_row, ks_row = b * k_stride + s * (DI // 2), b * ks_stride + s * (DI // 32)  # a batch row's entries are dense
-    qk = _qk(k_ptr, ks_ptr, k_row, ks_row, s_ok, q_ops, DI, DIP, OPERAND, SCALE_WORDS, FAST)
+    qk = _qk(k, b.to(tl.int32), s0, k_row, ks_row, s_ok, q_ops, DI, DIP, OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES)
     per_head = tl.maximum(qk, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]  # ReLU(NaN) = NaN, as in torch
     scores = tl.sum(tl.reshape(per_head, (BLOCK_S, BLOCK_T, HP)), axis=2)  # [BLOCK_S, BLOCK_T]
     scores = tl.where(s[:, None] < n_visible[None, :], scores, float("-inf"))
@@ -222,28 +236,31 @@ def _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_
 
 
 @triton.jit
-def _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride,
+def _score_tiles(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride,
                  DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
                  OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                 FAST: tl.constexpr):  # fmt: skip
+                 FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr):  # fmt: skip
     """The program's TILES consecutive K tiles from position `first`."""
     if TILES == 1:  # no loop: a pipelined loop of one trip would still pay its prologue
-        _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
-                    HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST)  # fmt: skip
+        _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T,
+                    BLOCK_S, OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES)  # fmt: skip
     else:
         for i in tl.range(0, TILES, num_stages=STAGES):
-            _score_tile(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride,
-                        ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST)  # fmt: skip
+            _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride, ks_stride, DI,
+                        DIP, HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES)  # fmt: skip
 
 
 @triton.jit
 def _indexer_kernel(
-    q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, nv_ptr, out_ptr,
+    q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, k_desc, ks_desc, nv_ptr, out_ptr,
     T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
     OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, SCAN: tl.constexpr,
+    TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr,
 ):  # fmt: skip
-    """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads."""
+    """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads. k_desc /
+    ks_desc: tensor descriptors of the K bytes [B, S, DI/2] / scale words [B, S·DI/128] where TMA_K / TMA_SCALES
+    (otherwise the pointers again, unused)."""
     t0 = tl.program_id(1) * BLOCK_T
     b = tl.program_id(2).to(tl.int64)
     first = tl.program_id(0) * TILES * BLOCK_S
@@ -259,12 +276,13 @@ def _indexer_kernel(
     q_ops, w, fast = _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, plain, DI, OPERAND)
     tq = t0 + tl.arange(0, BLOCK_T)
     n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0).to(tl.int32)  # ≤ S: 32-bit compares per tile
+    k = (k_ptr, ks_ptr, k_desc, ks_desc)
     if fast:
-        _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
-                     HP, BLOCK_T, BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, True)  # fmt: skip
+        _score_tiles(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T,
+                     BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, True, TMA_K, TMA_SCALES)  # fmt: skip
     else:
-        _score_tiles(k_ptr, ks_ptr, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP,
-                     HP, BLOCK_T, BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, False)  # fmt: skip
+        _score_tiles(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T,
+                     BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, False, TMA_K, TMA_SCALES)  # fmt: skip
 
 
 def _operand() -> int:
@@ -277,6 +295,18 @@ def _operand() -> int:
 def _fp8_tensor_cores() -> bool:
     """Asked once, not on every layer of every step: whether the GPU's tensor cores take FP8 (sm_89 and later)."""
     return torch.cuda.get_device_capability() >= (8, 9)
+
+
+@functools.cache
+def _tma() -> bool:
+    """Whether K tiles may come by TMA: on sm_90 and later, and in the interpreter (which runs the same loads)."""
+    return interpreting() or torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _tma_rows(t: Tensor, row_bytes: int) -> bool:
+    """Whether `t`'s batch rows can be a TMA source: 16-byte aligned at a 16-byte multiple apart, tiles of at most
+    256 rows of `row_bytes` (a multiple of 16)."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and row_bytes % 16 == 0
 
 
 _MAX_PROGRAM_POSITIONS = 16384  # `_all_plain_scales` loads a program's scale words at once: 128 per thread at most
@@ -300,7 +330,7 @@ def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
     if T > 1:
         return 128, 4
     per_row, resident = triton.cdiv(S, 128), _RESIDENT * multiprocessors()
-    return 128, next((t for t in (1, 2, 4, 8, 16, 32) if B * triton.cdiv(per_row, t) <= resident), 64)
+    return 128, next((t for t in (1, 2, 4, 8, 16) if B * triton.cdiv(per_row, t) <= resident), 32)
 
 
 def indexer_scores_triton(
@@ -316,6 +346,7 @@ def indexer_scores_triton(
     num_stages: int = 3,
     operand: int | None = None,
     max_registers: int | None = None,
+    tma: bool | None = None,
 ) -> Tensor:
     """The launch knobs (bench/kernels.py tune-indexer times them; each gives the same scores up to fp32 summation
     order; None takes the default of `_default_tiling` / the GPU):
@@ -324,7 +355,9 @@ def indexer_scores_triton(
     - `num_warps`: warps per program;
     - `operand`: the code operands' type, FP8 (sm_89 and later), FP16 or FP32 (`FP8.value` …);
     - `max_registers`: a cap on registers per thread, so that more programs fit an SM (spills are the price);
-      decode launches default to `_DECODE_REGISTERS`."""
+      decode launches default to `_DECODE_REGISTERS`;
+    - `tma`: K tiles by TMA where the layout allows it (None: on sm_90 and later and in the interpreter), else by
+      per-thread loads."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
     default_block_s, default_tiles = _default_tiling(B, T, S)
@@ -357,11 +390,18 @@ def indexer_scores_triton(
     k_data, k_scale = dense_rows(k_data), dense_rows(k_scale)
     # scale rows of whole 32-bit words, word-aligned: read as words (see _channel_blocks)
     scale_words = 2 * half % 128 == 0 and k_scale.data_ptr() % 4 == 0 and k_scale.stride(0) % 4 == 0
+    DI, DIP = 2 * half, 32 * triton.next_power_of_2(half // 16)
+    tma = (_tma() if tma is None else tma) and block_s <= 256
+    tma_k = tma and DI == DIP and _tma_rows(k_data, half)
+    tma_scales = tma_k and scale_words and block_s * DI // 128 <= 256 and _tma_rows(k_scale, 4)
+    k_desc = TensorDescriptor.from_tensor(k_data, [1, block_s, half]) if tma_k else k_data
+    words = k_scale.view(torch.int32).flatten(1) if tma_scales else None  # [B, S · DI/128]
+    ks_desc = TensorDescriptor.from_tensor(words, [1, block_s * DI // 128]) if tma_scales else k_scale
     _indexer_kernel[grid](
-        q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, n_visible.contiguous(), out,
-        T, H, S, k_data.stride(0), k_scale.stride(0), 2 * half, 32 * triton.next_power_of_2(half // 16), HP, block_t,
-        block_s, operand, tiles_per_program, num_stages, scale_words,
-        triton.next_power_of_2(tiles_per_program * block_s), num_warps=num_warps,
+        q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, k_desc, ks_desc,
+        n_visible.contiguous(), out, T, H, S, k_data.stride(0), k_scale.stride(0), DI, DIP, HP, block_t, block_s,
+        operand, tiles_per_program, num_stages, scale_words, triton.next_power_of_2(tiles_per_program * block_s),
+        tma_k, tma_scales, num_warps=num_warps,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )  # fmt: skip
     return out

@@ -1,9 +1,12 @@
 """The Triton indexer kernel at its default launch and at every launch knob, against the reference in Triton's
-interpreter: the same index arithmetic, tile loads, channel-block cuts and tile loops as on the GPU, with fp32 dot
-operands (the interpreter's default) or fp16 ones (the pre-sm_89 GPU operand; the interpreter dots them exactly)."""
+interpreter: the same index arithmetic, tile loads (TMA copies and per-thread loads), channel-block cuts and tile loops
+as on the GPU, with fp32 dot operands (the interpreter's default) or fp16 ones (the pre-sm_89 GPU operand; the
+interpreter dots them exactly)."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_cases import assert_indexer_scores_close, generator, indexer_case
 
 from model import kernels
@@ -15,6 +18,7 @@ LAUNCHES = [
     {"block_s": 64, "tiles_per_program": 1},  # no loop, one tile wider than S = 33 / 45 / 50
     {"tiles_per_program": 4, "num_stages": 2},
     {"operand": indexer.FP16.value},
+    {"tma": False},  # per-thread loads of the K tiles (GPUs before sm_90)
 ]
 SHAPES = [(2, 1, 4, 64, 50), (1, 3, 32, 128, 70), (3, 5, 3, 32, 33), (2, 1, 5, 96, 45)]  # Di = 96: padded to 128
 
@@ -94,3 +98,68 @@ def test_nan_scales_give_nan_scores() -> None:
     assert want[0, 1:].isnan().sum() == 2
     assert torch.equal(got.isnan(), want.isnan())
     assert_indexer_scores_close(got, want, case)
+
+
+@pytest.mark.parametrize("capacity", [0, 16, 13])
+def test_cache_views(capacity: int) -> None:
+    """K entries read in place from buffers with room for `capacity` more per row (the cache's `[:, :n]` views):
+    the same scores as from dense rows. 16 more: bytes and scale words both by TMA; 13: the scale rows 4 · 13 bytes
+    longer, off TMA's 16-byte pitch, so the scales take per-thread loads beside the TMA bytes."""
+    q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(capacity), 3, 1, 4, 128, 70)
+    B, S = k_data.shape[:2]
+    room_data = torch.zeros(B, S + capacity, k_data.shape[2], dtype=torch.uint8)
+    room_scale = torch.zeros(B, S + capacity, k_scale.shape[2], dtype=torch.uint8)
+    room_data[:, :S], room_scale[:, :S] = k_data, k_scale
+    want = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible)
+    for launch in ({}, {"block_s": 16, "tiles_per_program": 3}):
+        got = indexer.indexer_scores_triton(
+            q_data, q_scale, w, room_data[:, :S], room_scale[:, :S], n_visible, **launch
+        )
+        assert_indexer_scores_close(got, want, (q_data, q_scale, w, k_data, k_scale, n_visible))
+
+
+def test_k_scales_outside_the_plain_range() -> None:
+    """K scale bytes 0 (2^-127) and 255 (NaN), which the quantiser never writes, beside queries whose scales fold:
+    the programs holding them decode every K scale the general way, so a 2^-127 entry scores its tiny value and a
+    NaN one NaN, as in the reference (the two-operation decode would give 0 and ±inf)."""
+    q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(11), 2, 1, 4, 128, 96)
+    n_visible[:] = 96
+    q_scale.fill_(160)  # queries of 2^33 with every block scale equal (they fold): 2^-127 · 2^33 is a normal fp32
+    k_scale[0, 5] = 0
+    k_scale[1, 70, 1] = 255
+    case = (q_data, q_scale, w, k_data, k_scale, n_visible)
+    want = kernels.indexer_scores(*case)
+    assert want[0, 0, 5] != 0
+    assert want[1, 0, 70].isnan()
+    for launch in LAUNCHES:
+        got = indexer.indexer_scores_triton(*case, **launch)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert_indexer_scores_close(got, want, case)
+
+
+@triton.jit
+def _plain_scales_probe(ks_ptr, out_ptr, first, last, SCAN: tl.constexpr):
+    tl.store(out_ptr, indexer._all_plain_scales(ks_ptr, 0, first, last, 128, SCAN).to(tl.int32))
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "special", "plain"),
+    [
+        (16, 64, None, True),
+        (80, 100, None, True),  # a program's positions past S (its scan reaches 80 + 64): unread
+        (16, 64, (40, 0), False),  # 2^-127
+        (16, 64, (63, 255), False),  # NaN, in the last position scanned
+        (16, 64, (64, 0), True),  # just past the positions scanned
+        (16, 64, (15, 255), True),  # just before them
+    ],
+)
+def test_all_plain_scales(first: int, last: int, special: tuple[int, int] | None, plain: bool) -> None:
+    """The scan that picks the two-operation scale decode: every scale byte of positions first … last − 1 in
+    1 … 254, the positions past `last` left out (a false alarm costs the slow decode, which no test of the scores
+    sees: before the fix, every program over the end of a row took it)."""
+    scales = torch.randint(1, 255, (100, 4), generator=generator(first + last), dtype=torch.uint8)
+    if special is not None:
+        scales[special[0], 1] = special[1]
+    out = torch.zeros(1, dtype=torch.int32)
+    _plain_scales_probe[(1,)](scales, out, first, last, SCAN=64)
+    assert bool(out.item()) is plain
