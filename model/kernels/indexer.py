@@ -14,7 +14,8 @@ operand relative to its largest block scale (exactly: a power of two within the 
 one in its head weight, so the per-block rescale is one FMA by ks_j, decoded in two operations once the program has
 found its K scales to be the quantiser's (no 2^-127, no NaN). The K tile is the dot's M side (the tensor core's
 natural 128 rows) and the heads its N side. The loop over tiles is software-pipelined over STAGES: the next tiles'
-loads are in flight while this one's dots run. K is read once per query tile, never dequantised to memory.
+loads are in flight while this one's dots run — on sm_90 as TMA copies of whole tiles. K is read once per query tile,
+never dequantised to memory.
 """
 
 import functools
@@ -315,16 +316,15 @@ _RESIDENT = 4  # decode programs per SM under that cap
 
 
 def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
-    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages, 2026-11-30, third session): decode tiles
-    of 128 positions under a 128-register cap, four programs per SM (uncapped, 180 registers: two), and the fewest
-    tiles per program (a power of two, up to 64) that keep every program resident at once — a row's programs are
-    whole, so 63 tiles per program left B=64 × 64 K 9 programs a row, 576 for 528 places: 0.233 ms against 0.116
-    at 64. Measured: 0.116 ms at B=64 × 64 K, 0.222–0.249 ms at B=8 × 1 M (57 % / 53–60 % of 4.28 TB/s;
-    256-position tiles, two programs per SM: 0.122 / 0.240; 64-position tiles: 0.136 / 0.263 at best), 0.018 ms at
-    B=4 × 128 K, 0.005 ms at B=1 × 64 K (one tile per program). Larger programs amortise the queries' unpacking and
-    the pipeline's fill. Prefill tiles (64 columns share a K tile) 128 × 4 uncapped, 1.89 ms at B=1, T=1024,
-    S=64 K (64 × 4: 2.53; 1 tile per program: 3.37). The interpreter's cost grows with the tile: small tiles, and
-    the decode loop kept (2 tiles)."""
+    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages): decode tiles of 128 positions under a
+    128-register cap, four programs per SM (uncapped, 180 registers: two), and the fewest tiles per program (a
+    power of two, up to 32) that keep every program resident at once — a row's programs are whole, so 63 tiles per
+    program left B=64 × 64 K 9 programs a row, 576 for 528 places: 0.233 ms against 0.116 at 64 (third session).
+    With TMA tiles (seventh session) 8 / 16 / 32 / 64 tiles took 0.115 / 0.109 / 0.107 / 0.108 ms at B=64 × 64 K
+    (63 % of 4.28 TB/s) and 0.227 / 0.215 / 0.210 / 0.209 at B=8 × 1 M; 256-position tiles uncapped 0.101 / 0.214.
+    B=4 × 128 K 0.016 ms, B=1 × 64 K 0.005 (one tile per program). Prefill tiles (64 columns share a K tile)
+    128 × 4 uncapped, 1.72 ms at B=1, T=1024, S=64 K (64 × 4: 2.52; 1 tile per program: 3.35). The interpreter's
+    cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
     if T > 1:
