@@ -100,11 +100,11 @@ def test_nan_scales_give_nan_scores() -> None:
     assert_indexer_scores_close(got, want, case)
 
 
-@pytest.mark.parametrize("capacity", [0, 16, 13])
+@pytest.mark.parametrize("capacity", [0, 18, 13])
 def test_cache_views(capacity: int) -> None:
     """K entries read in place from buffers with room for `capacity` more per row (the cache's `[:, :n]` views):
-    the same scores as from dense rows. 16 more: bytes and scale words both by TMA; 13: the scale rows 4 · 13 bytes
-    longer, off TMA's 16-byte pitch, so the scales take per-thread loads beside the TMA bytes."""
+    the same scores as from dense rows. Rows of 70 + 18 entries: bytes and scale words both by TMA; of 70 or 83: the
+    scale rows off TMA's 16-byte pitch, so the scales take per-thread loads beside the TMA bytes."""
     q_data, q_scale, w, k_data, k_scale, n_visible = indexer_case(generator(capacity), 3, 1, 4, 128, 70)
     B, S = k_data.shape[:2]
     room_data = torch.zeros(B, S + capacity, k_data.shape[2], dtype=torch.uint8)
