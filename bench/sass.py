@@ -170,7 +170,7 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
 
 def topk_reports(rows: int, length: int, k: int) -> list[Report]:
     """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks by default."""
-    GS = topk._group_size(length, k, topk._MAX_GROUPS)
+    GS = topk._group_size(length, k, topk._max_groups(rows, length))
     NGP = triton.next_power_of_2(triton.cdiv(length, GS))
     KP = triton.next_power_of_2(k)
     CG, P, span, _slots = topk._gather_shape(k, GS, None, None)

@@ -64,6 +64,7 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 
 _TILE = 4096  # scores of a short row, held in the select kernel's registers; a group-max program's (`_group_tile`)
 _MAX_GROUPS = 8192  # group maxima per row that the threshold kernel holds in registers at once
+_FEW_ROWS = 8  # batches of at most this many rows take fewer groups (`_max_groups`)
 _GATHER = 2048  # scores per gathering program's pass, by default (`_gather_scores`)
 _MAX_SEGMENTS = 32  # gathering programs per row at most (the select kernel maps its items to their segments)
 
@@ -347,6 +348,16 @@ def _low_bit(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 16, torch.float16: 13}.get(dtype, 0)
 
 
+def _max_groups(R: int, L: int) -> int:
+    """Group maxima per row by default: `_MAX_GROUPS`, but 2 K for batches of at most `_FEW_ROWS` rows of up to 256 K
+    scores — a few rows leave most of the GPU idle, so work moves from the threshold (one program per row, a chain
+    over its maxima) to the gather (many programs per row). H200, seventh session: 1 × 64 K 12.1 µs against 13.1,
+    1 × 256 K 14.4 against 17.2, 6 × 64 K 12.8 against 14.0, 6 × 256 K 15.4 against 18.1; at 1 M fewer groups are
+    slower (1 × 1 M 22.9 against 18.5: groups of 512), and by 32 rows the gain is gone (32 × 256 K 24.8 against
+    23.4)."""
+    return 2048 if R <= _FEW_ROWS and L <= 262_144 else _MAX_GROUPS
+
+
 def _group_size(L: int, k: int, max_groups: int) -> int:
     """Positions per group: at most `max_groups` groups (the threshold kernel holds them in registers), at least 16
     positions (the group maxima stay a small fraction of the scores' bytes), but at least 4k groups when the row
@@ -403,7 +414,7 @@ def topk_indices_triton(
     lengths: Tensor | None,
     direct_max: int = _TILE,
     group_size: int | None = None,
-    max_groups: int = _MAX_GROUPS,
+    max_groups: int | None = None,
     group_tile: int | None = None,
     threshold_warps: int | None = None,
     gather: int | None = None,
@@ -413,8 +424,8 @@ def topk_indices_triton(
 ) -> Tensor:
     """The launch knobs (the defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes
     them): rows longer than `direct_max` take the group path, with groups of `group_size` positions (a power of
-    two; default: at most `max_groups` groups), their maxima taken `group_tile` scores per program (default
-    `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather` scores per pass
+    two; default: at most `max_groups` groups, by default `_max_groups`), their maxima taken `group_tile` scores per
+    program (default `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather` scores per pass
     of a gathering program (a power of two; default `_gather_scores`), whose programs — as many as cover one pass
     each, at most `_MAX_SEGMENTS` — cover `covered_groups` passing groups per row (default k + k/4 + 8; a row with
     more selects from its scores); the select kernel's register `tile` (default: a direct row whole, else
@@ -432,7 +443,7 @@ def topk_indices_triton(
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
     direct = scores.shape[1] <= direct_max
     tile = tile or (_TILE if direct else _select_tile(k))
-    GS = 1 if direct else (group_size or _group_size(L, k, max_groups))
+    GS = 1 if direct else (group_size or _group_size(L, k, max_groups or _max_groups(R, L)))
     NG = triton.cdiv(L, GS)
     NGP = 1 if direct else triton.next_power_of_2(NG)
     CG, P, span, SEG = (1, 1, 1, 1) if direct else _gather_shape(k, GS, gather, covered_groups)
