@@ -425,11 +425,11 @@ def topk_indices_triton(
     """The launch knobs (the defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes
     them): rows longer than `direct_max` take the group path, with groups of `group_size` positions (a power of
     two; default: at most `max_groups` groups, by default `_max_groups`), their maxima taken `group_tile` scores per
-    program (default `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather` scores per pass
-    of a gathering program (a power of two; default `_gather_scores`), whose programs — as many as cover one pass
-    each, at most `_MAX_SEGMENTS` — cover `covered_groups` passing groups per row (default k + k/4 + 8; a row with
-    more selects from its scores); the select kernel's register `tile` (default: a direct row whole, else
-    `_select_tile`) and `num_warps`."""
+    program (default `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather`
+    scores per pass of a gathering program (a power of two; default `_gather_scores`), whose programs — as many as
+    cover one pass each, at most `_MAX_SEGMENTS` — cover `covered_groups` passing groups per row (default
+    k + k/4 + 8; a row with more selects from its scores); the select kernel's register `tile` (default: a direct row
+    whole, else `_select_tile`) and `num_warps`."""
     if gather is not None and (gather < 1 or gather & (gather - 1)):
         raise ValueError(f"gather must be a power of two, got {gather}")
     R, L = scores.shape
