@@ -92,8 +92,11 @@ def _row_length(len_ptr, r, L, HAS_LENGTHS: tl.constexpr):
 
 @triton.jit
 def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
+    """Keys of positions start … start + TILE − 1 of a row (and those positions). The scores stream: their lines go
+    first from L2, which keeps the small per-row buffers (H200, seventh session: 256 × 256 K 73.6 µs against 76.3 with
+    the gather's reads hinted alike, 256 × 64 K 33.25 against 33.7)."""
     pos = start + tl.arange(0, TILE)
-    x = tl.load(x_row + pos, mask=pos < length, other=float("-inf"))
+    x = tl.load(x_row + pos, mask=pos < length, other=float("-inf"), eviction_policy="evict_first")
     return _order_key(x, pos < length, LOW_BIT), pos
 
 
@@ -190,7 +193,7 @@ def _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start,
     group = tl.load(glist_row + i, mask=i < last, other=0)
     pos = group[:, None] * GS + tl.arange(0, GS)[None, :]
     ok = (i < last)[:, None] & (pos < length)
-    key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf")), ok, LOW_BIT)
+    key = _order_key(tl.load(x_row + pos, mask=ok, other=float("-inf"), eviction_policy="evict_first"), ok, LOW_BIT)
     keep = (key >= threshold).to(tl.int32)
     per_group = tl.sum(keep, axis=1)
     slot = n + (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(keep, axis=1) - 1
