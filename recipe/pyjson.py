@@ -15,6 +15,8 @@ import json
 import math
 from typing import Any
 
+import msgspec
+
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "), allow_nan=False).encode
 
 # Only a literal of 19+ digits can fall outside [-2**63, 2**64): checking the text spares the walk
@@ -36,7 +38,7 @@ def dumps(value: Any, *, v4: bool = False) -> str:
     if value is None:
         return "null"
     text = _encode(value)
-    if _LONG_RUN in text.encode().translate(_DIGITS_AS_ZERO):  # rare: only then walk the value
+    if _may_hold_wide_integers(text):  # rare: only then walk the value
         value = narrow_integers(value)
         text = _encode(value)
     if not v4 or "e-0" not in text:
@@ -74,6 +76,20 @@ def _mark_v4_floats(value: Any, spellings: dict[str, str]) -> Any:
     if isinstance(value, list):
         return [_mark_v4_floats(item, spellings) for item in value]
     return value
+
+
+def loads(text: str | bytes) -> Any:
+    """A JSON value as the reference's reader gives it: integers outside the 64-bit range as floats (the model's
+    tool arguments, decoded for the Messages API's `input`). Raises `msgspec.DecodeError` on malformed text."""
+    value = msgspec.json.decode(text)
+    if _may_hold_wide_integers(text if isinstance(text, str) else text.decode(errors="replace")):
+        value = narrow_integers(value)
+    return value
+
+
+def _may_hold_wide_integers(text: str) -> bool:
+    """Whether `text` holds a run of 19+ digits, which any integer outside [-2**63, 2**64) needs."""
+    return _LONG_RUN in text.encode().translate(_DIGITS_AS_ZERO)
 
 
 def narrow_integers(value: Any) -> Any:

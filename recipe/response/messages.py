@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from recipe import pyjson
 from recipe.options import ConvertedRequest
 from recipe.response.events import Event, Finish, Meta, Usage, encode
 from recipe.response.writer import Writer
@@ -46,7 +47,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 def _tool_input(arguments: str) -> Any:
     """The decoded arguments of a call (`{}` when they are not a complete JSON object)."""
     try:
-        value = msgspec.json.decode(arguments)
+        value = pyjson.loads(arguments)
     except msgspec.DecodeError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -75,6 +75,9 @@ def test_token_stream_matches_reference(api: str, data: st.DataObject, tokenizer
     parsing = converted.parsing
     assume(not parsing.parse_json_output)
     output = data.draw(outputs(stops=parsing.stop_sequences, json_mode=parsing.parse_json_output))
+    # An output ending in U+FFFD: both sides hold its token back as an unfinished character and drop it, but the
+    # reference also leaves it out of completion_tokens, where we count every generated token (docs/recipe.md).
+    assume(not output.endswith("\ufffd"))
     ids = [i for i in tokenizer.hf.encode(output, add_special_tokens=False).ids if i != tokenizer.eos_id]
     # The backend sends logprobs only when the request asked for them.
     logprobs = (
@@ -87,3 +90,28 @@ def test_token_stream_matches_reference(api: str, data: st.DataObject, tokenizer
     )
     ours = run_tokens(api, body, ids, logprobs, finish, tokenizer)
     assert oracle.normalize(ours) == oracle.normalize(expected)
+
+
+@pytest.mark.parametrize("value", ["-9223372036854775809", "18446744073709551616", "[1, 100000000000000000000]"])
+def test_wide_integer_arguments_match_reference(value: str, tokenizer: Tokenizer) -> None:
+    """Integers outside the 64-bit range in a tool call's JSON arguments: the Messages API's `input` holds them
+    as floats, as the reference's JSON reader gives them (a case the token-stream property above found)."""
+    body = {
+        "model": "DeepSeek-V4.1-Flash",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "q"}],
+        "thinking": {"type": "disabled"},
+        "tools": [{"name": "a", "input_schema": {"type": "object"}}],
+    }
+    output = (
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="a">\n'
+        f'<｜DSML｜parameter name="a" string="false">{value}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    ids = [i for i in tokenizer.hf.encode(output, add_special_tokens=False).ids if i != tokenizer.eos_id]
+    _, expected = oracle.run_stream(
+        "messages", body, [[i] for i in ids], "stop", tokenizer_json=oracle.tokenizer_json(tokenizer)
+    )
+    ours = run_tokens("messages", body, ids, None, "stop", tokenizer)
+    assert oracle.normalize(ours) == oracle.normalize(expected)
+    assert isinstance(ours["content"][0]["input"]["a"], (float, list))
