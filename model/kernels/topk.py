@@ -273,8 +273,9 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
     tie = key == threshold
     above = key > threshold
     through = tl.cumsum((above.to(tl.int32) << 16) | tie.to(tl.int32), axis=0)
-    chosen_ties = tl.minimum(ties_before + (through & 0xFFFF), missing) - tl.minimum(ties_before, missing)
-    chosen = above | (tie & (ties_before + (through & 0xFFFF) <= missing))
+    tie_rank = ties_before + (through & 0xFFFF)  # ties up to and including this item, earlier tiles' too
+    chosen_ties = tl.minimum(tie_rank, missing) - tl.minimum(ties_before, missing)
+    chosen = above | (tie & (tie_rank <= missing))
     slot = written + (through >> 16) + chosen_ties - 1
     tl.store(out_row + slot, pos, mask=chosen & (slot < k))  # never past the row, whatever the keys
     total = tl.max(through, axis=0)  # the scan's last item

@@ -154,7 +154,7 @@ OVERFLOW = {"direct_max": 64, "group_size": 16, "gather": 16, "covered_groups": 
         (5, 1000, 20, torch.float16, GROUPS),
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
-        (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: more rows than the interpreter's one "SM" → half tile
+        (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: a small batch, so 2 K groups (of 32 here)
         (3, 300, 8, torch.float32, {**GROUPS, "gather": 4096}),  # one gathering program per row
         (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather": 32}),  # a few passing groups per gathering program
         (2, 300, 8, torch.float32, {**GROUPS, "gather": 1, "covered_groups": 100}),  # programs with no group
