@@ -78,13 +78,11 @@ def _mark_v4_floats(value: Any, spellings: dict[str, str]) -> Any:
     return value
 
 
-def loads(text: str | bytes) -> Any:
+def loads(text: str) -> Any:
     """A JSON value as the reference's reader gives it: integers outside the 64-bit range as floats (the model's
     tool arguments, decoded for the Messages API's `input`). Raises `msgspec.DecodeError` on malformed text."""
     value = msgspec.json.decode(text)
-    if _may_hold_wide_integers(text if isinstance(text, str) else text.decode(errors="replace")):
-        value = narrow_integers(value)
-    return value
+    return narrow_integers(value) if _may_hold_wide_integers(text) else value
 
 
 def _may_hold_wide_integers(text: str) -> bool:
