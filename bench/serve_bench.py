@@ -266,9 +266,7 @@ def summarise(results: list[CallResult], wall_s: float, counters: dict[str, floa
         "writeback_wait_mean_s": mean(counters, "writeback_wait_seconds"),
         "fallbacks": counters.get("fallbacks", 0.0),
         "retries": counters.get("retries", 0.0),
-        "prefill_mean_s": counters["prefill_seconds_sum"] / counters["prefill_seconds_count"]
-        if counters.get("prefill_seconds_count")
-        else None,
+        "prefill_mean_s": mean(counters, "prefill_seconds"),
         "dspark_acceptance": counters.get("dspark_draft_tokens_accepted", 0.0) / proposed if proposed else None,
         "tokens_per_decode_step": counters.get("completion_tokens", 0.0) / steps if steps else None,
         # Decode's share of a TTFT: waiting to be taken in, then the join (restore + decoder bounded replay).
