@@ -169,7 +169,9 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
 
 
 def topk_reports(rows: int, length: int, k: int) -> list[Report]:
-    """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks by default."""
+    """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks by default, each
+    waiting on its predecessor (dependent launch, as on sm_90) and none letting its successor launch early (one
+    instruction, which the launch picks by the GPU's SM count)."""
     GS = topk._group_size(length, k, topk._max_groups(rows, length))
     NGP = triton.next_power_of_2(triton.cdiv(length, GS))
     KP = triton.next_power_of_2(k)
@@ -179,20 +181,22 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
     return [
         compile_sm90("top-k group maxima", topk._group_max_kernel,
                      row | {"gmax_ptr": "*u32", "L": "i32", "NG": "i32", "tiles": "i32"},
-                     {"HAS_LENGTHS": False, "TILE": max(topk._group_tile(length), GS), "GS": GS, "LOW_BIT": 16}, 4,
+                     {"HAS_LENGTHS": False, "TILE": max(topk._group_tile(length), GS), "GS": GS, "LOW_BIT": 16,
+                      "PDL": True, "EARLY": False}, 4,
                      None, ("L", "NG")),
         compile_sm90("top-k threshold", topk._threshold_kernel,
                      {"gmax_ptr": "*u32", "glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32", "NG": "i32",
-                      "k": "i32"}, {"NGP": NGP, "KP": KP, "LOW_BIT": 16}, topk._threshold_warps(NGP), None, ("NG",)),
+                      "k": "i32"}, {"NGP": NGP, "KP": KP, "LOW_BIT": 16, "PDL": True, "EARLY": False},
+                     topk._threshold_warps(NGP), None, ("NG",)),
         compile_sm90("top-k gather", topk._gather_kernel,
                      row | {"glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32"} | candidates
                      | {"L": "i32", "NGP": "i32", "SEG": "i32"},
                      {"HAS_LENGTHS": False, "P": P, "SPAN": span, "CG": CG, "GS": GS,
-                      "LOW_BIT": 16}, 4, None, ("L", "NGP", "SEG")),
+                      "LOW_BIT": 16, "PDL": True, "EARLY": False}, 4, None, ("L", "NGP", "SEG")),
         compile_sm90("top-k select", topk._select_kernel,
                      row | {"thr_ptr": "*u32"} | candidates | {"out_ptr": "*i32", "L": "i32", "SEG": "i32", "k": "i32"},
                      {"HAS_LENGTHS": False, "DIRECT": False, "P": P, "PP": triton.next_power_of_2(P), "LOW_BIT": 16,
-                      "TILE": topk._select_tile(k), "KP": KP}, 8, None, ("L", "SEG")),
+                      "TILE": topk._select_tile(k), "KP": KP, "PDL": True}, 8, None, ("L", "SEG")),
     ]  # fmt: skip
 
 

@@ -15,16 +15,22 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
    and writes every score ≥ T of its groups, in position order, to its own segment of the row's candidate buffer.
    The programs cover k + k/4 + 8 passing groups; a row with more (ties at T) is selected from its scores.
 4. Select (a kernel, one program per row): exact select among the candidates, the P segments read in order, held
-   in registers when they fit: the k-th largest key is bisected between T and the row's maximum key (7 halvings on
-   Gaussian bf16 rows of 64 K–1 M at k = 512), and keys equal to it are taken in position order, so ties go to the
-   lowest positions. The candidates are in position order, so the chosen ones are written sorted. A row whose
-   candidates overflow a segment (adversarial ties) is selected the same way straight from its scores.
+   in registers when they fit: the k-th largest key is searched between T and the row's maximum key (`_trisect`:
+   ≈ 5 steps on Gaussian bf16 rows of 64 K–1 M at k = 512), and keys equal to it are taken in position order, so
+   ties go to the lowest positions. The candidates are in position order, so the chosen ones are written sorted.
+   A row whose candidates overflow a segment (adversarial ties) is selected the same way straight from its scores.
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
-Where the time goes at 256 × 64 K on the H200 (torch.profiler, 2026-11-30, sixth session): group maxima 11.8 µs
-(the scores' bandwidth), threshold 6.4, gather 9.9, select 4.7 — the last three chains of block-wide sums and
-dependent loads, which is why their steps are counted and cut (`_search_range`, one pass per gathering program).
+On sm_90 every kernel is a programmatic dependent launch: it is scheduled while its predecessor (the previous kernel
+here, or whatever wrote the scores) still runs and waits for its writes (`_follow`), and a kernel whose programs fit
+on the GPU at once lets its successor launch as it starts (`_launch_order`). With these launches and `_trisect`,
+256 × 64 K went 33.6 → 31.7 µs and 1 × 64 K 12.2 → 10.0 (H200, eighth session).
+
+Where the time goes at 256 × 64 K on the H200 (torch.profiler, 2026-11-30, eighth session): group maxima 12.1 µs
+(the scores' bandwidth), threshold 6.4, gather 10.1, select 4.2 (overlapping by their launches: 32.2 µs in all) — the
+last three chains of block-wide sums and dependent loads, which is why their steps are counted and cut
+(`_search_range`, one pass per gathering program).
 Measured and dropped there: a 4-ary search (three pivots counted in one int64 sum: threshold 7.7, select 5.0 µs —
 an int64 sum costs more than two int32 ones), a register cap on the gather for more programs per SM (no change),
 and the select reading the passing groups' scores itself, no gather kernel (16 K items in registers: 62 µs).
@@ -34,6 +40,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from model.kernels.formats import interpreting, multiprocessors
 
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
@@ -63,10 +72,14 @@ def topk_indices_torch(scores: Tensor, k: int, lengths: Tensor | None) -> Tensor
 # ---------------------------------------------------------------------------------------------- Triton
 
 _TILE = 4096  # scores of a short row, held in the select kernel's registers; a group-max program's (`_group_tile`)
+_MAX_TILE = 32768  # the select kernel's register tile at most (`_trisect` counts a tile's keys in 16 bits)
 _MAX_GROUPS = 8192  # group maxima per row that the threshold kernel holds in registers at once
 _FEW_ROWS = 8  # batches of at most this many rows take fewer groups (`_max_groups`)
 _GATHER = 2048  # scores per gathering program's pass, by default (`_gather_scores`)
 _MAX_SEGMENTS = 32  # gathering programs per row at most (the select kernel maps its items to their segments)
+# programs per SM of the group-max, threshold and gather kernels that surely fit at once at the default launches
+# (sm_90 registers by `bench/sass.py topk`: 27–30 → 16 by threads, 124–255 → 2, 128–219 → 2)
+_RESIDENT = (16, 2, 2)
 
 
 @triton.jit
@@ -135,6 +148,24 @@ def _bisect(keys, k, lo, hi, LOW_BIT: tl.constexpr):
 
 
 @triton.jit
+def _trisect(keys, k, lo, hi, LOW_BIT: tl.constexpr):
+    """`_bisect` with two pivots a step, both counted in one int32 sum (a count per half: fewer than 2^16 keys), so
+    that each step keeps a third of the range: ≈ 5 block-wide sums instead of 7 on the select's 2k candidates (H200,
+    eighth session: select 4.52 → 4.14 µs at 256 × 64 K, 1 × 4 K 6.98 → 6.32). The threshold kernel keeps halvings:
+    at 32 keys per thread its second compare costs more than the step it saves (6.41 → 6.69 µs)."""
+    a, b, _steps = _search_range(lo, hi, LOW_BIT)
+    while a < b:
+        low = a + (b - a) // 3 + ((b - a) % 3 != 0).to(tl.uint32)  # a + ⌈(b − a) / 3⌉: above a
+        high = b - (b - a) // 3  # at or above low
+        both = (keys >= (low << LOW_BIT)).to(tl.int32) | ((keys >= (high << LOW_BIT)).to(tl.int32) << 16)
+        counts = tl.sum(both, axis=0)
+        at_low, at_high = (counts & 0xFFFF) >= k, (counts >> 16) >= k  # T ≥ low, T ≥ high
+        a, b = (tl.where(at_high, high, tl.where(at_low, low, a)),
+                tl.where(at_high, b, tl.where(at_low, high - 1, low - 1)))  # fmt: skip
+    return a << LOW_BIT
+
+
+@triton.jit
 def _highest_bit(x):
     """floor(log2(x)) for x ≥ 1, or one more (fp32 may round x up to the next power of two: one harmless extra
     halving), at most 31; −1 for x = 0."""
@@ -143,11 +174,24 @@ def _highest_bit(x):
 
 
 @triton.jit
+def _follow(PDL: tl.constexpr, EARLY: tl.constexpr):
+    """Programmatic dependent launch (`_launch_order`): a kernel launched while its predecessor runs (PDL) waits here
+    until the predecessor has ended and its writes are visible; EARLY lets the successor launch now, its programs
+    waiting in turn, instead of when this kernel's last program ends."""
+    if PDL:
+        gdc_wait()
+    if EARLY:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _group_max_kernel(
     x_ptr, len_ptr, gmax_ptr, L, NG, tiles,
-    HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r; one TILE of one row per program."""
+    _follow(PDL, EARLY)
     r = (tl.program_id(0) // tiles).to(tl.int64)
     t = tl.program_id(0) % tiles
     key, _pos = _row_keys(x_ptr + r * L, _row_length(len_ptr, r, L, HAS_LENGTHS), t * TILE, TILE, LOW_BIT)
@@ -158,7 +202,7 @@ def _group_max_kernel(
 @triton.jit
 def _threshold_kernel(
     gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k,
-    NGP: tl.constexpr, KP: tl.constexpr, LOW_BIT: tl.constexpr,
+    NGP: tl.constexpr, KP: tl.constexpr, LOW_BIT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Row r's candidate threshold T and the ids of the groups that reach it, ascending.
 
@@ -167,6 +211,7 @@ def _threshold_kernel(
     T is bisected between the largest maximum and a lower bound: the least of the maxima of KP ≥ k disjoint
     subsets (strided, so that a row whose scores trend with position still gives a tight bound) — KP maxima reach
     it, so the k-th largest does."""
+    _follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NGP)
     gmax = tl.load(gmax_ptr + r * NG + g, mask=g < NG, other=0)
@@ -207,7 +252,7 @@ def _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start,
 def _gather_kernel(
     x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
     HAS_LENGTHS: tl.constexpr, P: tl.constexpr, SPAN: tl.constexpr, CG: tl.constexpr, GS: tl.constexpr,
-    LOW_BIT: tl.constexpr,
+    LOW_BIT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Program (r, p) takes row r's passing groups p·SPAN … (p + 1)·SPAN − 1 (in list order: ascending), CG per
     pass, and writes their scores ≥ T, in position order, to segment p of the row's candidate buffer (SEG slots)
@@ -222,11 +267,12 @@ def _gather_kernel(
     segment = r * P + p
     x_row, glist_row = x_ptr + r * L, glist_ptr + r * NGP
     ckey_seg, cpos_seg = ckey_ptr + segment * SEG, cpos_ptr + segment * SEG
+    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
+    _follow(PDL, EARLY)
     n_groups = tl.load(ngroups_ptr + r)
     first = p * SPAN
     last = tl.minimum(first + SPAN, n_groups)
     threshold = tl.load(thr_ptr + r)
-    length = _row_length(len_ptr, r, L, HAS_LENGTHS)
     n = 0
     if SPAN <= CG:
         if first < last:
@@ -287,7 +333,7 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 def _select_kernel(
     x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k,
     HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, KP: tl.constexpr,
+    TILE: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
     written in position order and −1 padded. The k-th largest key is bisected between its bounds: every chosen key
@@ -296,6 +342,7 @@ def _select_kernel(
     x_row, out_row = x_ptr + r * L, out_ptr + r * k
     ckey_row, cpos_row, count_row = ckey_ptr + r * P * SEG, cpos_ptr + r * P * SEG, count_ptr + r * P
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
+    _follow(PDL, False)
     n = length
     from_row = DIRECT
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
@@ -310,7 +357,7 @@ def _select_kernel(
         kk = k  # above a threshold T > 1 lie at least k candidates: no count needed
         if lo <= 1:
             kk = tl.minimum(k, tl.sum((key > 0).to(tl.int32), axis=0))
-        threshold = _bisect(key, kk, lo, tl.max(key, axis=0), LOW_BIT)
+        threshold = _trisect(key, kk, lo, tl.max(key, axis=0), LOW_BIT)
         missing = kk - tl.sum((key > threshold).to(tl.int32), axis=0)
         _write_chosen(out_row, key, pos, threshold, missing, 0, 0, k)
     else:  # streamed in tiles: the same steps, each a pass over the items
@@ -412,6 +459,22 @@ def _select_tile(k: int) -> int:
     return min(_TILE, max(1024, 2 * triton.next_power_of_2(k)))
 
 
+def _dependent_launch(device: torch.device) -> bool:
+    """Whether the kernels launch while their predecessor runs (programmatic dependent launch): on sm_90 and later,
+    not in the interpreter (which cannot run the wait's PTX)."""
+    return not interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _launch_order(pdl: bool, *programs: int) -> tuple[bool, ...]:
+    """Which of the group-max, threshold and gather kernels (`programs` each) let their successor launch as they
+    start (`_follow`'s EARLY): those whose programs all fit on the GPU at once, `_RESIDENT` per SM. Where they do not,
+    it costs time, presumably because the successor's programs, placed once the kernel's last program has started,
+    crowd onto the few SMs free at that moment. H200, eighth session, kernels 2–4 as dependents: 256 × 64 K 33.4 →
+    32.9 µs, with the threshold early 31.9–32.7 (the group maxima early too: 33.8; the gather: 34.0–34.3); every kernel
+    early at 1 × 64 K 12.2 → 10.6 µs, 6 × 64 K 12.6 → 10.9, 6 × 256 K 15.4 → 13.6, 32 × 256 K 24.6 → 22.5."""
+    return tuple(pdl and n <= per_sm * multiprocessors() for n, per_sm in zip(programs, _RESIDENT, strict=True))
+
+
 def topk_indices_triton(
     scores: Tensor,
     k: int,
@@ -432,10 +495,12 @@ def topk_indices_triton(
     program (default `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather`
     scores per pass of a gathering program (a power of two; default `_gather_scores`), whose programs — as many as
     cover one pass each, at most `_MAX_SEGMENTS` — cover `covered_groups` passing groups per row (default
-    k + k/4 + 8; a row with more selects from its scores); the select kernel's register `tile` (default: a direct row
-    whole, else `_select_tile`) and `num_warps`."""
+    k + k/4 + 8; a row with more selects from its scores); the select kernel's register `tile` (a power of two up to
+    `_MAX_TILE`; default: a direct row whole, else `_select_tile`) and `num_warps`."""
     if gather is not None and (gather < 1 or gather & (gather - 1)):
         raise ValueError(f"gather must be a power of two, got {gather}")
+    if tile is not None and not (0 < tile <= _MAX_TILE and tile & (tile - 1) == 0):
+        raise ValueError(f"tile must be a power of two up to {_MAX_TILE}, got {tile}")
     R, L = scores.shape
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
@@ -460,16 +525,19 @@ def topk_indices_triton(
     threshold, n_groups = per_row(dtype=torch.uint32), per_row(dtype=torch.int32)
     ckey, cpos = per_row(P * SEG, dtype=torch.uint32), per_row(P * SEG, dtype=torch.int32)
     counts = per_row(P, dtype=torch.int32)
+    pdl = _dependent_launch(device)
     if not direct:
         group_tile = max(group_tile or _group_tile(L), GS)
         tiles = triton.cdiv(L, group_tile)
+        early = _launch_order(pdl, R * tiles, R, R * P)
         _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
-                                        num_warps=4)  # fmt: skip
-        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, KP, low_bit,
-                                num_warps=threshold_warps or _threshold_warps(NGP))  # fmt: skip
+                                        pdl, early[0], num_warps=4, launch_pdl=pdl)  # fmt: skip
+        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, KP, low_bit, pdl, early[1],
+                                num_warps=threshold_warps or _threshold_warps(NGP), launch_pdl=pdl)  # fmt: skip
         _gather_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG,
-                               has_lengths, P, span, CG, GS, low_bit, num_warps=4)  # fmt: skip
+                               has_lengths, P, span, CG, GS, low_bit, pdl, early[2], num_warps=4,
+                               launch_pdl=pdl)  # fmt: skip
     _select_kernel[(R,)](x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k,
-                         has_lengths, direct, P, triton.next_power_of_2(P), low_bit, tile, KP,
-                         num_warps=num_warps)  # fmt: skip
+                         has_lengths, direct, P, triton.next_power_of_2(P), low_bit, tile, KP, pdl,
+                         num_warps=num_warps, launch_pdl=pdl)  # fmt: skip
     return out

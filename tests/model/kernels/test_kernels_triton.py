@@ -193,9 +193,10 @@ def test_topk_search_range_edges(paths: dict[str, int], dtype: torch.dtype) -> N
         assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
 
 
-def test_topk_names_a_bad_gather_size() -> None:
-    with pytest.raises(ValueError, match="gather"):
-        topk_indices_triton(torch.zeros(1, 100), 4, None, gather=3)
+@pytest.mark.parametrize(("knob", "value"), [("gather", 3), ("tile", 48), ("tile", 65536)])
+def test_topk_names_a_bad_launch_knob(knob: str, value: int) -> None:
+    with pytest.raises(ValueError, match=knob):
+        topk_indices_triton(torch.zeros(1, 100), 4, None, **{knob: value})
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
