@@ -177,7 +177,9 @@ def _highest_bit(x):
 def _follow(PDL: tl.constexpr, EARLY: tl.constexpr):
     """Programmatic dependent launch (`_launch_order`): a kernel launched while its predecessor runs (PDL) waits here
     until the predecessor has ended and its writes are visible; EARLY lets the successor launch now, its programs
-    waiting in turn, instead of when this kernel's last program ends."""
+    waiting in turn, instead of when this kernel's last program ends. Since a kernel signals only after its wait,
+    every kernel before its predecessor has ended when it starts: before the wait it may read the call's inputs
+    (the row lengths), never what its predecessor writes, and it writes nothing."""
     if PDL:
         gdc_wait()
     if EARLY:
