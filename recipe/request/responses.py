@@ -213,7 +213,8 @@ class _Turns:
             if not text and self.turn is not None:
                 return  # an empty reasoning item neither starts a turn nor adds to one
             turn = self.assistant(new_if=self.turn is not None and bool(self.turn.content or self.turn.tool_calls))
-            turn.reasoning = text if turn.reasoning is None else f"{turn.reasoning}\n{text}"
+            # joined as deepseek-recipe joins them: after a turn's reasoning so far, unless that is still empty
+            turn.reasoning = f"{turn.reasoning}\n{text}" if turn.reasoning else text
         elif kind == "function_call":
             call = _item(item, FunctionCallItem, param)
             name = namespaced(call.namespace, call.name, self.version) if call.namespace else call.name

@@ -50,3 +50,27 @@ def test_token_ids_match_reference(api: str, data: st.DataObject, tokenizer: Tok
         return
     converted = convert(api, body)
     assert render(converted.conversation, converted.version, tokenizer).token_ids == expected
+
+
+def _reasoning(*parts: str) -> dict:
+    return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": t} for t in parts]}
+
+
+def _answer(text: str) -> dict:
+    return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [_reasoning(""), _answer(""), _reasoning("0"), _answer("")],  # hypothesis found it: "\n0" against "0"
+        [_reasoning(""), _reasoning("b")],
+        [_reasoning("", "b")],  # parts of one item: joined even when empty
+        [_reasoning("a", ""), _reasoning("b")],
+        [_reasoning("a"), _reasoning(""), _reasoning("b")],
+    ],
+)
+def test_reasoning_items_of_a_turn_join_as_the_reference_joins_them(items: list[dict]) -> None:
+    tools = [{"type": "function", "name": "a", "parameters": {"type": "object", "properties": {}}}]
+    _expect_same("responses", {"model": "DeepSeek-V4.1-Flash", "input": [*items, {"role": "user", "content": "q"}],
+                               "tools": tools})  # fmt: skip
