@@ -31,9 +31,12 @@ Where the time goes at 256 × 64 K on the H200 (torch.profiler, 2026-11-30, eigh
 (the scores' bandwidth), threshold 6.4, gather 10.1, select 4.2 (overlapping by their launches: 32.2 µs in all) — the
 last three chains of block-wide sums and dependent loads, which is why their steps are counted and cut
 (`_search_range`, one pass per gathering program).
-Measured and dropped there: a 4-ary search (three pivots counted in one int64 sum: threshold 7.7, select 5.0 µs —
-an int64 sum costs more than two int32 ones), a register cap on the gather for more programs per SM (no change),
-and the select reading the passing groups' scores itself, no gather kernel (16 K items in registers: 62 µs).
+Measured and dropped (sixth session): a 4-ary search (three pivots counted in one int64 sum: threshold 7.7, select
+5.0 µs — an int64 sum costs more than two int32 ones), a register cap on the gather for more programs per SM (no
+change), and the select reading the passing groups' scores itself, no gather kernel (16 K items in registers: 62 µs);
+(eighth session, 256 × 64 K) the threshold and the select run by the last program of a row in the group-max and
+gather kernels (45.7 / 35.0 µs: the threshold's registers cut the streaming kernel's occupancy), a 4-ary search by one
+tuple reduce (35.8 µs), 16-bit group maxima for bf16 rows (34.7 µs).
 """
 
 import torch
