@@ -3,21 +3,14 @@
 Imports only torch, numpy, safetensors, tqdm, tokenizers and the standard library (DESIGN §2). See docs/model.md.
 """
 
+from model.checkpoint import checkpoint_fingerprint, load_checkpoint, load_weights, save_checkpoint
 from model.config import PRESETS, ModelArgs, preset
 from model.dspark import Draft, draft_logits
 from model.kv import LAYOUT_VERSION, EncoderState, GlobalKVBlock, PackedEntries, global_kv_bytes_per_token
 from model.sampling import SamplingParams, sample, speculative_accept
 from model.serving import DecodeBatch, Past, PrefillOutput, PrefillRun, SequenceExport, VerifyResult
 from model.transformer import Transformer
-from model.weights import (
-    build_model,
-    checkpoint_fingerprint,
-    init_weights,
-    load_checkpoint,
-    load_weights,
-    model_fingerprint,
-    save_checkpoint,
-)
+from model.weights import build_model, init_weights, model_fingerprint
 
 __all__ = [
     "LAYOUT_VERSION",

@@ -136,7 +136,7 @@ class Attention(nn.Module):
 
     def cast_input(self, x: Tensor) -> Tensor:
         """One FP8 cast of the attention input for wq_a and wkv (both FP8 linears), plain if unquantised."""
-        return quantize_input(x) if self.wq_a.quantized else x
+        return self.wq_a.cast(x)
 
     def entry_latents(self, latent: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE latents [B, G, D] of entries first.. → (rotated main KV, rotated indexer K), entry j at j·m."""

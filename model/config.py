@@ -50,6 +50,9 @@ class QuantizationConfig:
     weight_block_size: tuple[int, int] = (32, 32)
     scale_fmt: str = "ue8m0"
     expert_dtype: str = "fp4"
+    # Not in the released config: inputs per UE8M0 scale of the FP4 experts (32, or 16 as one source reads the
+    # release, reference §2.9). A checkpoint's scale shapes decide it at load (model.checkpoint).
+    expert_scale_block: int = 32
 
 
 class Mode(enum.Enum):
@@ -370,6 +373,13 @@ def _validate(a: ModelArgs) -> None:
     need(0 <= a.dspark_noise_token_id < a.vocab_size, "dspark_noise_token_id must be a token id")
     need(a.dspark_num_experts_per_tok <= a.dspark_n_routed_experts, "DSpark experts per token exceed its experts")
     need(a.rope_scaling.rope_type == "yarn", f"rope_scaling.rope_type must be 'yarn', got {a.rope_scaling.rope_type!r}")
+    q = a.quantization_config
+    if q is not None:
+        need(q.expert_dtype == "fp4", f"quantization_config.expert_dtype must be 'fp4', got {q.expert_dtype!r}")
+        need(q.expert_scale_block in (16, 32),
+             f"quantization_config.expert_scale_block must be 16 or 32, got {q.expert_scale_block}")  # fmt: skip
+        need(tuple(q.weight_block_size) == (32, 32),
+             f"quantization_config.weight_block_size must be [32, 32], got {list(q.weight_block_size)}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------- presets

@@ -1,24 +1,34 @@
-"""Linear layers with the checkpoint's storage format, and RMSNorm.
+"""Linear layers, row tables and RMSNorm, in the float form training uses and the packed form serving holds.
 
 A weight's format is how the released checkpoint stores it (reference §2.9): `fp8` (E4M3 in 32×32 blocks with a
-UE8M0 scale each), `fp4` (routed experts: packed E2M1 with a UE8M0 scale per 32 inputs), or plain (`bf16`, or
-`fp32` for the compressor, gate bias, mHC and sink). In memory every weight is a float tensor holding exactly the
-values the stored form decodes to, so the math below is plain torch; `model.weights` converts to and from the
-packed forms. QAT is model semantics (reference §2.10): the input of every FP8/FP4 linear is FP8-quantised
-(E4M3, UE8M0 scale per 32) first, in training and in inference alike.
+UE8M0 scale each), `fp4` (routed experts: packed E2M1 with a UE8M0 scale per 32 or 16 inputs — `model.moe`), or
+plain (`bf16`, or `fp32` for the compressor, gate bias, mHC and sink). A model exists in one of two forms:
+
+- **float** (training, the exact oracle of the tests): every weight is a float tensor holding exactly the values
+  its stored form decodes to (`model.weights` snaps them), and the math is plain torch;
+- **packed** (serving, `model.weights.build_model`): quantised weights keep their checkpoint bytes — `Fp8Linear`
+  (E4M3 + UE8M0 blocks), `Fp8Rows` (the Engram tables), `model.moe.PackedExperts` (E2M1 nibbles) — and compute
+  through `model.kernels` (block-scaled FP8 GEMM, grouped MXFP4 GEMM). No dequantised copy of them is ever kept.
+
+QAT is model semantics (reference §2.10): the input of every FP8/FP4 linear is FP8-quantised (E4M3, UE8M0 scale per
+32) first, in training and in inference alike. `cast` is that cast, in the form the layer consumes: fake-quantised
+floats (gradient straight through) for the float form, an `Fp8Act` (the bytes) for the packed one; layers sharing one
+input share one cast.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import kernels
+from model import kernels, quant
 
 WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
+FP8_BLOCK = 32  # FP8 weights: 32×32 blocks (quantization_config.weight_block_size); activations: 32 channels
 
 
 def param_dtype(fmt: WeightFormat, dtype: torch.dtype) -> torch.dtype:
@@ -26,8 +36,38 @@ def param_dtype(fmt: WeightFormat, dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if fmt == "fp32" else dtype
 
 
+def packed_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Parameter:
+    """Storage for checkpoint bytes (E4M3, packed E2M1, UE8M0 scales): a parameter no gradient reaches."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Fp8Act(NamedTuple):
+    """FP8 activations as the QAT cast stores them: E4M3 bits [..., K], UE8M0 scales [..., K/32], and the float
+    dtype the layer computes in (its output dtype)."""
+
+    data: Tensor
+    scale: Tensor
+    dtype: torch.dtype
+
+    def value(self) -> Tensor:
+        """The float values (exactly what `quantize_input` gives)."""
+        return quant.fp8_dequant(self.data, self.scale, FP8_BLOCK, self.dtype)
+
+
+def quantize_input(x: Tensor) -> Tensor:
+    """The FP8 (E4M3, UE8M0 per 32) QAT cast of activations as floats: the float form's linear inputs, and the values
+    the SWA ring stores. One kernel on a GPU (it runs on every step), the torch reference elsewhere."""
+    return kernels.fake_quant_fp8(x, backend=kernels.backend_for(x))
+
+
+def fp8_act(x: Tensor) -> Fp8Act:
+    """The same cast as bytes (the ring's FP8 format): what a packed FP8/FP4 layer reads."""
+    data, scale = kernels.quantize_swa_fp8(x, backend=kernels.backend_for(x))
+    return Fp8Act(data, scale, x.dtype)
+
+
 class Linear(nn.Module):
-    """y = x Wᵀ (no bias: attention_bias is false). Computes in the weight's dtype and returns that dtype."""
+    """y = x Wᵀ (no bias: attention_bias is false) over a float weight. Computes in the weight's dtype."""
 
     def __init__(
         self, in_features: int, out_features: int, fmt: WeightFormat = "bf16", dtype: torch.dtype | None = None
@@ -41,14 +81,46 @@ class Linear(nn.Module):
     def quantized(self) -> bool:
         return self.fmt in ("fp8", "fp4")
 
+    def cast(self, x: Tensor) -> Tensor:
+        """This layer's input cast (the FP8 QAT cast if quantised), to share between layers of one input."""
+        return quantize_input(x) if self.quantized else x
+
     def forward(self, x: Tensor, prequantized: bool = False) -> Tensor:
-        """`prequantized`: x already went through `quantize_input` (one cast shared by linears of the same input)."""
-        if self.quantized and not prequantized:
-            x = quantize_input(x)
+        """`prequantized`: x is already `cast`."""
+        if not prequantized:
+            x = self.cast(x)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}"
+
+
+class Fp8Linear(nn.Module):
+    """y = x Wᵀ at native precision: W as E4M3 [out, in] with a UE8M0 scale per 32×32 block, x cast to FP8 on the
+    fly, one block-scaled FP8 GEMM (`kernels.fp8_linear`, fp32 accumulation). Returns the input's dtype."""
+
+    fmt: WeightFormat = "fp8"
+    quantized = True
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        blocks = (math.ceil(out_features / FP8_BLOCK), math.ceil(in_features / FP8_BLOCK))
+        self.weight = packed_param(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        self.scale = packed_param(*blocks, dtype=torch.uint8, device=device)
+
+    def cast(self, x: Tensor) -> Fp8Act:
+        return fp8_act(x)
+
+    def forward(self, x: Tensor | Fp8Act, prequantized: bool = False) -> Tensor:
+        act = x if isinstance(x, Fp8Act) else self.cast(x)
+        lead = act.data.shape[:-1]
+        data, scale = act.data.reshape(-1, self.in_features), act.scale.reshape(-1, act.scale.shape[-1])
+        y = kernels.fp8_linear(data, scale, self.weight, self.scale, act.dtype, backend=kernels.backend_for(data))
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt=fp8 (packed)"
 
 
 class Embedding(nn.Module):
@@ -62,10 +134,19 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-def quantize_input(x: Tensor) -> Tensor:
-    """The FP8 (E4M3, UE8M0 per 32) QAT cast of activations: every FP8/FP4 linear's input, and the values the SWA
-    ring stores. One kernel on a GPU (it runs on every linear input of every step), the torch reference elsewhere."""
-    return kernels.fake_quant_fp8(x, backend=kernels.backend_for(x))
+class Fp8Rows(nn.Module):
+    """A row table at native precision (the Engram tables): E4M3 rows [rows, dim] with a UE8M0 scale per 32
+    channels; a lookup decodes only the rows it gathers, into `dtype`."""
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.weight = packed_param(rows, dim, dtype=torch.float8_e4m3fn, device=device)
+        self.scale = packed_param(rows, dim // FP8_BLOCK, dtype=torch.uint8, device=device)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        data = self.weight.view(torch.uint8)[ids]
+        return quant.fp8_dequant(data, self.scale[ids], FP8_BLOCK, self.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,13 @@
     y = Σₑ W2ₑ(wₑ · silu(min(W1ₑx, limit)) · clamp(W3ₑx, ±limit)) + shared(x)
 
 The routing weight multiplies the intermediate activation *before* W2 (as the reference does), whose input is then
-FP8-quantised like every FP8/FP4 linear input.
+FP8-quantised like every FP8/FP4 linear input. Each token's expert outputs are added one at a time in ascending
+expert id (fp32), whatever computed them, so every form and kernel of the routed experts sums alike.
+
+The routed experts come in the two forms of `model.linear`: `Experts` (float weights, one `Expert` module each:
+training and the oracle) and `PackedExperts` (the checkpoint's packed E2M1 nibbles and UE8M0 scales, W1‖W3 stacked
+per expert, computed by the grouped MXFP4 GEMM: the (token, slot) pairs sorted by expert on the device, one launch
+for W1‖W3 with SwiGLU and one for W2 — no host sync, no loop over experts).
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import kernels
 from model.config import ModelArgs
-from model.linear import Linear, WeightFormat, param_dtype, quantize_input
+from model.linear import Fp8Act, Linear, WeightFormat, fp8_act, packed_param, param_dtype
 
 
 class Gate(nn.Module):
@@ -30,9 +37,11 @@ class Gate(nn.Module):
         self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=fp32), requires_grad=False)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, C] → (weights [N, k] fp32, expert ids [N, k]); ties go to the lower expert id."""
+        """x [N, C] → (weights [N, k] fp32, expert ids [N, k]) with each row's slots in ascending expert id; the
+        choice keeps the k best scores, ties to the lower expert id."""
         scores = F.softplus(F.linear(x.to(self.weight.dtype), self.weight)).sqrt()
         ids = torch.sort(scores + self.bias, dim=-1, descending=True, stable=True).indices[:, : self.topk]
+        ids = ids.sort(-1).values
         weights = scores.gather(-1, ids)
         if self.norm and self.topk > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -55,11 +64,84 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, fmt, dtype)
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
-        """x: the FP8-cast input (quantize_input), shared by every expert of a token."""
+        """x: the input cast (`w1.cast`), shared by every expert of a token."""
         h = swiglu(self.w1(x, True), self.w3(x, True), self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype).unsqueeze(-1)
         return self.w2(h)
+
+
+class Experts(nn.ModuleList):
+    """The routed experts with float weights (`experts.{e}.w1` …, the checkpoint's names)."""
+
+    def forward(self, xq: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """Weighted routed-expert outputs [N, k, C] of the cast input xq [N, C], slot by slot as `ids` [N, k] has them.
+
+        Only the matmuls run expert by expert; the gathers, the activation, the routing weights and the FP8 cast of
+        W2's input run once over every (token, slot) pair (each is elementwise or per row: the same values).
+        """
+        order, _, _ = kernels.moe_pairs(ids, len(self))
+        k = ids.shape[1]
+        sizes = torch.bincount(ids.flatten(), minlength=len(self)).tolist()  # the host waits once per layer
+        active = [e for e, size in enumerate(sizes) if size]
+        x = xq[order // k].split(sizes)
+        gate = torch.cat([self[e].w1(x[e], True) for e in active])
+        up = torch.cat([self[e].w3(x[e], True) for e in active])
+        h = swiglu(gate, up, self[0].limit) * weights.flatten()[order].to(gate.dtype).unsqueeze(-1)
+        w2 = [self[e].w2 for e in active]
+        h = w2[0].cast(h).split([sizes[e] for e in active])
+        out = torch.cat([linear(part, True) for linear, part in zip(w2, h, strict=True)])
+        return _unsort(out, order, ids.shape)
+
+
+class PackedExperts(nn.Module):
+    """The routed experts at native precision: per expert, W1‖W3 as one [2I, C/2] block of E2M1 nibbles (low nibble =
+    even input) and W2 as [C, I/2], each with a UE8M0 scale per `block` inputs (32 or 16: the released files leave it
+    open, reference §2.9; `model.weights` reads it off the scales' shapes)."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, block: int, device=None) -> None:
+        super().__init__()
+        self.n_experts, self.dim, self.inter, self.limit, self.block = n_experts, dim, inter, limit, block
+        u8 = torch.uint8
+        self.w13 = packed_param(n_experts, 2 * inter, dim // 2, dtype=u8, device=device)
+        self.w13_scale = packed_param(n_experts, 2 * inter, dim // block, dtype=u8, device=device)
+        self.w2 = packed_param(n_experts, dim, inter // 2, dtype=u8, device=device)
+        self.w2_scale = packed_param(n_experts, dim, inter // block, dtype=u8, device=device)
+
+    def checkpoint_views(self, prefix: str) -> dict[str, Tensor]:
+        """The checkpoint's per-expert tensors (`{prefix}{e}.w1.weight` …) as views of the stacked storage."""
+        I, views = self.inter, {}
+        for e in range(self.n_experts):
+            for name, (data, scale) in {
+                "w1": (self.w13[e, :I], self.w13_scale[e, :I]),
+                "w3": (self.w13[e, I:], self.w13_scale[e, I:]),
+                "w2": (self.w2[e], self.w2_scale[e]),
+            }.items():
+                views[f"{prefix}{e}.{name}.weight"], views[f"{prefix}{e}.{name}.scale"] = data, scale
+        return views
+
+    def forward(self, xq: Fp8Act, weights: Tensor, ids: Tensor) -> Tensor:
+        """Weighted routed-expert outputs [N, k, C] of the cast input xq [N, C], slot by slot as `ids` [N, k] lists
+        them: two grouped GEMMs over the (token, slot) pairs sorted by expert."""
+        be = kernels.backend_for(xq.data)
+        order, rows, offsets = kernels.moe_pairs(ids, self.n_experts)
+        h = kernels.moe_gate_up(
+            xq.data, xq.scale, rows, offsets, weights.flatten()[order].float(),
+            self.w13, self.w13_scale, self.limit, xq.dtype, backend=be,
+        )  # fmt: skip
+        hq = fp8_act(h)
+        out = kernels.moe_down(hq.data, hq.scale, offsets, self.w2, self.w2_scale, xq.dtype, backend=be)
+        return _unsort(out, order, ids.shape)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.n_experts}, dim={self.dim}, inter={self.inter}, fp4 scale block={self.block}"
+
+
+def _unsort(out: Tensor, order: Tensor, shape: torch.Size) -> Tensor:
+    """Rows of the expert-sorted pairs back to [N, k, C] (pair order[i] is sorted row i)."""
+    pairs = out.new_empty(out.shape)
+    pairs[order] = out
+    return pairs.view(*shape, -1)
 
 
 class MoE(nn.Module):
@@ -68,46 +150,23 @@ class MoE(nn.Module):
         n_experts = args.dspark_n_routed_experts if dspark else args.n_routed_experts
         topk = args.dspark_num_experts_per_tok if dspark else args.num_experts_per_tok
         q = args.quantization_config
-        routed: WeightFormat = "fp4" if q and q.expert_dtype == "fp4" else ("fp8" if q else "bf16")
+        routed: WeightFormat = "fp4" if q else "bf16"
         shared: WeightFormat = "fp8" if q else "bf16"
         dim, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
         self.gate, self.limit = Gate(args, n_experts, topk, dtype), limit
-        self.experts = nn.ModuleList(Expert(dim, inter, limit, routed, dtype) for _ in range(n_experts))
+        self.experts: Experts | PackedExperts = Experts(
+            Expert(dim, inter, limit, routed, dtype) for _ in range(n_experts)
+        )
         self.shared_experts = Expert(dim, inter, limit, shared, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
-        xq = quantize_input(x) if self.shared_experts.w1.quantized else x  # one FP8 cast for every expert
+        xq = self.shared_experts.w1.cast(x)  # one FP8 cast for every expert
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation over experts
         y = self.shared_experts(xq).to(compute)
-        routed = self.routed(xq, weights, ids).to(compute)
+        routed = self.experts(xq, weights, ids).to(compute)
         for r in range(routed.shape[1]):  # each token's experts added one at a time, in ascending id
             y = y + routed[:, r]
         return y.to(x.dtype).view(shape)
-
-    def routed(self, xq: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """Weighted routed-expert outputs [N, k, C], each token's k slots in ascending expert id.
-
-        Only the matmuls run expert by expert; the gathers, the activation, the routing weights and the FP8 cast of
-        W2's input run once over every (token, slot) pair (each is elementwise or per row: the same values).
-        """
-        N, k = ids.shape
-        ids, slot = ids.sort(-1)
-        # pairs grouped by expert, tokens ascending within each (a stable sort of the row-major ids): the host waits
-        # for the device once per layer (the group sizes), not once per expert
-        order = torch.argsort(ids.flatten(), stable=True)
-        sizes = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        active = [e for e, size in enumerate(sizes) if size]
-        x = xq[order // k].split(sizes)
-        gate = torch.cat([self.experts[e].w1(x[e], True) for e in active])
-        up = torch.cat([self.experts[e].w3(x[e], True) for e in active])
-        weight = weights.gather(-1, slot).flatten()[order]
-        h = swiglu(gate, up, self.limit) * weight.to(gate.dtype).unsqueeze(-1)
-        w2 = [self.experts[e].w2 for e in active]
-        h = (quantize_input(h) if w2[0].quantized else h).split([sizes[e] for e in active])
-        out = torch.cat([linear(part, True) for linear, part in zip(w2, h, strict=True)])
-        pairs = out.new_empty(out.shape)
-        pairs[order] = out
-        return pairs.view(N, k, -1)

@@ -1,18 +1,24 @@
-"""Weights: deterministic initialisation, safetensors checkpoints with the released names, the model fingerprint.
+"""Weights: the two forms of a model, deterministic initialisation, and the checkpoint tensors a model holds.
 
-Checkpoint layout (reference §2.9). Tensor names are the module paths (`layers.3.attn.wq_a.weight`,
-`mtp.2.markov_head.embed.weight`, …). With a `quantization_config`:
+Checkpoint tensors carry the released names (reference §2.9): the module paths (`layers.3.attn.wq_a.weight`,
+`mtp.2.markov_head.embed.weight`, …). With a `quantization_config` they are stored as released:
 
-| weight format | stored tensors                                                                          |
-|---------------|-----------------------------------------------------------------------------------------|
-| fp8           | `X.weight` E4M3 (float8_e4m3fn) [out, in]; `X.scale` UE8M0 bytes [⌈out/32⌉, ⌈in/32⌉]      |
-| fp4 (experts) | `X.weight` packed E2M1 uint8 [out, in/2] (low nibble = even input); `X.scale` UE8M0 [out, in/32] |
-| Engram table  | `engram.embed.weight` E4M3 [rows, head_dim]; `engram.embed.scale` UE8M0 [rows, head_dim/32] |
-| others        | plain, in the model's dtype (fp32 parameters stay fp32)                                  |
+| weight format | stored tensors                                                                                   |
+|---------------|--------------------------------------------------------------------------------------------------|
+| fp8           | `X.weight` E4M3 (F8_E4M3) [out, in]; `X.scale` UE8M0 (F8_E8M0) [⌈out/32⌉, ⌈in/32⌉]                  |
+| fp4 (experts) | `X.weight` packed E2M1 (F4, low nibble = even input) [out, in/2]; `X.scale` UE8M0 [out, in/32 or 16] |
+| Engram table  | `engram.embed.weight` E4M3 [rows, head_dim]; `engram.embed.scale` UE8M0 [rows, head_dim/32]        |
+| others        | plain, in the model's dtype (fp32 parameters stay fp32)                                          |
 
-UE8M0 and packed E2M1 are stored as uint8 (the float8_e8m0fnu / float4_e2m1fn_x2 dtypes of the released files are
-read too, as their bytes). Without a quantization_config every tensor is plain. In memory a quantised weight holds
-exactly the values its stored form decodes to (initialisation snaps to the grid), so save → load is bit-exact.
+Scales and nibbles are read as bytes whatever their stored dtype (U8 is read too). Without a quantization_config
+every tensor is plain.
+
+A model is built in one of two forms (`model.linear`): **packed** (serving: quantised weights keep exactly the
+checkpoint bytes above, so the weight memory equals the checkpoint's) or **float** (training and exactness tests:
+every weight a float holding the value its stored form decodes to). `store` fills either form from checkpoint
+tensors — a file's (`model.checkpoint`) or the seeded ones of `seeded_tensors` — checking each tensor's name, dtype
+and shape; `state_tensors` gives them back. Seeded weights are generated per tensor name on the model's device, so
+a prefill machine (encoder part) and a decode machine (full model) of one seed hold the same weights.
 """
 
 from __future__ import annotations
@@ -20,32 +26,30 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from model import quant
 from model.config import ModelArgs
 from model.dspark import ConfidenceHead
-from model.linear import Embedding, Linear, RMSNorm
+from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm
+from model.moe import Experts, PackedExperts
 from model.transformer import Part, Transformer
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 _BLOCK = 32  # FP8 weight blocks are 32×32 (quantization_config.weight_block_size)
-_FP8_BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+BYTE_DTYPES = {  # the stored dtypes of packed bytes, as released
+    "fp8": torch.float8_e4m3fn,
+    "scale": torch.float8_e8m0fnu,
+    "fp4": torch.float4_e2m1fn_x2,
+}
+PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # --------------------------------------------------------------------------------------------- formats
 def _formats(model: nn.Module) -> dict[str, str]:
-    """Parameter name → storage format ('fp8', 'fp4', 'fp8_rows', or 'plain')."""
+    """Float form: parameter name → storage format of its quantised weights ('fp8', 'fp4', 'fp8_rows')."""
     fmt: dict[str, str] = {}
     quantized = model.args.quantization_config is not None
     for name, module in model.named_modules():
@@ -69,14 +73,14 @@ def _unblock_2d(blocks: Tensor, shape: tuple[int, int]) -> Tensor:
     return blocks.view(o, i, _BLOCK, _BLOCK).permute(0, 2, 1, 3).reshape(o * _BLOCK, i * _BLOCK)[: shape[0], : shape[1]]
 
 
-def quantize_weight(w: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
-    """A float weight → its stored (data, scale) pair."""
+def quantize_weight(w: Tensor, fmt: str, block: int = _BLOCK) -> tuple[Tensor, Tensor]:
+    """A float weight → its stored (data, scale) pair (`block`: the FP4 scale block, 32 or 16)."""
     if fmt == "fp8":
         blocks, shape = _blocks_2d(w)
         data, scale = quant.fp8_quant(blocks, block=_BLOCK * _BLOCK)
         return _unblock_2d(data, shape).view(torch.float8_e4m3fn), scale.squeeze(-1)
     if fmt == "fp4":
-        return quant.fp4_quant_ue8m0(w, block=_BLOCK)
+        return quant.fp4_quant_ue8m0(w, block=block)
     if fmt == "fp8_rows":
         data, scale = quant.fp8_quant(w, block=_BLOCK)
         return data.view(torch.float8_e4m3fn), scale
@@ -91,48 +95,239 @@ def dequantize_weight(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype)
         values = blocks * quant.ue8m0_decode(scale).unsqueeze(-1)
         return _unblock_2d(values, (O, I)).to(dtype)
     if fmt == "fp4":
-        return quant.fp4_dequant_ue8m0(data, scale, block=_BLOCK, dtype=dtype)
+        return quant.fp4_dequant_ue8m0(data, scale, block=2 * data.shape[-1] // scale.shape[-1], dtype=dtype)
     if fmt == "fp8_rows":
         return quant.fp8_dequant(data, scale, block=_BLOCK, dtype=dtype)
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
-# -------------------------------------------------------------------------------------------- initialise
-def _generator(seed: int, name: str) -> torch.Generator:
-    """One generator per parameter, keyed by its name: the encoder part gets the same weights as the full model."""
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+def scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".scale"
 
 
-def _initial(name: str, p: Tensor, module: nn.Module, g: torch.Generator) -> Tensor:
-    leaf = name.rsplit(".", 1)[-1]
-    if isinstance(module, RMSNorm) or leaf in ("q_weight", "k_weight", "hc_attn_scale", "hc_ffn_scale"):
-        return torch.ones(p.shape)
-    if leaf in ("attn_sink", "bias", "bias_vl"):
-        return torch.zeros(p.shape)
-    if leaf in ("hc_attn_base", "hc_ffn_base"):
-        return 0.1 * torch.randn(p.shape, generator=g)
-    if leaf in ("hc_attn_fn", "hc_ffn_fn"):
-        return torch.randn(p.shape, generator=g) / p.shape[1]  # small mixes: near-uniform mixing at start
-    if isinstance(module, Embedding):
-        return torch.randn(p.shape, generator=g)
-    return torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1])  # linear weights and the MoE gate
+# ---------------------------------------------------------------------------------------------- packing
+def _packed_twin(name: str, module: nn.Module, model: Transformer, device: torch.device) -> nn.Module | None:
+    """The packed form of a float-form module holding quantised weights (None: the module has none)."""
+    q = model.args.quantization_config
+    if q is None:
+        return None
+    if isinstance(module, Linear) and module.fmt == "fp8":
+        return Fp8Linear(module.in_features, module.out_features, device)
+    if isinstance(module, Experts):
+        w1 = module[0].w1
+        return PackedExperts(
+            len(module), w1.in_features, w1.out_features, module[0].limit, q.expert_scale_block, device
+        )
+    if isinstance(module, Embedding) and name.endswith("engram.embed"):
+        return Fp8Rows(*module.weight.shape, model.dtype, device)
+    return None
+
+
+def pack(model: Transformer, device: torch.device) -> Transformer:
+    """A float-form model built on `meta` → the packed form on `device`, uninitialised: quantised weights become
+    their checkpoint bytes, everything else is allocated as it is (never a float copy of a quantised weight)."""
+    for name, module in list(model.named_modules()):
+        twin = _packed_twin(name, module, model, device)
+        if twin is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, twin)
+    for module in model.modules():
+        for key, p in module.named_parameters(recurse=False):
+            if p.is_meta:
+                setattr(module, key, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
+        for key, b in module.named_buffers(recurse=False):
+            setattr(module, key, torch.empty_like(b, device=device) if b.is_meta else b.to(device))
+    return model
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(m, (Fp8Linear, PackedExperts, Fp8Rows)) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------------- checkpoint tensors
+def checkpoint_views(model: nn.Module) -> dict[str, Tensor]:
+    """Packed form: checkpoint name → the model tensor holding it (experts: views of the stacked storage)."""
+    views = dict(model.state_dict(keep_vars=True))
+    for name, module in model.named_modules():
+        if isinstance(module, PackedExperts):
+            views = {k: v for k, v in views.items() if not k.startswith(f"{name}.")}
+            views |= module.checkpoint_views(f"{name}.")
+    return views
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's persistent state (what a checkpoint of it stores)."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def stored_form(name: str, t: Tensor) -> Tensor:
+    """A packed model tensor in the dtype the released files store it in (bytes are reinterpreted, never converted)."""
+    if t.dtype != torch.uint8:
+        return t
+    return t.view(BYTE_DTYPES["scale" if name.endswith(".scale") else "fp4"])
+
+
+def state_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint's (name, tensor) pairs of a model, either form: quantised weights as data + `.scale`."""
+    if is_packed(model):
+        for name, t in checkpoint_views(model).items():
+            yield name, stored_form(name, t.detach())
+        return
+    formats = _formats(model)
+    for name, p in model.state_dict().items():
+        if name in formats:
+            data, scale = quantize_weight(p.detach(), formats[name])
+            yield name, data
+            yield scale_name(name), stored_form(scale_name(name), scale)
+        else:
+            yield name, p.detach()
+
+
+def _accepted(name: str, target: Tensor) -> tuple[torch.dtype, ...]:
+    """Stored dtypes a tensor may come in for this model tensor."""
+    if target.dtype == torch.uint8:
+        return (torch.uint8, BYTE_DTYPES["scale" if name.endswith(".scale") else "fp4"])
+    if target.dtype in PLAIN_DTYPES:
+        return PLAIN_DTYPES
+    return (target.dtype,)
+
+
+def _check(name: str, value: Tensor, target: Tensor) -> None:
+    accepted = _accepted(name, target)
+    if value.dtype not in accepted:
+        wanted = " or ".join(str(d).removeprefix("torch.") for d in accepted)
+        raise ValueError(f"{name}: checkpoint dtype {str(value.dtype).removeprefix('torch.')}, expected {wanted}")
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+
+
+def _assign(target: Tensor, value: Tensor) -> None:
+    if target.dtype in PLAIN_DTYPES:
+        target.copy_(value.to(target.dtype))
+    else:
+        target.copy_(value.view(target.dtype))  # bytes as bytes, whatever dtype they were stored as
+
+
+class _Targets:
+    """Where each checkpoint tensor of a model goes: a packed model takes the bytes as they are; the float form
+    decodes each quantised weight once both its halves (`.weight`, `.scale`) have come."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.packed = is_packed(model)
+        self.formats = {} if self.packed else _formats(model)
+        self.targets = checkpoint_views(model) if self.packed else dict(model.state_dict(keep_vars=True))
+        self.expected = set(self.targets) | {scale_name(n) for n in self.formats}
+        self.held: dict[str, Tensor] = {}
+
+    def put(self, name: str, value: Tensor) -> None:
+        weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
+        if weight not in self.formats:
+            _check(name, value, self.targets[name])
+            _assign(self.targets[name], value)
+            return
+        fmt, target = self.formats[weight], self.targets[weight]
+        wanted = torch.float8_e4m3fn if fmt in ("fp8", "fp8_rows") else BYTE_DTYPES["fp4"]
+        if value.dtype not in ((torch.uint8, BYTE_DTYPES["scale"]) if name != weight else (wanted, torch.uint8)):
+            raise ValueError(
+                f"{name}: checkpoint dtype {str(value.dtype).removeprefix('torch.')} is not a {fmt} tensor"
+            )
+        self.held[name] = value
+        if weight in self.held and scale_name(weight) in self.held:
+            data, scale = self.held.pop(weight), self.held.pop(scale_name(weight))
+            try:
+                decoded = dequantize_weight(data, scale, fmt, target.dtype)
+            except (ValueError, RuntimeError) as exc:
+                raise ValueError(f"{weight}: {exc}") from exc
+            if decoded.shape != target.shape:
+                raise ValueError(
+                    f"{weight}: checkpoint shape {tuple(decoded.shape)} != model shape {tuple(target.shape)}"
+                )
+            target.copy_(decoded)
+
+
+def expected_names(model: Transformer) -> set[str]:
+    """The checkpoint tensors a model part holds (and the optional calibrations)."""
+    return _Targets(model).expected
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, seed: int = 0) -> Transformer:
-    """Deterministic weights from `seed` (identical for every part and device); quantised weights snapped."""
-    formats = _formats(model)
+def store(model: Transformer, tensors: Iterable[tuple[str, Tensor]], source: str) -> int:
+    """Fill `model` (either form) from checkpoint (name, tensor) pairs and return the bytes stored. Tensors the model
+    does not hold are skipped; one it holds with the wrong dtype or shape is a ValueError naming it, and so is a
+    missing one — except the DSpark confidence temperatures (a calibration: absent, they are 1)."""
+    targets = _Targets(model)
+    seen, stored = set(), 0
+    for name, value in tensors:
+        if name in targets.expected:
+            targets.put(name, value)
+            seen.add(name)
+            stored += value.numel() * value.element_size()
+    calibrations = {f"{n}.temperature": m for n, m in model.named_modules() if isinstance(m, ConfidenceHead)}
+    missing = sorted(targets.expected - seen - set(calibrations))
+    if missing:
+        raise ValueError(f"{source} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}")
+    for name, head in calibrations.items():
+        if name not in seen:
+            head.temperature.fill_(1.0)
+        head.check()
+    return stored
+
+
+# -------------------------------------------------------------------------------------------- initialise
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """One generator per tensor name on the generating device: the encoder part gets the full model's weights."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def _initial(name: str, shape: torch.Size, module: nn.Module, g: torch.Generator) -> Tensor:
+    """fp32 initial value of one float-form tensor (on the generator's device)."""
+    leaf, device = name.rsplit(".", 1)[-1], g.device
+    if isinstance(module, RMSNorm) or leaf in ("q_weight", "k_weight", "hc_attn_scale", "hc_ffn_scale", "temperature"):
+        return torch.ones(shape, device=device)
+    if leaf in ("attn_sink", "bias", "bias_vl"):
+        return torch.zeros(shape, device=device)
+    noise = torch.randn(shape, generator=g, device=device)
+    if leaf in ("hc_attn_base", "hc_ffn_base"):
+        return 0.1 * noise
+    if leaf in ("hc_attn_fn", "hc_ffn_fn"):
+        return noise / shape[1]  # small mixes: near-uniform mixing at start
+    if isinstance(module, Embedding):
+        return noise
+    return noise / math.sqrt(shape[-1])  # linear weights and the MoE gate
+
+
+def seeded_tensors(
+    args: ModelArgs, part: Part, seed: int, device: torch.device | str, dtype: torch.dtype
+) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint tensors of the seeded `part`, one weight at a time, generated and quantised on `device`:
+    what `build_model(args, part, seed=seed)` holds, and what `model.checkpoint write` stores."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        spec = Transformer(args, part, dtype)
+    formats = _formats(spec)
+    block = args.quantization_config.expert_scale_block if args.quantization_config else _BLOCK
     owners = {
-        f"{m}.{n}" if m else n: mod for m, mod in model.named_modules() for n, _ in mod.named_parameters(recurse=False)
+        f"{m}.{n}" if m else n: mod for m, mod in spec.named_modules() for n, _ in mod.named_parameters(recurse=False)
     }
-    for name, p in model.named_parameters():
-        value = _initial(name, p, owners[name], _generator(seed, name))
+    owners |= {
+        f"{m}.{n}" if m else n: mod for m, mod in spec.named_modules() for n, _ in mod.named_buffers(recurse=False)
+    }
+    for name, t in spec.state_dict().items():
+        value = _initial(name, t.shape, owners[name], _generator(seed, name, device))
         if name in formats:
-            value = dequantize_weight(*quantize_weight(value, formats[name]), formats[name], torch.float32)
-        p.copy_(value.to(p.dtype))
-    # The weights are a pure function of (config, seed): every part of the same seed shares this fingerprint.
-    identity = {"seed": torch.tensor(seed), f"dtype={model.dtype}": torch.zeros(0)}
+            data, scale = quantize_weight(value, formats[name], block)
+            yield name, data
+            yield scale_name(name), stored_form(scale_name(name), scale)
+        else:
+            yield name, value.to(t.dtype)
+
+
+def init_weights(model: Transformer, seed: int = 0) -> Transformer:
+    """Deterministic weights from `seed`, generated on the model's device (either form; quantised ones snapped)."""
+    store(model, seeded_tensors(model.args, model.part, seed, model.device, model.dtype), f"seed {seed}")
+    # The weights are a pure function of (config, seed, dtype, generating device): every part shares this fingerprint.
+    identity = {"seed": torch.tensor(seed), f"dtype={model.dtype}|{model.device.type}": torch.zeros(0)}
     model.fingerprint = model_fingerprint(model.args, identity)
     return model
 
@@ -144,96 +339,20 @@ def build_model(
     seed: int | None = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    packed: bool = True,
 ) -> Transformer:
-    """A model part on `device`; initialised from `seed` (None: uninitialised, e.g. before a load)."""
-    with torch.device(device):
-        model = Transformer(args, part, dtype)
-    if seed is not None and torch.device(device).type != "meta":
+    """A model part on `device`, packed (serving) or float (training); initialised from `seed` (None: uninitialised,
+    e.g. before a load). A packed model is built on `meta` first, so no float copy of a quantised weight exists."""
+    device = torch.device(device)
+    if packed and args.quantization_config is not None:
+        with torch.device("meta"):
+            model = pack(Transformer(args, part, dtype), device)
+    else:
+        with torch.device(device):
+            model = Transformer(args, part, dtype)
+    if seed is not None and device.type != "meta":
         init_weights(model, seed)
     return model
-
-
-# ----------------------------------------------------------------------------------------------- save/load
-def state_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
-    """The checkpoint's (name, tensor) pairs of a model: quantised weights as data + `.scale`."""
-    formats = _formats(model)
-    for name, p in model.state_dict().items():
-        if name in formats:
-            data, scale = quantize_weight(p.detach(), formats[name])
-            yield name, data
-            yield _scale_name(name), scale
-        else:
-            yield name, p.detach()
-
-
-def save_checkpoint(model: Transformer, directory: str | os.PathLike[str]) -> Path:
-    """config.json + model.safetensors (the config is also in the safetensors metadata)."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model.args.to_json(out / CONFIG_FILE)
-    tensors = {name: t.contiguous().cpu() for name, t in state_tensors(model)}
-    tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "config": json.dumps(model.args.to_dict())})
-    os.replace(tmp, out / WEIGHTS_FILE)  # never a half-written checkpoint under the real name
-    return out
-
-
-def _shards(directory: Path) -> list[Path]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {directory}")
-    return files
-
-
-@torch.no_grad()
-def load_weights(model: Transformer, directory: str | os.PathLike[str], progress: bool = False) -> Transformer:
-    """Fill a model part from the checkpoint shards in `directory`; tensors of other parts are never read."""
-    directory = Path(directory)
-    formats, params = _formats(model), model.state_dict()
-    with ExitStack() as stack:
-        where = {}  # tensor name → the open shard holding it (each shard's header is parsed once)
-        for shard in _shards(directory):
-            f = stack.enter_context(safe_open(str(shard), framework="pt", device="cpu"))
-            where |= dict.fromkeys(f.keys(), f)
-        # Buffers are calibrations (the DSpark confidence temperatures), optional: absent, they keep their default.
-        buffers = {name for name, _ in model.named_buffers()}
-        params = {name: t for name, t in params.items() if name in where or name not in buffers}
-        missing = [n for n in params if n not in where]
-        missing += [s for n in params if n in formats and (s := _scale_name(n)) not in where]
-        if missing:
-            raise ValueError(f"checkpoint {directory} lacks {len(missing)} tensors of this model, e.g. {missing[:3]}")
-        for name, target in tqdm(params.items(), desc="load", unit="tensor", disable=not progress):
-            value = where[name].get_tensor(name)
-            if name in formats:
-                value = dequantize_weight(
-                    value, where[_scale_name(name)].get_tensor(_scale_name(name)), formats[name], target.dtype
-                )
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
-            target.copy_(value.to(target.dtype))
-    for module in model.modules():
-        if isinstance(module, ConfidenceHead):
-            module.check()
-    model.fingerprint = checkpoint_fingerprint(directory)
-    return model
-
-
-def _scale_name(weight_name: str) -> str:
-    return weight_name.removesuffix(".weight") + ".scale"
-
-
-def load_checkpoint(
-    directory: str | os.PathLike[str],
-    part: Part = "full",
-    *,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    progress: bool = False,
-) -> Transformer:
-    """Model part from a checkpoint directory (config.json + safetensors shards)."""
-    directory = Path(directory)
-    args = ModelArgs.from_json(directory / CONFIG_FILE)
-    return load_weights(build_model(args, part, seed=None, device=device, dtype=dtype), directory, progress)
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint
@@ -249,13 +368,3 @@ def model_fingerprint(config: ModelArgs, weights: Mapping[str, Tensor]) -> bytes
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()
-
-
-def checkpoint_fingerprint(directory: str | os.PathLike[str]) -> bytes:
-    """The fingerprint of a checkpoint: its config and every stored tensor of every shard (whatever part loads it)."""
-    directory = Path(directory)
-    tensors: dict[str, Tensor] = {}
-    for shard in _shards(directory):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            tensors |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-    return model_fingerprint(ModelArgs.from_json(directory / CONFIG_FILE), tensors)

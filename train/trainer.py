@@ -153,7 +153,8 @@ class Trainer:
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
 
     def new_model(self, state: dict[str, Tensor] | None = None) -> Transformer:
-        model = build_model(self.args, seed=self.cfg.seed if state is None else None, device=self.device)
+        seed = self.cfg.seed if state is None else None
+        model = build_model(self.args, seed=seed, device=self.device, packed=False)  # float master weights
         if state is not None:
             model.load_state_dict(state)
         return model
@@ -324,7 +325,7 @@ class Trainer:
         if done is not None:
             return done["model"]
         if self.cfg.init:
-            model = load_checkpoint(self.cfg.init, device=self.device)
+            model = load_checkpoint(self.cfg.init, device=self.device, packed=False)
             self.report["init"] = {"checkpoint": self.cfg.init, **self._init_report()}
         else:
             model = self.new_model()

@@ -26,6 +26,7 @@ from mesh.metrics import new_registry, serve_metrics
 from mesh.model_service.config import ModelServiceConfig
 from model import LAYOUT_VERSION, SamplingParams, Transformer, build_model, load_checkpoint, preset
 from model.transformer import Part
+from model.weights import weight_bytes
 from proto.mesh.v1 import model_info_pb2
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,11 +141,18 @@ def check_common(request_id: str, salt: bytes) -> None:
 
 
 def model_summary(model: Transformer) -> dict[str, object]:
-    """What the start-up log says about the loaded model."""
+    """What the start-up log says about the loaded model: its resident weight bytes beside the checkpoint bytes it
+    read (equal at the released dtype: quantised weights stay packed), and how fast they loaded."""
+    loaded = getattr(model, "load_report", None)
+    read = {} if loaded is None else {
+        "checkpoint_bytes": loaded.read_bytes, "load_seconds": round(loaded.seconds, 3),
+        "load_gb_per_s": round(loaded.gb_per_s, 2),
+    }  # fmt: skip
     return {
         "part": model.part,
         "fingerprint": model.fingerprint.hex(),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": weight_bytes(model),
+        **read,
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
         "kv_block_tokens": model.args.kv_block_tokens,

@@ -1,4 +1,5 @@
-"""Shared fixtures of the model tests: the tiny preset in float64, fresh random inputs with a printed seed.
+"""Shared fixtures of the model tests: the tiny preset in float64 (packed, as served, and in the float form training
+uses), fresh random inputs with a printed seed.
 
 float64 makes the equivalence tests exact up to the quantisers: a reduction-order difference of one fp64 ulp almost
 never moves an FP8/FP4 code, so two paths that must agree produce the same packed bytes.
@@ -26,6 +27,12 @@ def tiny_args() -> ModelArgs:
 @pytest.fixture(scope="session")
 def tiny(tiny_args: ModelArgs) -> Transformer:
     return build_model(tiny_args, seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_float(tiny_args: ModelArgs) -> Transformer:
+    """The same weights as `tiny`, as float tensors (the training form)."""
+    return build_model(tiny_args, seed=0, dtype=torch.float64, packed=False)
 
 
 @pytest.fixture(scope="session")

@@ -17,20 +17,23 @@ from model.linear import quantize_input
 from model.mhc import hc_split_sinkhorn
 
 
-def test_moe_sums_each_tokens_chosen_experts(tiny: Transformer, gen):
-    """y[n] = shared(x[n]) + Σ over n's chosen experts, ascending id, of w · expert(x[n]) — token by token."""
-    moe = tiny.layers[1].ffn
+def test_moe_sums_each_tokens_chosen_experts(tiny: Transformer, tiny_float: Transformer, gen):
+    """y[n] = shared(x[n]) + Σ over n's chosen experts, ascending id, of w · expert(x[n]) — token by token, on the
+    float form; the packed form (grouped GEMMs over the expert-sorted pairs) gives the same values."""
+    moe, packed = tiny_float.layers[1].ffn, tiny.layers[1].ffn
     x = torch.randn(2, 7, tiny.args.hidden_size, generator=gen, dtype=torch.float64)
     flat = x.reshape(-1, x.shape[-1])
     weights, ids = moe.gate(flat)
-    xq = quantize_input(flat) if moe.shared_experts.w1.quantized else flat
+    assert torch.equal(ids, ids.sort(-1).values)  # each token's slots in ascending expert id
+    xq = quantize_input(flat)
     expected = []
     for n in range(flat.shape[0]):
         y = moe.shared_experts(xq[n : n + 1])
-        for slot in ids[n].argsort().tolist():  # index_add_ adds the experts in ascending id
+        for slot in range(ids.shape[1]):
             y = y + moe.experts[int(ids[n, slot])](xq[n : n + 1], weights[n : n + 1, slot])
         expected.append(y[0])
     torch.testing.assert_close(moe(x), torch.stack(expected).view_as(x), rtol=1e-12, atol=1e-12)
+    assert torch.equal(packed(x), moe(x))
 
 
 def test_device_positions_follow_joins_forks_leaves_and_direct_sets(tiny: Transformer, tokens):
@@ -82,14 +85,14 @@ def test_kept_writes_equal_writing_only_the_kept_columns(gen):
     assert list(zip(b.tolist(), t.tolist(), strict=True)) == [(1, 0), (1, 1), (1, 2), *((2, c) for c in range(12, 20))]
 
 
-def test_moe_equals_the_per_expert_loop_bit_for_bit(tiny: Transformer, gen):
+def test_moe_equals_the_per_expert_loop_bit_for_bit(tiny_float: Transformer, gen):
     """The batched dispatch (matmuls per expert, everything else once over all pairs) gives the bits of running each
     expert on its tokens and index_add_-ing its weighted output, expert by expert in ascending id. Off-grid weights,
     so that every rounding shows (on the checkpoint's FP4/FP8 grid most fp64 sums are exact in any order)."""
-    moe = copy.deepcopy(tiny.layers[3].ffn)
+    moe = copy.deepcopy(tiny_float.layers[3].ffn)
     for p in moe.parameters():
         p.data = torch.randn(p.shape, generator=gen, dtype=p.dtype) / 4
-    x = torch.randn(3, 9, tiny.args.hidden_size, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, 9, tiny_float.args.hidden_size, generator=gen, dtype=torch.float64)
     flat = x.reshape(-1, x.shape[-1])
     weights, ids = moe.gate(flat)
     xq = quantize_input(flat)

@@ -1,25 +1,18 @@
-"""Checkpoints: released tensor names and stored formats, bit-exact save → load, seeded init, fingerprints.
+"""The two forms of a model (packed for serving, float for training), seeded init, memory = checkpoint bytes.
 
-The checkpoint format does not depend on the vocabulary, so these tests use `tiny` with a 2,048-token vocabulary
-(the embedding, head and Markov head of the real one would be 90 % of the bytes written and hashed).
+The formats do not depend on the vocabulary, so most tests use `tiny` with a 2,048-token vocabulary (the embedding,
+head and Markov head of the real one would be 90 % of the bytes).
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from model import build_model, checkpoint_fingerprint, load_checkpoint, model_fingerprint, save_checkpoint
-from model.quant import fp4_dequant_ue8m0
-
-
-def stored(directory) -> dict[str, torch.Tensor]:
-    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+from model import build_model, model_fingerprint, preset
+from model.linear import Fp8Linear, Fp8Rows, Linear
+from model.moe import Experts, PackedExperts
+from model.weights import checkpoint_views, dequantize_weight, state_tensors, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -32,86 +25,59 @@ def model(args):
     return build_model(args, seed=0)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, model):
-    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt"))
+def test_packed_form_holds_checkpoint_bytes_only(model, args):
+    """Every quantised weight is held as its stored bytes: E4M3 + UE8M0 blocks, E2M1 nibbles; no float copy."""
+    C, I = args.hidden_size, args.moe_intermediate_size
+    wq_a = model.layers[0].attn.wq_a
+    assert isinstance(wq_a, Fp8Linear)
+    assert (wq_a.weight.dtype, wq_a.scale.dtype) == (torch.float8_e4m3fn, torch.uint8)
+    assert tuple(wq_a.scale.shape) == (args.q_lora_rank // 32, C // 32)
+    experts = model.layers[3].ffn.experts
+    assert isinstance(experts, PackedExperts)
+    assert (experts.w13.dtype, tuple(experts.w13.shape)) == (torch.uint8, (args.n_routed_experts, 2 * I, C // 2))
+    assert tuple(experts.w2_scale.shape) == (args.n_routed_experts, C, I // 32)
+    assert isinstance(model.layers[1].engram.embed, Fp8Rows)
+    floats = [n for n, p in model.named_parameters() if p.dtype.is_floating_point and p.element_size() > 1]
+    assert not [n for n in floats if ".experts." in n or n.endswith(("wq_a.weight", "wo_b.weight", "embed.scale"))]
+    for module in model.modules():
+        assert not (isinstance(module, Linear) and module.quantized), module  # no float-form quantised linear left
 
 
-def test_released_names_and_formats(checkpoint, args):
-    t = stored(checkpoint)
-    a = args
-    L2, D, C = a.n_encoder_layers, a.head_dim, a.hidden_size
-    # FP8 weights: E4M3 data with one UE8M0 scale per 32×32 block.
-    assert t["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
-    assert t["layers.0.attn.wq_a.scale"].shape == (a.q_lora_rank // 32, C // 32)
-    # Routed experts: packed FP4, [out, in/2], one UE8M0 scale per 32 inputs.
-    w1 = t["layers.3.ffn.experts.1.w1.weight"]
-    assert (w1.dtype, tuple(w1.shape)) == (torch.uint8, (a.moe_intermediate_size, C // 2))
-    assert t["layers.3.ffn.experts.1.w1.scale"].shape == (a.moe_intermediate_size, C // 32)
-    # Plain tensors and the ones only some layers own (reference §2.9).
-    present = ["embed.weight", "head.weight", "norm.weight", "layers.1.hc_attn_fn", "layers.0.attn.attn_sink"]
-    present += [f"layers.{L2}.attn.compressor.wkv.weight", f"layers.{L2}.attn.indexer.wk.weight"]
-    present += ["layers.6.attn.indexer.wq_b.weight", "layers.2.attn.compressor.wgate.weight"]
-    present += ["layers.1.engram.embed.scale", "layers.1.engram.q_weight", "layers.5.ffn.gate.bias_vl"]
-    present += ["mtp.0.main_proj.weight", "mtp.2.markov_head.embed.weight", "mtp.2.confidence_head.proj.weight"]
-    for name in present:
-        assert name in t, name
-    assert t[f"layers.{L2}.attn.compressor.wkv.weight"].shape == (D, C)
-    for absent in (f"layers.{L2}.attn.compressor.wgate.weight", "layers.6.attn.indexer.wk.weight",
-                   "layers.5.attn.indexer.wq_b.weight", "layers.0.engram.embed.weight", "hc_head_fn"):  # fmt: skip
-        assert absent not in t, absent
-    assert t["mtp.0.main_proj.weight"].shape == (C, len(a.dspark_target_layer_ids) * C)
-    assert t["mtp.2.confidence_head.proj.weight"].shape == (1, C + a.dspark_markov_rank)
+def test_packed_and_float_forms_compute_the_same(tiny, tiny_float, tokens):
+    """The torch references of the packed kernels dequantise exactly: fp64 logits agree bit for bit."""
+    ids = tokens(19).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(tiny(ids), tiny_float(ids))
+    experts = tiny_float.layers[2].ffn.experts
+    assert isinstance(experts, Experts)
+    views = checkpoint_views(tiny)
+    for name in ("layers.2.ffn.experts.1.w3", "layers.0.attn.wkv", "mtp.0.main_proj"):
+        fmt = "fp4" if ".experts." in name else "fp8"
+        decoded = dequantize_weight(views[f"{name}.weight"], views[f"{name}.scale"], fmt, torch.float64)
+        assert torch.equal(decoded, tiny_float.get_parameter(f"{name}.weight")), name
 
 
-def test_save_load_round_trip_is_bit_exact(checkpoint, model):
-    loaded = load_checkpoint(checkpoint)
-    original, again = model.state_dict(), loaded.state_dict()
-    assert original.keys() == again.keys()
-    for name, value in original.items():
-        assert torch.equal(value, again[name]), name
-    assert loaded.fingerprint == checkpoint_fingerprint(checkpoint)
-    # Saving the loaded model stores the same values (the packed forms decode to them).
-    resaved = save_checkpoint(loaded, checkpoint.parent / "resaved")
-    w = stored(resaved)["layers.3.ffn.experts.0.w2.weight"], stored(resaved)["layers.3.ffn.experts.0.w2.scale"]
-    assert torch.equal(fp4_dequant_ue8m0(*w), model.state_dict()["layers.3.ffn.experts.0.w2.weight"])
-
-
-def test_encoder_part_reads_only_its_tensors(checkpoint, tmp_path, model, args):
-    t = stored(checkpoint)
-    encoder_names = set(build_model(args, "encoder", seed=None, device="meta").state_dict())
-    kept = {n: v for n, v in t.items() if n.removesuffix(".scale").removesuffix(".weight") in
-            {e.removesuffix(".weight") for e in encoder_names}}  # fmt: skip
-    assert len(kept) < len(t) / 2  # a prefill machine holds less than half of the tensors
-    save_file(kept, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
-    encoder = load_checkpoint(tmp_path, "encoder")
-    for name, value in encoder.state_dict().items():
-        assert torch.equal(value, model.state_dict()[name]), name
-    with pytest.raises(ValueError, match="lacks"):
-        load_checkpoint(tmp_path, "full")
+@pytest.mark.parametrize("preset_name", ["tiny", "demo"])
+def test_weight_memory_equals_checkpoint_bytes(preset_name):
+    """At the released dtype (bf16 plain tensors) a packed model holds exactly its checkpoint's bytes."""
+    args = preset(preset_name)
+    model = build_model(args, seed=0, dtype=torch.bfloat16)
+    stored = sum(t.numel() * t.element_size() for _, t in state_tensors(model))
+    assert abs(weight_bytes(model) - stored) <= 0.02 * stored
+    assert weight_bytes(model) == stored
 
 
 def test_seeded_init_is_deterministic(args, model):
     again, other = build_model(args, seed=0), build_model(args, seed=1)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(), strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
     assert not torch.equal(model.head.weight, other.head.weight)
     assert again.fingerprint == model.fingerprint != other.fingerprint
     # A prefill machine (encoder part) and a decode machine (full model) of one seed share weights and fingerprint.
     encoder = build_model(args, "encoder", seed=0)
     assert encoder.fingerprint == model.fingerprint
     assert all(torch.equal(v, model.state_dict()[n]) for n, v in encoder.state_dict().items())
-
-
-def test_plain_checkpoint_round_trip(args, tmp_path):
-    plain_args = args.replace(quantization_config=None)
-    model = build_model(plain_args, seed=3)
-    save_checkpoint(model, tmp_path)
-    assert stored(tmp_path)["layers.0.attn.wq_a.weight"].dtype == torch.float32
-    assert not any(n.endswith(".scale") for n in stored(tmp_path))
-    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"] is None
-    loaded = load_checkpoint(tmp_path)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters(), strict=True))
+    # The float form of the seed holds the values the packed bytes decode to (test_packed_and_float_forms_…).
+    assert build_model(args, seed=0, packed=False).fingerprint == model.fingerprint
 
 
 def test_fingerprint_identifies_config_and_weights(tiny_args):
@@ -123,29 +89,15 @@ def test_fingerprint_identifies_config_and_weights(tiny_args):
     assert fp != model_fingerprint(tiny_args, {**w, "a": torch.arange(4.0) + 1e-7})
 
 
-def test_confidence_temperatures_load_when_present(checkpoint, tmp_path, model, args):
-    """The calibrated per-position temperatures load from `mtp.{last}.confidence_head.temperature`; a checkpoint from
-    before calibration (no such tensor) loads with T = 1; a non-positive temperature is refused."""
-    name = f"mtp.{args.num_nextn_predict_layers - 1}.confidence_head.temperature"
-    tensors = stored(checkpoint)
-    assert torch.equal(tensors[name], torch.ones(args.dspark_block_size))  # saved with the model
-
-    def load(variant: dict[str, torch.Tensor], where: str):
-        (tmp_path / where).mkdir()
-        save_file(variant, str(tmp_path / where / "model.safetensors"))
-        (tmp_path / where / "config.json").write_text((checkpoint / "config.json").read_text())
-        return load_checkpoint(tmp_path / where)
-
-    calibrated = torch.linspace(0.5, 3.0, args.dspark_block_size)
-    loaded = load({**tensors, name: calibrated}, "calibrated")
-    assert torch.equal(loaded.mtp[-1].confidence_head.temperature, calibrated)
-    old = load({n: t for n, t in tensors.items() if n != name}, "old")
-    assert torch.equal(old.mtp[-1].confidence_head.temperature, torch.ones(args.dspark_block_size))
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), old.parameters(), strict=True))
-    with pytest.raises(ValueError, match="temperature must be positive and finite"):
-        load({**tensors, name: -calibrated}, "negative")
-    # The same holds for an in-memory state dict (the trainer's saved phases).
-    fresh = build_model(args, seed=None)
-    fresh.mtp[-1].confidence_head.temperature.fill_(2.0)
-    fresh.load_state_dict({n: t for n, t in model.state_dict().items() if n != name})
-    assert torch.equal(fresh.mtp[-1].confidence_head.temperature, torch.ones(args.dspark_block_size))
+def test_expert_scale_block_16(tiny_args, tokens):
+    """FP4 experts with a UE8M0 scale per 16 inputs (one reading of the release): packed and float forms agree."""
+    args, q = tiny_args, tiny_args.quantization_config
+    args16 = args.replace(quantization_config=type(q)(**{**q.__dict__, "expert_scale_block": 16}))
+    packed = build_model(args16, seed=0, dtype=torch.float64)
+    assert packed.layers[2].ffn.experts.w13_scale.shape[-1] == args.hidden_size // 16
+    float_form = build_model(args16, seed=0, dtype=torch.float64, packed=False)
+    ids = tokens(11).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(packed(ids), float_form(ids))
+    with pytest.raises(ValueError, match="expert_scale_block must be 16 or 32"):
+        args.replace(quantization_config=type(q)(**{**q.__dict__, "expert_scale_block": 64}))

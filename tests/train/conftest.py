@@ -1,4 +1,5 @@
-"""The training tests share one tiny model in float64 (exact comparisons between the dense and serving paths)."""
+"""The training tests share one tiny model in float64, in the float form training uses (exact comparisons between
+the dense and serving paths)."""
 
 from __future__ import annotations
 
@@ -12,4 +13,4 @@ torch.set_num_threads(1)  # one thread per xdist worker: tiny tensors, two cores
 
 @pytest.fixture(scope="session")
 def tiny() -> Transformer:
-    return build_model(preset("tiny"), seed=0, dtype=torch.float64)
+    return build_model(preset("tiny"), seed=0, dtype=torch.float64, packed=False)
