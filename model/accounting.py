@@ -9,6 +9,9 @@
   Engram, DSpark, decode-active (backbone weights one decoded token touches: attention, mHC, norms, gate, shared and
   the top-k routed experts, embedding and head — Engram reported apart, as the paper does) and prefill-active
   (embedding, layers 0..L/2−1 with top-k experts, layer L/2's KV projections).
+- Weight bytes at native precision (the packed model on `meta`: FP8 and FP4 weights as their checkpoint bytes):
+  the GPU bytes one rank holds for each expert-parallel size (routed experts — DSpark's too — split over the ranks,
+  everything else replicated), one prefill replica's encoder half, and the Engram tables, which live in host memory.
 - Single-token decode FLOPs against context length (4 K … 1 M): matmuls (2 per weight) + attention core (4·H·D per
   key: window + selected entries, or all HCA entries in V4) + indexer scoring (2·Hᵢ·Dᵢ per scored position).
   Precision weighting, in FP8-equivalent FLOPs (the relative tensor-core rates): FP8 MMA ×1 (FP8 weights, and the
@@ -30,6 +33,7 @@ from model.config import V4, ModelArgs, preset
 from model.kv import entry_widths, kv_sources
 
 CONTEXTS = tuple(4096 * 2**i for i in range(9))  # 4 K … 1 M
+EP_SIZES = (1, 2, 4, 8)
 WEIGHT = {"fp8": 1.0, "bf16": 2.0, "fp4": 0.5}
 
 
@@ -91,6 +95,31 @@ def parameter_counts(args: ModelArgs) -> dict[str, int]:
             counts["prefill_active"] += active
     counts["backbone"] = counts["total"] - counts["engram"] - counts["dspark"]
     return {key: round(v) for key, v in counts.items()}
+
+
+# --------------------------------------------------------------------------------------------- weight bytes
+def _weight_split(args: ModelArgs, part: str) -> dict[str, int]:
+    """Bytes of a packed model part by placement: routed experts, Engram tables (host) and the rest."""
+    from model.linear import Fp8Rows
+    from model.moe import PackedExperts
+    from model.weights import build_model, weight_bytes
+
+    model = build_model(args, part, seed=None, device="meta")
+    routed = sum(weight_bytes(m) for m in model.modules() if isinstance(m, PackedExperts))
+    engram = sum(weight_bytes(m) for m in model.modules() if isinstance(m, Fp8Rows))
+    return {"routed": routed, "engram": engram, "rest": weight_bytes(model) - routed - engram}
+
+
+def native_weight_bytes(args: ModelArgs) -> dict[str, object]:
+    """GPU weight bytes per rank for each expert-parallel size, the encoder half's, and the Engram host bytes."""
+    full, encoder = _weight_split(args, "full"), _weight_split(args, "encoder")
+    return {
+        "per_device": {str(w): -(-full["routed"] // w) + full["rest"] for w in EP_SIZES},
+        "routed": full["routed"],
+        "replicated": full["rest"],
+        "encoder_half": encoder["routed"] + encoder["rest"],
+        "engram_host": full["engram"],
+    }
 
 
 # --------------------------------------------------------------------------------------------------- FLOPs
@@ -165,6 +194,11 @@ class Report:
     params_dspark: int | None = None
     params_decode_active: int | None = None
     params_prefill_active: int | None = None
+    weight_bytes_per_device: dict[str, int] | None = None  # expert-parallel size → GPU weight bytes of one rank
+    weight_bytes_routed: int | None = None  # every routed expert (split over the ranks)
+    weight_bytes_replicated: int | None = None  # the rest of the GPU weights (on every rank)
+    weight_bytes_encoder_half: int | None = None  # one prefill replica (EP 1)
+    engram_host_bytes: int | None = None  # the Engram tables, in host memory
     decode_flops: dict[int, dict[str, float]] = field(default_factory=dict)
     flop_weighting: str = "FP8-equivalent: FP8 MMA x1, BF16 MMA x2, FP4xFP4 MMA x0.5"
 
@@ -189,7 +223,31 @@ def account(name: str, args: ModelArgs | None = None) -> Report:
         counts = parameter_counts(args)
         for key in ("total", "backbone", "engram", "dspark", "decode_active", "prefill_active"):
             setattr(report, f"params_{key}", counts[key])
+        if args.quantization_config is not None:
+            w = native_weight_bytes(args)
+            report.weight_bytes_per_device, report.weight_bytes_routed = w["per_device"], w["routed"]
+            report.weight_bytes_replicated, report.weight_bytes_encoder_half = w["replicated"], w["encoder_half"]
+            report.engram_host_bytes = w["engram_host"]
     return report
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:>10,.2f} GiB"
+
+
+def _render_weights(r: Report) -> list[str]:
+    if r.weight_bytes_per_device is None:
+        return []
+    header = f"  {'expert-parallel size':>20} {'routed experts':>14} {'replicated':>14} {'GPU per rank':>14}"
+    lines = ["", "weights at native precision (FP8 / packed FP4 as stored; Engram tables in host memory)", header]
+    for w, total in r.weight_bytes_per_device.items():
+        routed = -(-r.weight_bytes_routed // int(w))
+        lines.append(f"  {w:>20} {_gib(routed)} {_gib(r.weight_bytes_replicated)} {_gib(total)}")
+    lines += [
+        f"  encoder half (one prefill replica, EP 1) {_gib(r.weight_bytes_encoder_half).strip()}",
+        f"  Engram tables (host memory)              {_gib(r.engram_host_bytes).strip()}",
+    ]
+    return lines
 
 
 def _fmt_params(n: int | None) -> str:
@@ -210,6 +268,7 @@ def render(r: Report) -> str:
     ]
     for key in ("total", "backbone", "engram", "dspark", "decode_active", "prefill_active"):
         lines.append(f"  {key:<15} {_fmt_params(getattr(r, f'params_{key}'))}")
+    lines += _render_weights(r)
     columns = ("matmul", "attention", "indexer", "raw", "weighted")
     header = " ".join(f"{c:>10}" for c in columns)
     lines += ["", f"single-token decode FLOPs ({r.flop_weighting})", f"  {'context':>9} {header} {'vs 4K':>7}"]

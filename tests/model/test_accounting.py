@@ -31,6 +31,22 @@ def test_parameter_counts_within_one_percent(v41, key, billions):
     assert getattr(v41, f"params_{key}") == pytest.approx(billions * 1e9, rel=0.01)
 
 
+def test_native_weight_bytes(v41):
+    """Routed experts (backbone and DSpark) as packed FP4 with a UE8M0 scale per 32 inputs: 0.53125 B/param, split
+    over the expert-parallel ranks; the rest replicated; the Engram tables (E4M3 + UE8M0/32) in host memory."""
+    a = preset("v41-flash")
+    expert = 3 * a.hidden_size * a.moe_intermediate_size
+    routed = (a.num_hidden_layers * a.n_routed_experts + 3 * a.dspark_n_routed_experts) * expert * (0.5 + 1 / 32)
+    assert v41.weight_bytes_routed == routed
+    assert set(v41.weight_bytes_per_device) == {"1", "2", "4", "8"}
+    for w, per_rank in v41.weight_bytes_per_device.items():
+        assert per_rank == -(-v41.weight_bytes_routed // int(w)) + v41.weight_bytes_replicated
+    assert 45 * 2**30 < v41.weight_bytes_per_device["8"] < 60 * 2**30  # a decode group of 8 H200s holds it
+    assert v41.engram_host_bytes == sum(a.engram_num_embeddings) * a.engram_head_dim * (1 + 1 / 32)
+    # The encoder half: 20 of 40 layers, no head and no DSpark — just under half of one EP-1 replica.
+    assert 0.45 < v41.weight_bytes_encoder_half / v41.weight_bytes_per_device["1"] < 0.5
+
+
 def test_flop_model_is_consistent_with_the_instantiated_model(v41):
     """The analytic per-token matmul weights (the FLOP model) agree with the meta-counted decode-active weights
     minus the embedding table (a lookup, not a matmul) plus the Engram projections (active, counted apart)."""
@@ -54,8 +70,12 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert main(["--preset", "tiny", "--json", "--plot", str(plot)]) == 0
     report = json.loads(capsys.readouterr().out)
     for key in ("global_kv_bytes_per_token", "swa_ring_bytes_per_sequence", "params_total", "params_backbone",
-                "params_engram", "params_decode_active", "params_prefill_active"):  # fmt: skip
+                "params_engram", "params_decode_active", "params_prefill_active", "weight_bytes_encoder_half",
+                "engram_host_bytes"):  # fmt: skip
         assert isinstance(report[key], (int, float)), key
+    assert set(report["weight_bytes_per_device"]) == {"1", "2", "4", "8"}
+    assert main(["--preset", "tiny"]) == 0
+    assert "expert-parallel size" in capsys.readouterr().out
     assert plot.stat().st_size > 10_000
     with pytest.raises(SystemExit) as exit_info:
         main(["--preset", "nope"])
