@@ -18,12 +18,16 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.kernels import candidates, hc_mixes, indexer, kv_quant, rope, sparse_attn, topk
+from model.kernels import candidates, fp8_gemm, hc_mixes, indexer, kv_quant, moe_gemm, rope, sparse_attn, topk
+from model.kernels.fp8_gemm import FP8GemmTuning
+from model.kernels.moe_gemm import MoEGemmTuning
 
 Backend = Literal["torch", "triton"]
 
 __all__ = [
     "Backend",
+    "FP8GemmTuning",
+    "MoEGemmTuning",
     "backend_for",
     "candidate_mask",
     "default_backend",
@@ -31,8 +35,12 @@ __all__ = [
     "dequantize_kv_fp4",
     "dequantize_swa_fp8",
     "fake_quant_fp8",
+    "fp8_linear",
     "hc_split_sinkhorn",
     "indexer_scores",
+    "moe_down",
+    "moe_gate_up",
+    "moe_pairs",
     "quantize_index_fp4",
     "quantize_kv_fp4",
     "quantize_swa_fp8",
@@ -233,3 +241,141 @@ def sparse_attention(
     return _pick(backend, sparse_attn, "sparse_attention")(
         q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, softmax_scale
     )
+
+
+# ------------------------------------------------------------------------------------------- quantised GEMMs
+
+
+def _tuned(backend: Backend, module: object, op: str, tuning: object | None, *args: object) -> Tensor:
+    """`_pick`'s op on args; the Triton form with the launch shape `tuning` when one is given."""
+    fn = _pick(backend, module, op)
+    return fn(*args) if tuning is None or backend == "torch" else fn(*args, tuning=tuning)
+
+
+def _expect_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in _WIDE_FLOATS:
+        raise ValueError(f"out_dtype: expected {' or '.join(map(str, _WIDE_FLOATS))}, got {out_dtype}")
+
+
+def _expect_fp8_rows(name: str, data: Tensor, rows: int | None = None) -> tuple[int, int]:
+    """FP8 activations: E4M3 bytes [rows, K], K a multiple of 32 (its UE8M0 scales are checked by the caller)."""
+    _expect(name, data, (rows, None), (torch.uint8,))
+    if data.shape[1] % kv_quant.SWA_BLOCK:
+        raise ValueError(f"{name}: inputs must be a multiple of {kv_quant.SWA_BLOCK}, got {data.shape[1]}")
+    return data.shape[0], data.shape[1]
+
+
+def fp8_linear(
+    x_data: Tensor,
+    x_scale: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    out_dtype: torch.dtype,
+    backend: Backend = "torch",
+    tuning: FP8GemmTuning | None = None,
+) -> Tensor:
+    """y [M, N] = x Wᵀ (fp32 accumulation) → out_dtype, from FP8 activations — E4M3 bytes x_data [M, K] and UE8M0
+    scales per 32 inputs x_scale [M, K/32], what `quantize_swa_fp8(x)` returns — and an FP8 weight: E4M3 w [N, K]
+    (float8_e4m3fn or its bytes) with one UE8M0 scale per 32 × 32 block, w_scale [⌈N/32⌉, K/32]. The reference
+    computes in promote(out_dtype, fp32); the Triton kernel in fp32, so an fp64 out_dtype keeps the torch form.
+    `tuning`: the Triton launch shape (None: `FP8GemmTuning()`)."""
+    M, K = _expect_fp8_rows("x_data", x_data)
+    _expect("x_scale", x_scale, (M, K // kv_quant.SWA_BLOCK), (torch.uint8,))
+    _expect("w", w, (None, K), (torch.float8_e4m3fn, torch.uint8))
+    N = w.shape[0]
+    if N == 0:
+        raise ValueError("w: expected at least one output row, got 0")
+    _expect("w_scale", w_scale, (-(-N // fp8_gemm.BLOCK), K // fp8_gemm.BLOCK), (torch.uint8,))
+    _expect_out_dtype(out_dtype)
+    if out_dtype == torch.float64:
+        backend = "torch"
+    return _tuned(backend, fp8_gemm, "fp8_linear", tuning, x_data, x_scale, w, w_scale, out_dtype)
+
+
+def _expect_experts(
+    name: str, w: Tensor, scale_name: str, scale: Tensor, inputs: int, stacked: bool = False
+) -> tuple[int, int]:
+    """Packed E2M1 experts w [E, out, inputs/2] with UE8M0 scales [E, out, inputs/16 or inputs/32] → (E, out).
+    `stacked`: two projections stacked (an even number of rows)."""
+    _expect(name, w, (None, None, inputs // 2), (torch.uint8,))
+    E, out = w.shape[:2]
+    if stacked and out % 2:
+        raise ValueError(f"{name}: expected W1 and W3 stacked (an even number of rows), got {out}")
+    _expect(scale_name, scale, (E, out, None), (torch.uint8,))
+    if not moe_gemm.scale_block(inputs, scale):
+        raise ValueError(
+            f"{scale_name}: expected {inputs // 16} (scales per 16 inputs) or {inputs // 32} (per 32) scales per row "
+            f"of {inputs} inputs, got {scale.shape[-1]}"
+        )
+    return E, out
+
+
+def _expect_offsets(offsets: Tensor, experts: int) -> None:
+    _expect("offsets", offsets, (experts + 1,), _INTS)
+
+
+def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert ids [N, k] (each in 0 … n_experts − 1, unchecked: that would sync) → the (token, slot) pairs sorted by
+    expert, on the device without a host sync: order int64 [N·k] (flat pair indices, stable), pair_rows int32 [N·k]
+    (order // k), offsets int32 [n_experts + 1] (expert e's pairs: sorted positions offsets[e] … offsets[e+1] − 1)."""
+    _expect("ids", ids, (None, None), _INTS)
+    if ids.shape[1] < 1 or n_experts < 1:
+        raise ValueError(f"ids: need k ≥ 1 slots and n_experts ≥ 1, got k={ids.shape[1]}, n_experts={n_experts}")
+    return moe_gemm.moe_pairs(ids, n_experts)
+
+
+def moe_gate_up(
+    x_data: Tensor,
+    x_scale: Tensor,
+    pair_rows: Tensor,
+    offsets: Tensor,
+    pair_weight: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+    backend: Backend = "torch",
+    tuning: MoEGemmTuning | None = None,
+) -> Tensor:
+    """Routed experts' first projection, SwiGLU fused, over the (token, slot) pairs sorted by expert (`moe_pairs`):
+    h [P, I] = silu(min(g, limit)) · clamp(u, ±limit) · pair_weight, g | u = x[pair_rows] · W1ᵀ | W3ᵀ of the pair's
+    expert. x: FP8 bytes x_data [N, C] with UE8M0 per 32 x_scale [N, C/32]; pair_rows [P] (activation row of each
+    sorted pair), offsets [E + 1] (expert e's pairs: offsets[e] … offsets[e+1] − 1), pair_weight [P] (routing
+    weights); w13: packed E2M1 [E, 2I, C/2] (rows 0 … I − 1 = W1, I … 2I − 1 = W3) with UE8M0 s13 [E, 2I, C/16] or
+    [E, 2I, C/32] (the block told by the shape). Nothing is checked that would need the device's values (a sync).
+    `tuning`: the Triton launch shape (None: `MoEGemmTuning()`)."""
+    N, C = _expect_fp8_rows("x_data", x_data)
+    _expect("x_scale", x_scale, (N, C // kv_quant.SWA_BLOCK), (torch.uint8,))
+    _expect("pair_rows", pair_rows, (None,), _INTS)
+    _expect("pair_weight", pair_weight, pair_rows.shape, _FLOATS)
+    E, _ = _expect_experts("w13", w13, "s13", s13, C, stacked=True)
+    _expect_offsets(offsets, E)
+    _expect_out_dtype(out_dtype)
+    if out_dtype == torch.float64:
+        backend = "torch"
+    args = (x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype)
+    return _tuned(backend, moe_gemm, "moe_gate_up", tuning, *args)
+
+
+def moe_down(
+    h_data: Tensor,
+    h_scale: Tensor,
+    offsets: Tensor,
+    w2: Tensor,
+    s2: Tensor,
+    out_dtype: torch.dtype,
+    backend: Backend = "torch",
+    tuning: MoEGemmTuning | None = None,
+) -> Tensor:
+    """Routed experts' second projection over the sorted pairs: out [P, C] = h · W2ᵀ of each pair's expert, in sorted
+    pair order. h: FP8 bytes h_data [P, I] with UE8M0 per 32 h_scale [P, I/32] (`quantize_swa_fp8` of moe_gate_up's
+    output); offsets [E + 1]; w2: packed E2M1 [E, C, I/2] with UE8M0 s2 [E, C, I/16] or [E, C, I/32]. `tuning`: as
+    moe_gate_up's."""
+    P, inter = _expect_fp8_rows("h_data", h_data)
+    _expect("h_scale", h_scale, (P, inter // kv_quant.SWA_BLOCK), (torch.uint8,))
+    E, _ = _expect_experts("w2", w2, "s2", s2, inter)
+    _expect_offsets(offsets, E)
+    _expect_out_dtype(out_dtype)
+    if out_dtype == torch.float64:
+        backend = "torch"
+    return _tuned(backend, moe_gemm, "moe_down", tuning, h_data, h_scale, offsets, w2, s2, out_dtype)

@@ -145,6 +145,46 @@ def e2m1_to_f16(code):
     return (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.float16, bitcast=True)
 
 
+# E2M1_BF16_PTX: four packed bytes ($4) and their scales as two bf16 pairs ($5: bytes 0, 1; $6: bytes 2, 3) → the
+# low nibbles' values × scale ($0: bytes 0, 1; $1: bytes 2, 3) and the high nibbles' ($2, $3), as bf16 pairs. The
+# magnitude nibbles index, by `prmt`, an 8-entry table of the low and of the high bytes of the bf16 magnitudes 0, ½,
+# 1, 1½, 2, 3, 4, 6; two more `prmt`s interleave them into pairs and move each nibble's sign bit (bit 7 of a byte of
+# $4 for the high nibble, of $4 << 4 for the low one) to bit 15 or 31; one bf16 FMA per pair scales (+ −0 keeps a −0).
+E2M1_BF16_PTX = tl.constexpr(
+    "{ .reg .b32 m, s, g, a, b, tl0, tl1, th0, th1, nz; "
+    "mov.b32 tl0, 0xC0800000; mov.b32 tl1, 0xC0804000; "  # low bytes of the magnitudes 0 … 7
+    "mov.b32 th0, 0x3F3F3F00; mov.b32 th1, 0x40404040; "  # high bytes
+    "mov.b32 nz, 0x80008000; "
+    "and.b32 m, $4, 0x77777777; shl.b32 s, $4, 4; "
+    "prmt.b32 a, tl0, tl1, m; prmt.b32 b, th0, th1, m; "  # nibbles lo0 hi0 lo1 hi1
+    "prmt.b32 $0, a, b, 0x6240; prmt.b32 g, s, $4, 0x1000; lop3.b32 $0, g, 0x80008000, $0, 0xEA; "
+    "prmt.b32 $2, a, b, 0x7351; prmt.b32 g, s, $4, 0x5040; lop3.b32 $2, g, 0x80008000, $2, 0xEA; "
+    "shr.b32 m, m, 16; "
+    "prmt.b32 a, tl0, tl1, m; prmt.b32 b, th0, th1, m; "  # nibbles lo2 hi2 lo3 hi3
+    "prmt.b32 $1, a, b, 0x6240; prmt.b32 g, s, $4, 0x3020; lop3.b32 $1, g, 0x80008000, $1, 0xEA; "
+    "prmt.b32 $3, a, b, 0x7351; prmt.b32 g, s, $4, 0x7060; lop3.b32 $3, g, 0x80008000, $3, 0xEA; "
+    "fma.rn.bf16x2 $0, $0, $5, nz; fma.rn.bf16x2 $1, $1, $6, nz; "
+    "fma.rn.bf16x2 $2, $2, $5, nz; fma.rn.bf16x2 $3, $3, $6, nz; }"
+)
+
+
+@triton.jit
+def e2m1_scaled(packed, scale, PTX: tl.constexpr):
+    """Packed E2M1 bytes and a power-of-two scale per byte → (value of the low nibble, value of the high nibble),
+    each times the scale: exact (E2M1 values have two significant bits). `PTX` (GPU): bf16 by table lookups
+    (E2M1_BF16_PTX: ≈ 3 instructions a value on sm_90, where the arithmetic below compiles to ≈ 8; the scale must be
+    bf16 there); otherwise fp32 by `e2m1_to_f16`, the 2^14 folded into the scale."""
+    if PTX:
+        low, high = tl.inline_asm_elementwise(
+            E2M1_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=4,
+        )  # fmt: skip
+    else:
+        scale = scale.to(tl.float32) * 16384.0
+        low, high = e2m1_to_f16(packed & 0xF).to(tl.float32) * scale, e2m1_to_f16(packed >> 4).to(tl.float32) * scale
+    return low, high
+
+
 @triton.jit
 def e2m1_decode(code):
     """E2M1 code → fp32 value."""
@@ -172,3 +212,9 @@ def multiprocessors() -> int:
     if not torch.cuda.is_available():
         return 1
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+@functools.cache
+def fp8_tensor_cores() -> bool:
+    """Asked once, not on every layer of every step: whether the GPU's tensor cores take FP8 (sm_89 and later)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

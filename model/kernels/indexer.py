@@ -26,7 +26,14 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from model.kernels.formats import dense_rows, e2m1_to_f16, interpreting, multiprocessors, ue8m0_decode
+from model.kernels.formats import (
+    dense_rows,
+    e2m1_to_f16,
+    fp8_tensor_cores,
+    interpreting,
+    multiprocessors,
+    ue8m0_decode,
+)
 from model.kernels.kv_quant import dequantize_index_fp4_torch
 
 
@@ -289,13 +296,7 @@ def _indexer_kernel(
 def _operand() -> int:
     if interpreting():
         return FP32.value
-    return FP8.value if _fp8_tensor_cores() else FP16.value
-
-
-@functools.cache
-def _fp8_tensor_cores() -> bool:
-    """Asked once, not on every layer of every step: whether the GPU's tensor cores take FP8 (sm_89 and later)."""
-    return torch.cuda.get_device_capability() >= (8, 9)
+    return FP8.value if fp8_tensor_cores() else FP16.value
 
 
 @functools.cache

@@ -84,3 +84,36 @@ def lowest_position_topk(scores: Tensor, k: int, lengths: Tensor | None) -> Tens
         chosen = sorted(ranked[:k])
         out[r, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     return out
+
+
+def fp8_linear_case(g: torch.Generator, M: int, N: int, K: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FP8 activations [M, K] (the QAT cast of Gaussian rows) and an FP8 weight [N, K]: every E4M3 byte but NaN, one
+    UE8M0 scale per 32 × 32 block around 2^-4 (float8_e4m3fn, as checkpoints store it)."""
+    x_data, x_scale = quant.fp8_quant(torch.randn(M, K, generator=g))
+    w = torch.randint(0, 256, (N, K), generator=g, dtype=torch.uint8)
+    w = torch.where((w & 0x7F) == 0x7F, 0x7E, w)
+    w_scale = torch.randint(118, 128, (-(-N // 32), K // 32), generator=g, dtype=torch.uint8)
+    return x_data, x_scale, w.view(torch.float8_e4m3fn), w_scale
+
+
+def plain_fp8_operands(
+    x_data: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Both FP8 operands dequantised by model.quant (the weight's block scales repeated over its 32 rows), in dtype."""
+    rows = w_scale.repeat_interleave(32, dim=0)[: w.shape[0]]
+    return quant.fp8_dequant(x_data, x_scale, dtype=dtype), quant.fp8_dequant(w.view(torch.uint8), rows, dtype=dtype)
+
+
+def moe_case(
+    g: torch.Generator, N: int, k: int, E: int, C: int, I: int, block: int, ids: Tensor | None = None
+) -> tuple[Tensor, ...]:
+    """FP8 activations [N, C]; expert ids [N, k] (k distinct random experts per token, unless given) and routing
+    weights; packed E2M1 experts w13 [E, 2I, C/2], w2 [E, C, I/2] quantised from Gaussian weights with UE8M0 scales
+    per `block` inputs."""
+    x_data, x_scale = quant.fp8_quant(torch.randn(N, C, generator=g))
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g)
+    w13, s13 = quant.fp4_quant_ue8m0(torch.randn(E, 2 * I, C, generator=g) * 0.1, block)
+    w2, s2 = quant.fp4_quant_ue8m0(torch.randn(E, C, I, generator=g) * 0.1, block)
+    return x_data, x_scale, ids, weights, w13, s13, w2, s2

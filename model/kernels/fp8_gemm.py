@@ -1,0 +1,163 @@
+"""Block-scaled FP8 GEMM (W8A8) of the released FP8 linears (model-architecture.md §2.9, §2.10).
+
+    y[m, n] = Σ_k x[m, k] · w[n, k],   x = E4M3 · UE8M0 per 32 inputs (the QAT activation cast, `quantize_swa_fp8`),
+                                       w = E4M3 · UE8M0 per 32 × 32 block (the checkpoint's `.weight` / `.scale`)
+
+Both scales are constant over a 32-wide K chunk, so y = Σ_chunks (code dot of the chunk) · sx[m] · sw[n]: each chunk's
+dot of raw E4M3 codes (exact products, a 32-term sum) is rescaled by the outer product of the two scale vectors and
+added to an fp32 accumulator — DeepGEMM's "promote every chunk to CUDA cores", here every 32 inputs, which also
+bounds the error of the FP8 tensor cores' reduced-precision accumulation to one chunk.
+
+Triton: a program computes the transposed output tile yᵀ [BN weight rows, BM tokens]: the weight is the dot's M side
+(wgmma's 64-row granule; decode has 1–256 tokens, and the dot's N side may be as small as 16). Per K tile of BK
+(a software-pipelined loop over `num_stages`) it loads BK/32 chunks of both operands and their scales (as 32-bit words
+when a row's scales are whole words: a thread's share of a byte-wise scale load is under the 4 bytes `cp.async`
+needs, so it would not be pipelined). On sm_89+ the chunks are FP8 tensor-core operands as loaded; elsewhere, and in
+the interpreter, they are decoded to fp32 (formats.e4m3_decode) and dotted as such (on a GPU in tf32: exact for E4M3
+codes). Decode leaves few output tiles (N/BN × ⌈M/BM⌉: 10 at N = 1280), so K is split over up to one program per SM;
+the splits write fp32 partial sums that one torch sum adds in a fixed order (deterministic; no atomics, no sync).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from model import quant
+from model.kernels.formats import e4m3_decode, fp8_tensor_cores, interpreting, multiprocessors, ue8m0_decode
+
+BLOCK = 32  # inputs per activation scale, and the weight's square scale block
+
+
+@dataclass(frozen=True)
+class FP8GemmTuning:
+    """Launch shape of `fp8_linear_triton` (None: chosen per call). Defaults: H200 decode, memory-bound on the weight.
+
+    - `block_m`: tokens per tile, the dot's N side (a power of two ≥ 16; None: M rounded up to a power of two, 16 … 64);
+    - `block_n`: weight rows per tile, the dot's M side (two wgmma granules);
+    - `block_k`: K per pipeline stage, a multiple of 32 (128: 16 KiB of weight per stage at block_n 128);
+    - `split_k`: K splits (None: as many as bring the grid to about one program per SM, each ≥ `num_stages` K tiles);
+    - `num_warps`: per program (None: 4, or 8 from block_m 64 on, where 4 warps' accumulators spill);
+    - `num_stages`: K tiles in the pipeline; 4 keep three (≈ 54 KiB at decode) in flight;
+    - `fp8_dot`: FP8 tensor-core dots (None: on sm_89+ GPUs; the interpreter decodes to fp32)."""
+
+    block_m: int | None = None
+    block_n: int = 128
+    block_k: int = 128
+    split_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 4
+    fp8_dot: bool | None = None
+
+
+def dequantize_fp8_weight(w: Tensor, w_scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """E4M3 [N, K] (float8_e4m3fn or its bytes), UE8M0 per 32 × 32 block [⌈N/32⌉, K/32] → [N, K] in dtype, exactly."""
+    N = w.shape[0]
+    scale = quant.ue8m0_decode(w_scale).repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)
+    return (quant.e4m3_decode(w.view(torch.uint8)) * scale).to(dtype)
+
+
+def fp8_linear_torch(x_data: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The reference: both operands dequantised (transiently), F.linear in promote(out_dtype, fp32), then cast."""
+    compute = torch.promote_types(out_dtype, torch.float32)
+    x = quant.fp8_dequant(x_data, x_scale, BLOCK, compute)
+    return F.linear(x, dequantize_fp8_weight(w, w_scale, compute)).to(out_dtype)
+
+
+@triton.jit
+def _chunk_scales(ptr, rows, ok, tile, PER_ROW: tl.constexpr, CHUNKS: tl.constexpr, WORDS: tl.constexpr):
+    """UE8M0 scales of K tile `tile`'s CHUNKS chunks for `rows` (PER_ROW scale bytes each) → a tuple of CHUNKS fp32
+    [rows] vectors. WORDS: one 32-bit word per four chunks (PER_ROW and CHUNKS multiples of 4)."""
+    first = tile * CHUNKS
+    scales = ()
+    if WORDS:
+        word_ptr = (ptr + rows * PER_ROW + first).to(tl.pointer_type(tl.int32))
+        for g in tl.static_range(CHUNKS // 4):
+            word = tl.load(word_ptr + g, mask=ok & (first + 4 * g < PER_ROW), other=0x7F7F7F7F)
+            for j in tl.static_range(4):  # little-endian: chunk 4g + j is byte j
+                scales = scales + (ue8m0_decode((word >> (8 * j)) & 0xFF),)  # noqa: RUF005 (no starred tuples)
+    else:
+        for c in tl.static_range(CHUNKS):
+            byte = tl.load(ptr + rows * PER_ROW + first + c, mask=ok & (first + c < PER_ROW), other=127)
+            scales = scales + (ue8m0_decode(byte),)  # noqa: RUF005
+    return scales
+
+
+@triton.jit
+def _codes(ptr, rows, ok, k, K: tl.constexpr, FP8_DOT: tl.constexpr):
+    """E4M3 codes [rows, 32] of one K chunk: as loaded (FP8 operand pointers), or decoded to fp32."""
+    codes = tl.load(ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0)
+    return codes if FP8_DOT else e4m3_decode(codes)
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, tiles_per_split,
+    K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    FP8_DOT: tl.constexpr, WORDS: tl.constexpr,
+):  # fmt: skip
+    """One [BM, BN] output tile over K tiles tiles_per_split · split … of the program's split; out_ptr: y [M, N], or
+    the split's fp32 partial sums [splits, M, N]."""
+    CHUNKS: tl.constexpr = BK // 32
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    split = tl.program_id(2)
+    m_ok, n_ok = m < M, n < N
+    m, n = m.to(tl.int64), n.to(tl.int64)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)  # yᵀ: the weight rows are the dot's M side
+    first = split * tiles_per_split
+    for tile in tl.range(first, tl.minimum(first + tiles_per_split, tl.cdiv(K, BK)), num_stages=STAGES):
+        w_scales = _chunk_scales(ws_ptr, n // 32, n_ok, tile, K // 32, CHUNKS, WORDS)
+        x_scales = _chunk_scales(xs_ptr, m, m_ok, tile, K // 32, CHUNKS, WORDS)
+        for c in tl.static_range(CHUNKS):
+            k = tile * BK + c * 32 + tl.arange(0, 32)
+            dot = tl.dot(_codes(w_ptr, n, n_ok, k, K, FP8_DOT), tl.trans(_codes(x_ptr, m, m_ok, k, K, FP8_DOT)))
+            acc += dot * (w_scales[c][:, None] * x_scales[c][None, :])
+    out = out_ptr + split.to(tl.int64) * M * N + m[None, :] * N + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+def _split_k(programs: int, k_tiles: int, stages: int) -> int:
+    """K splits that bring `programs` output tiles to about one program per SM, each split ≥ `stages` K tiles (fewer
+    trips would leave the pipeline's prologue unhidden). At M = 1 on 132 SMs: N×K 1280×5120 → 10 splits of 4 tiles,
+    5120×8192 → 3 of 22, 32768×1280 → 1."""
+    return max(1, min(multiprocessors() // programs, k_tiles // stages))
+
+
+def fp8_linear_triton(
+    x_data: Tensor,
+    x_scale: Tensor,
+    w: Tensor,
+    w_scale: Tensor,
+    out_dtype: torch.dtype,
+    tuning: FP8GemmTuning = FP8GemmTuning(),
+) -> Tensor:
+    M, K = x_data.shape
+    N = w.shape[0]
+    fp8_dot = (fp8_tensor_cores() and not interpreting()) if tuning.fp8_dot is None else tuning.fp8_dot
+    if fp8_dot and interpreting():
+        raise ValueError("tuning.fp8_dot: the interpreter has no FP8 dot (it decodes to fp32)")
+    if tuning.block_k % BLOCK or tuning.block_k & (tuning.block_k - 1):
+        raise ValueError(f"tuning.block_k must be a power of two ≥ {BLOCK}, got {tuning.block_k}")
+    if M == 0:
+        return torch.empty((0, N), dtype=out_dtype, device=x_data.device)
+    block_m = tuning.block_m or min(max(16, triton.next_power_of_2(M)), 64)
+    m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(N, tuning.block_n)
+    k_tiles = triton.cdiv(K, tuning.block_k)
+    splits = tuning.split_k or _split_k(m_tiles * n_tiles, k_tiles, tuning.num_stages)
+    tiles_per_split = triton.cdiv(k_tiles, splits)
+    splits = triton.cdiv(k_tiles, tiles_per_split)
+    out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x_data.device,
+                      dtype=out_dtype if splits == 1 else torch.float32)  # fmt: skip
+    x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
+    words = K % 128 == 0 and tuning.block_k % 128 == 0 and x_scale.data_ptr() % 4 == 0 and w_scale.data_ptr() % 4 == 0
+    operand = torch.float8_e4m3fn if fp8_dot else torch.uint8
+    _fp8_linear_kernel[(m_tiles, n_tiles, splits)](
+        x_data.contiguous().view(operand), x_scale, w.contiguous().view(operand), w_scale, out, M, N, tiles_per_split,
+        K, block_m, tuning.block_n, tuning.block_k, tuning.num_stages, fp8_dot, words,
+        num_warps=tuning.num_warps or (4 if block_m <= 32 else 8),
+    )  # fmt: skip
+    return out if splits == 1 else out.sum(0).to(out_dtype)

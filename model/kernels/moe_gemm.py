@@ -1,0 +1,298 @@
+"""Grouped MoE GEMMs over packed MXFP4 experts (model-architecture.md §2.7, §2.9): two launches per MoE layer.
+
+    h = silu(min(x W1ᵀ, limit)) · clamp(x W3ᵀ, ±limit) · w     `moe_gate_up`: W1 ‖ W3 stored as one w13, SwiGLU fused
+    y = h' W2ᵀ,  h' = FP8(h)                                   `moe_down`
+
+for every (token, slot) pair, W the pair's expert and w its routing weight (applied before W2, as the reference does).
+`moe_pairs` sorts the pairs by expert on the device; expert e owns sorted positions offsets[e] … offsets[e+1] − 1.
+Activations come FP8 (E4M3, UE8M0 per 32 inputs: the QAT cast of every quantised linear's input); expert weights
+are the checkpoint's packed E2M1 nibbles [out, in/2] (element 2i in the low nibble) with a UE8M0 scale per 16 or 32
+inputs ([out, in/16] or [out, in/32], told apart by the scale's shape).
+
+Triton: program (j, e) computes output columns j·BN … of expert e's pairs, BM pairs at a time between offsets[e]
+and offsets[e+1], read on the device (an expert without pairs exits at once: no host sync, no loop over experts on
+the host). Its weight rows are the dot's M side (wgmma's 64-row granule; an expert sees few pairs in decode). Per K
+tile of BK inputs, in a loop software-pipelined over `num_stages`: the activation rows are gathered (the token rows
+of the pairs) and their E4M3 bytes decoded and scaled into bf16, the packed weight bytes decoded nibble by nibble
+(`e2m1_to_f16`: value · 2^-14, the 2^14 folded into the scale) and scaled into bf16 — both exact, E4M3 and E2M1 values
+times powers of two fit bf16 — and one bf16 tensor-core dot per projection accumulates in fp32 (fp32 operands in
+the interpreter, whose low-precision dots are unreliable). Hopper has no FP4 (nor mixed FP8 × FP4) MMA, so FP4
+weights cannot reach the tensor cores packed; the scales per 16 inputs rule out FP8 operands with a per-32
+accumulator rescale as the FP8 GEMM does. Weights are never dequantised to memory, and each program reads its
+weight rows once per BM pairs: the tile height is chosen from the average pairs per expert, N·k/E, known on the host
+without a sync.
+"""
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from model import quant
+from model.kernels.formats import e2m1_scaled, e4m3_decode, interpreting, ue8m0_decode
+
+X_BLOCK = 32  # inputs per activation scale
+SCALE_BLOCKS = (16, 32)  # inputs per expert-weight scale: the two layouts of reference §2.9
+
+
+@dataclass(frozen=True)
+class MoEGemmTuning:
+    """Launch shape of the grouped expert GEMMs (None: chosen per call). Defaults: H200 decode, 64–256 tokens.
+
+    - `block_m`: pairs per tile, the dot's N side (a power of two ≥ 16; None: twice the average pairs per expert,
+      16 … 64, so that most experts take one pass over their weights);
+    - `block_n`: output columns per program (gate_up: as many gate and as many up rows of w13);
+    - `block_k`: inputs per pipeline stage (128: 8 KiB of packed weight per 128 rows);
+    - `num_warps`: per program (None: 4, or 8 where 4 warps' fp32 accumulators would pass 64 registers a thread);
+    - `num_stages`: K tiles in the pipeline (3: two in flight while one is decoded)."""
+
+    block_m: int | None = None
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int | None = None
+    num_stages: int = 3
+
+
+def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert ids [N, k] → the (token, slot) pairs sorted by expert, on the device and without a host sync:
+    - order int64 [N·k]: flat pair indices t·k + s, stably sorted by expert (tokens ascending within an expert);
+    - pair_rows int32 [N·k]: order // k, each sorted pair's activation row;
+    - offsets int32 [E + 1]: expert e's pairs are sorted positions offsets[e] … offsets[e+1] − 1.
+    Counts by scatter_add_ (torch.bincount syncs on CUDA to size its output). Ids must lie in 0 … E − 1 (unchecked:
+    a check would sync)."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
+    offsets = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    return order, (order // ids.shape[1]).to(torch.int32), offsets
+
+
+def scale_block(inputs: int, scale: Tensor) -> int:
+    """Inputs per scale of an expert weight with `inputs` inputs per row, from its scale's last dimension; 0 when it
+    fits neither layout."""
+    return next((b for b in SCALE_BLOCKS if scale.shape[-1] * b == inputs), 0)
+
+
+# ------------------------------------------------------------------------------------------- torch references
+
+
+def _expert_products(x: Tensor, offsets: Tensor, w: Tensor, s: Tensor) -> Tensor:
+    """x [P, K] (rows sorted by expert) times each expert's W_eᵀ → [P, O] in x's dtype. Each expert's weight is
+    dequantised transiently, one at a time, and the offsets are read on the host: the reference's way, never the
+    Triton path's."""
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    bounds = offsets.tolist()
+    block = scale_block(x.shape[1], s)
+    for e, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        if hi > lo:
+            out[lo:hi] = F.linear(x[lo:hi], quant.fp4_dequant_ue8m0(w[e], s[e], block, x.dtype))
+    return out
+
+
+def moe_gate_up_torch(
+    x_data: Tensor,
+    x_scale: Tensor,
+    pair_rows: Tensor,
+    offsets: Tensor,
+    pair_weight: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """The reference: FP8 rows and FP4 experts dequantised in promote(out_dtype, fp32), F.linear per expert."""
+    compute = torch.promote_types(out_dtype, torch.float32)
+    x = quant.fp8_dequant(x_data, x_scale, X_BLOCK, compute)[pair_rows.long()]
+    gate, up = _expert_products(x, offsets, w13, s13).chunk(2, dim=-1)
+    h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return (h * pair_weight.to(compute)[:, None]).to(out_dtype)
+
+
+def moe_down_torch(
+    h_data: Tensor, h_scale: Tensor, offsets: Tensor, w2: Tensor, s2: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    compute = torch.promote_types(out_dtype, torch.float32)
+    h = quant.fp8_dequant(h_data, h_scale, X_BLOCK, compute)
+    return _expert_products(h, offsets, w2, s2).to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _block_scales(ptr, rows, ok, first, PER_ROW: tl.constexpr, COUNT: tl.constexpr, WORDS: tl.constexpr):
+    """UE8M0 scales first … first + COUNT − 1 of `rows` ([*, PER_ROW] bytes) → fp32 [rows, COUNT]. WORDS: read as
+    32-bit words (PER_ROW, COUNT and `first` multiples of 4): `cp.async` moves ≥ 4 bytes a thread, so a byte-wise
+    load would stall every K tile instead of being pipelined."""
+    R: tl.constexpr = rows.shape[0]
+    if WORDS:
+        word = first // 4 + tl.arange(0, COUNT // 4)
+        row_ptr = (ptr + rows * PER_ROW).to(tl.pointer_type(tl.int32))
+        ok = ok[:, None] & (word < PER_ROW // 4)[None, :]
+        words = tl.load(row_ptr[:, None] + word[None, :], mask=ok, other=0x7F7F7F7F)
+        shifts = 8 * tl.arange(0, 4)  # little-endian: scale 4w + j is byte j of word w
+        scale_bytes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (R, COUNT))
+    else:
+        index = first + tl.arange(0, COUNT)
+        ok = ok[:, None] & (index < PER_ROW)[None, :]
+        scale_bytes = tl.load(ptr + rows[:, None] * PER_ROW + index[None, :], mask=ok, other=127)
+    return ue8m0_decode(scale_bytes)
+
+
+@triton.jit
+def _side_by_side(a, b):
+    """[rows, w] and [rows, w] → [rows, 2w]: a's columns, then b's."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _activation_tile(x_ptr, xs_ptr, rows, ok, k0, K: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr,
+                     HW: tl.constexpr):  # fmt: skip
+    """FP8 rows `rows`, inputs k0 … k0 + BK − 1 → their values [rows, BK], exactly, as a dot operand with the inputs in
+    the weight tile's order (the even ones, then the odd ones): bf16 by the hardware E4M3 cast (HW), else fp32 by
+    the bit codec (the interpreter)."""
+    R: tl.constexpr = rows.shape[0]
+    k = k0 + tl.arange(0, BK)
+    bits = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0)
+    codes = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) if HW else e4m3_decode(bits)
+    scale = _block_scales(xs_ptr, rows, ok, k0 // 32, K // 32, BK // 32, WORDS)
+    values = tl.reshape(codes, (R, BK // 32, 32)) * scale[:, :, None]
+    values = _side_by_side(*tl.split(tl.reshape(values, (R, BK // 2, 2))))
+    return values.to(tl.bfloat16) if HW else values
+
+
+@triton.jit
+def _weight_tile(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                 WORDS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """Rows `rows` of packed E2M1 weights [*, K/2] (UE8M0 per SB inputs), inputs k0 … k0 + BK − 1 → their values
+    [rows, BK], exactly, as a dot operand (bf16; fp32 in the interpreter) with the inputs in the order [even | odd]:
+    the low nibbles' values, then the high ones' — a permutation of K (the activation tile takes the same), under
+    which the bytes' two values need no interleaving into operand pairs."""
+    R: tl.constexpr = rows.shape[0]
+    half = k0 // 2 + tl.arange(0, BK // 2)
+    ok_half = ok[:, None] & (half < K // 2)[None, :]
+    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok_half, other=0)
+    scale = _block_scales(ws_ptr, rows, ok, k0 // SB, K // SB, BK // SB, WORDS)
+    scale = (scale.to(tl.bfloat16) if HW else scale)[:, :, None]  # per byte: [R, BK/SB, SB/2]
+    low, high = e2m1_scaled(tl.reshape(packed, (R, BK // SB, SB // 2)), scale, HW)
+    values = _side_by_side(tl.reshape(low, (R, BK // 2)), tl.reshape(high, (R, BK // 2)))
+    return values.to(tl.bfloat16 if HW else tl.float32)
+
+
+@triton.jit
+def _moe_kernel(
+    x_ptr, xs_ptr, rows_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
+    K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    GATED: tl.constexpr, X_WORDS: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
+):  # fmt: skip
+    """Output columns n of expert e's pairs. GATED (gate_up): activation rows gathered through rows_ptr, weight rows
+    n (W1) and n_out + n (W3) of the expert's 2·n_out, SwiGLU and the routing weight on the way out; otherwise (down)
+    the activation rows are the pairs themselves and the weight has n_out rows per expert."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    e = tl.program_id(1)
+    n_ok = n < n_out
+    w_rows = e.to(tl.int64) * (2 * n_out if GATED else n_out) + n
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    for start in range(lo, hi, BM):
+        p = start + tl.arange(0, BM)
+        p_ok = p < hi
+        rows = tl.load(rows_ptr + p, mask=p_ok, other=0) if GATED else p
+        rows = rows.to(tl.int64)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)  # outputᵀ: the weight rows are the dot's M side
+        acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            x = tl.trans(_activation_tile(x_ptr, xs_ptr, rows, p_ok, k0, K, BK, X_WORDS, HW))
+            acc = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows, n_ok, k0, K, SB, BK, W_WORDS, HW), x, acc)
+            if GATED:
+                acc_up = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows + n_out, n_ok, k0, K, SB, BK, W_WORDS, HW), x,
+                                acc_up)  # fmt: skip
+        if GATED:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            weight = tl.load(pw_ptr + p, mask=p_ok, other=0.0)
+            acc = gate * tl.sigmoid(gate) * up * weight[None, :]
+        out = out_ptr + p[None, :].to(tl.int64) * n_out + n[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[None, :] & n_ok[:, None])
+
+
+def _block_m(pairs: int, experts: int) -> int:
+    """Pairs per tile from the average per expert (no sync): twice it, so that most experts fit one tile — a second
+    pass re-reads the expert's weight rows, from HBM once a wave's weights outgrow the L2. At top-6: 48 experts, 64
+    tokens → 16, 256 tokens → 64; 384 experts → 16."""
+    return min(max(16, triton.next_power_of_2(2 * triton.cdiv(pairs, max(experts, 1)))), 64)
+
+
+def _words(scale: Tensor, per_row: int, per_tile: int) -> bool:
+    """Whether the scales may be read as 32-bit words: whole words per row and per K tile, 4-byte aligned."""
+    return per_row % 4 == 0 and per_tile % 4 == 0 and scale.data_ptr() % 4 == 0
+
+
+def _grouped(
+    x_data: Tensor,
+    x_scale: Tensor,
+    pair_rows: Tensor | None,
+    offsets: Tensor,
+    pair_weight: Tensor | None,
+    w: Tensor,
+    s: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+    tuning: MoEGemmTuning,
+) -> Tensor:
+    """One launch of `_moe_kernel` for both projections (gate_up when pair_rows is given)."""
+    gated = pair_rows is not None
+    E, rows, K = w.shape[0], w.shape[1], 2 * w.shape[2]
+    P = pair_rows.shape[0] if gated else x_data.shape[0]
+    n_out = rows // 2 if gated else rows
+    out = torch.empty((P, n_out), dtype=out_dtype, device=x_data.device)
+    if P == 0 or n_out == 0:
+        return out
+    sb = scale_block(K, s)
+    block_m = tuning.block_m or _block_m(P, E)
+    block_k = tuning.block_k
+    accumulators = block_m * tuning.block_n * (2 if gated else 1)
+    num_warps = tuning.num_warps or (4 if accumulators <= 64 * 128 else 8)
+    x_scale, s = x_scale.contiguous(), s.contiguous()
+    x_words = _words(x_scale, K // X_BLOCK, block_k // X_BLOCK)
+    w_words = _words(s, K // sb, block_k // sb)
+    rows_arg = pair_rows.contiguous() if gated else offsets  # (unread when not gated)
+    weight_arg = pair_weight.float().contiguous() if gated else offsets
+    _moe_kernel[(triton.cdiv(n_out, tuning.block_n), E)](
+        x_data.contiguous(), x_scale, rows_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out, n_out,
+        float(limit), K, sb, block_m, tuning.block_n, block_k, tuning.num_stages, gated, x_words, w_words,
+        not interpreting(), num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def moe_gate_up_triton(
+    x_data: Tensor,
+    x_scale: Tensor,
+    pair_rows: Tensor,
+    offsets: Tensor,
+    pair_weight: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+    tuning: MoEGemmTuning = MoEGemmTuning(),
+) -> Tensor:
+    return _grouped(x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype, tuning)
+
+
+def moe_down_triton(
+    h_data: Tensor,
+    h_scale: Tensor,
+    offsets: Tensor,
+    w2: Tensor,
+    s2: Tensor,
+    out_dtype: torch.dtype,
+    tuning: MoEGemmTuning = MoEGemmTuning(),
+) -> Tensor:
+    return _grouped(h_data, h_scale, None, offsets, None, w2, s2, 0.0, out_dtype, tuning)

@@ -1,0 +1,86 @@
+"""The block-scaled FP8 GEMM: the torch reference against the plain dequantised float matmul, the Triton kernel (in
+its interpreter: fp32 dots of decoded codes) against both. Tolerance: fp32 summation order, |Δ| ≤ 2^-20 · Σ_k |x_k w_k|
+per output, plus one rounding to the output dtype."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import fp8_linear_case, generator, plain_fp8_operands
+
+from model import kernels
+from model.kernels.fp8_gemm import FP8GemmTuning, fp8_linear_triton
+
+Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def assert_close_to_plain(got: torch.Tensor, case: Case) -> None:
+    x, w = plain_fp8_operands(*case, torch.float64)
+    want = F.linear(x, w)  # exact: fp64 holds every product and these sums
+    bound = 2.0**-20 * F.linear(x.abs(), w.abs()) + torch.finfo(got.dtype).eps * want.abs()
+    assert got.shape == want.shape
+    assert ((got.double() - want).abs() <= bound).all(), float((got.double() - want).abs().max())
+
+
+@pytest.mark.parametrize(
+    ("M", "N", "K", "dtype"),
+    [(1, 40, 64, torch.float32), (5, 100, 96, torch.bfloat16), (33, 65, 256, torch.float32),
+     (3, 1, 128, torch.float16), (0, 8, 32, torch.float32)],
+)  # fmt: skip
+def test_fp8_linear_matches_the_dequantised_matmul(M: int, N: int, K: int, dtype: torch.dtype) -> None:
+    """M = 1 (decode), N below and across 32-row blocks and tiles, K a multiple of 32 but not of a K tile (96)."""
+    case = fp8_linear_case(generator(M * N + K), M, N, K)
+    want = kernels.fp8_linear(*case, dtype)
+    assert want.dtype == dtype
+    assert_close_to_plain(want, case)
+    got = kernels.fp8_linear(*case, dtype, backend="triton")
+    assert got.dtype == dtype
+    assert_close_to_plain(got, case)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [FP8GemmTuning(split_k=3, block_k=32), FP8GemmTuning(split_k=2), FP8GemmTuning(block_m=16, block_n=32),
+     FP8GemmTuning(block_k=256, num_stages=2, num_warps=2)],
+)  # fmt: skip
+def test_fp8_linear_launch_shapes(tuning: FP8GemmTuning) -> None:
+    """K split in fp32 partial sums (summed on the device), one K chunk per tile, several token tiles, a tile
+    longer than K — with K = 384 the scales come as 32-bit words, at block_k 32 byte by byte."""
+    case = fp8_linear_case(generator(7), 20, 40, 384)
+    assert_close_to_plain(fp8_linear_triton(*case, torch.float32, tuning), case)
+
+
+def test_fp8_linear_weight_bytes_and_fp64() -> None:
+    """The weight may come as its bytes; an fp64 output is the reference's, exact in fp64 (the Triton kernel computes
+    in fp32, so it steps aside)."""
+    x_data, x_scale, w, w_scale = fp8_linear_case(generator(3), 4, 48, 64)
+    as_bytes = kernels.fp8_linear(x_data, x_scale, w.view(torch.uint8), w_scale, torch.float32, backend="triton")
+    assert torch.equal(as_bytes, kernels.fp8_linear(x_data, x_scale, w, w_scale, torch.float32, backend="triton"))
+    got = kernels.fp8_linear(x_data, x_scale, w, w_scale, torch.float64, backend="triton")
+    assert torch.equal(got, F.linear(*plain_fp8_operands(x_data, x_scale, w, w_scale, torch.float64)))
+
+
+def bad(case: Case, **change: object) -> dict[str, object]:
+    return dict(zip(("x_data", "x_scale", "w", "w_scale"), case, strict=True)) | {"out_dtype": torch.float32} | change
+
+
+U8 = torch.uint8
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [
+        ("x_data", {"x_data": torch.zeros(4, 64)}),
+        ("x_data", {"x_data": torch.zeros(4, 48, dtype=U8)}),  # K not a multiple of 32
+        ("x_scale", {"x_scale": torch.zeros(4, 3, dtype=U8)}),
+        ("w", {"w": torch.zeros(48, 32, dtype=U8)}),
+        ("w", {"w": torch.zeros(48, 64, dtype=torch.bfloat16)}),
+        ("w", {"w": torch.zeros(0, 64, dtype=U8)}),
+        ("w_scale", {"w_scale": torch.zeros(1, 2, dtype=U8)}),
+        ("out_dtype", {"out_dtype": torch.int32}),
+    ],
+)
+def test_fp8_linear_names_a_bad_argument(name: str, change: dict[str, object]) -> None:
+    case = fp8_linear_case(generator(1), 4, 48, 64)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            kernels.fp8_linear(**bad(case, **change), backend=backend)

@@ -1,0 +1,160 @@
+"""The grouped MoE GEMMs over packed MXFP4 experts: the pair bookkeeping against a Python oracle; the torch references
+against the plain dequantised float math (every pair through its expert's dequantised weights, in fp64); the Triton
+kernels (in the interpreter: fp32 dots) against the same. Tolerance: fp32 summation order (2^-20 of the largest
+output), plus one rounding to the output dtype."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import generator, moe_case
+
+from model import kernels, quant
+from model.kernels.moe_gemm import MoEGemmTuning
+
+LIMIT = 0.15  # the SwiGLU clamps: below the gate and up magnitudes of these weights, so both clamps bite
+
+
+def python_pairs(ids: torch.Tensor, n_experts: int) -> tuple[list[int], list[int], list[int]]:
+    """The definition: pairs t·k + s ordered by (expert, t·k + s); the activation row t; the count prefix sums."""
+    flat = ids.flatten().tolist()
+    order = sorted(range(len(flat)), key=lambda i: (flat[i], i))
+    counts = [flat.count(e) for e in range(n_experts)]
+    return order, [i // ids.shape[1] for i in order], [0, *itertools.accumulate(counts)]
+
+
+@pytest.mark.parametrize(("N", "k", "E"), [(7, 3, 5), (1, 1, 1), (4, 2, 16), (0, 2, 3)])
+def test_moe_pairs_match_the_definition(N: int, k: int, E: int) -> None:
+    """Repeated experts in a token and experts without pairs included."""
+    ids = torch.randint(0, E, (N, k), generator=generator(N * k + E))
+    order, rows, offsets = kernels.moe_pairs(ids, E)
+    assert (order.dtype, rows.dtype, offsets.dtype) == (torch.int64, torch.int32, torch.int32)
+    want = python_pairs(ids, E)
+    assert (order.tolist(), rows.tolist(), offsets.tolist()) == want
+
+
+def plain_moe(case: tuple[torch.Tensor, ...], order: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dequantised float math in fp64, pair by pair in sorted order: (gate_up's h, down's output of the FP8 h)."""
+    x_data, x_scale, ids, weights, w13, s13, w2, s2 = case
+    C, I = x_data.shape[1], w2.shape[2] * 2
+    experts = ids.flatten()[order]
+    x = quant.fp8_dequant(x_data, x_scale, dtype=torch.float64)[order // ids.shape[1]]
+    w13 = quant.fp4_dequant_ue8m0(w13, s13, C // s13.shape[-1], torch.float64)[experts]
+    gate, up = torch.einsum("pc,poc->po", x, w13).chunk(2, dim=-1)
+    plain_h = F.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT) * weights.flatten()[order, None].double()
+    w2 = quant.fp4_dequant_ue8m0(w2, s2, I // s2.shape[-1], torch.float64)[experts]
+    return plain_h, torch.einsum("pi,pci->pc", quant.fp8_dequant(*quant.fp8_quant(h), dtype=torch.float64), w2)
+
+
+def assert_close_to_plain(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype
+    assert got.shape == want.shape
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got.double(), want, rtol=2 * torch.finfo(dtype).eps, atol=2.0**-20 * scale)
+
+
+def one_expert(N: int, k: int, E: int) -> torch.Tensor:
+    """Every token's slots on the same k experts, E − 1 first: one expert holds N pairs per slot."""
+    return torch.arange(E - 1, E - 1 - k, -1).expand(N, k)
+
+
+@pytest.mark.parametrize(
+    ("N", "k", "E", "C", "I", "block", "dtype", "ids", "tuning"),
+    [
+        (5, 2, 4, 64, 32, 32, torch.float32, None, MoEGemmTuning()),
+        (3, 2, 8, 96, 64, 16, torch.bfloat16, None, MoEGemmTuning(block_k=64)),  # empty experts, a K tail
+        (1, 1, 3, 256, 64, 32, torch.float32, None, MoEGemmTuning()),  # one token; scales read as words
+        (20, 2, 4, 64, 64, 16, torch.float32, one_expert(20, 2, 4), MoEGemmTuning(block_n=32)),  # 20 pairs: 2 tiles
+    ],
+)
+def test_moe_gemms_match_the_dequantised_math(
+    N: int,
+    k: int,
+    E: int,
+    C: int,
+    I: int,
+    block: int,
+    dtype: torch.dtype,
+    ids: torch.Tensor | None,
+    tuning: MoEGemmTuning,
+) -> None:
+    case = moe_case(generator(N + E + C), N, k, E, C, I, block, ids)
+    x_data, x_scale, ids, weights, w13, s13, w2, s2 = case
+    order, pair_rows, offsets = kernels.moe_pairs(ids, E)
+    pair_weight = weights.flatten()[order]
+    h = kernels.moe_gate_up(x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, LIMIT, dtype)
+    plain_h, plain_out = plain_moe(case, order, h)
+    assert_close_to_plain(h, plain_h, dtype)
+    got = kernels.moe_gate_up(
+        x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, LIMIT, dtype, backend="triton", tuning=tuning
+    )
+    assert_close_to_plain(got, plain_h, dtype)
+    h_data, h_scale = quant.fp8_quant(h)
+    assert_close_to_plain(kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype), plain_out, dtype)
+    got = kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype, backend="triton", tuning=tuning)
+    assert_close_to_plain(got, plain_out, dtype)
+
+
+def test_moe_gemms_in_fp64_are_the_reference() -> None:
+    """An fp64 output (an fp64 model) takes the reference, which computes in fp64, on either backend."""
+    case = moe_case(generator(2), 3, 2, 4, 64, 32, 32)
+    x_data, x_scale, ids, weights, w13, s13, w2, s2 = case
+    order, pair_rows, offsets = kernels.moe_pairs(ids, 4)
+    args = (x_data, x_scale, pair_rows, offsets, weights.flatten()[order], w13, s13, LIMIT, torch.float64)
+    h = kernels.moe_gate_up(*args, backend="triton")
+    plain_h, plain_out = plain_moe(case, order, h)
+    torch.testing.assert_close(h, plain_h, rtol=1e-12, atol=1e-15)
+    out = kernels.moe_down(*quant.fp8_quant(h), offsets, w2, s2, torch.float64, backend="triton")
+    torch.testing.assert_close(out, plain_out, rtol=1e-12, atol=1e-15)
+
+
+def gate_up_args(**change: object) -> dict[str, object]:
+    x_data, x_scale, ids, weights, w13, s13, _, _ = moe_case(generator(1), 3, 2, 4, 64, 32, 32)
+    _, pair_rows, offsets = kernels.moe_pairs(ids, 4)
+    names = ("x_data", "x_scale", "pair_rows", "offsets", "pair_weight", "w13", "s13", "limit", "out_dtype")
+    values = (x_data, x_scale, pair_rows, offsets, weights.flatten(), w13, s13, LIMIT, torch.float32)
+    return dict(zip(names, values, strict=True)) | change
+
+
+def down_args(**change: object) -> dict[str, object]:
+    _, _, ids, _, _, _, w2, s2 = moe_case(generator(1), 3, 2, 4, 64, 32, 32)
+    h_data, h_scale = quant.fp8_quant(torch.randn(6, 32))
+    offsets = kernels.moe_pairs(ids, 4)[2]
+    names = ("h_data", "h_scale", "offsets", "w2", "s2", "out_dtype")
+    return dict(zip(names, (h_data, h_scale, offsets, w2, s2, torch.float32), strict=True)) | change
+
+
+U8 = torch.uint8
+
+
+@pytest.mark.parametrize(
+    ("op", "name", "change"),
+    [
+        (gate_up_args, "s13", {"s13": torch.zeros(4, 64, 8, dtype=U8)}),  # 8 inputs per scale: neither layout
+        (down_args, "s2", {"s2": torch.zeros(4, 64, 4, dtype=U8)}),
+        (gate_up_args, "x_data", {"x_data": torch.zeros(3, 64)}),
+        (gate_up_args, "x_scale", {"x_scale": torch.zeros(3, 1, dtype=U8)}),
+        (gate_up_args, "pair_rows", {"pair_rows": torch.zeros(6)}),
+        (gate_up_args, "pair_weight", {"pair_weight": torch.zeros(5)}),
+        (gate_up_args, "offsets", {"offsets": torch.zeros(4, dtype=torch.int32)}),
+        (gate_up_args, "w13", {"w13": torch.zeros(4, 63, 32, dtype=U8)}),  # W1 and W3 not stacked
+        (gate_up_args, "w13", {"w13": torch.zeros(4, 64, 16, dtype=U8)}),
+        (gate_up_args, "out_dtype", {"out_dtype": torch.int64}),
+        (down_args, "h_data", {"h_data": torch.zeros(6, 40, dtype=U8)}),
+        (down_args, "w2", {"w2": torch.zeros(4, 64, 32)}),
+        (down_args, "offsets", {"offsets": torch.zeros(5)}),
+    ],
+)
+def test_moe_gemms_name_a_bad_argument(op, name: str, change: dict[str, object]) -> None:
+    fn = kernels.moe_gate_up if op is gate_up_args else kernels.moe_down
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            fn(**op(**change), backend=backend)
+
+
+def test_moe_pairs_names_a_bad_argument() -> None:
+    with pytest.raises(ValueError, match=r"^ids:"):
+        kernels.moe_pairs(torch.zeros(3, 2), 4)
+    with pytest.raises(ValueError, match=r"^ids:"):
+        kernels.moe_pairs(torch.zeros(3, 0, dtype=torch.int64), 4)
