@@ -73,12 +73,16 @@ class Transformer(nn.Module):
         return self._ngram[0]
 
     def check_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
-        """int64 tensor of token ids; ValueError naming the first id outside the vocabulary."""
-        # Ids given as a list are checked on the host before the copy, so decoding never waits for the device here.
+        """int64 tensor of token ids on the model's device; ValueError naming the first id outside the vocabulary.
+
+        Ids from the host (a list, a CPU tensor) are checked there, before the copy. Ids already on an accelerator
+        are the sampler's own (always in the vocabulary) and pass unchecked: checking them would wait for the device
+        on every decode step."""
         t = torch.as_tensor(tokens, dtype=torch.int64, device=tokens.device if isinstance(tokens, Tensor) else "cpu")
-        bad = (t < 0) | (t >= self.args.vocab_size)
-        if bool(bad.any()):
-            raise ValueError(f"token id {int(t[bad][0])} is outside the vocabulary [0, {self.args.vocab_size})")
+        if t.device.type == "cpu":
+            bad = (t < 0) | (t >= self.args.vocab_size)
+            if bool(bad.any()):
+                raise ValueError(f"token id {int(t[bad][0])} is outside the vocabulary [0, {self.args.vocab_size})")
         return t.to(self.device, torch.int64)
 
     def embed_stream(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
