@@ -418,13 +418,14 @@ def check_attention(c: Checks, B: int, T: int, N: int) -> None:
 
 
 def check_fp8_linear(c: Checks, M: int, N: int, K: int, tuning: dict[str, object] | None = None) -> None:
-    """Triton against the reference in fp32 and bf16. FP8 tensor cores accumulate a chunk's 32 exact products with
-    fewer bits than fp32 (≈ 14, DeepSeek-V3 measured on Hopper); each chunk is promoted to fp32 at once, so the error
-    stays near 2^-14 of the chunk sums' magnitudes — ‖Δ‖/‖ref‖ < 10^-3 leaves 10× that, and one wrong chunk scale
-    (1 of 160 at K = 5120) or 32-row block moves it by percents. bf16 outputs add their rounding (2^-9): 10^-2."""
+    """Triton against the reference in fp32 and bf16. FP8 tensor cores add a chunk's 32 exact products with fewer
+    bits than fp32 (≈ 14, DeepSeek-V3 measured on Hopper); each chunk is promoted to fp32 at once, so each output is
+    off by ≈ 2^-14 of its chunks' absolute sums, summed randomly: ≈ 3·10^-4 of the output's norm at K = 5120 —
+    ‖Δ‖/‖ref‖ < 2·10^-3 leaves room, and one wrong chunk scale (1 of 160) or 32-row block moves it by percents.
+    bf16 outputs add their rounding (2^-9): 10^-2."""
     case = fp8_linear_inputs(M, N, K)
     want = kernels.fp8_linear(*case, torch.float32, backend="torch")
-    for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
+    for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 1e-2)):
         got = kernels.fp8_linear(*case, dtype, backend="triton", tuning=kernels.FP8GemmTuning(**(tuning or {})))
         rel = float((got.float() - want).norm() / want.norm())
         ok = got.dtype == dtype and rel < tolerance and bool(torch.isfinite(got).all())
@@ -614,7 +615,8 @@ def grouped_bf16(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Cal
     """The bf16 peer of a grouped expert GEMM on dequantised weights w [E, out, in]: torch._grouped_mm where this torch
     and GPU take it (one launch), else a loop over the experts with pairs (their bounds read once, here)."""
     try:
-        call = functools.partial(torch._grouped_mm, x, w.transpose(1, 2), offs=offsets[1:], out_dtype=torch.bfloat16)
+        ends = offsets[1:].clone()  # its own, aligned allocation
+        call = functools.partial(torch._grouped_mm, x, w.transpose(1, 2), offs=ends, out_dtype=torch.bfloat16)
         call()
         return call
     except Exception as error:  # no _grouped_mm here: the loop

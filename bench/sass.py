@@ -218,12 +218,14 @@ def moe_gemm_reports(tokens: int, experts: int, block: int, top: int = 6, C: int
     """The grouped expert GEMMs' default launches (gate_up, down) for `tokens` tokens routed to `top` of `experts`
     (pairs per tile from the average), bf16 dots, the nibbles decoded by the PTX table lookups."""
     t = moe_gemm.MoEGemmTuning(ptx=True).resolved(tokens * top, experts)
-    signature = {"x_ptr": "*u8", "xs_ptr": "*u8", "rows_ptr": "*i32", "offsets_ptr": "*i32", "pw_ptr": "*fp32",
-                 "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "n_out": "i32", "limit": "fp32"}  # fmt: skip
+    signature = {"x_ptr": "*u8", "xs_ptr": "*u8", "rows_ptr": "*i32", "offsets_ptr": "*i32", "experts_ptr": "*i32",
+                 "pw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "n_out": "i32",
+                 "limit": "fp32"}  # fmt: skip
     reports = []
     for name, gated, inputs in (("moe gate_up", True, C), ("moe down", False, I)):
         constexprs = {"K": inputs, "SB": block, "BM": t.block_m, "BN": t.block_n // 2 if gated else t.block_n,
-                      "BK": t.block_k, "STAGES": t.num_stages, "GATED": gated, "X_WORDS": inputs % 128 == 0,
+                      "BK": t.block_k, "STAGES": t.num_stages, "GATED": gated,
+                      "COMPACT": tokens * top < experts, "X_WORDS": inputs % 128 == 0,
                       "W_WORDS": inputs // block % 4 == 0, "HW": True, "PTX": True}  # fmt: skip
         name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block})"
         reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))
