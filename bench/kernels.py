@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import platform
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 
 from model import kernels, quant
-from model.kernels import indexer, kv_quant, sparse_attn, topk
+from model.kernels import fp8_gemm, indexer, kv_quant, sparse_attn, topk
 
 GiB = 1 << 30
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,6 +143,72 @@ def attention_inputs(B: int, T: int, H: int, D: int, W: int, N: int, K: int, rag
         idx = torch.where(torch.rand(B, T, K, device=DEVICE) < 0.1, -1, idx)
     sink = randn(H)
     return q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, D**-0.5
+
+
+def fp8_linear_inputs(M: int, N: int, K: int) -> tuple[torch.Tensor, ...]:
+    """FP8 activations [M, K] (the QAT cast of Gaussian rows) and an FP8 weight [N, K] with 32 × 32 block scales."""
+    x_data, x_scale = kernels.quantize_swa_fp8(randn(M, K), backend="triton")
+    w = valid_e4m3(N, K).view(torch.float8_e4m3fn)
+    return x_data, x_scale, w, valid_ue8m0_scales(triton.cdiv(N, 32), K // 32)
+
+
+def expert_scales(*shape: int) -> torch.Tensor:
+    """UE8M0 expert-weight scales 2^-8 … 2^-5: with E2M1 codes, weights of the size that keeps x·W ≈ 1 at C = 5120, so
+    that the SwiGLU clamps (10) rarely bite and the checks see the products themselves."""
+    return torch.randint(119, 123, shape, dtype=torch.uint8, device=DEVICE)
+
+
+@dataclass
+class MoEInputs:
+    """One routed-expert layer: FP8 tokens, top-k routing sorted into pairs, packed E2M1 experts (w13, w2)."""
+
+    x_data: torch.Tensor
+    x_scale: torch.Tensor
+    ids: torch.Tensor
+    order: torch.Tensor
+    pair_rows: torch.Tensor
+    offsets: torch.Tensor
+    pair_weight: torch.Tensor
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+
+    def gate_up(self, backend: str, dtype: torch.dtype = torch.bfloat16, **tuning: object) -> torch.Tensor:
+        args = (self.x_data, self.x_scale, self.pair_rows, self.offsets, self.pair_weight, self.w13, self.s13)
+        return kernels.moe_gate_up(*args, SWIGLU_LIMIT, dtype, backend=backend,
+                                   tuning=kernels.MoEGemmTuning(**tuning) if tuning else None)  # fmt: skip
+
+    def down(self, h: tuple[torch.Tensor, torch.Tensor], backend: str, dtype: torch.dtype = torch.bfloat16,
+             **tuning: object) -> torch.Tensor:  # fmt: skip
+        """h: the FP8 (bytes, scales) of gate_up's output."""
+        return kernels.moe_down(*h, self.offsets, self.w2, self.s2, dtype, backend=backend,
+                                tuning=kernels.MoEGemmTuning(**tuning) if tuning else None)  # fmt: skip
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """Bytes of the packed weights and scales of the experts with pairs: (w13 + s13, w2 + s2)."""
+        active = int((self.offsets[1:] > self.offsets[:-1]).sum())
+        per_expert = [(w[0].numel() + s[0].numel()) for w, s in ((self.w13, self.s13), (self.w2, self.s2))]
+        return active * per_expert[0], active * per_expert[1]
+
+
+SWIGLU_LIMIT = 10.0
+
+
+def expert_weights(E: int, C: int, I: int, block: int) -> tuple[torch.Tensor, ...]:
+    """Packed E2M1 experts: w13 [E, 2I, C/2], s13, w2 [E, C, I/2], s2 (UE8M0 per `block` inputs)."""
+    return (random_bytes(E, 2 * I, C // 2), expert_scales(E, 2 * I, C // block), random_bytes(E, C, I // 2),
+            expert_scales(E, C, I // block))  # fmt: skip
+
+
+def moe_inputs(weights: tuple[torch.Tensor, ...], N: int, top: int) -> MoEInputs:
+    """N tokens routed uniformly at random to `top` distinct experts each, over the given expert weights."""
+    E, C = weights[0].shape[0], weights[0].shape[2] * 2
+    x_data, x_scale = kernels.quantize_swa_fp8(randn(N, C), backend="triton")
+    ids = torch.rand(N, E, device=DEVICE).argsort(dim=-1)[:, :top]
+    order, pair_rows, offsets = kernels.moe_pairs(ids, E)
+    pair_weight = torch.rand(N * top, device=DEVICE)
+    return MoEInputs(x_data, x_scale, ids, order, pair_rows, offsets, pair_weight, *weights)
 
 
 # ----------------------------------------------------------------------------------------------- peers
@@ -350,6 +417,43 @@ def check_attention(c: Checks, B: int, T: int, N: int) -> None:
     )
 
 
+def check_fp8_linear(c: Checks, M: int, N: int, K: int, tuning: dict[str, object] | None = None) -> None:
+    """Triton against the reference in fp32 and bf16. FP8 tensor cores add a chunk's 32 exact products with fewer
+    bits than fp32 (≈ 14, DeepSeek-V3 measured on Hopper); each chunk is promoted to fp32 at once, so each output is
+    off by ≈ 2^-14 of its chunks' absolute sums, summed randomly: ≈ 3·10^-4 of the output's norm at K = 5120 —
+    ‖Δ‖/‖ref‖ < 2·10^-3 leaves room, and one wrong chunk scale (1 of 160) or 32-row block moves it by percents.
+    bf16 outputs add their rounding (2^-9): 10^-2."""
+    case = fp8_linear_inputs(M, N, K)
+    want = kernels.fp8_linear(*case, torch.float32, backend="torch")
+    for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 1e-2)):
+        got = kernels.fp8_linear(*case, dtype, backend="triton", tuning=kernels.FP8GemmTuning(**(tuning or {})))
+        rel = float((got.float() - want).norm() / want.norm())
+        ok = got.dtype == dtype and rel < tolerance and bool(torch.isfinite(got).all())
+        c.report(f"fp8_linear M={M} N={N} K={K} {dtype} {tuning or ''}", ok, f"rel err {rel:.1e}")
+
+
+def check_moe_gemm(
+    c: Checks, E: int, C: int, I: int, block: int, tokens: list[int], tuning: dict[str, object] | None = None
+) -> None:
+    """Both grouped GEMMs against their references (top-6), in fp32 and bf16. The operands are exact in bf16 and the
+    dots accumulate in fp32, so in fp32 only the summation order differs (≈ 2^-24 · √K relative): ‖Δ‖/‖ref‖ < 10^-4
+    leaves 100× that; a wrong expert, scale block or input order moves it by tens of percents. bf16 outputs add
+    their rounding (2^-9): 10^-2."""
+    weights = expert_weights(E, C, I, block)
+    tuning = tuning or {}
+    for N in tokens:
+        m = moe_inputs(weights, N, 6)
+        want = m.gate_up("torch", torch.float32)
+        h = kernels.quantize_swa_fp8(want, backend="triton")
+        want_out = m.down(h, "torch", torch.float32)
+        for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+            for name, got, ref in (("gate_up", m.gate_up("triton", dtype, **tuning), want),
+                                   ("down", m.down(h, "triton", dtype, **tuning), want_out)):  # fmt: skip
+                rel = float((got.float() - ref).norm() / ref.norm())
+                ok = got.dtype == dtype and rel < tolerance and bool(torch.isfinite(got).all())
+                c.report(f"moe {name} E={E} tokens={N} block {block} {dtype} {tuning or ''}", ok, f"rel err {rel:.1e}")
+
+
 def run_checks(names: list[str], tiny: bool) -> list[str]:
     """The checks of the named kernels (`all`: every one) at real sizes (`tiny`: CPU sizes)."""
     print("checks (Triton against the torch references)", flush=True)
@@ -358,7 +462,10 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                  "indexer": [(check_indexer, 2, 3, 100), (check_indexer, 2, 2, 50, 120),
                              (check_indexer, 2, 1, 90, None, 13)],
                  "candidates": [(check_candidates, 1, 2, 200, 4)], "topk": [(check_topk, [(3, 300, 8)])],
-                 "attention": [(check_attention, 1, 2, 100)]}  # fmt: skip
+                 "attention": [(check_attention, 1, 2, 100)],
+                 "fp8-gemm": [(check_fp8_linear, 3, 40, 128), (check_fp8_linear, 1, 64, 256)],
+                 "moe-gemm": [(check_moe_gemm, 8, 128, 64, 32, [1, 3]),
+                              (check_moe_gemm, 8, 128, 64, 16, [3])]}  # fmt: skip
     else:
         plans = {"quant": [(check_quantisers, 1 << 16)], "activations": [(check_activations, 1 << 14)],
                  "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
@@ -367,7 +474,14 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                  "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
                  "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
                                         (2, 20_000_000, 512), (64, 131_072, 512), (256, 262_144, 512)])],
-                 "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)]}  # fmt: skip
+                 "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)],
+                 "fp8-gemm": [(check_fp8_linear, M, N, K) for M in (1, 64, 256)
+                              for N, K in ((1280, 5120), (32768, 1280), (5120, 8192))]
+                             + [(check_fp8_linear, 64, 1280, 5120, {"fp8_dot": False}),
+                                (check_fp8_linear, 256, 5120, 8192, {"split_k": 4})],
+                 "moe-gemm": [(check_moe_gemm, E, 5120, 2304, block, [1, 64, 256])
+                              for E in (48, 384) for block in (32, 16)]
+                             + [(check_moe_gemm, 48, 5120, 2304, 32, [64], {"ptx": False})]}  # fmt: skip
     c = Checks()
     for name in plans if names == ["all"] else names:
         for check, *args in plans[name]:
@@ -454,6 +568,95 @@ def bench_attention(B: int, tiny: bool) -> Iterator[Row]:
         else:  # a floor: the dense K and V bytes at the copy bandwidth of this H200 (4.28 TB/s read + write)
             row.extra["dense_floor_ms"] = 2 * dense_elements * 2 / 4.28e12 * 1e3
         yield row
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def scaled_mm_peers(x_data: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
+    """torch._scaled_mm at the FP8 GEMM's shapes, with each scaling it takes on this GPU (extra `<scaling> ms`): rows ×
+    columns (fp32 per row of x and of W), and DeepSeek-V3's 1 × 128 · 128 × 128 blocks where this torch has them.
+    Neither is our format (1 × 32 · 32 × 32 UE8M0 blocks, which _scaled_mm does not take on sm_90): speed peers,
+    fed ones as scales. A scaling this torch or GPU refuses is printed and left out."""
+    (M, K), N = x_data.shape, w.shape[0]
+    a, b = x_data.view(torch.float8_e4m3fn), w.t()  # b: [K, N] column-major, as _scaled_mm wants
+    ones = functools.partial(torch.ones, dtype=torch.float32, device=DEVICE)
+    scalings = {"rowwise": (ones(M, 1), ones(1, N)),
+                "blockwise 1x128/128x128": (ones(K // 128, M).t(), ones(N // 128, K // 128).t())}  # fmt: skip
+    peers = {}
+    for name, (scale_a, scale_b) in scalings.items():
+        try:
+            call = functools.partial(torch._scaled_mm, a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+            call()
+            peers[f"scaled_mm {name} ms"] = median_ms(call)
+        except Exception as error:  # this scaling is not available for these shapes, this torch or this GPU
+            print(f"  _scaled_mm {name} M={M} N={N} K={K}: {type(error).__name__}: {error}"[:700], flush=True)
+    return peers
+
+
+def bench_fp8_gemm(tiny: bool) -> Iterator[Row]:
+    """The FP8 linear (bf16 out) at decode batches against the bf16 F.linear of its dequantised weight (what the model
+    ran before) and torch._scaled_mm; bytes = the FP8 weight and its scales, the FP8 activations, the bf16 output."""
+    for N, K in [(64, 256), (96, 128)] if tiny else [(1280, 5120), (32768, 1280), (5120, 8192)]:
+        _, _, w, w_scale = fp8_linear_inputs(1, N, K)
+        w_bf16 = fp8_gemm.dequantize_fp8_weight(w, w_scale, torch.bfloat16)
+        for M in [1, 4] if tiny else [1, 64, 256]:
+            x_data, x_scale = kernels.quantize_swa_fp8(randn(M, K), backend="triton")
+            x_bf16 = kernels.dequantize_swa_fp8(x_data, x_scale, torch.bfloat16, backend="triton")
+            ours = median_ms(
+                functools.partial(kernels.fp8_linear, x_data, x_scale, w, w_scale, torch.bfloat16, "triton")
+            )
+            peer = median_ms(functools.partial(F.linear, x_bf16, w_bf16))
+            nbytes = N * K + w_scale.numel() + M * K * 33 // 32 + M * N * 2
+            yield Row("fp8_linear", f"M={M} N={N} K={K} bf16 out", ours, "bf16 F.linear", peer, nbytes,
+                      {"M": M, "N": N, "K": K}, scaled_mm_peers(x_data, w))  # fmt: skip
+
+
+def grouped_bf16(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The bf16 peer of a grouped expert GEMM on dequantised weights w [E, out, in]: torch._grouped_mm where this torch
+    and GPU take it (one launch), else a loop over the experts with pairs (their bounds read once, here)."""
+    try:
+        ends = offsets[1:].clone()  # its own, aligned allocation
+        call = functools.partial(torch._grouped_mm, x, w.transpose(1, 2), offs=ends, out_dtype=torch.bfloat16)
+        call()
+        return call
+    except Exception as error:  # no _grouped_mm here: the loop
+        print(f"  torch._grouped_mm unavailable ({type(error).__name__}: {error}"[:200] + "): per-expert loop")
+    bounds = [(e, lo, hi) for e, (lo, hi) in enumerate(itertools.pairwise(offsets.tolist())) if hi > lo]
+    return lambda: torch.cat([F.linear(x[lo:hi], w[e]) for e, lo, hi in bounds])
+
+
+def dequantised_experts(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Packed experts [E, out, in/2] → bf16 [E, out, in], a few experts at a time (fp32 transients stay small)."""
+    block = 2 * w.shape[2] // s.shape[2]
+    return torch.cat([quant.fp4_dequant_ue8m0(w[e : e + 8], s[e : e + 8], block, torch.bfloat16)
+                      for e in range(0, w.shape[0], 8)])  # fmt: skip
+
+
+def bench_moe_gemm(tiny: bool) -> Iterator[Row]:
+    """The two grouped MXFP4 GEMMs of a routed-expert layer (C = 5120, I = 2304, top-6, bf16 out) at 1 / 64 / 256
+    tokens, 48 experts (the expert-parallel rank's share) and 384, against bf16 grouped GEMMs of the dequantised
+    weights; bytes = the packed weights and scales of the experts with pairs, the FP8 activations, the bf16 outputs
+    (extra `bound_ms`: those bytes at 4.28 TB/s)."""
+    C, I = (256, 128) if tiny else (5120, 2304)
+    for E, block in [(8, 32), (8, 16)] if tiny else [(48, 32), (48, 16), (384, 32)]:
+        weights = expert_weights(E, C, I, block)
+        w13_bf16, w2_bf16 = dequantised_experts(*weights[:2]), dequantised_experts(*weights[2:])
+        for N in [1, 4] if tiny else [1, 64, 256]:
+            m = moe_inputs(weights, N, 6)
+            h = kernels.quantize_swa_fp8(m.gate_up("triton"), backend="triton")
+            x_bf16 = kernels.dequantize_swa_fp8(m.x_data, m.x_scale, torch.bfloat16, backend="triton")[m.pair_rows]
+            h_bf16 = kernels.dequantize_swa_fp8(*h, torch.bfloat16, backend="triton")
+            up_peer, down_peer = grouped_bf16(x_bf16, w13_bf16, m.offsets), grouped_bf16(h_bf16, w2_bf16, m.offsets)
+            w13_bytes, w2_bytes = m.weight_bytes()
+            P, shape = N * 6, f"E={E} tokens={N} top-6 block {block}"
+            params = {"E": E, "N": N, "block": block}
+            for name, ours, peer, nbytes in (
+                ("moe gate_up", lambda m=m: m.gate_up("triton"), up_peer, w13_bytes + N * C * 33 // 32 + P * I * 2),
+                ("moe down", lambda m=m, h=h: m.down(h, "triton"), down_peer, w2_bytes + P * I * 33 // 32 + P * C * 2),
+            ):
+                yield Row(name, shape, median_ms(ours), "bf16 grouped GEMM", median_ms(peer), nbytes, params,
+                          {"bound_ms": nbytes / 4.28e12 * 1e3})  # fmt: skip
+        del w13_bf16, w2_bf16, weights
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -573,6 +776,38 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
             yield from tune("tune indexer", f"B={B} T={T} S={S} {variant or default}", fn, want, B * S * 68)
 
 
+def tune_fp8_gemm(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of the FP8 linear around `FP8GemmTuning()`'s defaults at decode batches, each checked against the
+    default launch: weight rows per tile, K per stage, stages, warps, K splits, token tiles."""
+    variants = [{"block_n": 64}, {"block_k": 256}, {"num_stages": 3}, {"num_stages": 6}, {"num_warps": 8},
+                {"split_k": 1}, {"block_m": 32}, {"block_n": 64, "split_k": 1}]  # fmt: skip
+    for M, N, K in [(1, 64, 256)] if tiny else [(1, 1280, 5120), (64, 5120, 8192), (256, 5120, 8192)]:
+        case = fp8_linear_inputs(M, N, K)
+        want = fp8_gemm.fp8_linear_triton(*case, torch.bfloat16)
+        for variant in [{}, *(variants[:2] if tiny else variants)]:
+            fn = functools.partial(fp8_gemm.fp8_linear_triton, *case, torch.bfloat16, kernels.FP8GemmTuning(**variant))
+            yield from tune("tune fp8_linear", f"M={M} N={N} K={K} {variant or 'default'}", fn, want, N * K)
+
+
+def tune_moe_gemm(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of the grouped expert GEMMs around `MoEGemmTuning()`'s defaults (C = 5120, I = 2304, top-6,
+    block 32), each checked against the default launch: columns per program, K per stage, stages, pairs per tile,
+    warps, and the arithmetic nibble decode instead of the PTX table lookups."""
+    variants = [{"block_n": 256}, {"block_n": 64}, {"block_k": 256}, {"num_stages": 2}, {"num_stages": 4},
+                {"block_m": 32}, {"num_warps": 8}, {"ptx": False}]  # fmt: skip
+    C, I = (256, 128) if tiny else (5120, 2304)
+    for E, N in [(8, 4)] if tiny else [(48, 64), (48, 256), (384, 256)]:
+        m = moe_inputs(expert_weights(E, C, I, 32), N, 6)
+        h = kernels.quantize_swa_fp8(m.gate_up("triton"), backend="triton")
+        w13_bytes, w2_bytes = m.weight_bytes()
+        up, down = m.gate_up("triton"), m.down(h, "triton")
+        for variant in [{}, *(variants[:1] if tiny else variants)]:
+            shape = f"E={E} tokens={N} {variant or 'default'}"
+            fn = functools.partial(m.gate_up, "triton", **variant)
+            yield from tune("tune moe gate_up", shape, fn, up, w13_bytes)
+            yield from tune("tune moe down", shape, functools.partial(m.down, h, "triton", **variant), down, w2_bytes)
+
+
 # ----------------------------------------------------------------------------------------------- decode step
 
 
@@ -686,6 +921,10 @@ SECTIONS: dict[str, Callable[[bool], Iterator[Row]]] = {
     "tune-attention": tune_attention,
     "tune-indexer": tune_indexer,
     "tune-quant": tune_quantisers,
+    "fp8-gemm": bench_fp8_gemm,
+    "moe-gemm": bench_moe_gemm,
+    "tune-fp8-gemm": tune_fp8_gemm,
+    "tune-moe-gemm": tune_moe_gemm,
     "step-ours": lambda tiny: decode_step_bench("decode step", ours_step, tiny),
     "step-dense": lambda tiny: decode_step_bench("decode step, dense", dense_step, tiny),
 }
@@ -769,6 +1008,10 @@ def print_table(rows: list[Row], copy: float) -> None:
                 dense = r.extra[key]
                 print(f"{'':<20} {'  vs dense decode (64×128, bf16)':<44} {'':>9} {'':>8} {'':>7} "
                       f"{label:<16} {dense:9.4f} {dense / r.ours_ms:6.2f}")  # fmt: skip
+        for key, ms in r.extra.items():  # more peers (`<peer> ms`) and the bandwidth bound (`bound_ms`)
+            if key.endswith(" ms") or key == "bound_ms":
+                label = "  vs " + ("the bytes at 4.28 TB/s" if key == "bound_ms" else key.removesuffix(" ms"))
+                print(f"{'':<20} {label:<44} {'':>9} {'':>8} {'':>7} {'':<16} {ms:9.4f} {ms / r.ours_ms:6.2f}")
     print(flush=True)
 
 
@@ -841,7 +1084,8 @@ def main() -> int:
         const="all",
         default="",
         help="run the correctness checks at real "
-        "sizes: all, or some of quant, activations, indexer, candidates, topk, attention (comma-separated)",
+        "sizes: all, or some of quant, activations, indexer, candidates, topk, attention, fp8-gemm, moe-gemm "
+        "(comma-separated)",
     )
     parser.add_argument("--bench", default="", help=f"sections, comma-separated, or 'all': {', '.join(SECTIONS)}")
     parser.add_argument("--report", action="store_true", help="merge the sections' JSON in --parts (after --bench)")

@@ -6,6 +6,8 @@ the SASS of each loop, per launch shape. Triton's wheel ships ptxas and cuobjdum
     python bench/sass.py indexer --block-s 256 --tiles 32 --max-registers 0
     python bench/sass.py attention --heads 64 --keys 16 --warps 8
     python bench/sass.py topk                                      # the four top-k kernels at 256 × 64 K
+    python bench/sass.py fp8-gemm --tokens 64 --weight-rows 5120 --inputs 8192   # the FP8 linear's default launch
+    python bench/sass.py moe-gemm --tokens 256 --experts 48 --block 32    # gate_up and down, default launches
 
 What the H200 cannot tell you cheaply, this does: an instruction count per loop trip (the indexer's 458 → 311 per
 64-position tile came from reading it), and registers per thread → programs per SM (65 536 / (registers × threads)).
@@ -30,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from model.kernels import indexer, sparse_attn, topk
+from model.kernels import fp8_gemm, indexer, moe_gemm, sparse_attn, topk
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 REGISTERS_PER_SM = 65_536
@@ -200,9 +202,39 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
     ]  # fmt: skip
 
 
+def fp8_gemm_reports(tokens: int, rows: int, inputs: int) -> list[Report]:
+    """The FP8 linear's default launch for `tokens` tokens × a [rows, inputs] weight: FP8 tensor-core dots, scales read
+    as words where whole (K a multiple of 128)."""
+    t = fp8_gemm.FP8GemmTuning(fp8_dot=True).resolved(tokens)
+    signature = {"x_ptr": "*fp8e4nv", "xs_ptr": "*u8", "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "out_ptr": "*bf16",
+                 "M": "i32", "N": "i32", "tiles_per_split": "i32"}  # fmt: skip
+    constexprs = {"K": inputs, "BM": t.block_m, "BN": t.block_n, "BK": t.block_k, "STAGES": t.num_stages,
+                  "FP8_DOT": True, "WORDS": inputs % 128 == 0 and t.block_k % 128 == 0}  # fmt: skip
+    name = f"fp8 linear {t.block_m} tokens × {t.block_n} rows × {t.block_k}"
+    return [compile_sm90(name, fp8_gemm._fp8_linear_kernel, signature, constexprs, t.num_warps, None, ("N",))]
+
+
+def moe_gemm_reports(tokens: int, experts: int, block: int, top: int = 6, C: int = 5120, I: int = 2304) -> list[Report]:
+    """The grouped expert GEMMs' default launches (gate_up, down) for `tokens` tokens routed to `top` of `experts`
+    (pairs per tile from the average), bf16 dots, the nibbles decoded by the PTX table lookups."""
+    t = moe_gemm.MoEGemmTuning(ptx=True).resolved(tokens * top, experts)
+    signature = {"x_ptr": "*u8", "xs_ptr": "*u8", "rows_ptr": "*i32", "offsets_ptr": "*i32", "experts_ptr": "*i32",
+                 "pw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "n_out": "i32",
+                 "limit": "fp32"}  # fmt: skip
+    reports = []
+    for name, gated, inputs in (("moe gate_up", True, C), ("moe down", False, I)):
+        constexprs = {"K": inputs, "SB": block, "BM": t.block_m, "BN": t.block_n // 2 if gated else t.block_n,
+                      "BK": t.block_k, "STAGES": t.num_stages, "GATED": gated,
+                      "COMPACT": tokens * top < experts, "X_WORDS": inputs % 128 == 0,
+                      "W_WORDS": inputs // block % 4 == 0, "HW": True, "PTX": True}  # fmt: skip
+        name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block})"
+        reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kernel", choices=["indexer", "attention", "topk"])
+    parser.add_argument("kernel", choices=["indexer", "attention", "topk", "fp8-gemm", "moe-gemm"])
     parser.add_argument("--block-s", type=int, default=128, help="indexer: positions per K tile")
     parser.add_argument("--tiles", type=int, default=64, help="indexer: K tiles per program")
     parser.add_argument("--max-registers", type=int, default=indexer._DECODE_REGISTERS,
@@ -214,14 +246,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="top-k: rows")
     parser.add_argument("--length", type=int, default=65_536, help="top-k: scores per row")
     parser.add_argument("--k", type=int, default=512, help="top-k: k")
+    parser.add_argument("--tokens", type=int, default=64, help="fp8-gemm / moe-gemm: tokens")
+    parser.add_argument("--weight-rows", type=int, default=5120, help="fp8-gemm: weight rows (N)")
+    parser.add_argument("--inputs", type=int, default=8192, help="fp8-gemm: inputs (K)")
+    parser.add_argument("--experts", type=int, default=48, help="moe-gemm: experts")
+    parser.add_argument("--block", type=int, default=32, choices=[16, 32], help="moe-gemm: inputs per weight scale")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
     args = parser.parse_args()
     if args.kernel == "indexer":
         reports = indexer_reports(args.block_s, args.tiles, args.warps or 4, args.max_registers or None, args.queries)
     elif args.kernel == "attention":
         reports = attention_reports(args.heads, args.keys, args.warps or 8)
-    else:
+    elif args.kernel == "topk":
         reports = topk_reports(args.rows, args.length, args.k)
+    elif args.kernel == "fp8-gemm":
+        reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs)
+    else:
+        reports = moe_gemm_reports(args.tokens, args.experts, args.block)
     for report in reports:
         print("\n".join(report.lines(args.top)), flush=True)
 

@@ -252,9 +252,11 @@ def _tuned(backend: Backend, module: object, op: str, tuning: object | None, *ar
     return fn(*args) if tuning is None or backend == "torch" else fn(*args, tuning=tuning)
 
 
-def _expect_out_dtype(out_dtype: torch.dtype) -> None:
+def _gemm_backend(out_dtype: torch.dtype, backend: Backend) -> Backend:
+    """Check a quantised GEMM's out_dtype; fp64 (an fp64 model) keeps the reference, the kernels compute in fp32."""
     if out_dtype not in _WIDE_FLOATS:
         raise ValueError(f"out_dtype: expected {' or '.join(map(str, _WIDE_FLOATS))}, got {out_dtype}")
+    return "torch" if out_dtype == torch.float64 else backend
 
 
 def _expect_fp8_rows(name: str, data: Tensor, rows: int | None = None) -> tuple[int, int]:
@@ -286,9 +288,7 @@ def fp8_linear(
     if N == 0:
         raise ValueError("w: expected at least one output row, got 0")
     _expect("w_scale", w_scale, (-(-N // fp8_gemm.BLOCK), K // fp8_gemm.BLOCK), (torch.uint8,))
-    _expect_out_dtype(out_dtype)
-    if out_dtype == torch.float64:
-        backend = "torch"
+    backend = _gemm_backend(out_dtype, backend)
     return _tuned(backend, fp8_gemm, "fp8_linear", tuning, x_data, x_scale, w, w_scale, out_dtype)
 
 
@@ -350,9 +350,7 @@ def moe_gate_up(
     _expect("pair_weight", pair_weight, pair_rows.shape, _FLOATS)
     E, _ = _expect_experts("w13", w13, "s13", s13, C, stacked=True)
     _expect_offsets(offsets, E)
-    _expect_out_dtype(out_dtype)
-    if out_dtype == torch.float64:
-        backend = "torch"
+    backend = _gemm_backend(out_dtype, backend)
     args = (x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype)
     return _tuned(backend, moe_gemm, "moe_gate_up", tuning, *args)
 
@@ -375,7 +373,5 @@ def moe_down(
     _expect("h_scale", h_scale, (P, inter // kv_quant.SWA_BLOCK), (torch.uint8,))
     E, _ = _expect_experts("w2", w2, "s2", s2, inter)
     _expect_offsets(offsets, E)
-    _expect_out_dtype(out_dtype)
-    if out_dtype == torch.float64:
-        backend = "torch"
+    backend = _gemm_backend(out_dtype, backend)
     return _tuned(backend, moe_gemm, "moe_down", tuning, h_data, h_scale, offsets, w2, s2, out_dtype)

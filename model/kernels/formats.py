@@ -218,3 +218,11 @@ def multiprocessors() -> int:
 def fp8_tensor_cores() -> bool:
     """Asked once, not on every layer of every step: whether the GPU's tensor cores take FP8 (sm_89 and later)."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def check_tile_sides(**sides: tuple[int, int]) -> None:
+    """Launch tile sides, name=(value, least), as tl.arange and tl.dot take them: powers of two ≥ least (a dot's
+    sides ≥ 16); the error names the tuning field."""
+    for name, (value, least) in sides.items():
+        if value < least or value & (value - 1):
+            raise ValueError(f"tuning.{name}: expected a power of two ≥ {least}, got {value}")

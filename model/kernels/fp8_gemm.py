@@ -18,7 +18,7 @@ codes). Decode leaves few output tiles (N/BN × ⌈M/BM⌉: 10 at N = 1280), so 
 the splits write fp32 partial sums that one torch sum adds in a fixed order (deterministic; no atomics, no sync).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,14 @@ import triton.language as tl
 from torch import Tensor
 
 from model import quant
-from model.kernels.formats import e4m3_decode, fp8_tensor_cores, interpreting, multiprocessors, ue8m0_decode
+from model.kernels.formats import (
+    check_tile_sides,
+    e4m3_decode,
+    fp8_tensor_cores,
+    interpreting,
+    multiprocessors,
+    ue8m0_decode,
+)
 
 BLOCK = 32  # inputs per activation scale, and the weight's square scale block
 
@@ -51,6 +58,12 @@ class FP8GemmTuning:
     num_warps: int | None = None
     num_stages: int = 4
     fp8_dot: bool | None = None
+
+    def resolved(self, M: int) -> "FP8GemmTuning":
+        """These settings with the defaults for M tokens filled in (`split_k` depends on the shape: left as is)."""
+        block_m = self.block_m or min(max(16, triton.next_power_of_2(M)), 64)
+        fp8_dot = (fp8_tensor_cores() and not interpreting()) if self.fp8_dot is None else self.fp8_dot
+        return replace(self, block_m=block_m, num_warps=self.num_warps or (4 if block_m <= 32 else 8), fp8_dot=fp8_dot)
 
 
 def dequantize_fp8_weight(w: Tensor, w_scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -135,29 +148,26 @@ def fp8_linear_triton(
     out_dtype: torch.dtype,
     tuning: FP8GemmTuning = FP8GemmTuning(),
 ) -> Tensor:
+    """The kernel (module docstring) at the launch shape `tuning`; K split into fp32 partials when the grid is small."""
     M, K = x_data.shape
     N = w.shape[0]
-    fp8_dot = (fp8_tensor_cores() and not interpreting()) if tuning.fp8_dot is None else tuning.fp8_dot
-    if fp8_dot and interpreting():
-        raise ValueError("tuning.fp8_dot: the interpreter has no FP8 dot (it decodes to fp32)")
-    if tuning.block_k % BLOCK or tuning.block_k & (tuning.block_k - 1):
-        raise ValueError(f"tuning.block_k must be a power of two ≥ {BLOCK}, got {tuning.block_k}")
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=x_data.device)
-    block_m = tuning.block_m or min(max(16, triton.next_power_of_2(M)), 64)
-    m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(N, tuning.block_n)
-    k_tiles = triton.cdiv(K, tuning.block_k)
-    splits = tuning.split_k or _split_k(m_tiles * n_tiles, k_tiles, tuning.num_stages)
+    t = tuning.resolved(M)
+    if t.fp8_dot and interpreting():
+        raise ValueError("tuning.fp8_dot: the interpreter has no FP8 dot (it decodes to fp32)")
+    check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 16), block_k=(t.block_k, BLOCK))
+    m_tiles, n_tiles, k_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n), triton.cdiv(K, t.block_k)
+    splits = t.split_k or _split_k(m_tiles * n_tiles, k_tiles, t.num_stages)
     tiles_per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, tiles_per_split)
     out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x_data.device,
                       dtype=out_dtype if splits == 1 else torch.float32)  # fmt: skip
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
-    words = K % 128 == 0 and tuning.block_k % 128 == 0 and x_scale.data_ptr() % 4 == 0 and w_scale.data_ptr() % 4 == 0
-    operand = torch.float8_e4m3fn if fp8_dot else torch.uint8
+    words = K % 128 == 0 and t.block_k % 128 == 0 and x_scale.data_ptr() % 4 == 0 and w_scale.data_ptr() % 4 == 0
+    operand = torch.float8_e4m3fn if t.fp8_dot else torch.uint8
     _fp8_linear_kernel[(m_tiles, n_tiles, splits)](
         x_data.contiguous().view(operand), x_scale, w.contiguous().view(operand), w_scale, out, M, N, tiles_per_split,
-        K, block_m, tuning.block_n, tuning.block_k, tuning.num_stages, fp8_dot, words,
-        num_warps=tuning.num_warps or (4 if block_m <= 32 else 8),
+        K, t.block_m, t.block_n, t.block_k, t.num_stages, t.fp8_dot, words, num_warps=t.num_warps,
     )  # fmt: skip
     return out if splits == 1 else out.sum(0).to(out_dtype)

@@ -9,22 +9,25 @@ Activations come FP8 (E4M3, UE8M0 per 32 inputs: the QAT cast of every quantised
 are the checkpoint's packed E2M1 nibbles [out, in/2] (element 2i in the low nibble) with a UE8M0 scale per 16 or 32
 inputs ([out, in/16] or [out, in/32], told apart by the scale's shape).
 
-Triton: program (j, e) computes output columns j·BN … of expert e's pairs, BM pairs at a time between offsets[e]
-and offsets[e+1], read on the device (an expert without pairs exits at once: no host sync, no loop over experts on
-the host). Its weight rows are the dot's M side (wgmma's 64-row granule; an expert sees few pairs in decode). Per K
-tile of BK inputs, in a loop software-pipelined over `num_stages`: the activation rows are gathered (the token rows
-of the pairs) and their E4M3 bytes decoded and scaled into bf16, the packed weight bytes decoded nibble by nibble
-(`e2m1_to_f16`: value · 2^-14, the 2^14 folded into the scale) and scaled into bf16 — both exact, E4M3 and E2M1 values
-times powers of two fit bf16 — and one bf16 tensor-core dot per projection accumulates in fp32 (fp32 operands in
-the interpreter, whose low-precision dots are unreliable). Hopper has no FP4 (nor mixed FP8 × FP4) MMA, so FP4
-weights cannot reach the tensor cores packed; the scales per 16 inputs rule out FP8 operands with a per-32
-accumulator rescale as the FP8 GEMM does. Weights are never dequantised to memory, and each program reads its
-weight rows once per BM pairs: the tile height is chosen from the average pairs per expert, N·k/E, known on the host
-without a sync.
+Triton: program (j, e) computes output columns j·BN … of expert e's pairs, BM pairs at a time between offsets[e] and
+offsets[e+1], read on the device (an expert without pairs exits at once: no host sync, no loop over experts on the
+host; with fewer pairs than experts the grid runs over the experts with pairs, listed by a sort on the device, instead
+of over all of them). Its weight rows are the dot's M side (wgmma's 64-row granule; an expert sees few pairs in
+decode). Per K tile of BK inputs, in a loop software-pipelined over `num_stages`: the pairs' activation rows are
+gathered (gate_up: their tokens' rows; down: their own) and their E4M3 bytes decoded (the hardware cast) and scaled
+into bf16; the packed weight bytes are decoded and scaled into bf16 — on the GPU by `prmt` table lookups
+(`formats.E2M1_BF16_PTX`, ≈ 3 instructions a value), in the interpreter by `e2m1_to_f16`'s arithmetic in fp32; exact
+either way, as E4M3 and E2M1 values times powers of two fit bf16 — and one bf16 tensor-core dot per projection
+accumulates in fp32 (fp32 operands in the interpreter, whose low-precision dots are unreliable). Both operands take
+the tile's inputs in the order [even | odd] (a permutation of K: the dot is unchanged), so a packed byte's two values
+need no interleaving into operand pairs. Hopper has no FP4 (nor mixed FP8 × FP4) MMA, so FP4 weights cannot reach the
+tensor cores packed; the scales per 16 inputs rule out FP8 operands with a per-32 accumulator rescale as the FP8 GEMM
+does. Weights are never dequantised to memory, and each program reads its weight rows once per BM pairs: the tile
+height is chosen from the average pairs per expert, N·k/E, known on the host without a sync.
 """
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model import quant
-from model.kernels.formats import e2m1_scaled, e4m3_decode, interpreting, ue8m0_decode
+from model.kernels.formats import check_tile_sides, e2m1_scaled, e4m3_decode, interpreting, ue8m0_decode
 
 X_BLOCK = 32  # inputs per activation scale
 SCALE_BLOCKS = (16, 32)  # inputs per expert-weight scale: the two layouts of reference §2.9
@@ -45,16 +48,26 @@ class MoEGemmTuning:
 
     - `block_m`: pairs per tile, the dot's N side (a power of two ≥ 16; None: twice the average pairs per expert,
       16 … 64, so that most experts take one pass over their weights);
-    - `block_n`: output columns per program (gate_up: as many gate and as many up rows of w13);
-    - `block_k`: inputs per pipeline stage (128: 8 KiB of packed weight per 128 rows);
+    - `block_n`: weight rows per program, the dot's M side (gate_up: half of them W1 rows, half the W3 rows of the
+      same output columns); 128: 8 KiB of packed weight per K tile;
+    - `block_k`: inputs per pipeline stage (≥ 128: each program's bytes in flight);
     - `num_warps`: per program (None: 4, or 8 where 4 warps' fp32 accumulators would pass 64 registers a thread);
-    - `num_stages`: K tiles in the pipeline (3: two in flight while one is decoded)."""
+    - `num_stages`: K tiles in the pipeline (3: two in flight while one is decoded);
+    - `ptx`: the weight nibbles decoded by `formats.E2M1_BF16_PTX`'s table lookups (None: on a GPU; False there: by
+      the arithmetic the interpreter runs, ≈ 2.5× the instructions)."""
 
     block_m: int | None = None
-    block_n: int = 64
+    block_n: int = 128
     block_k: int = 128
     num_warps: int | None = None
     num_stages: int = 3
+    ptx: bool | None = None
+
+    def resolved(self, pairs: int, experts: int) -> "MoEGemmTuning":
+        """These settings with the defaults for `pairs` (token, slot) pairs over `experts` experts filled in."""
+        block_m = self.block_m or _block_m(pairs, experts)
+        warps = self.num_warps or (4 if block_m * self.block_n <= 64 * 128 else 8)
+        return replace(self, block_m=block_m, num_warps=warps, ptx=not interpreting() if self.ptx is None else self.ptx)
 
 
 def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,7 +181,7 @@ def _activation_tile(x_ptr, xs_ptr, rows, ok, k0, K: tl.constexpr, BK: tl.conste
 
 @triton.jit
 def _weight_tile(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-                 WORDS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+                 WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Rows `rows` of packed E2M1 weights [*, K/2] (UE8M0 per SB inputs), inputs k0 … k0 + BK − 1 → their values
     [rows, BK], exactly, as a dot operand (bf16; fp32 in the interpreter) with the inputs in the order [even | odd]:
     the low nibbles' values, then the high ones' — a permutation of K (the activation tile takes the same), under
@@ -178,23 +191,25 @@ def _weight_tile(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr,
     ok_half = ok[:, None] & (half < K // 2)[None, :]
     packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok_half, other=0)
     scale = _block_scales(ws_ptr, rows, ok, k0 // SB, K // SB, BK // SB, WORDS)
-    scale = (scale.to(tl.bfloat16) if HW else scale)[:, :, None]  # per byte: [R, BK/SB, SB/2]
-    low, high = e2m1_scaled(tl.reshape(packed, (R, BK // SB, SB // 2)), scale, HW)
+    scale = (scale.to(tl.bfloat16) if PTX else scale)[:, :, None]  # per byte: [R, BK/SB, SB/2]
+    low, high = e2m1_scaled(tl.reshape(packed, (R, BK // SB, SB // 2)), scale, PTX)
     values = _side_by_side(tl.reshape(low, (R, BK // 2)), tl.reshape(high, (R, BK // 2)))
     return values.to(tl.bfloat16 if HW else tl.float32)
 
 
 @triton.jit
 def _moe_kernel(
-    x_ptr, xs_ptr, rows_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
+    x_ptr, xs_ptr, rows_ptr, offsets_ptr, experts_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    GATED: tl.constexpr, X_WORDS: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
+    GATED: tl.constexpr, COMPACT: tl.constexpr, X_WORDS: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     """Output columns n of expert e's pairs. GATED (gate_up): activation rows gathered through rows_ptr, weight rows
     n (W1) and n_out + n (W3) of the expert's 2·n_out, SwiGLU and the routing weight on the way out; otherwise (down)
-    the activation rows are the pairs themselves and the weight has n_out rows per expert."""
+    the activation rows are the pairs themselves and the weight has n_out rows per expert. COMPACT: the program's
+    expert is experts_ptr[program_id(1)] (the experts with pairs first), else program_id(1)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    e = tl.program_id(1)
+    e = tl.load(experts_ptr + tl.program_id(1)) if COMPACT else tl.program_id(1)
     n_ok = n < n_out
     w_rows = e.to(tl.int64) * (2 * n_out if GATED else n_out) + n
     lo = tl.load(offsets_ptr + e)
@@ -208,9 +223,9 @@ def _moe_kernel(
         acc_up = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
             x = tl.trans(_activation_tile(x_ptr, xs_ptr, rows, p_ok, k0, K, BK, X_WORDS, HW))
-            acc = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows, n_ok, k0, K, SB, BK, W_WORDS, HW), x, acc)
+            acc = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows, n_ok, k0, K, SB, BK, W_WORDS, HW, PTX), x, acc)
             if GATED:
-                acc_up = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows + n_out, n_ok, k0, K, SB, BK, W_WORDS, HW), x,
+                acc_up = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows + n_out, n_ok, k0, K, SB, BK, W_WORDS, HW, PTX), x,
                                 acc_up)  # fmt: skip
         if GATED:
             gate = tl.minimum(acc, limit)
@@ -226,6 +241,17 @@ def _block_m(pairs: int, experts: int) -> int:
     pass re-reads the expert's weight rows, from HBM once a wave's weights outgrow the L2. At top-6: 48 experts, 64
     tokens → 16, 256 tokens → 64; 384 experts → 16."""
     return min(max(16, triton.next_power_of_2(2 * triton.cdiv(pairs, max(experts, 1)))), 64)
+
+
+def _experts_with_pairs(offsets: Tensor, pairs: int) -> Tensor | None:
+    """With fewer pairs than experts (a small batch over many experts: 6 pairs over 384 at one token), the experts
+    with pairs first (ascending), then the rest, cut to `pairs` — at most that many have pairs — so that the grid
+    launches one program column per pair instead of one per expert (13,824 programs of gate_up, nearly all empty).
+    By a stable sort of the empty flags: no sync. None: one column per expert."""
+    if pairs >= offsets.shape[0] - 1:
+        return None
+    empty = (offsets[1:] == offsets[:-1]).to(torch.int8)
+    return torch.argsort(empty, stable=True)[:pairs].to(torch.int32)
 
 
 def _words(scale: Tensor, per_row: int, per_tile: int) -> bool:
@@ -254,19 +280,21 @@ def _grouped(
     if P == 0 or n_out == 0:
         return out
     sb = scale_block(K, s)
-    block_m = tuning.block_m or _block_m(P, E)
-    block_k = tuning.block_k
-    accumulators = block_m * tuning.block_n * (2 if gated else 1)
-    num_warps = tuning.num_warps or (4 if accumulators <= 64 * 128 else 8)
+    t = tuning.resolved(P, E)
+    check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 32 if gated else 16), block_k=(t.block_k, 32))
+    if t.ptx and interpreting():
+        raise ValueError("tuning.ptx: the interpreter runs no inline PTX")
     x_scale, s = x_scale.contiguous(), s.contiguous()
-    x_words = _words(x_scale, K // X_BLOCK, block_k // X_BLOCK)
-    w_words = _words(s, K // sb, block_k // sb)
+    x_words = _words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK)
+    w_words = _words(s, K // sb, t.block_k // sb)
+    block_n = t.block_n // 2 if gated else t.block_n  # output columns
     rows_arg = pair_rows.contiguous() if gated else offsets  # (unread when not gated)
     weight_arg = pair_weight.float().contiguous() if gated else offsets
-    _moe_kernel[(triton.cdiv(n_out, tuning.block_n), E)](
-        x_data.contiguous(), x_scale, rows_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out, n_out,
-        float(limit), K, sb, block_m, tuning.block_n, block_k, tuning.num_stages, gated, x_words, w_words,
-        not interpreting(), num_warps=num_warps,
+    experts = _experts_with_pairs(offsets, P)
+    _moe_kernel[(triton.cdiv(n_out, block_n), E if experts is None else P)](
+        x_data.contiguous(), x_scale, rows_arg, offsets.contiguous(), offsets if experts is None else experts,
+        weight_arg, w.contiguous(), s, out, n_out, float(limit), K, sb, t.block_m, block_n, t.block_k, t.num_stages,
+        gated, experts is not None, x_words, w_words, not interpreting(), t.ptx, num_warps=t.num_warps,
     )  # fmt: skip
     return out
 

@@ -84,3 +84,14 @@ def test_fp8_linear_names_a_bad_argument(name: str, change: dict[str, object]) -
     for backend in ("torch", "triton"):
         with pytest.raises(ValueError, match=f"^{name}:"):
             kernels.fp8_linear(**bad(case, **change), backend=backend)
+
+
+@pytest.mark.parametrize(
+    ("tuning", "name"),
+    [(FP8GemmTuning(block_n=48), "block_n"), (FP8GemmTuning(block_k=16), "block_k"),
+     (FP8GemmTuning(block_m=8), "block_m"), (FP8GemmTuning(fp8_dot=True), "fp8_dot")],
+)  # fmt: skip
+def test_fp8_linear_names_a_bad_launch_shape(tuning: FP8GemmTuning, name: str) -> None:
+    """Tile sides must suit tl.arange and tl.dot; the interpreter has no FP8 dot."""
+    with pytest.raises(ValueError, match=f"tuning.{name}"):
+        fp8_linear_triton(*fp8_linear_case(generator(1), 2, 32, 64), torch.float32, tuning)

@@ -158,3 +158,15 @@ def test_moe_pairs_names_a_bad_argument() -> None:
         kernels.moe_pairs(torch.zeros(3, 2), 4)
     with pytest.raises(ValueError, match=r"^ids:"):
         kernels.moe_pairs(torch.zeros(3, 0, dtype=torch.int64), 4)
+
+
+@pytest.mark.parametrize(
+    ("tuning", "name"),
+    [(MoEGemmTuning(block_n=16), "block_n"), (MoEGemmTuning(block_k=16), "block_k"),
+     (MoEGemmTuning(block_m=24), "block_m"), (MoEGemmTuning(ptx=True), "ptx")],
+)  # fmt: skip
+def test_moe_gate_up_names_a_bad_launch_shape(tuning: MoEGemmTuning, name: str) -> None:
+    """Tile sides must suit tl.arange and tl.dot (gate_up's 16 weight rows would be 8 output columns); the interpreter
+    runs no inline PTX."""
+    with pytest.raises(ValueError, match=f"tuning.{name}"):
+        kernels.moe_gate_up(**gate_up_args(), backend="triton", tuning=tuning)

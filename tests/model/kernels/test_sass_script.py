@@ -29,3 +29,19 @@ def test_the_topk_kernels_compile() -> None:
     report = sass("topk", "--rows", "256", "--length", "65536")
     kernels = [line.split(":")[0] for line in report.splitlines() if not line.startswith(" ")]
     assert kernels == ["top-k group maxima", "top-k threshold", "top-k gather", "top-k select"], report
+
+
+def test_the_fp8_gemm_compiles_onto_fp8_tensor_cores() -> None:
+    report = sass("fp8-gemm", "--tokens", "64", "--top", "100")
+    assert " 0 spill loads" in report, report
+    loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
+    assert any("QGMMA" in loop for loop in loops), report  # FP8 E4M3 wgmma in the K loop
+
+
+def test_the_moe_gemms_compile_onto_bf16_tensor_cores_with_the_ptx_decode() -> None:
+    report = sass("moe-gemm", "--tokens", "64", "--block", "16", "--top", "100")
+    heads = [line for line in report.splitlines() if not line.startswith(" ")]
+    assert [line.split(" 16 pairs")[0] for line in heads] == ["moe gate_up", "moe down"], report
+    assert all(" 0 spill loads" in line for line in heads), report
+    loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
+    assert sum("HGMMA" in loop and "PRMT" in loop for loop in loops) >= 2, report  # bf16 wgmma beside the lookups
