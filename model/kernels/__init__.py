@@ -147,7 +147,8 @@ def hc_split_sinkhorn(
 def rope_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, backend: Backend = "torch") -> Tensor:
     """Rotate x's last 2·len(inv_freq) dims (adjacent pairs) by positions × inv_freq (`inverse`: by −that);
     positions [S] or [B, S] index x's position axis, later axes (heads) broadcast. The Triton kernel computes in
-    fp32 and has no backward: fp64 x or a gradient to carry keep the torch form."""
+    fp32 and has no backward: fp64 x, a gradient to carry or a rotary width that is not a power of two keep the torch
+    form."""
     _expect("inv_freq", inv_freq, (None,))
     rd = inv_freq.shape[0] * 2
     if x.dim() < 1 or x.shape[-1] < rd or (x.shape[-1] - rd) % 2:
@@ -155,7 +156,7 @@ def rope_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool, b
     lead = x.shape[: positions.dim()]
     if positions.dim() > x.dim() - 1 or any(p not in (1, n) for p, n in zip(positions.shape, lead, strict=True)):
         raise ValueError(f"positions: expected x's leading dims {list(x.shape[:-1])}, got {list(positions.shape)}")
-    if _carries_grad(x) or x.dtype not in _FLOATS:
+    if _carries_grad(x) or x.dtype not in _FLOATS or rd & (rd - 1):
         backend = "torch"
     return _pick(backend, rope, "rope_rotate")(x, positions, inv_freq, inverse)
 

@@ -3,7 +3,9 @@
 Pairs are adjacent (interleaved) dims viewed as complex numbers; angles are position × frequency in fp64 (so 1 M
 positions stay exact), cos / sin rounded to x's compute precision. The torch form is ≈ 24 small ops per call and a
 decode step rotates ≈ 40 times (queries, keys, compressed keys, indexer queries, the inverse rotation of the output);
-Triton: one launch, each element reading its pair partner.
+Triton: one launch. Every head of a position shares its angles, and fp64 cos / sin are slow on a GPU, so a program
+takes one position and a block of its heads and evaluates the transcendentals once per rotary dim, not per element:
+the non-rotary dims are a copy, the rotary ones read their pair partner.
 """
 
 import torch
@@ -39,37 +41,43 @@ def rope_rotate_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: b
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, pos_ptr, freq_ptr, out_ptr, R,
-    D: tl.constexpr, DP: tl.constexpr, RD: tl.constexpr, BLOCK_R: tl.constexpr, INVERSE: tl.constexpr,
+    x_ptr, pos_ptr, freq_ptr, out_ptr, H,
+    D: tl.constexpr, RD: tl.constexpr, KEEP: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, DP)
-    ok = (rows[:, None] < R) & (d[None, :] < D)
-    row = rows[:, None].to(tl.int64) * D
-    x = tl.load(x_ptr + row + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + row + (d ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)  # the pair's other half
-    rope = (d >= D - RD) & (d < D)  # the rotary dims (DP pads D to a power of two)
-    pair = tl.where(rope, (d - (D - RD)) // 2, 0)
-    angle = tl.load(pos_ptr + rows, mask=rows < R, other=0).to(tl.float64)[:, None] * tl.load(freq_ptr + pair)[None, :]
-    cos, sin = tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
+    """x, out [P, H, D]: position p = program 0, heads BLOCK_H · program 1 …; the last RD dims rotate."""
+    p = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row = (p.to(tl.int64) * H + heads[:, None]) * D
+    live = heads[:, None] < H
+    if D > RD:  # the non-rotary dims are copied
+        k = tl.arange(0, KEEP)
+        kept = live & (k[None, :] < D - RD)
+        tl.store(out_ptr + row + k[None, :], tl.load(x_ptr + row + k[None, :], mask=kept), mask=kept)
+    d = tl.arange(0, RD)
+    at = row + (D - RD) + d[None, :]
+    x = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + row + (D - RD) + (d ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
+    angle = tl.load(pos_ptr + p).to(tl.float64) * tl.load(freq_ptr + d // 2)  # [RD]: once for every head
+    cos, sin = tl.cos(angle).to(tl.float32)[None, :], tl.sin(angle).to(tl.float32)[None, :]
     if INVERSE:
         sin = -sin
     even = (d % 2 == 0)[None, :]
     rotated = tl.where(even, x * cos - partner * sin, partner * sin + x * cos)  # (re·c − im·s, re·s + im·c)
-    out = tl.where(rope[None, :], rotated, x)
-    tl.store(out_ptr + row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + at, rotated.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def rope_rotate_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool) -> Tensor:
-    """fp32 / bf16 / fp16 x (computed in fp32); x's pair dims must start at an even offset."""
-    D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
-    pos = _position_axes(positions, x).expand(x.shape[:-1]).reshape(-1).contiguous()  # one position per row of x2
-    out = torch.empty_like(x2)
-    if x2.shape[0]:
-        DP = triton.next_power_of_2(D)
-        block_r = max(1, _BLOCK_ELEMENTS // DP)
-        grid = (triton.cdiv(x2.shape[0], block_r),)
+    """fp32 / bf16 / fp16 x (computed in fp32); x's pair dims must start at an even offset; a power-of-two count of
+    rotary dims (the model's 64)."""
+    D, RD = x.shape[-1], inv_freq.shape[0] * 2
+    pos = positions.expand(x.shape[: positions.dim()]).reshape(-1).contiguous()  # one position per row of x3
+    x3 = x.reshape(max(pos.shape[0], 1), -1, D).contiguous()  # [P, heads, D]
+    out = torch.empty_like(x3)
+    if x.numel():
+        H = x3.shape[1]
+        block_h = min(triton.next_power_of_2(H), max(1, _BLOCK_ELEMENTS // triton.next_power_of_2(D)))
+        grid = (pos.shape[0], triton.cdiv(H, block_h))
         freq = inv_freq.to(x.device, torch.float64).contiguous()
-        _rope_kernel[grid](x2, pos, freq, out, x2.shape[0], D, DP, inv_freq.shape[0] * 2, block_r, inverse)
+        keep = triton.next_power_of_2(max(D - RD, 1))
+        _rope_kernel[grid](x3, pos, freq, out, H, D, RD, keep, block_h, inverse)
     return out.view(x.shape)
