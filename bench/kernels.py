@@ -463,7 +463,8 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                              (check_indexer, 2, 1, 90, None, 13)],
                  "candidates": [(check_candidates, 1, 2, 200, 4)], "topk": [(check_topk, [(3, 300, 8)])],
                  "attention": [(check_attention, 1, 2, 100)],
-                 "fp8-gemm": [(check_fp8_linear, 3, 40, 128), (check_fp8_linear, 1, 64, 256)],
+                 "fp8-gemm": [(check_fp8_linear, 3, 40, 128), (check_fp8_linear, 1, 64, 256),
+                              (check_fp8_linear, 40, 64, 256)],
                  "moe-gemm": [(check_moe_gemm, 8, 128, 64, 32, [1, 3]),
                               (check_moe_gemm, 8, 128, 64, 16, [3])]}  # fmt: skip
     else:
@@ -477,7 +478,9 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                  "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)],
                  "fp8-gemm": [(check_fp8_linear, M, N, K) for M in (1, 64, 256)
                               for N, K in ((1280, 5120), (32768, 1280), (5120, 8192))]
-                             + [(check_fp8_linear, 64, 1280, 5120, {"fp8_dot": False}),
+                             + [(check_fp8_linear, 64, 1280, 5120, {"dot": "fp32"}),
+                                (check_fp8_linear, 64, 1280, 5120, {"dot": "fp8"}),
+                                (check_fp8_linear, 1, 5120, 8192, {"dot": "bf16"}),
                                 (check_fp8_linear, 256, 5120, 8192, {"split_k": 4})],
                  "moe-gemm": [(check_moe_gemm, E, 5120, 2304, block, [1, 64, 256])
                               for E in (48, 384) for block in (32, 16)]
@@ -778,9 +781,10 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
 
 def tune_fp8_gemm(tiny: bool) -> Iterator[Row]:
     """Launch shapes of the FP8 linear around `FP8GemmTuning()`'s defaults at decode batches, each checked against the
-    default launch: weight rows per tile, K per stage, stages, warps, K splits, token tiles."""
+    default launch: weight rows per tile, K per stage, stages, warps, K splits, token tiles, the other dots."""
     variants = [{"block_n": 64}, {"block_k": 256}, {"num_stages": 3}, {"num_stages": 6}, {"num_warps": 8},
-                {"split_k": 1}, {"block_m": 32}, {"block_n": 64, "split_k": 1}]  # fmt: skip
+                {"split_k": 1}, {"block_m": 32}, {"block_n": 64, "split_k": 1}, {"dot": "fp8"}, {"dot": "bf16"},
+                {"block_m": 128, "num_stages": 3}, {"num_warps": 4}]  # fmt: skip
     for M, N, K in [(1, 64, 256)] if tiny else [(1, 1280, 5120), (64, 5120, 8192), (256, 5120, 8192)]:
         case = fp8_linear_inputs(M, N, K)
         want = fp8_gemm.fp8_linear_triton(*case, torch.bfloat16)
@@ -793,8 +797,8 @@ def tune_moe_gemm(tiny: bool) -> Iterator[Row]:
     """Launch shapes of the grouped expert GEMMs around `MoEGemmTuning()`'s defaults (C = 5120, I = 2304, top-6,
     block 32), each checked against the default launch: columns per program, K per stage, stages, pairs per tile,
     warps, and the arithmetic nibble decode instead of the PTX table lookups."""
-    variants = [{"block_n": 256}, {"block_n": 64}, {"block_k": 256}, {"num_stages": 2}, {"num_stages": 4},
-                {"block_m": 32}, {"num_warps": 8}, {"ptx": False}]  # fmt: skip
+    variants = [{"block_n": 256}, {"block_n": 64}, {"block_k": 256, "num_warps": 8, "num_stages": 3},
+                {"num_stages": 3}, {"num_stages": 6}, {"block_m": 32}, {"num_warps": 8}, {"ptx": False}]  # fmt: skip
     C, I = (256, 128) if tiny else (5120, 2304)
     for E, N in [(8, 4)] if tiny else [(48, 64), (48, 256), (384, 256)]:
         m = moe_inputs(expert_weights(E, C, I, 32), N, 6)

@@ -202,15 +202,17 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
     ]  # fmt: skip
 
 
-def fp8_gemm_reports(tokens: int, rows: int, inputs: int) -> list[Report]:
-    """The FP8 linear's default launch for `tokens` tokens × a [rows, inputs] weight: FP8 tensor-core dots, scales read
-    as words where whole (K a multiple of 128)."""
-    t = fp8_gemm.FP8GemmTuning(fp8_dot=True).resolved(tokens)
-    signature = {"x_ptr": "*fp8e4nv", "xs_ptr": "*u8", "w_ptr": "*fp8e4nv", "ws_ptr": "*u8", "out_ptr": "*bf16",
+def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None) -> list[Report]:
+    """The FP8 linear's default launch for `tokens` tokens × a [rows, inputs] weight on an sm_90 GPU (`dot`: another
+    way than the default's), scales read as words where whole (K a multiple of 128)."""
+    t = fp8_gemm.FP8GemmTuning(dot=dot or ("bf16" if tokens >= fp8_gemm.FOLDED_FROM else "fp8")).resolved(tokens)
+    operand = "*fp8e4nv" if t.dot == "fp8" else "*u8"
+    signature = {"x_ptr": operand, "xs_ptr": "*u8", "w_ptr": operand, "ws_ptr": "*u8", "out_ptr": "*bf16",
                  "M": "i32", "N": "i32", "tiles_per_split": "i32"}  # fmt: skip
     constexprs = {"K": inputs, "BM": t.block_m, "BN": t.block_n, "BK": t.block_k, "STAGES": t.num_stages,
-                  "FP8_DOT": True, "WORDS": inputs % 128 == 0 and t.block_k % 128 == 0}  # fmt: skip
-    name = f"fp8 linear {t.block_m} tokens × {t.block_n} rows × {t.block_k}"
+                  "FOLDED": t.dot == "bf16", "FP8_DOT": t.dot == "fp8",
+                  "WORDS": inputs % 128 == 0 and t.block_k % 128 == 0, "HW": True}  # fmt: skip
+    name = f"fp8 linear {t.dot} dots, {t.block_m} tokens × {t.block_n} rows × {t.block_k}"
     return [compile_sm90(name, fp8_gemm._fp8_linear_kernel, signature, constexprs, t.num_warps, None, ("N",))]
 
 
@@ -218,15 +220,14 @@ def moe_gemm_reports(tokens: int, experts: int, block: int, top: int = 6, C: int
     """The grouped expert GEMMs' default launches (gate_up, down) for `tokens` tokens routed to `top` of `experts`
     (pairs per tile from the average), bf16 dots, the nibbles decoded by the PTX table lookups."""
     t = moe_gemm.MoEGemmTuning(ptx=True).resolved(tokens * top, experts)
-    signature = {"x_ptr": "*u8", "xs_ptr": "*u8", "rows_ptr": "*i32", "offsets_ptr": "*i32", "experts_ptr": "*i32",
-                 "pw_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16", "n_out": "i32",
-                 "limit": "fp32"}  # fmt: skip
+    signature = {"x_ptr": "*bf16", "offsets_ptr": "*i32", "experts_ptr": "*i32", "pw_ptr": "*fp32", "w_ptr": "*u8",
+                 "ws_ptr": "*u8", "out_ptr": "*bf16", "n_out": "i32", "limit": "fp32"}  # fmt: skip
     reports = []
     for name, gated, inputs in (("moe gate_up", True, C), ("moe down", False, I)):
         constexprs = {"K": inputs, "SB": block, "BM": t.block_m, "BN": t.block_n // 2 if gated else t.block_n,
                       "BK": t.block_k, "STAGES": t.num_stages, "GATED": gated,
-                      "COMPACT": tokens * top < experts, "X_WORDS": inputs % 128 == 0,
-                      "W_WORDS": inputs // block % 4 == 0, "HW": True, "PTX": True}  # fmt: skip
+                      "COMPACT": tokens * top < experts, "W_WORDS": inputs // block % 4 == 0, "HW": True,
+                      "PTX": True}  # fmt: skip
         name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block})"
         reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))
     return reports
@@ -249,6 +250,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="fp8-gemm / moe-gemm: tokens")
     parser.add_argument("--weight-rows", type=int, default=5120, help="fp8-gemm: weight rows (N)")
     parser.add_argument("--inputs", type=int, default=8192, help="fp8-gemm: inputs (K)")
+    parser.add_argument("--dot", choices=["fp8", "fp32", "bf16"], help="fp8-gemm: the dots (default: by tokens)")
     parser.add_argument("--experts", type=int, default=48, help="moe-gemm: experts")
     parser.add_argument("--block", type=int, default=32, choices=[16, 32], help="moe-gemm: inputs per weight scale")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
@@ -260,7 +262,7 @@ def main() -> None:
     elif args.kernel == "topk":
         reports = topk_reports(args.rows, args.length, args.k)
     elif args.kernel == "fp8-gemm":
-        reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs)
+        reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs, args.dot)
     else:
         reports = moe_gemm_reports(args.tokens, args.experts, args.block)
     for report in reports:

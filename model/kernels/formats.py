@@ -91,6 +91,44 @@ def e2m1_encode(q):
     return (code | sign).to(tl.uint8)
 
 
+@triton.jit
+def e4m3_scaled(bits, scale, HW: tl.constexpr):
+    """E4M3 bytes [R, W] and their decoded UE8M0 scales, one per 32 along W [R, W/32] → values [R, W], exactly (an
+    E4M3 value times a power of two has ≤ 4 significant bits): bf16 by the hardware E4M3 cast (HW), else fp32 by
+    the bit codec (the interpreter, which has no fp8 cast)."""
+    R: tl.constexpr = bits.shape[0]
+    W: tl.constexpr = bits.shape[1]
+    codes = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) if HW else e4m3_decode(bits)
+    values = tl.reshape(tl.reshape(codes, (R, W // 32, 32)) * scale[:, :, None], (R, W))
+    return values.to(tl.bfloat16) if HW else values
+
+
+@triton.jit
+def ue8m0_block_scales(ptr, rows, ok, first, PER_ROW: tl.constexpr, COUNT: tl.constexpr, WORDS: tl.constexpr):
+    """UE8M0 scales first … first + COUNT − 1 of `rows` ([*, PER_ROW] bytes) → fp32 [rows, COUNT]. WORDS: read as
+    32-bit words (PER_ROW, COUNT and `first` multiples of 4): `cp.async` moves ≥ 4 bytes a thread, so a byte-wise
+    load would stall every K tile instead of being pipelined."""
+    R: tl.constexpr = rows.shape[0]
+    if WORDS:
+        word = first // 4 + tl.arange(0, COUNT // 4)
+        row_ptr = (ptr + rows * PER_ROW).to(tl.pointer_type(tl.int32))
+        ok = ok[:, None] & (word < PER_ROW // 4)[None, :]
+        words = tl.load(row_ptr[:, None] + word[None, :], mask=ok, other=0x7F7F7F7F)
+        shifts = 8 * tl.arange(0, 4)  # little-endian: scale 4w + j is byte j of word w
+        scale_bytes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (R, COUNT))
+    else:
+        index = first + tl.arange(0, COUNT)
+        ok = ok[:, None] & (index < PER_ROW)[None, :]
+        scale_bytes = tl.load(ptr + rows[:, None] * PER_ROW + index[None, :], mask=ok, other=127)
+    return ue8m0_decode(scale_bytes)
+
+
+def scale_words(scale: torch.Tensor, per_row: int, per_tile: int) -> bool:
+    """Whether `ue8m0_block_scales` may read these scales as 32-bit words: whole words per row and per K tile,
+    4-byte aligned."""
+    return per_row % 4 == 0 and per_tile % 4 == 0 and scale.data_ptr() % 4 == 0
+
+
 # E2M1_CODE_BITS_PTX: e2m1_code_bits in nine fp32 instructions of the FMA pipe and two logic ops (explicit .rn: no
 # contraction). `.sat` clamps to [0, 1] for free, which is what makes the grid's three slopes cheap.
 E2M1_CODE_BITS_PTX = tl.constexpr(

@@ -9,16 +9,24 @@ added to an fp32 accumulator — DeepGEMM's "promote every chunk to CUDA cores",
 bounds the error of the FP8 tensor cores' reduced-precision accumulation to one chunk.
 
 Triton: a program computes the transposed output tile yᵀ [BN weight rows, BM tokens]: the weight is the dot's M side
-(wgmma's 64-row granule; decode has 1–256 tokens, and the dot's N side may be as small as 16). Per K tile of BK
-(a software-pipelined loop over `num_stages`) it loads BK/32 chunks of both operands and their scales (as 32-bit words
-when a row's scales are whole words: a thread's share of a byte-wise scale load is under the 4 bytes `cp.async`
-needs, so it would not be pipelined). On sm_89+ the chunks are FP8 tensor-core operands as loaded; elsewhere, and in
-the interpreter, they are decoded to fp32 (formats.e4m3_decode) and dotted as such (on a GPU in tf32: exact for E4M3
-codes). Decode leaves few output tiles (N/BN × ⌈M/BM⌉: 10 at N = 1280), so K is split over up to one program per SM;
-the splits write fp32 partial sums that one torch sum adds in a fixed order (deterministic; no atomics, no sync).
+(wgmma's 64-row granule; decode has 1–256 tokens, and the dot's N side may be as small as 16). Per K tile of BK (a
+software-pipelined loop over `num_stages`) it loads BK inputs of both operands and their scales (as 32-bit words when
+a row's scales are whole words: a thread's share of a byte-wise scale load is under the 4 bytes `cp.async` needs, so
+it would not be pipelined), then takes one of two ways (`FP8GemmTuning.dot`):
+- chunked ("fp8", "fp32"): per 32-input chunk one dot of the raw codes, rescaled into the accumulator as above — on
+  sm_89+ the chunks are FP8 tensor-core operands as loaded, elsewhere fp32 decoded codes (tf32 dots: exact for E4M3
+  codes). The fewest operand bytes and instructions per weight byte while the dot is narrow (a few tokens), but the
+  rescale is BN × BM multiply-adds per chunk: from 32 tokens on the epilogue of every chunk dominates;
+- folded ("bf16"): both tiles decoded (the hardware E4M3 cast) and multiplied by their scales into bf16 — exact, an
+  E4M3 value times a power of two fits bf16 — then ONE bf16 tensor-core dot per K tile accumulates in fp32; the
+  scales cost a multiply per operand value instead of per output and chunk (fp32 operands in the interpreter, whose
+  low-precision dots are unreliable).
+Decode leaves few output tiles (N/BN × ⌈M/BM⌉: 10 at N = 1280), so K is split over up to one program per SM; the
+splits write fp32 partial sums that one torch sum adds in a fixed order (deterministic; no atomics, no sync).
 """
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +38,19 @@ from model import quant
 from model.kernels.formats import (
     check_tile_sides,
     e4m3_decode,
+    e4m3_scaled,
     fp8_tensor_cores,
     interpreting,
     multiprocessors,
+    scale_words,
+    ue8m0_block_scales,
     ue8m0_decode,
 )
 
 BLOCK = 32  # inputs per activation scale, and the weight's square scale block
+FOLDED_FROM = 32  # tokens from which the folded (bf16) dots are the default
+
+Dot = Literal["fp8", "fp32", "bf16"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,10 @@ class FP8GemmTuning:
     - `split_k`: K splits (None: as many as bring the grid to about one program per SM, each ≥ `num_stages` K tiles);
     - `num_warps`: per program (None: 4, or 8 from block_m 64 on, where 4 warps' accumulators spill);
     - `num_stages`: K tiles in the pipeline; 4 keep three (≈ 54 KiB at decode) in flight;
-    - `fp8_dot`: FP8 tensor-core dots (None: on sm_89+ GPUs; the interpreter decodes to fp32)."""
+    - `dot`: "bf16": scales folded into bf16 operands, one dot per K tile (None: from 32 tokens on); "fp8": FP8
+      tensor-core dots of the codes per 32-input chunk, rescaled (None: below 32 tokens on sm_89+); "fp32": the
+      same chunks as decoded fp32 codes (None: below 32 tokens elsewhere and in the interpreter, which has no FP8
+      dot). "bf16" runs fp32 operands in the interpreter."""
 
     block_m: int | None = None
     block_n: int = 128
@@ -57,13 +74,19 @@ class FP8GemmTuning:
     split_k: int | None = None
     num_warps: int | None = None
     num_stages: int = 4
-    fp8_dot: bool | None = None
+    dot: Dot | None = None
 
     def resolved(self, M: int) -> "FP8GemmTuning":
         """These settings with the defaults for M tokens filled in (`split_k` depends on the shape: left as is)."""
         block_m = self.block_m or min(max(16, triton.next_power_of_2(M)), 64)
-        fp8_dot = (fp8_tensor_cores() and not interpreting()) if self.fp8_dot is None else self.fp8_dot
-        return replace(self, block_m=block_m, num_warps=self.num_warps or (4 if block_m <= 32 else 8), fp8_dot=fp8_dot)
+        warps = self.num_warps or (4 if block_m <= 32 else 8)
+        return replace(self, block_m=block_m, num_warps=warps, dot=self.dot or _default_dot(M))
+
+
+def _default_dot(M: int) -> Dot:
+    if M >= FOLDED_FROM:
+        return "bf16"
+    return "fp8" if fp8_tensor_cores() and not interpreting() else "fp32"
 
 
 def dequantize_fp8_weight(w: Tensor, w_scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -107,14 +130,38 @@ def _codes(ptr, rows, ok, k, K: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
+def _chunked_tile(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, m, m_ok, n, n_ok, tile, K: tl.constexpr, BK: tl.constexpr,
+                  FP8_DOT: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] plus K tile `tile`, one code dot per 32-input chunk, each rescaled by its two scale vectors."""
+    CHUNKS: tl.constexpr = BK // 32
+    w_scales = _chunk_scales(ws_ptr, n // 32, n_ok, tile, K // 32, CHUNKS, WORDS)
+    x_scales = _chunk_scales(xs_ptr, m, m_ok, tile, K // 32, CHUNKS, WORDS)
+    for c in tl.static_range(CHUNKS):
+        k = tile * BK + c * 32 + tl.arange(0, 32)
+        dot = tl.dot(_codes(w_ptr, n, n_ok, k, K, FP8_DOT), tl.trans(_codes(x_ptr, m, m_ok, k, K, FP8_DOT)))
+        acc += dot * (w_scales[c][:, None] * x_scales[c][None, :])
+    return acc
+
+
+@triton.jit
+def _folded_operand(ptr, s_ptr, rows, scale_rows, ok, k0, K: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr,
+                    HW: tl.constexpr):  # fmt: skip
+    """Rows `rows` of an FP8 operand [*, K], inputs k0 … k0 + BK − 1, times their scales (rows `scale_rows` of
+    [*, K/32]) → values [rows, BK], exactly: bf16 on the GPU, fp32 in the interpreter."""
+    k = k0 + tl.arange(0, BK)
+    bits = tl.load(ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0)
+    return e4m3_scaled(bits, ue8m0_block_scales(s_ptr, scale_rows, ok, k0 // 32, K // 32, BK // 32, WORDS), HW)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, tiles_per_split,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    FP8_DOT: tl.constexpr, WORDS: tl.constexpr,
+    FOLDED: tl.constexpr, FP8_DOT: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """One [BM, BN] output tile over K tiles tiles_per_split · split … of the program's split; out_ptr: y [M, N], or
-    the split's fp32 partial sums [splits, M, N]."""
-    CHUNKS: tl.constexpr = BK // 32
+    the split's fp32 partial sums [splits, M, N]. FOLDED: one dot of scaled operands per K tile (x and w bytes),
+    else chunked (FP8_DOT: x and w as float8e4nv)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     split = tl.program_id(2)
@@ -123,12 +170,12 @@ def _fp8_linear_kernel(
     acc = tl.zeros((BN, BM), dtype=tl.float32)  # yᵀ: the weight rows are the dot's M side
     first = split * tiles_per_split
     for tile in tl.range(first, tl.minimum(first + tiles_per_split, tl.cdiv(K, BK)), num_stages=STAGES):
-        w_scales = _chunk_scales(ws_ptr, n // 32, n_ok, tile, K // 32, CHUNKS, WORDS)
-        x_scales = _chunk_scales(xs_ptr, m, m_ok, tile, K // 32, CHUNKS, WORDS)
-        for c in tl.static_range(CHUNKS):
-            k = tile * BK + c * 32 + tl.arange(0, 32)
-            dot = tl.dot(_codes(w_ptr, n, n_ok, k, K, FP8_DOT), tl.trans(_codes(x_ptr, m, m_ok, k, K, FP8_DOT)))
-            acc += dot * (w_scales[c][:, None] * x_scales[c][None, :])
+        if FOLDED:
+            w = _folded_operand(w_ptr, ws_ptr, n, n // 32, n_ok, tile * BK, K, BK, WORDS, HW)
+            x = _folded_operand(x_ptr, xs_ptr, m, m, m_ok, tile * BK, K, BK, WORDS, HW)
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = _chunked_tile(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, m, m_ok, n, n_ok, tile, K, BK, FP8_DOT, WORDS)
     out = out_ptr + split.to(tl.int64) * M * N + m[None, :] * N + n[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
@@ -154,8 +201,10 @@ def fp8_linear_triton(
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=x_data.device)
     t = tuning.resolved(M)
-    if t.fp8_dot and interpreting():
-        raise ValueError("tuning.fp8_dot: the interpreter has no FP8 dot (it decodes to fp32)")
+    if t.dot not in ("fp8", "fp32", "bf16"):
+        raise ValueError(f"tuning.dot: expected 'fp8', 'fp32' or 'bf16', got {t.dot!r}")
+    if t.dot == "fp8" and interpreting():
+        raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 16), block_k=(t.block_k, BLOCK))
     m_tiles, n_tiles, k_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n), triton.cdiv(K, t.block_k)
     splits = t.split_k or _split_k(m_tiles * n_tiles, k_tiles, t.num_stages)
@@ -164,10 +213,12 @@ def fp8_linear_triton(
     out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x_data.device,
                       dtype=out_dtype if splits == 1 else torch.float32)  # fmt: skip
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
-    words = K % 128 == 0 and t.block_k % 128 == 0 and x_scale.data_ptr() % 4 == 0 and w_scale.data_ptr() % 4 == 0
-    operand = torch.float8_e4m3fn if t.fp8_dot else torch.uint8
+    per_row, per_tile = K // BLOCK, t.block_k // BLOCK
+    words = scale_words(x_scale, per_row, per_tile) and scale_words(w_scale, per_row, per_tile)
+    operand = torch.float8_e4m3fn if t.dot == "fp8" else torch.uint8
     _fp8_linear_kernel[(m_tiles, n_tiles, splits)](
         x_data.contiguous().view(operand), x_scale, w.contiguous().view(operand), w_scale, out, M, N, tiles_per_split,
-        K, t.block_m, t.block_n, t.block_k, t.num_stages, t.fp8_dot, words, num_warps=t.num_warps,
+        K, t.block_m, t.block_n, t.block_k, t.num_stages, t.dot == "bf16", t.dot == "fp8", words, not interpreting(),
+        num_warps=t.num_warps,
     )  # fmt: skip
     return out if splits == 1 else out.sum(0).to(out_dtype)

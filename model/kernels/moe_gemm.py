@@ -36,10 +36,18 @@ import triton.language as tl
 from torch import Tensor
 
 from model import quant
-from model.kernels.formats import check_tile_sides, e2m1_scaled, e4m3_decode, interpreting, ue8m0_decode
+from model.kernels.formats import (
+    check_tile_sides,
+    e2m1_scaled,
+    e4m3_scaled,
+    interpreting,
+    scale_words,
+    ue8m0_block_scales,
+)
 
 X_BLOCK = 32  # inputs per activation scale
 SCALE_BLOCKS = (16, 32)  # inputs per expert-weight scale: the two layouts of reference §2.9
+DECODE_BLOCK_P, DECODE_BLOCK_K = 16, 512  # the activation decode's tile: rows × inputs
 
 
 @dataclass(frozen=True)
@@ -50,9 +58,10 @@ class MoEGemmTuning:
       16 … 64, so that most experts take one pass over their weights);
     - `block_n`: weight rows per program, the dot's M side (gate_up: half of them W1 rows, half the W3 rows of the
       same output columns); 128: 8 KiB of packed weight per K tile;
-    - `block_k`: inputs per pipeline stage (≥ 128: each program's bytes in flight);
-    - `num_warps`: per program (None: 4, or 8 where 4 warps' fp32 accumulators would pass 64 registers a thread);
-    - `num_stages`: K tiles in the pipeline (3: two in flight while one is decoded);
+    - `block_k`: inputs per pipeline stage (128: at 256 the decoded weight tile alone takes 128 registers a thread
+      at 4 warps — spills — and 8 warps cost more instructions per weight byte, `bench/sass.py moe-gemm`);
+    - `num_warps`: per program (None: 4, or 8 from 64 pairs × 128 rows on, where 4 warps spill);
+    - `num_stages`: K tiles in the pipeline (4: three in flight while one is decoded; 2–3 programs per SM);
     - `ptx`: the weight nibbles decoded by `formats.E2M1_BF16_PTX`'s table lookups (None: on a GPU; False there: by
       the arithmetic the interpreter runs, ≈ 2.5× the instructions)."""
 
@@ -60,13 +69,13 @@ class MoEGemmTuning:
     block_n: int = 128
     block_k: int = 128
     num_warps: int | None = None
-    num_stages: int = 3
+    num_stages: int = 4
     ptx: bool | None = None
 
     def resolved(self, pairs: int, experts: int) -> "MoEGemmTuning":
         """These settings with the defaults for `pairs` (token, slot) pairs over `experts` experts filled in."""
         block_m = self.block_m or _block_m(pairs, experts)
-        warps = self.num_warps or (4 if block_m * self.block_n <= 64 * 128 else 8)
+        warps = self.num_warps or (4 if block_m * self.block_n < 64 * 128 else 8)
         return replace(self, block_m=block_m, num_warps=warps, ptx=not interpreting() if self.ptx is None else self.ptx)
 
 
@@ -138,76 +147,73 @@ def moe_down_torch(
 
 
 @triton.jit
-def _block_scales(ptr, rows, ok, first, PER_ROW: tl.constexpr, COUNT: tl.constexpr, WORDS: tl.constexpr):
-    """UE8M0 scales first … first + COUNT − 1 of `rows` ([*, PER_ROW] bytes) → fp32 [rows, COUNT]. WORDS: read as
-    32-bit words (PER_ROW, COUNT and `first` multiples of 4): `cp.async` moves ≥ 4 bytes a thread, so a byte-wise
-    load would stall every K tile instead of being pipelined."""
-    R: tl.constexpr = rows.shape[0]
-    if WORDS:
-        word = first // 4 + tl.arange(0, COUNT // 4)
-        row_ptr = (ptr + rows * PER_ROW).to(tl.pointer_type(tl.int32))
-        ok = ok[:, None] & (word < PER_ROW // 4)[None, :]
-        words = tl.load(row_ptr[:, None] + word[None, :], mask=ok, other=0x7F7F7F7F)
-        shifts = 8 * tl.arange(0, 4)  # little-endian: scale 4w + j is byte j of word w
-        scale_bytes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (R, COUNT))
-    else:
-        index = first + tl.arange(0, COUNT)
-        ok = ok[:, None] & (index < PER_ROW)[None, :]
-        scale_bytes = tl.load(ptr + rows[:, None] * PER_ROW + index[None, :], mask=ok, other=127)
-    return ue8m0_decode(scale_bytes)
-
-
-@triton.jit
-def _side_by_side(a, b):
-    """[rows, w] and [rows, w] → [rows, 2w]: a's columns, then b's."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
-
-
-@triton.jit
-def _activation_tile(x_ptr, xs_ptr, rows, ok, k0, K: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr,
-                     HW: tl.constexpr):  # fmt: skip
-    """FP8 rows `rows`, inputs k0 … k0 + BK − 1 → their values [rows, BK], exactly, as a dot operand with the inputs in
-    the weight tile's order (the even ones, then the odd ones): bf16 by the hardware E4M3 cast (HW), else fp32 by
-    the bit codec (the interpreter)."""
-    R: tl.constexpr = rows.shape[0]
+def _decode_rows_kernel(x_ptr, xs_ptr, rows_ptr, out_ptr, P, K: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+                        GATHER: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """FP8 rows (rows_ptr[p] if GATHER, else p) → out [P, K] bf16 with their scales folded in (exact), the inputs in
+    the order [even | odd] (out[p, i] = x[2i], out[p, K/2 + i] = x[2i + 1]): the packed weights' nibble order."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    k0 = tl.program_id(1) * BK
+    p_ok = p < P
+    rows = (tl.load(rows_ptr + p, mask=p_ok, other=0) if GATHER else p).to(tl.int64)
     k = k0 + tl.arange(0, BK)
-    bits = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0)
-    codes = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) if HW else e4m3_decode(bits)
-    scale = _block_scales(xs_ptr, rows, ok, k0 // 32, K // 32, BK // 32, WORDS)
-    values = tl.reshape(codes, (R, BK // 32, 32)) * scale[:, :, None]
-    values = _side_by_side(*tl.split(tl.reshape(values, (R, BK // 2, 2))))
-    return values.to(tl.bfloat16) if HW else values
+    bits = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=p_ok[:, None] & (k < K)[None, :], other=0)
+    scale = ue8m0_block_scales(xs_ptr, rows, p_ok, k0 // X_BLOCK, K // X_BLOCK, BK // X_BLOCK, WORDS)
+    even, odd = tl.split(tl.reshape(e4m3_scaled(bits, scale, HW).to(tl.bfloat16), (BP, BK // 2, 2)))
+    half = k0 // 2 + tl.arange(0, BK // 2)
+    out = out_ptr + p[:, None].to(tl.int64) * K + half[None, :]
+    ok = p_ok[:, None] & (half < K // 2)[None, :]
+    tl.store(out, even, mask=ok)
+    tl.store(out + K // 2, odd, mask=ok)
 
 
 @triton.jit
-def _weight_tile(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-                 WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """Rows `rows` of packed E2M1 weights [*, K/2] (UE8M0 per SB inputs), inputs k0 … k0 + BK − 1 → their values
-    [rows, BK], exactly, as a dot operand (bf16; fp32 in the interpreter) with the inputs in the order [even | odd]:
-    the low nibbles' values, then the high ones' — a permutation of K (the activation tile takes the same), under
-    which the bytes' two values need no interleaving into operand pairs."""
+def _weight_halves(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+                   WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """Rows `rows` of packed E2M1 weights [*, K/2] (UE8M0 per SB inputs), inputs k0 … k0 + BK − 1 → the values of
+    the even inputs [rows, BK/2] (the low nibbles) and of the odd ones (the high nibbles), scaled, exactly, as dot
+    operands (bf16; fp32 in the interpreter)."""
     R: tl.constexpr = rows.shape[0]
     half = k0 // 2 + tl.arange(0, BK // 2)
     ok_half = ok[:, None] & (half < K // 2)[None, :]
     packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok_half, other=0)
-    scale = _block_scales(ws_ptr, rows, ok, k0 // SB, K // SB, BK // SB, WORDS)
+    scale = ue8m0_block_scales(ws_ptr, rows, ok, k0 // SB, K // SB, BK // SB, WORDS)
     scale = (scale.to(tl.bfloat16) if PTX else scale)[:, :, None]  # per byte: [R, BK/SB, SB/2]
     low, high = e2m1_scaled(tl.reshape(packed, (R, BK // SB, SB // 2)), scale, PTX)
-    values = _side_by_side(tl.reshape(low, (R, BK // 2)), tl.reshape(high, (R, BK // 2)))
-    return values.to(tl.bfloat16 if HW else tl.float32)
+    operand = tl.bfloat16 if HW else tl.float32
+    return tl.reshape(low, (R, BK // 2)).to(operand), tl.reshape(high, (R, BK // 2)).to(operand)
+
+
+@triton.jit
+def _activation_halves(x_ptr, p, ok, k0, K: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
+    """The decoded rows p of x [*, K] ([even | odd], bf16), inputs k0 … k0 + BK − 1 → their even and odd inputs
+    [p, BK/2] each, transposed for the dot (fp32 in the interpreter)."""
+    half = k0 // 2 + tl.arange(0, BK // 2)
+    ptr = x_ptr + p[:, None].to(tl.int64) * K + half[None, :]
+    ok = ok[:, None] & (half < K // 2)[None, :]
+    even, odd = tl.load(ptr, mask=ok, other=0.0), tl.load(ptr + K // 2, mask=ok, other=0.0)
+    if not HW:
+        even, odd = even.to(tl.float32), odd.to(tl.float32)
+    return tl.trans(even), tl.trans(odd)
+
+
+@triton.jit
+def _project(acc, w_ptr, ws_ptr, rows, ok, x_even, x_odd, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+             WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] plus one K tile of W_rows · x: the even inputs' dot, then the odd ones'."""
+    low, high = _weight_halves(w_ptr, ws_ptr, rows, ok, k0, K, SB, BK, WORDS, HW, PTX)
+    return tl.dot(high, x_odd, tl.dot(low, x_even, acc))
 
 
 @triton.jit
 def _moe_kernel(
-    x_ptr, xs_ptr, rows_ptr, offsets_ptr, experts_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
+    x_ptr, offsets_ptr, experts_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    GATED: tl.constexpr, COMPACT: tl.constexpr, X_WORDS: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
-    PTX: tl.constexpr,
+    GATED: tl.constexpr, COMPACT: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    """Output columns n of expert e's pairs. GATED (gate_up): activation rows gathered through rows_ptr, weight rows
-    n (W1) and n_out + n (W3) of the expert's 2·n_out, SwiGLU and the routing weight on the way out; otherwise (down)
-    the activation rows are the pairs themselves and the weight has n_out rows per expert. COMPACT: the program's
-    expert is experts_ptr[program_id(1)] (the experts with pairs first), else program_id(1)."""
+    """Output columns n of expert e's pairs; x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`). GATED
+    (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's 2·n_out, SwiGLU and the routing weight on the
+    way out; otherwise (down) the weight has n_out rows per expert. COMPACT: the program's expert is
+    experts_ptr[program_id(1)] (the experts with pairs first), else program_id(1)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     e = tl.load(experts_ptr + tl.program_id(1)) if COMPACT else tl.program_id(1)
     n_ok = n < n_out
@@ -217,16 +223,14 @@ def _moe_kernel(
     for start in range(lo, hi, BM):
         p = start + tl.arange(0, BM)
         p_ok = p < hi
-        rows = tl.load(rows_ptr + p, mask=p_ok, other=0) if GATED else p
-        rows = rows.to(tl.int64)
         acc = tl.zeros((BN, BM), dtype=tl.float32)  # outputᵀ: the weight rows are the dot's M side
         acc_up = tl.zeros((BN, BM), dtype=tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            x = tl.trans(_activation_tile(x_ptr, xs_ptr, rows, p_ok, k0, K, BK, X_WORDS, HW))
-            acc = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows, n_ok, k0, K, SB, BK, W_WORDS, HW, PTX), x, acc)
+            x_even, x_odd = _activation_halves(x_ptr, p, p_ok, k0, K, BK, HW)
+            acc = _project(acc, w_ptr, ws_ptr, w_rows, n_ok, x_even, x_odd, k0, K, SB, BK, W_WORDS, HW, PTX)
             if GATED:
-                acc_up = tl.dot(_weight_tile(w_ptr, ws_ptr, w_rows + n_out, n_ok, k0, K, SB, BK, W_WORDS, HW, PTX), x,
-                                acc_up)  # fmt: skip
+                acc_up = _project(acc_up, w_ptr, ws_ptr, w_rows + n_out, n_ok, x_even, x_odd, k0, K, SB, BK, W_WORDS,
+                                  HW, PTX)  # fmt: skip
         if GATED:
             gate = tl.minimum(acc, limit)
             up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -254,15 +258,27 @@ def _experts_with_pairs(offsets: Tensor, pairs: int) -> Tensor | None:
     return torch.argsort(empty, stable=True)[:pairs].to(torch.int32)
 
 
-def _words(scale: Tensor, per_row: int, per_tile: int) -> bool:
-    """Whether the scales may be read as 32-bit words: whole words per row and per K tile, 4-byte aligned."""
-    return per_row % 4 == 0 and per_tile % 4 == 0 and scale.data_ptr() % 4 == 0
+def decoded_rows(x_data: Tensor, x_scale: Tensor, pair_rows: Tensor | None) -> Tensor:
+    """FP8 rows x_data[pair_rows] (all of them when None) → bf16 [P, K] with their scales folded in, exactly, the
+    inputs in the order [even | odd] (`_decode_rows_kernel`): the grouped GEMMs' activation operand, decoded once
+    instead of in every program's K loop. One launch, no sync."""
+    K = x_data.shape[1]
+    P = x_data.shape[0] if pair_rows is None else pair_rows.shape[0]
+    out = torch.empty((P, K), dtype=torch.bfloat16, device=x_data.device)
+    if P == 0:
+        return out
+    x_scale = x_scale.contiguous()
+    bk = min(DECODE_BLOCK_K, triton.next_power_of_2(K))
+    rows = x_data if pair_rows is None else pair_rows.contiguous()  # (unread without a gather)
+    _decode_rows_kernel[(triton.cdiv(P, DECODE_BLOCK_P), triton.cdiv(K, bk))](
+        x_data.contiguous(), x_scale, rows, out, P, K, DECODE_BLOCK_P, bk, pair_rows is not None,
+        scale_words(x_scale, K // X_BLOCK, bk // X_BLOCK), not interpreting(), num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def _grouped(
-    x_data: Tensor,
-    x_scale: Tensor,
-    pair_rows: Tensor | None,
+    x: Tensor,
     offsets: Tensor,
     pair_weight: Tensor | None,
     w: Tensor,
@@ -271,12 +287,12 @@ def _grouped(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning,
 ) -> Tensor:
-    """One launch of `_moe_kernel` for both projections (gate_up when pair_rows is given)."""
-    gated = pair_rows is not None
+    """One launch of `_moe_kernel` for both projections (gate_up when pair_weight is given) on the decoded pairs x."""
+    gated = pair_weight is not None
     E, rows, K = w.shape[0], w.shape[1], 2 * w.shape[2]
-    P = pair_rows.shape[0] if gated else x_data.shape[0]
+    P = x.shape[0]
     n_out = rows // 2 if gated else rows
-    out = torch.empty((P, n_out), dtype=out_dtype, device=x_data.device)
+    out = torch.empty((P, n_out), dtype=out_dtype, device=x.device)
     if P == 0 or n_out == 0:
         return out
     sb = scale_block(K, s)
@@ -284,17 +300,14 @@ def _grouped(
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 32 if gated else 16), block_k=(t.block_k, 32))
     if t.ptx and interpreting():
         raise ValueError("tuning.ptx: the interpreter runs no inline PTX")
-    x_scale, s = x_scale.contiguous(), s.contiguous()
-    x_words = _words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK)
-    w_words = _words(s, K // sb, t.block_k // sb)
+    s = s.contiguous()
     block_n = t.block_n // 2 if gated else t.block_n  # output columns
-    rows_arg = pair_rows.contiguous() if gated else offsets  # (unread when not gated)
-    weight_arg = pair_weight.float().contiguous() if gated else offsets
+    weight_arg = pair_weight.float().contiguous() if gated else offsets  # (unread when not gated)
     experts = _experts_with_pairs(offsets, P)
     _moe_kernel[(triton.cdiv(n_out, block_n), E if experts is None else P)](
-        x_data.contiguous(), x_scale, rows_arg, offsets.contiguous(), offsets if experts is None else experts,
-        weight_arg, w.contiguous(), s, out, n_out, float(limit), K, sb, t.block_m, block_n, t.block_k, t.num_stages,
-        gated, experts is not None, x_words, w_words, not interpreting(), t.ptx, num_warps=t.num_warps,
+        x, offsets.contiguous(), offsets if experts is None else experts, weight_arg, w.contiguous(), s, out, n_out,
+        float(limit), K, sb, t.block_m, block_n, t.block_k, t.num_stages, gated, experts is not None,
+        scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, num_warps=t.num_warps,
     )  # fmt: skip
     return out
 
@@ -311,7 +324,8 @@ def moe_gate_up_triton(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype, tuning)
+    x = decoded_rows(x_data, x_scale, pair_rows)
+    return _grouped(x, offsets, pair_weight, w13, s13, limit, out_dtype, tuning)
 
 
 def moe_down_triton(
@@ -323,4 +337,4 @@ def moe_down_triton(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(h_data, h_scale, None, offsets, None, w2, s2, 0.0, out_dtype, tuning)
+    return _grouped(decoded_rows(h_data, h_scale, None), offsets, None, w2, s2, 0.0, out_dtype, tuning)

@@ -2,6 +2,8 @@
 its interpreter: fp32 dots of decoded codes) against both. Tolerance: fp32 summation order, |Δ| ≤ 2^-20 · Σ_k |x_k w_k|
 per output, plus one rounding to the output dtype."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,16 +39,27 @@ def test_fp8_linear_matches_the_dequantised_matmul(M: int, N: int, K: int, dtype
     assert_close_to_plain(got, case)
 
 
+@pytest.mark.parametrize("dot", ["fp32", "bf16"])
 @pytest.mark.parametrize(
     "tuning",
     [FP8GemmTuning(split_k=3, block_k=32), FP8GemmTuning(split_k=2), FP8GemmTuning(block_m=16, block_n=32),
      FP8GemmTuning(block_k=256, num_stages=2, num_warps=2)],
 )  # fmt: skip
-def test_fp8_linear_launch_shapes(tuning: FP8GemmTuning) -> None:
-    """K split in fp32 partial sums (summed on the device), one K chunk per tile, several token tiles, a tile
-    longer than K — with K = 384 the scales come as 32-bit words, at block_k 32 byte by byte."""
+def test_fp8_linear_launch_shapes(tuning: FP8GemmTuning, dot: str) -> None:
+    """Both ways (per-chunk rescaled code dots; scales folded into the operands, one dot per K tile), each with K
+    split in fp32 partial sums (summed on the device), one K chunk per tile, several token tiles, a tile longer than
+    K — with K = 384 the scales come as 32-bit words, at block_k 32 byte by byte."""
     case = fp8_linear_case(generator(7), 20, 40, 384)
-    assert_close_to_plain(fp8_linear_triton(*case, torch.float32, tuning), case)
+    assert_close_to_plain(fp8_linear_triton(*case, torch.float32, replace(tuning, dot=dot)), case)
+
+
+@pytest.mark.parametrize(("M", "dot"), [(16, "fp32"), (32, "bf16"), (70, "bf16")])
+def test_fp8_linear_takes_folded_dots_from_32_tokens(M: int, dot: str) -> None:
+    """The default way by M (the interpreter's chunks are fp32), and the folded way across token tiles and a
+    partial last one."""
+    assert FP8GemmTuning().resolved(M).dot == dot
+    case = fp8_linear_case(generator(M), M, 72, 160)
+    assert_close_to_plain(fp8_linear_triton(*case, torch.bfloat16), case)
 
 
 def test_fp8_linear_weight_bytes_and_fp64() -> None:
@@ -89,9 +102,10 @@ def test_fp8_linear_names_a_bad_argument(name: str, change: dict[str, object]) -
 @pytest.mark.parametrize(
     ("tuning", "name"),
     [(FP8GemmTuning(block_n=48), "block_n"), (FP8GemmTuning(block_k=16), "block_k"),
-     (FP8GemmTuning(block_m=8), "block_m"), (FP8GemmTuning(fp8_dot=True), "fp8_dot")],
+     (FP8GemmTuning(block_m=8), "block_m"), (FP8GemmTuning(dot="fp8"), "dot"),
+     (FP8GemmTuning(dot="tf32"), "dot")],  # type: ignore[arg-type]
 )  # fmt: skip
 def test_fp8_linear_names_a_bad_launch_shape(tuning: FP8GemmTuning, name: str) -> None:
-    """Tile sides must suit tl.arange and tl.dot; the interpreter has no FP8 dot."""
+    """Tile sides must suit tl.arange and tl.dot; the interpreter has no FP8 dot; the dots are one of three."""
     with pytest.raises(ValueError, match=f"tuning.{name}"):
         fp8_linear_triton(*fp8_linear_case(generator(1), 2, 32, 64), torch.float32, tuning)

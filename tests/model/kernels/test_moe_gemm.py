@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kernel_cases import generator, moe_case
 
 from model import kernels, quant
-from model.kernels.moe_gemm import MoEGemmTuning
+from model.kernels.moe_gemm import MoEGemmTuning, decoded_rows
 
 LIMIT = 0.15  # the SwiGLU clamps: below the gate and up magnitudes of these weights, so both clamps bite
 
@@ -32,6 +32,20 @@ def test_moe_pairs_match_the_definition(N: int, k: int, E: int) -> None:
     assert (order.dtype, rows.dtype, offsets.dtype) == (torch.int64, torch.int32, torch.int32)
     want = python_pairs(ids, E)
     assert (order.tolist(), rows.tolist(), offsets.tolist()) == want
+
+
+@pytest.mark.parametrize(("N", "K", "gather"), [(5, 96, True), (3, 1024, True), (20, 64, False), (0, 32, False)])
+def test_decoded_rows_are_the_dequantised_rows_evens_then_odds(N: int, K: int, gather: bool) -> None:
+    """The grouped GEMMs' activation operand: bf16 rows, bit-equal to the dequantised FP8 rows (exact in bf16), the
+    even inputs then the odd ones — gathered by pair_rows or taken in order; a K tail (96 of a 128-wide tile), K
+    over two tiles with its scales as 32-bit words, no rows."""
+    x_data, x_scale = quant.fp8_quant(torch.randn(N, K, generator=generator(N + K)) * 100)
+    rows = torch.randint(0, max(N, 1), (2 * N,), generator=generator(K), dtype=torch.int32) if gather else None
+    got = decoded_rows(x_data, x_scale, rows)
+    want = quant.fp8_dequant(x_data, x_scale, dtype=torch.bfloat16)
+    want = want if rows is None else want[rows.long()]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), torch.cat([want[:, 0::2], want[:, 1::2]], 1).view(torch.int16))
 
 
 def plain_moe(case: tuple[torch.Tensor, ...], order: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:

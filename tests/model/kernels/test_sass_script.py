@@ -31,17 +31,36 @@ def test_the_topk_kernels_compile() -> None:
     assert kernels == ["top-k group maxima", "top-k threshold", "top-k gather", "top-k select"], report
 
 
-def test_the_fp8_gemm_compiles_onto_fp8_tensor_cores() -> None:
-    report = sass("fp8-gemm", "--tokens", "64", "--top", "100")
+SHARED_PER_BLOCK = 232_448  # sm_90's most shared memory per program (227 KiB): a launch over it fails
+
+
+def shared_bytes(head: str) -> int:
+    return int(re.search(r"(\d+) B shared", head).group(1))
+
+
+def test_the_fp8_gemm_compiles_onto_fp8_tensor_cores_below_32_tokens() -> None:
+    report = sass("fp8-gemm", "--tokens", "16", "--top", "100")
     assert " 0 spill loads" in report, report
     loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
     assert any("QGMMA" in loop for loop in loops), report  # FP8 E4M3 wgmma in the K loop
 
 
+def test_the_fp8_gemm_folds_the_scales_into_bf16_dots_from_32_tokens() -> None:
+    for tokens in ("64", "256"):
+        report = sass("fp8-gemm", "--tokens", tokens, "--top", "100")
+        head = report.splitlines()[0]
+        assert "bf16 dots" in head, report
+        assert " 0 spill loads" in head, report
+        assert shared_bytes(head) <= SHARED_PER_BLOCK, report
+        loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
+        assert any("HGMMA" in loop and "FFMA" not in loop for loop in loops), report  # no per-chunk rescale
+
+
 def test_the_moe_gemms_compile_onto_bf16_tensor_cores_with_the_ptx_decode() -> None:
-    report = sass("moe-gemm", "--tokens", "64", "--block", "16", "--top", "100")
+    report = sass("moe-gemm", "--tokens", "256", "--block", "16", "--top", "100")  # 64 pairs a tile: the most
     heads = [line for line in report.splitlines() if not line.startswith(" ")]
-    assert [line.split(" 16 pairs")[0] for line in heads] == ["moe gate_up", "moe down"], report
+    assert [line.split(" 64 pairs")[0] for line in heads] == ["moe gate_up", "moe down"], report
     assert all(" 0 spill loads" in line for line in heads), report
+    assert all(shared_bytes(line) <= SHARED_PER_BLOCK for line in heads), report
     loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
     assert sum("HGMMA" in loop and "PRMT" in loop for loop in loops) >= 2, report  # bf16 wgmma beside the lookups
