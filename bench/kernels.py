@@ -784,7 +784,7 @@ def tune_fp8_gemm(tiny: bool) -> Iterator[Row]:
     default launch: weight rows per tile, K per stage, stages, warps, K splits, token tiles, the other dots."""
     variants = [{"block_n": 64}, {"block_k": 256}, {"num_stages": 3}, {"num_stages": 6}, {"num_warps": 8},
                 {"split_k": 1}, {"block_m": 32}, {"block_n": 64, "split_k": 1}, {"dot": "fp8"}, {"dot": "bf16"},
-                {"block_m": 128, "num_stages": 3}, {"num_warps": 4}]  # fmt: skip
+                {"block_m": 64, "num_stages": 4}, {"num_warps": 4}]  # fmt: skip
     for M, N, K in [(1, 64, 256)] if tiny else [(1, 1280, 5120), (64, 5120, 8192), (256, 5120, 8192)]:
         case = fp8_linear_inputs(M, N, K)
         want = fp8_gemm.fp8_linear_triton(*case, torch.bfloat16)
@@ -798,7 +798,7 @@ def tune_moe_gemm(tiny: bool) -> Iterator[Row]:
     block 32), each checked against the default launch: columns per program, K per stage, stages, pairs per tile,
     warps, and the arithmetic nibble decode instead of the PTX table lookups."""
     variants = [{"block_n": 256}, {"block_n": 64}, {"block_k": 256, "num_warps": 8, "num_stages": 3},
-                {"num_stages": 3}, {"num_stages": 6}, {"block_m": 32}, {"num_warps": 8}, {"ptx": False}]  # fmt: skip
+                {"num_stages": 4}, {"num_stages": 6}, {"block_m": 64}, {"num_warps": 8}, {"ptx": False}]  # fmt: skip
     C, I = (256, 128) if tiny else (5120, 2304)
     for E, N in [(8, 4)] if tiny else [(48, 64), (48, 256), (384, 256)]:
         m = moe_inputs(expert_weights(E, C, I, 32), N, 6)

@@ -57,12 +57,14 @@ Dot = Literal["fp8", "fp32", "bf16"]
 class FP8GemmTuning:
     """Launch shape of `fp8_linear_triton` (None: chosen per call). Defaults: H200 decode, memory-bound on the weight.
 
-    - `block_m`: tokens per tile, the dot's N side (a power of two ≥ 16; None: M rounded up to a power of two, 16 … 64);
+    - `block_m`: tokens per tile, the dot's N side (a power of two ≥ 16; None: M rounded up to a power of two,
+      16 … 128);
     - `block_n`: weight rows per tile, the dot's M side (two wgmma granules);
     - `block_k`: K per pipeline stage, a multiple of 32 (128: 16 KiB of weight per stage at block_n 128);
     - `split_k`: K splits (None: as many as bring the grid to about one program per SM, each ≥ `num_stages` K tiles);
     - `num_warps`: per program (None: 4, or 8 from block_m 64 on, where 4 warps' accumulators spill);
-    - `num_stages`: K tiles in the pipeline; 4 keep three (≈ 54 KiB at decode) in flight;
+    - `num_stages`: K tiles in the pipeline (None: 4, three in flight (≈ 54 KiB at decode); 3 at block_m 128, whose
+      tiles need the shared memory);
     - `dot`: "bf16": scales folded into bf16 operands, one dot per K tile (None: from 32 tokens on); "fp8": FP8
       tensor-core dots of the codes per 32-input chunk, rescaled (None: below 32 tokens on sm_89+); "fp32": the
       same chunks as decoded fp32 codes (None: below 32 tokens elsewhere and in the interpreter, which has no FP8
@@ -73,14 +75,15 @@ class FP8GemmTuning:
     block_k: int = 128
     split_k: int | None = None
     num_warps: int | None = None
-    num_stages: int = 4
+    num_stages: int | None = None
     dot: Dot | None = None
 
     def resolved(self, M: int) -> "FP8GemmTuning":
         """These settings with the defaults for M tokens filled in (`split_k` depends on the shape: left as is)."""
-        block_m = self.block_m or min(max(16, triton.next_power_of_2(M)), 64)
+        block_m = self.block_m or min(max(16, triton.next_power_of_2(M)), 128)
         warps = self.num_warps or (4 if block_m <= 32 else 8)
-        return replace(self, block_m=block_m, num_warps=warps, dot=self.dot or _default_dot(M))
+        stages = self.num_stages or (3 if block_m >= 128 else 4)
+        return replace(self, block_m=block_m, num_warps=warps, num_stages=stages, dot=self.dot or _default_dot(M))
 
 
 def _default_dot(M: int) -> Dot:

@@ -46,6 +46,7 @@ from model.kernels.formats import (
 )
 
 X_BLOCK = 32  # inputs per activation scale
+_X_BLOCK = tl.constexpr(X_BLOCK)  # the same, as kernels read a global
 SCALE_BLOCKS = (16, 32)  # inputs per expert-weight scale: the two layouts of reference §2.9
 DECODE_BLOCK_P, DECODE_BLOCK_K = 16, 512  # the activation decode's tile: rows × inputs
 
@@ -54,14 +55,14 @@ DECODE_BLOCK_P, DECODE_BLOCK_K = 16, 512  # the activation decode's tile: rows �
 class MoEGemmTuning:
     """Launch shape of the grouped expert GEMMs (None: chosen per call). Defaults: H200 decode, 64–256 tokens.
 
-    - `block_m`: pairs per tile, the dot's N side (a power of two ≥ 16; None: twice the average pairs per expert,
-      16 … 64, so that most experts take one pass over their weights);
+    - `block_m`: pairs per tile, the dot's N side (a power of two ≥ 16; None: the average pairs per expert rounded
+      up to a power of two, 16 … 64);
     - `block_n`: weight rows per program, the dot's M side (gate_up: half of them W1 rows, half the W3 rows of the
       same output columns); 128: 8 KiB of packed weight per K tile;
     - `block_k`: inputs per pipeline stage (128: at 256 the decoded weight tile alone takes 128 registers a thread
       at 4 warps — spills — and 8 warps cost more instructions per weight byte, `bench/sass.py moe-gemm`);
     - `num_warps`: per program (None: 4, or 8 from 64 pairs × 128 rows on, where 4 warps spill);
-    - `num_stages`: K tiles in the pipeline (4: three in flight while one is decoded; 2–3 programs per SM);
+    - `num_stages`: K tiles in the pipeline (3: two in flight while one is decoded; 4 and 6 measured no faster);
     - `ptx`: the weight nibbles decoded by `formats.E2M1_BF16_PTX`'s table lookups (None: on a GPU; False there: by
       the arithmetic the interpreter runs, ≈ 2.5× the instructions)."""
 
@@ -69,7 +70,7 @@ class MoEGemmTuning:
     block_n: int = 128
     block_k: int = 128
     num_warps: int | None = None
-    num_stages: int = 4
+    num_stages: int = 3
     ptx: bool | None = None
 
     def resolved(self, pairs: int, experts: int) -> "MoEGemmTuning":
@@ -157,7 +158,7 @@ def _decode_rows_kernel(x_ptr, xs_ptr, rows_ptr, out_ptr, P, K: tl.constexpr, BP
     rows = (tl.load(rows_ptr + p, mask=p_ok, other=0) if GATHER else p).to(tl.int64)
     k = k0 + tl.arange(0, BK)
     bits = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=p_ok[:, None] & (k < K)[None, :], other=0)
-    scale = ue8m0_block_scales(xs_ptr, rows, p_ok, k0 // X_BLOCK, K // X_BLOCK, BK // X_BLOCK, WORDS)
+    scale = ue8m0_block_scales(xs_ptr, rows, p_ok, k0 // _X_BLOCK, K // _X_BLOCK, BK // _X_BLOCK, WORDS)
     even, odd = tl.split(tl.reshape(e4m3_scaled(bits, scale, HW).to(tl.bfloat16), (BP, BK // 2, 2)))
     half = k0 // 2 + tl.arange(0, BK // 2)
     out = out_ptr + p[:, None].to(tl.int64) * K + half[None, :]
@@ -241,10 +242,11 @@ def _moe_kernel(
 
 
 def _block_m(pairs: int, experts: int) -> int:
-    """Pairs per tile from the average per expert (no sync): twice it, so that most experts fit one tile — a second
-    pass re-reads the expert's weight rows, from HBM once a wave's weights outgrow the L2. At top-6: 48 experts, 64
-    tokens → 16, 256 tokens → 64; 384 experts → 16."""
-    return min(max(16, triton.next_power_of_2(2 * triton.cdiv(pairs, max(experts, 1)))), 64)
+    """Pairs per tile from the average per expert (no sync), rounded up to a power of two: a busier expert takes a
+    second pass over its weight rows (from the L2), and a tile twice the average costs more in masked rows than the
+    passes it saves (H200: 48 experts × 256 tokens, 1.45 ms at 64 against 0.72 at 32). At top-6: 48 experts, 64
+    tokens → 16, 256 tokens → 32; 384 experts → 16."""
+    return min(max(16, triton.next_power_of_2(triton.cdiv(pairs, max(experts, 1)))), 64)
 
 
 def _experts_with_pairs(offsets: Tensor, pairs: int) -> Tensor | None:

@@ -57,7 +57,7 @@ def test_the_fp8_gemm_folds_the_scales_into_bf16_dots_from_32_tokens() -> None:
 
 
 def test_the_moe_gemms_compile_onto_bf16_tensor_cores_with_the_ptx_decode() -> None:
-    report = sass("moe-gemm", "--tokens", "256", "--block", "16", "--top", "100")  # 64 pairs a tile: the most
+    report = sass("moe-gemm", "--tokens", "512", "--block", "16", "--top", "100")  # 64 pairs a tile: the most
     heads = [line for line in report.splitlines() if not line.startswith(" ")]
     assert [line.split(" 64 pairs")[0] for line in heads] == ["moe gate_up", "moe down"], report
     assert all(" 0 spill loads" in line for line in heads), report
