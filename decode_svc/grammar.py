@@ -9,7 +9,9 @@ compile step, but has no DSML-aware schema style: the tool-call grammar would ha
 
 The vocabulary: an ordinary token is the bytes it stands for; an added token is a control token no grammar admits
 (only a stop token ends a complete grammar), except the DSML marker `｜DSML｜`, which the tool-call markup spells.
-Compiles run off the event loop; requests that need the same grammar meanwhile share one compile.
+Compiles run off the event loop on one thread of their own (each uses `threads` of the engine's own), one at a time
+so a burst of new schemas cannot starve the decode engine of cores; requests that need the same grammar meanwhile
+share one compile.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import importlib.util
 import re
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -32,7 +35,7 @@ from proto.decode.v1 import decode_pb2
 
 # The most whitespace characters between two JSON tokens: pretty-printed JSON fits, and a model that would rather
 # stop where the schema cannot (whitespace is always allowed there) is pushed on instead of looping on blanks.
-MAX_WHITESPACE = 24
+MAX_WHITESPACE = 16
 DSML_MARKER = "｜DSML｜"
 EOS = "<｜end▁of▁sentence｜>"
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\] [^:]*:\d+: ")  # "[21:12:14] /project/cpp/x.cc:83: " before the message
@@ -80,6 +83,7 @@ class Grammars:
         self.seconds = seconds  # observes each compile
         self.capacity = capacity
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._cache: OrderedDict[bytes, asyncio.Future[xgr.CompiledGrammar]] = OrderedDict()
 
     async def compile(self, constraint: decode_pb2.OutputConstraint) -> xgr.CompiledGrammar | None:
@@ -89,7 +93,8 @@ class Grammars:
         key = constraint_key(constraint)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._cache[key] = asyncio.ensure_future(asyncio.to_thread(self.compile_now, constraint))
+            running = asyncio.get_running_loop().run_in_executor(self._thread, self.compile_now, constraint)
+            compiled = self._cache[key] = asyncio.ensure_future(running)
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)

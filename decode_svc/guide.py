@@ -65,8 +65,8 @@ class Guide:
             return True
         if token in self.banned:
             return False
-        if self.matcher is not None and not self.matcher.accept_token(token):
-            return False
+        if self.matcher is not None and (self.matcher.is_terminated() or not self.matcher.accept_token(token)):
+            return False  # (nothing follows the stop token that completed the grammar)
         self._trail.append(_ANSWER)
         return True
 

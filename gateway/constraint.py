@@ -31,7 +31,8 @@ def output_constraint(request: ConvertedRequest, tokenizer: Tokenizer) -> decode
     elif c is not None and c.kind == "regex":
         out.regex = c.schema
     elif c is not None:
-        out.structural_tag = tool_calls_tag(c, request.version, tokens)
+        opened = request.parsing.starts_in_tool_calls
+        out.structural_tag = tool_calls_tag(c, request.version, opened=opened, tokens=tokens)
     if c is None or c.kind not in TOOL_KINDS:
         out.banned_token_ids.append(tokenizer.special_id(tokens.dsml))
     stage = request.parsing.thinking_stage

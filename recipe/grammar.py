@@ -5,8 +5,10 @@ DSML tool-calls block, each `invoke` naming a declared function, its `parameter`
 (`string="true"` values raw, the others JSON valid under the property's schema; xgrammar's `deepseek_xml` /
 `deepseek_v4_1_xml` styles spell exactly the markup the prompt renders, see templates.py).
 
-- `tool_call_required` (or a named function): the prompt already opened the block (it ends with
-  `</think>\\n\\n<｜DSML｜ calls>\\n`), so the answer is one or more calls, the block's end, then the stop token.
+- `tool_call_required` (or a named function): one or more calls, the block's end, then the stop token. The prompt of
+  a required OpenAI tool choice already opened the block (it ends with `</think>\\n\\n<｜DSML｜ calls>\\n`); the
+  prompt of Anthropic's `any` is auto's, so there the answer opens it (`\\n\\n<｜DSML｜ calls>\\n`, as the template
+  renders a call).
 - `tool_call` (tool choice auto): free text, and once the model opens a calls block it holds valid calls; nothing
   follows the block's end (the output parser discards it anyway).
 """
@@ -21,7 +23,7 @@ from recipe.options import OutputConstraint
 from recipe.tokens import DEFAULT_TOKENS, ModelVersion, SpecialTokens
 
 TOOL_KINDS = ("tool_call", "tool_call_required")
-MAX_WHITESPACE = 24  # whitespace characters between two JSON tokens of an argument (pretty-printed JSON fits)
+MAX_WHITESPACE = 16  # whitespace characters between two JSON tokens of an argument (pretty-printed JSON fits)
 
 
 class _Function(msgspec.Struct):
@@ -33,8 +35,11 @@ class _Declared(msgspec.Struct):
     function: _Function
 
 
-def tool_calls_tag(constraint: OutputConstraint, version: ModelVersion, tokens: SpecialTokens = DEFAULT_TOKENS) -> str:
-    """The structural tag (JSON text) of a `tool_call` / `tool_call_required` constraint."""
+def tool_calls_tag(
+    constraint: OutputConstraint, version: ModelVersion, *, opened: bool, tokens: SpecialTokens = DEFAULT_TOKENS
+) -> str:
+    """The structural tag (JSON text) of a `tool_call` / `tool_call_required` constraint; `opened`: the prompt
+    already opened the calls block (`ParsingOptions.starts_in_tool_calls`)."""
     if constraint.kind not in TOOL_KINDS:
         raise ValueError(f"not a tool-call constraint: {constraint.kind}")
     declared = msgspec.json.decode(constraint.schema, type=list[_Declared])
@@ -47,7 +52,10 @@ def tool_calls_tag(constraint: OutputConstraint, version: ModelVersion, tokens: 
     }
     end = f"</{dsml}{calls}>"
     if constraint.kind == "tool_call_required":
-        answer: dict[str, Any] = {"type": "sequence", "elements": [invokes, {"type": "const_string", "value": end}]}
+        elements = [invokes, {"type": "const_string", "value": end}]
+        if not opened:
+            elements.insert(0, {"type": "const_string", "value": f"\n\n<{dsml}{calls}>\n"})
+        answer: dict[str, Any] = {"type": "sequence", "elements": elements}
     else:
         block = {"type": "tag", "begin": f"<{dsml}{calls}>\n", "content": invokes, "end": end}
         answer = {"type": "triggered_tags", "triggers": [f"<{dsml}{calls}>"], "tags": [block], "stop_after_first": True}
