@@ -3,8 +3,8 @@
     reasoning ──the reasoning's end token──▶ answer: the grammar's next-token set, minus the banned tokens
 
 `accept` follows every token the sequence emits, and for the span of one step the DSpark drafts too; `rollback`
-undoes drafts the verification will judge (the engine re-accepts the ones it emits). `fill` writes the set of tokens
-the next position may take into a row of a token bitmask (xgrammar's layout: bit t of the row = token t allowed).
+undoes drafts the verification will judge (the engine re-accepts the ones it emits). What the next token may be is
+the matcher's bitmask without the banned tokens (masking.py fills it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections import deque
 from collections.abc import Collection
 
 import xgrammar as xgr
-from torch import Tensor
 
 _REASONING, _END, _ANSWER = 0, 1, 2  # what an accepted token was
 TRAIL = 64  # tokens a guide can undo: more than one step ever drafts
@@ -36,7 +35,6 @@ class Guide:
             if answer_prefix and not self.matcher.accept_string(answer_prefix):
                 raise ValueError(f"the answer's prefix in the prompt does not match the grammar: {answer_prefix!r}")
         self.banned = frozenset(banned)
-        self._keep = [(t // 32, _int32(~(1 << (t % 32)))) for t in sorted(self.banned)]  # (word, bits to keep)
         self.reasoning_end = reasoning_end
         self.in_answer = reasoning_end is None
         self._trail: deque[int] = deque(maxlen=TRAIL)  # per recent accepted token: _REASONING, _END or _ANSWER
@@ -47,7 +45,7 @@ class Guide:
         return self.in_answer and self.matcher is not None and not self.matcher.is_terminated()
 
     @property
-    def masks(self) -> bool:
+    def restricts(self) -> bool:
         """Anything restricts the next token."""
         return self.grammar_active or (self.in_answer and bool(self.banned))
 
@@ -82,13 +80,3 @@ class Guide:
             self.matcher.rollback(answer)
         if _END in undone:
             self.in_answer = False
-
-    def clear_banned(self, bitmask: Tensor, row: int) -> None:
-        """Clear the banned tokens' bits in row `row` of an int32 bitmask."""
-        for word, keep in self._keep:
-            bitmask[row, word] &= keep
-
-
-def _int32(value: int) -> int:
-    """A Python int's low 32 bits as a signed int32 (the bitmask's element type)."""
-    return (value + 2**31) % 2**32 - 2**31

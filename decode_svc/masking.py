@@ -52,6 +52,7 @@ class Masks:
     def __init__(self, guides: Sequence[Guide | None], chain: Chain | None = None) -> None:
         self.guides = guides
         self.chain = chain
+        self._vocab, self._pinned = 0, False  # the logits' width and whether they live on a GPU, from the first apply
         self._links: list[Tensor] = []  # the bitmask of each link so far (a draft chain)
         self._masked: list[list[bool]] = []
         self._drafted = [0] * len(guides)  # drafts each guide followed
@@ -65,7 +66,8 @@ class Masks:
             rows = [b * logits.shape[1] + j for b, row in enumerate(masked) for j in range(logits.shape[1]) if row[j]]
             _apply(logits.view(-1, logits.shape[-1]), bitmask.reshape(-1, bitmask.shape[-1]), rows)
             return
-        bitmask, masked = self._fill(logits.shape[-1])
+        self._vocab, self._pinned = logits.shape[-1], logits.device.type == "cuda"
+        bitmask, masked = self._fill()
         self._links.append(bitmask)
         self._masked.append(masked)
         _apply(logits, bitmask, [b for b, m in enumerate(masked) if m])
@@ -86,7 +88,7 @@ class Masks:
 
     def close(self) -> Chain:
         """After a draft chain: the mask past its last draft, then every guide back where the step started."""
-        bitmask, masked = self._fill(self._links[0].shape[-1] * 32)
+        bitmask, masked = self._fill()
         self._links.append(bitmask)
         self._masked.append(masked)
         for guide, drafted in zip(self.guides, self._drafted, strict=True):
@@ -95,19 +97,33 @@ class Masks:
         drafts = len(self._links) - 1
         valid = [self._drafted[b] if b in self._refused else drafts for b in range(len(self.guides))]
         per_row = [list(row) for row in zip(*self._masked, strict=True)]
-        return Chain(torch.stack(self._links, 1), per_row, valid)
+        stacked = torch.empty((len(self.guides), len(self._links), self._links[0].shape[-1]), dtype=torch.int32,
+                              pin_memory=self._pinned)  # fmt: skip
+        return Chain(torch.stack(self._links, 1, out=stacked), per_row, valid)
 
-    def _fill(self, vocab_size: int) -> tuple[Tensor, list[bool]]:
-        """The bitmask [B, words] of the next position, and which rows it restricts."""
-        bitmask = xgr.allocate_token_bitmask(len(self.guides), vocab_size)
-        live = [g if g is not None and b not in self._refused and g.masks else None for b, g in enumerate(self.guides)]
+    def _fill(self) -> tuple[Tensor, list[bool]]:
+        """The bitmask [B, words] of the next position (in pinned memory for a GPU's logits: copied without a wait),
+        and which rows it restricts."""
+        words = -(-self._vocab // 32)
+        bitmask = torch.full((len(self.guides), words), -1, dtype=torch.int32, pin_memory=self._pinned)
+        live = [
+            g if g is not None and b not in self._refused and g.restricts else None for b, g in enumerate(self.guides)
+        ]
         grammar = [b for b, g in enumerate(live) if g is not None and g.grammar_active]
         if grammar:
             _filler().batch_fill_next_token_bitmask([live[b].matcher for b in grammar], bitmask, grammar)  # type: ignore[union-attr]
+        banned: dict[int, list[int]] = {}  # token → the rows that ban it (every row bans the same few, usually)
         for b, guide in enumerate(live):
-            if guide is not None:
-                guide.clear_banned(bitmask, b)
+            for token in guide.banned if guide is not None else ():
+                banned.setdefault(token, []).append(b)
+        for token, rows in banned.items():
+            bitmask[rows, token // 32] &= _int32(~(1 << (token % 32)))
         return bitmask, [g is not None for g in live]
+
+
+def _int32(value: int) -> int:
+    """A Python int's low 32 bits as a signed int32 (the bitmask's element type)."""
+    return (value + 2**31) % 2**32 - 2**31
 
 
 def _apply(logits: Tensor, bitmask: Tensor, rows: list[int]) -> None:
@@ -115,5 +131,5 @@ def _apply(logits: Tensor, bitmask: Tensor, rows: list[int]) -> None:
     if not rows:
         return
     if logits.device.type == "cuda":
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        bitmask = (bitmask if bitmask.is_pinned() else bitmask.pin_memory()).to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

@@ -157,11 +157,11 @@ def test_the_reasoning_is_free_and_banned_tokens_stay_out_of_the_answer(
 def test_a_guide_undoes_drafts_across_the_reasoning_end(grammars: Grammars) -> None:
     g = guide(grammars, decode_pb2.OutputConstraint(json_object=True), reasoning_end=128822, banned=[128825])
     assert g.accept(5)
-    assert (g.in_answer, g.masks) == (False, False)
+    assert (g.in_answer, g.restricts) == (False, False)
     assert g.accept(128822)
-    assert (g.in_answer, g.masks) == (True, True)
+    assert (g.in_answer, g.restricts) == (True, True)
     assert not g.accept(128825)  # banned in the answer
     assert g.accept(load_tokenizer().encode_plain("{")[0])
     g.rollback(2)
-    assert (g.in_answer, g.masks) == (False, False)
+    assert (g.in_answer, g.restricts) == (False, False)
     assert g.accept(128825)  # the reasoning is free
