@@ -352,9 +352,13 @@ class Engine:
             return self._plain_step(batch, rows, pending)
         generators = [seq.generator for seq in rows]
         with self.times.timed(Forward.DRAFT, len(rows)):
-            draft = self.model.dspark_draft(batch, pending, batch_sampling(rows), generators)
+            sampling = batch_sampling(rows)
+            draft = self.model.dspark_draft(batch, pending, sampling, generators)
+            chain = sampling.masks.close() if sampling.masks is not None else None  # the guides back at the step
             confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
         caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
+        if chain is not None:  # never past a draft the grammar refused
+            caps = [min(cap, valid) for cap, valid in zip(caps, chain.valid, strict=True)]
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
         for r in records:
             self.calibration.drafted(r.last or ())
@@ -365,8 +369,9 @@ class Engine:
             return self._plain_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
+            verify = batch_sampling(rows, chain.trim(width) if chain is not None else None)
             result = self.model.verify(
-                batch, pending, trim(draft, width), batch_sampling(rows), torch.tensor(lengths), generators
+                batch, pending, trim(draft, width), verify, torch.tensor(lengths), generators
             )  # its acceptance is read on the host inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)
@@ -382,10 +387,16 @@ class Engine:
         self.metrics.draft_trust.set(self.scheduler.trust)
 
     def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
-        """Emit a step's tokens up to a stop token or the budget; finish the sequence there."""
+        """Emit a step's tokens up to a stop token or the budget; finish the sequence there. A token its output
+        constraint refuses (the masks make it impossible: a bug) fails the sequence before it is sent."""
         out: list[int] = []
         reason = None
         for token in tokens:
+            if seq.guide is not None and not seq.guide.accept(token):
+                self.log.error("constraint_broken", request_id=seq.request_id, token=token, position=len(seq.output))
+                self._leave(seq, State.FAILED)
+                self._fail([seq], f"token {token} breaks the output constraint")
+                return
             out.append(token)
             if token in seq.params.stop_token_ids:
                 reason = decode_pb2.FINISH_REASON_STOP

@@ -54,6 +54,8 @@ class DecodeMetrics:
         self.draft_trust = Gauge(
             p + "draft_trust", "Realised over promised speed-up of recent drafted steps (scheduler)", registry=registry
         )
+        self.constrained = counter("constrained", "Generations under an output constraint, by grammar", ("grammar",))
+        self.grammar_compile = histogram("grammar_compile_seconds", "Compiling an output constraint", LATENCY_BUCKETS)
         self.aborts = counter("aborts", "Generations ended before their end", ("reason",))
         self.writebacks = counter("writebacks", "Write-backs to the cache by outcome", ("outcome",))
         self.writeback_seconds = histogram("writeback_seconds", "Blocks + SWA record write-back", LATENCY_BUCKETS)

@@ -17,7 +17,8 @@ an exact sample of the target (fresh noise per position, drawn independently of 
 the prompt and the model only: not on the batch, the drafts, the verify widths, or whether speculation is on.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature, top-k and
-top-p), as the OpenAI API reports them.
+top-p), as the OpenAI API reports them; under an output constraint, of the masked logits (masking.py), which every
+sampler downstream reads first.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from decode_svc.masking import Chain, Masks
 from decode_svc.sequence import Sampling, Sequence, TokenLogprob
 from model import SamplingParams, sample
 
@@ -45,8 +47,11 @@ class StepSampling(SamplingParams):
 
     seeds: tuple[int | None, ...] = ()  # per row: the seed of a seeded sampled row, else None
     cursor: list[int] = field(default_factory=list)  # per row: the output index of the next position covered
+    masks: Masks | None = None  # the rows' output constraints (None: no row has one)
 
     def probs(self, logits: Tensor) -> Tensor:
+        if self.masks is not None:
+            self.masks.apply(logits)
         probs = super().probs(logits)
         positions = probs.view(probs.shape[0], -1, probs.shape[-1])  # [B, T, V], a view: collapsed in place
         for b, seed in enumerate(self.seeds):
@@ -57,17 +62,23 @@ class StepSampling(SamplingParams):
             self.cursor[b] += positions.shape[1]
         return probs
 
+    def sampled(self, tokens: Tensor) -> None:
+        if self.masks is not None:
+            self.masks.follow(tokens)
 
-def batch_sampling(rows: Seq[Sequence]) -> StepSampling:
+
+def batch_sampling(rows: Seq[Sequence], chain: Chain | None = None) -> StepSampling:
     """The sampling parameters of a lane's rows, in row order, each from its next output position on (a fresh object
-    per forward: its cursor advances)."""
+    per forward: its cursor advances); `chain`: a verify's masks, from its draft chain."""
     s = [row.params.sampling for row in rows]
+    guides = [row.guide for row in rows]
     return StepSampling(
         torch.tensor([x.temperature for x in s]),
         torch.tensor([x.top_k for x in s]),
         torch.tensor([x.top_p for x in s]),
         seeds=tuple(x.seed if x.seeded else None for x in s),
         cursor=[len(row.output) for row in rows],
+        masks=Masks(guides, chain) if any(g is not None for g in guides) else None,
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_svc.guide import Guide
 from decode_svc.speculation import DraftRecord
 from model import EncoderState, GlobalKVBlock, Past
 from proto.decode.v1 import decode_pb2
@@ -156,6 +157,7 @@ class Sequence:
     submitted_at: float | None = None  # when it was handed to the engine thread (time.monotonic); None: not yet
     abort_reason: str = ""  # set (by any thread) to ask the engine to abort it
     draft: DraftRecord = field(default_factory=DraftRecord)
+    guide: Guide | None = None  # its output constraint (engine thread only, once submitted)
     writebacks: list[asyncio.Task[None]] = field(default_factory=list)  # its writes to the cache (event loop only)
 
     @property

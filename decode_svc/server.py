@@ -5,10 +5,12 @@ period, then whatever is left ends with FINISH_REASON_ABORT and the write-backs 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import Engine, EngineSettings
+from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.service import DecodeService
 from decode_svc.step_times import StepTimes
@@ -50,7 +52,10 @@ class DecodeServer(ModelServer):
         )
         self.engine = Engine(model, settings, metrics, self.log, self.writeback, self.times)
         self.engine.start()
-        servicer = DecodeService(model, model_info(model, cfg.model), store, self.engine, metrics, self.log)
+        tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else default_tokenizer()
+        grammars = Grammars(vocabulary(tokenizer, model.args.vocab_size), metrics.grammar_compile, cfg.grammar_cache)
+        info = model_info(model, cfg.model)
+        servicer = DecodeService(model, info, store, self.engine, grammars, metrics, self.log)
         return servicer, decode_pb2_grpc.add_DecodeServicer_to_server
 
     async def release(self) -> None:

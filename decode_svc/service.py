@@ -1,7 +1,8 @@
 """decode.v1.Decode: Generate streams a generation; Abort ends one; GetLoad feeds the gateway's router; GetModelInfo
 describes the model (as prefill's does: the gateway learns it from whichever replica answers).
 
-    Generate: validate → a queue slot (RESOURCE_EXHAUSTED when full) → the prompt:
+    Generate: validate, compile its output constraint (grammar.py) → a queue slot (RESOURCE_EXHAUSTED when full)
+              → the prompt:
                 handle     → consume the handoff record (NOT_FOUND if its lease expired or it was taken) + fetch the
                              global blocks it needs; a block missing or a state unusable here → prefill locally
                 token_ids  → prefill locally on top of whatever prefix the cache holds
@@ -27,6 +28,8 @@ import grpc
 
 from cache_svc.client import CacheError
 from decode_svc.engine import Engine
+from decode_svc.grammar import Grammars
+from decode_svc.guide import Guide
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Delta, End, Failure, Outbox, Params, Prompt, Sampling, Sequence
 from mesh.logging import bind_request
@@ -48,6 +51,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         info: model_info_pb2.ModelInfo,
         store: KVStore | None,
         engine: Engine,
+        grammars: Grammars,
         metrics: DecodeMetrics,
         logger: Any,
     ) -> None:
@@ -55,6 +59,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.info = info
         self.store = store
         self.engine = engine
+        self.grammars = grammars
         self.metrics = metrics
         self.log = logger
         self.draining = False
@@ -71,7 +76,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 params = self._params(request, request_id)
                 if self.draining:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, "this decode replica is draining", "draining")
-                seq = Sequence(params, Outbox(asyncio.get_running_loop()))
+                guide = await self._guide(request, params) if request.HasField("constraint") else None
+                seq = Sequence(params, Outbox(asyncio.get_running_loop()), guide=guide)
                 self.engine.register(seq)
                 await self._prepare(seq, request)
                 self.engine.submit(seq)
@@ -146,6 +152,30 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             top_k=min(s.top_k, self.model.args.vocab_size),
             seed=s.seed if s.HasField("seed") else None,
         )
+
+    async def _guide(self, request: decode_pb2.GenerateRequest, params: Params) -> Guide:
+        """The request's output constraint, compiled (INVALID_ARGUMENT naming what does not compile)."""
+        c, vocab = request.constraint, self.model.args.vocab_size
+        for i, token in enumerate(c.banned_token_ids):
+            if token >= vocab:
+                raise invalid(f"constraint.banned_token_ids[{i}] = {token} is outside the vocabulary [0, {vocab})")
+        reasoning_end = c.reasoning_end_token_id if c.HasField("reasoning_end_token_id") else None
+        if reasoning_end is not None and reasoning_end >= vocab:
+            raise invalid(f"constraint.reasoning_end_token_id = {reasoning_end} is outside the vocabulary")
+        if reasoning_end is not None and c.answer_prefix:
+            raise invalid("constraint.answer_prefix: an output that starts in reasoning has no answer prefix")
+        grammar = await self.grammars.compile(c)
+        self.metrics.constrained.labels(c.WhichOneof("grammar") or "banned_tokens").inc()
+        try:
+            return Guide(
+                grammar,
+                banned=c.banned_token_ids,
+                reasoning_end=reasoning_end,
+                answer_prefix=c.answer_prefix,
+                stop_ids=params.stop_token_ids,
+            )
+        except ValueError as error:
+            raise invalid(f"constraint.answer_prefix: {error}") from None
 
     def _limit(self, max_tokens: int, prompt_tokens: int) -> int:
         """The output budget: max_tokens, or (0) everything the context leaves after the prompt."""

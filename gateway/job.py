@@ -10,8 +10,10 @@ import os
 import msgspec
 
 from gateway.affinity import AffinityKey
+from gateway.constraint import output_constraint
 from gateway.errors import GatewayError, Kind
 from mesh.block_keys import block_keys
+from proto.decode.v1 import decode_pb2
 from recipe import (
     Api,
     Conversation,
@@ -49,6 +51,7 @@ class Job(msgspec.Struct, frozen=True):
     max_tokens: the output budget sent to decode.
     salt: the block-key salt (the request's `cache_salt`; random when prefix reuse is off).
     affinity: the conversation key the router uses.
+    constraint: what decode masks the answer to (gateway/constraint.py).
     """
 
     request_id: str
@@ -57,6 +60,7 @@ class Job(msgspec.Struct, frozen=True):
     max_tokens: int
     salt: bytes
     affinity: AffinityKey
+    constraint: decode_pb2.OutputConstraint
 
     @property
     def api(self) -> Api:
@@ -64,11 +68,13 @@ class Job(msgspec.Struct, frozen=True):
 
 
 class Rendered(msgspec.Struct, frozen=True):
-    """A request converted and rendered: what it asks, its prompt's token ids, its block-key salt."""
+    """A request converted and rendered: what it asks, its prompt's token ids, its block-key salt, its output
+    constraint."""
 
     request: ConvertedRequest
     token_ids: list[int]
     salt: bytes
+    constraint: decode_pb2.OutputConstraint
 
 
 class _Extras(msgspec.Struct):
@@ -109,7 +115,7 @@ class Codec:
             token_ids = render(request.conversation, request.version, self.tokenizer).token_ids or []
         except RecipeError as error:
             raise GatewayError.from_recipe(error) from None
-        return Rendered(request, token_ids, self._salt(body))
+        return Rendered(request, token_ids, self._salt(body), output_constraint(request, self.tokenizer))
 
     def job(self, rendered: Rendered, model: Model, *, request_id: str, session: str | None) -> Job:
         """The job: the output budget resolved against the model's context (400 if the prompt leaves no room)."""
@@ -128,7 +134,7 @@ class Codec:
             layout_version=model.layout_version,
         )
         affinity = AffinityKey(session, tuple(keys), opening(request.conversation, rendered.salt))
-        return Job(request_id, request, token_ids, max_tokens, rendered.salt, affinity)
+        return Job(request_id, request, token_ids, max_tokens, rendered.salt, affinity, rendered.constraint)
 
     def _salt(self, body: bytes) -> bytes:
         if not self.prefix_reuse:

@@ -41,6 +41,7 @@ def decode_request(job: Job, choice: int) -> decode_pb2.GenerateRequest:
         max_tokens=job.max_tokens,
         logprobs=s.logprobs,
         top_logprobs=s.top_logprobs if s.logprobs else 0,
+        constraint=job.constraint,
     )
 
 

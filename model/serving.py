@@ -367,8 +367,10 @@ def dspark_draft(
     model: Transformer, batch: DecodeBatch, tokens, sampling: SamplingParams, generator: Generators = None
 ) -> Draft:
     """γ drafts per sequence after its pending token y (not yet committed): one forward of the DSpark blocks over
-    [y, noise…] at positions p+1…, then the Markov chain left to right. Confidences are calibrated by the head's
-    per-position temperatures; `generator`: one for the batch or one per row (model.sampling)."""
+    [y, noise…] at positions p+1…, then the Markov chain left to right: each link's distribution is `sampling.probs`
+    of its logits, and `sampling.sampled` sees each link's draws before the next link (a grammar masks each link by
+    the drafts before it). Confidences are calibrated by the head's per-position temperatures; `generator`: one for
+    the batch or one per row (model.sampling)."""
     a = model.args
     y = _batch_tokens(model, batch, tokens, 1)[:, 0]
     B, g = y.shape[0], a.dspark_block_size
@@ -387,6 +389,7 @@ def dspark_draft(
         q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
         confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
         prev = sample(q, generator)
+        sampling.sampled(prev)
         tokens_out.append(prev)
         probs.append(q)
     return Draft(torch.stack(tokens_out, 1), torch.stack(probs, 1), torch.cat(confidence, -1))

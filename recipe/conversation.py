@@ -72,11 +72,13 @@ class Tool(msgspec.Struct, frozen=True):
 
 
 class ResponseFormat(msgspec.Struct, frozen=True):
-    """A requested answer format: any JSON object, JSON matching `schema`, or text matching `regex`."""
+    """A requested answer format: any JSON object, JSON matching `schema`, or text matching `regex`. `strict`: the
+    schema's objects admit no property it does not name (OpenAI's strict structured outputs)."""
 
     type: Literal["json_object", "json_schema", "regex"]
     schema: Any = None
     regex: str | None = None
+    strict: bool = False
 
 
 class Conversation(msgspec.Struct):

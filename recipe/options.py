@@ -69,12 +69,15 @@ class Sampling(msgspec.Struct):
 class OutputConstraint(msgspec.Struct, frozen=True):
     """A constraint the backend may enforce by constrained decoding.
 
-    kind: "json" (schema: compact JSON Schema, or "" for any JSON value), "regex" (schema: the pattern),
+    kind: "json" (schema: compact JSON Schema, or "" for any JSON object), "regex" (schema: the pattern),
         "tool_call" / "tool_call_required" (schema: JSON array of the declared function tools).
+    strict: "json" with a schema: its objects admit no property the schema does not name (a strict tool's
+        parameters are already in that form).
     """
 
     kind: Literal["json", "regex", "tool_call", "tool_call_required"]
     schema: str = ""
+    strict: bool = False
 
 
 class ParsingOptions(msgspec.Struct, frozen=True):

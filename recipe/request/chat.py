@@ -206,7 +206,7 @@ def _response_format(fmt: ChatResponseFormat | None) -> ResponseFormat | None:
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise RecipeError("Missing 'response_format.json_schema'", param="response_format.json_schema")
-        return ResponseFormat("json_schema", schema=fmt.json_schema.schema)
+        return ResponseFormat("json_schema", schema=fmt.json_schema.schema, strict=bool(fmt.json_schema.strict))
     if fmt.type == "regex":
         if fmt.regex is None:
             raise RecipeError("Missing 'response_format.regex'", param="response_format.regex")

@@ -315,7 +315,7 @@ def output_constraint(conversation: Conversation) -> OutputConstraint | None:
     if fmt.type == "regex":
         return OutputConstraint("regex", fmt.regex or "")
     if fmt.type == "json_schema":
-        return OutputConstraint("json", msgspec.json.encode(fmt.schema).decode())
+        return OutputConstraint("json", msgspec.json.encode(fmt.schema).decode(), strict=fmt.strict)
     return OutputConstraint("json", "")
 
 

@@ -324,6 +324,11 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
         "max_tokens": max_tokens,
     }
     stops = common.stop_sequences(request.stop_sequences, "stop_sequences")
-    return common.converted(
+    converted = common.converted(
         "messages", request.model, version, conversation, sampling, stops=stops, stream=request.stream
     )
+    constraint = converted.output_constraint
+    if choice is not None and choice.type == "any" and constraint is not None and constraint.kind == "tool_call":
+        # `any` renders as auto (as the reference does); the constraint still asks for a call
+        converted.output_constraint = msgspec.structs.replace(constraint, kind="tool_call_required")
+    return converted

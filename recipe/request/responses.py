@@ -350,7 +350,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.schema is None:
             raise RecipeError("Missing 'text.format.schema'", param="text.format.schema")
-        response_format = ResponseFormat("json_schema", schema=fmt.schema)
+        response_format = ResponseFormat("json_schema", schema=fmt.schema, strict=bool(fmt.strict))
     conversation = Conversation(
         messages,
         thinking=thinking,

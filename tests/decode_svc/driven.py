@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from service_mesh import new_id
 
 from decode_svc.engine import Engine, EngineSettings
+from decode_svc.guide import Guide
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence
 from model import Past, PrefillOutput, Transformer
@@ -36,14 +37,17 @@ class Driven:
         handoff: PrefillOutput | None = None,
         sampling: Sampling = GREEDY,
         speculate: bool = True,
+        stop_token_ids: frozenset[int] = frozenset(),
+        guide: Guide | None = None,
     ) -> Sequence:
-        """A token-ids prompt decode prefills itself (on top of `past`), or a prefill's `handoff` of `ids`."""
-        params = Params(new_id(), sampling, frozenset(), limit, False, 0, speculate, b"")
+        """A token-ids prompt decode prefills itself (on top of `past`), or a prefill's `handoff` of `ids`; `guide`:
+        its output constraint."""
+        params = Params(new_id(), sampling, stop_token_ids, limit, False, 0, speculate, b"")
         if handoff is None:
             prompt = Prompt(ids, past=past, local_prefill="token_ids")
         else:
             prompt = Prompt(ids, blocks=handoff.blocks, state=handoff.encoder_state)
-        seq = Sequence(params, Outbox(self.loop), prompt, limit=limit)
+        seq = Sequence(params, Outbox(self.loop), prompt, limit=limit, guide=guide)
         self.engine.register(seq)
         self.engine.submit(seq)
         return seq

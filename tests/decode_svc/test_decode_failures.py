@@ -85,6 +85,7 @@ def test_an_unclaimed_handoff_expires_with_its_lease(start_mesh: Callable[..., M
     assert expired.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+Constraint = decode_pb2.OutputConstraint
 BAD_REQUESTS = [
     ({"max_tokens": 2}, "either handle"),
     ({"token_ids": token_ids([])}, "token_ids is empty"),
@@ -99,6 +100,12 @@ BAD_REQUESTS = [
     ({"token_ids": token_ids([5]), "sampling": decode_pb2.SamplingParams(top_p=1.5)}, "top_p"),
     ({"token_ids": token_ids([5]), "cache_salt": b"s" * 2000}, "cache_salt"),
     ({"token_ids": token_ids([5]), "request_id": "r" * 300}, "request_id"),
+    ({"token_ids": token_ids([5]), "constraint": Constraint(regex="(unclosed")}, "constraint.regex: Regex parsing"),
+    ({"token_ids": token_ids([5]), "constraint": Constraint(json_schema="{no")}, "constraint.json_schema: not JSON"),
+    ({"token_ids": token_ids([5]), "constraint": Constraint(json_schema='{"type": "wrong"}')}, 'type "wrong"'),
+    ({"token_ids": token_ids([5]), "constraint": Constraint(structural_tag='{"type": 1}')}, "structural_tag"),
+    ({"token_ids": token_ids([5]), "constraint": Constraint(banned_token_ids=[7, 129_280])}, "banned_token_ids[1]"),
+    ({"token_ids": token_ids([5]), "constraint": Constraint(json_object=True, answer_prefix="no")}, "answer_prefix"),
 ]
 
 

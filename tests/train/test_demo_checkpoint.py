@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import openai
-import pytest
 import torch
 from safetensors import safe_open
 
-from mesh.processes import Mesh, MeshSpec
+from mesh.processes import Mesh
 from model import load_checkpoint, preset
 from recipe.tokenizer import default_tokenizer_path
 from train import tools
@@ -63,18 +61,6 @@ def test_checkpoint_loads_through_the_release_loader() -> None:
     with torch.no_grad():
         logits = model(torch.tensor([[0, 128803, 19923, 3]]))
     assert torch.isfinite(logits).all()
-
-
-@pytest.fixture(scope="module")
-def demo_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    # DSpark slows a CPU down at this checkpoint's acceptance (docs/benchmarks.md); greedy output is the same.
-    spec = MeshSpec(
-        model=str(CHECKPOINT), data_dir=tmp_path_factory.mktemp("demo-mesh"), decode_args=["--no-speculation"]
-    )
-    running = Mesh(spec)
-    running.start(300.0)
-    yield running
-    running.stop()
 
 
 def test_weather_question_calls_get_weather_and_answers_the_result(demo_mesh: Mesh) -> None:

@@ -25,37 +25,39 @@ _sym_db = _symbol_database.Default()
 from proto.mesh.v1 import model_info_pb2 as proto_dot_mesh_dot_v1_dot_model__info__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/decode/v1/decode.proto\x12\tdecode.v1\x1a\x1eproto/mesh/v1/model_info.proto\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xcb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06handle\x18\x02 \x01(\x0cH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.decode.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.decode.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x0b \x01(\r\x12\x15\n\rcached_tokens\x18\x0c \x01(\rB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.decode.v1.TopLogprob\"\xa6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x05 \x01(\r\x12\x16\n\x0e\x62ounded_replay\x18\x06 \x01(\x08\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.decode.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.decode.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.decode.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"Q\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x11\n\tmax_batch\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x84\x02\n\x06\x44\x65\x63ode\x12\x45\n\x08Generate\x12\x1a.decode.v1.GenerateRequest\x1a\x1b.decode.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.decode.v1.AbortRequest\x1a\x18.decode.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.decode.v1.GetLoadRequest\x1a\x0f.decode.v1.Load\x12@\n\x0cGetModelInfo\x12\x1c.mesh.v1.GetModelInfoRequest\x1a\x12.mesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cproto/decode/v1/decode.proto\x12\tdecode.v1\x1a\x1eproto/mesh/v1/model_info.proto\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xfc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06handle\x18\x02 \x01(\x0cH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.decode.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.decode.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x1b\n\x13\x64isable_speculation\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x0b \x01(\r\x12\x15\n\rcached_tokens\x18\x0c \x01(\r\x12/\n\nconstraint\x18\r \x01(\x0b\x32\x1b.decode.v1.OutputConstraintB\x08\n\x06prompt\"\xf7\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x04 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x05 \x01(\x08\x12#\n\x16reasoning_end_token_id\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x15\n\ranswer_prefix\x18\x07 \x01(\t\x12\x18\n\x10\x62\x61nned_token_ids\x18\x08 \x03(\rB\t\n\x07grammarB\x19\n\x17_reasoning_end_token_id\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.decode.v1.TopLogprob\"\xa6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x04 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x05 \x01(\r\x12\x16\n\x0e\x62ounded_replay\x18\x06 \x01(\x08\"\xa1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.decode.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.decode.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.decode.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"Q\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x11\n\tmax_batch\x18\x03 \x01(\r\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x84\x02\n\x06\x44\x65\x63ode\x12\x45\n\x08Generate\x12\x1a.decode.v1.GenerateRequest\x1a\x1b.decode.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.decode.v1.AbortRequest\x1a\x18.decode.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.decode.v1.GetLoadRequest\x1a\x0f.decode.v1.Load\x12@\n\x0cGetModelInfo\x12\x1c.mesh.v1.GetModelInfoRequest\x1a\x12.mesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.decode.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1151
-  _globals['_FINISHREASON']._serialized_end=1271
+  _globals['_FINISHREASON']._serialized_start=1450
+  _globals['_FINISHREASON']._serialized_end=1570
   _globals['_SAMPLINGPARAMS']._serialized_start=75
   _globals['_SAMPLINGPARAMS']._serialized_end=170
   _globals['_GENERATEREQUEST']._serialized_start=173
-  _globals['_GENERATEREQUEST']._serialized_end=504
-  _globals['_TOKENIDS']._serialized_start=506
-  _globals['_TOKENIDS']._serialized_end=529
-  _globals['_TOPLOGPROB']._serialized_start=531
-  _globals['_TOPLOGPROB']._serialized_end=578
-  _globals['_TOKENLOGPROB']._serialized_start=580
-  _globals['_TOKENLOGPROB']._serialized_end=647
-  _globals['_USAGE']._serialized_start=650
-  _globals['_USAGE']._serialized_end=816
-  _globals['_GENERATERESPONSE']._serialized_start=819
-  _globals['_GENERATERESPONSE']._serialized_end=980
-  _globals['_ABORTREQUEST']._serialized_start=982
-  _globals['_ABORTREQUEST']._serialized_end=1016
-  _globals['_ABORTRESPONSE']._serialized_start=1018
-  _globals['_ABORTRESPONSE']._serialized_end=1048
-  _globals['_GETLOADREQUEST']._serialized_start=1050
-  _globals['_GETLOADREQUEST']._serialized_end=1066
-  _globals['_LOAD']._serialized_start=1068
-  _globals['_LOAD']._serialized_end=1149
-  _globals['_DECODE']._serialized_start=1274
-  _globals['_DECODE']._serialized_end=1534
+  _globals['_GENERATEREQUEST']._serialized_end=553
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=556
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=803
+  _globals['_TOKENIDS']._serialized_start=805
+  _globals['_TOKENIDS']._serialized_end=828
+  _globals['_TOPLOGPROB']._serialized_start=830
+  _globals['_TOPLOGPROB']._serialized_end=877
+  _globals['_TOKENLOGPROB']._serialized_start=879
+  _globals['_TOKENLOGPROB']._serialized_end=946
+  _globals['_USAGE']._serialized_start=949
+  _globals['_USAGE']._serialized_end=1115
+  _globals['_GENERATERESPONSE']._serialized_start=1118
+  _globals['_GENERATERESPONSE']._serialized_end=1279
+  _globals['_ABORTREQUEST']._serialized_start=1281
+  _globals['_ABORTREQUEST']._serialized_end=1315
+  _globals['_ABORTRESPONSE']._serialized_start=1317
+  _globals['_ABORTRESPONSE']._serialized_end=1347
+  _globals['_GETLOADREQUEST']._serialized_start=1349
+  _globals['_GETLOADREQUEST']._serialized_end=1365
+  _globals['_LOAD']._serialized_start=1367
+  _globals['_LOAD']._serialized_end=1448
+  _globals['_DECODE']._serialized_start=1573
+  _globals['_DECODE']._serialized_end=1833
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "handle", "token_ids", "sampling", "stop_token_ids", "max_tokens", "top_logprobs", "logprobs", "disable_speculation", "cache_salt", "prompt_tokens", "cached_tokens")
+    __slots__ = ("request_id", "handle", "token_ids", "sampling", "stop_token_ids", "max_tokens", "top_logprobs", "logprobs", "disable_speculation", "cache_salt", "prompt_tokens", "cached_tokens", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: bytes
     token_ids: TokenIds
@@ -57,7 +58,28 @@ class GenerateRequest(_message.Message):
     cache_salt: bytes
     prompt_tokens: int
     cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[bytes] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    constraint: OutputConstraint
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[bytes] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., disable_speculation: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+
+class OutputConstraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "structural_tag", "strict", "reasoning_end_token_id", "answer_prefix", "banned_token_ids")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    structural_tag: str
+    strict: bool
+    reasoning_end_token_id: int
+    answer_prefix: str
+    banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., structural_tag: _Optional[str] = ..., strict: _Optional[bool] = ..., reasoning_end_token_id: _Optional[int] = ..., answer_prefix: _Optional[str] = ..., banned_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

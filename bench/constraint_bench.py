@@ -1,0 +1,219 @@
+"""What grammar-constrained decoding costs: the token masks per decode step, with and without DSpark, and the
+compile time of the structured-output tests' JSON Schemas.
+
+    python bench/constraint_bench.py [--model model/checkpoints/v41-demo] [--device cpu|cuda] [--batches 1,64]
+        [--steps 24] [--schemas 52] [--out bench/out/constraint_bench.json]
+
+The model decodes B rows of a JSON-mode prompt (a DecodeBatch, no services), every row under the same compiled JSON
+Schema (an object holding an unbounded array of strings, so the grammar stays open; a row whose grammar completes
+starts a fresh guide, outside the clock). Per step, `plain`: one decode_step, the masks (decode_svc.masking: fill
+the rows' bitmasks on the host, apply them where the logits are), greedy sampling, the guides following the tokens;
+`dspark`: one DSpark draft of γ tokens whose every link is masked by the drafts before it, the chain's close (the
+mask past the last draft, the guides rolled back), one verify over every draft with the chain's masks. The masks'
+share is the time spent in Masks.apply/follow/close (the device synchronised around each), against the whole step
+(also synchronised). Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one,
+against the served tokenizer's 129,280-id vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from schemas import schemas  # noqa: E402
+from serve_bench import machine  # noqa: E402
+
+from decode_svc.grammar import Grammars, default_tokenizer, vocabulary  # noqa: E402
+from decode_svc.guide import Guide  # noqa: E402
+from decode_svc.masking import Chain, Masks  # noqa: E402
+from decode_svc.sampler import StepSampling  # noqa: E402
+from mesh.model_service.runtime import load_model  # noqa: E402
+from mesh.up import DEFAULT_MODEL  # noqa: E402
+from model import Transformer  # noqa: E402
+from proto.decode.v1 import decode_pb2  # noqa: E402
+from recipe import Conversation, ModelVersion, ResponseFormat, User, load_tokenizer, render  # noqa: E402
+
+OPEN_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+console = Console(width=140)
+
+
+class Clock:
+    """Seconds spent in timed sections, the device synchronised at both ends of each."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = 0.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        self.sync()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds += time.perf_counter() - started
+
+
+class TimedMasks(Masks):
+    """Masks whose every call is clocked."""
+
+    def __init__(self, clock: Clock, guides: list[Guide | None], chain: Chain | None = None) -> None:
+        super().__init__(guides, chain)
+        self.clock = clock
+
+    def apply(self, logits: torch.Tensor) -> None:
+        with self.clock.timed():
+            super().apply(logits)
+
+    def follow(self, tokens: torch.Tensor) -> None:
+        with self.clock.timed():
+            super().follow(tokens)
+
+    def close(self) -> Chain:
+        with self.clock.timed():
+            return super().close()
+
+
+def greedy(batch: int, masks: Masks | None) -> StepSampling:
+    zeros = torch.zeros(batch)
+    return StepSampling(zeros, zeros.long(), torch.ones(batch), (None,) * batch, [0] * batch, masks)
+
+
+class Rows:
+    """B rows of one prompt in a DecodeBatch, their pending tokens and (when constrained) their guides."""
+
+    def __init__(self, model: Transformer, prompt: list[int], batch: int, grammar: Any | None) -> None:
+        prefill = model.encode_prefill(prompt, None)
+        self.batch = model.new_decode_batch(capacity=batch)
+        joined = self.batch.join_many([(prefill.blocks, prefill.encoder_state)] * batch)
+        self.pending = [int(logits.argmax()) for _, logits in joined]
+        self.grammar = grammar
+        self.guides: list[Guide | None] = [self._guide() for _ in range(batch)]
+        self.follow([[t] for t in self.pending])
+
+    def _guide(self) -> Guide | None:
+        return Guide(self.grammar, banned=[128825], stop_ids=[1]) if self.grammar is not None else None
+
+    def follow(self, emitted: list[list[int]]) -> None:
+        """Every guide takes its row's emitted tokens; a grammar that refuses one (it is complete) starts again."""
+        for b, tokens in enumerate(emitted):
+            for token in tokens:
+                guide = self.guides[b]
+                if guide is not None and not guide.accept(token):
+                    self.guides[b] = self._guide()
+
+    def masks(self, clock: Clock, chain: Chain | None = None) -> Masks | None:
+        return TimedMasks(clock, self.guides, chain) if self.grammar is not None else None
+
+
+def plain_step(model: Transformer, rows: Rows, clock: Clock) -> None:
+    logits = model.decode_step(rows.batch, rows.pending)
+    rows.pending = greedy(len(rows.pending), rows.masks(clock)).probs(logits).argmax(-1).tolist()
+    with clock.timed():
+        rows.follow([[t] for t in rows.pending])
+
+
+def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> None:
+    sampling = greedy(len(rows.pending), rows.masks(clock))
+    draft = model.dspark_draft(rows.batch, rows.pending, sampling)
+    chain = sampling.masks.close() if sampling.masks is not None else None
+    result = model.verify(rows.batch, rows.pending, draft, greedy(len(rows.pending), rows.masks(clock, chain)))
+    rows.pending = [tokens[-1] for tokens in result.tokens]
+    with clock.timed():
+        rows.follow(result.tokens)
+
+
+def measure(model: Transformer, prompt: list[int], batch: int, grammar: Any | None, mode: str, steps: int) -> dict:
+    """Median step and mask milliseconds over `steps` steps (after two unmeasured ones)."""
+    rows = Rows(model, prompt, batch, grammar)
+    step = plain_step if mode == "plain" else dspark_step
+    totals, masks = [], []
+    for i in range(steps + 2):
+        clock, whole = Clock(model.device), Clock(model.device)
+        with whole.timed():
+            step(model, rows, clock)
+        if i >= 2:
+            totals.append(whole.seconds * 1e3)
+            masks.append(clock.seconds * 1e3)
+    return {"step_ms": statistics.median(totals), "mask_ms": statistics.median(masks)}
+
+
+def compile_times(grammars: Grammars, count: int) -> list[float]:
+    out = []
+    for schema, strict in schemas(count):
+        started = time.perf_counter()
+        grammars.compile_now(decode_pb2.OutputConstraint(json_schema=json.dumps(schema), strict=strict))
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="tiny, small or a checkpoint directory")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--schemas", type=int, default=52, help="JSON Schemas compiled (bench/schemas.py)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/out/constraint_bench.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, "full", device=args.device)
+    grammars = Grammars(vocabulary(default_tokenizer(), model.args.vocab_size))
+    grammar = grammars.compile_now(decode_pb2.OutputConstraint(json_schema=json.dumps(OPEN_SCHEMA)))
+    conversation = Conversation([User("List some colours as JSON.")], thinking=False)
+    conversation.response_format = ResponseFormat("json_schema", schema=OPEN_SCHEMA)
+    prompt = render(conversation, ModelVersion.V41, load_tokenizer()).token_ids or []
+
+    results: list[dict[str, Any]] = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for mode in ("plain", "dspark"):
+            free = measure(model, prompt, batch, None, mode, args.steps)
+            masked = measure(model, prompt, batch, grammar, mode, args.steps)
+            results.append({"batch": batch, "mode": mode, "free_step_ms": free["step_ms"],
+                            "masked_step_ms": masked["step_ms"], "mask_ms": masked["mask_ms"],
+                            "mask_share": masked["mask_ms"] / masked["step_ms"]})  # fmt: skip
+    seconds = compile_times(grammars, args.schemas)
+
+    table = Table(title=f"token masks per decode step ({args.model}, {model.device}; medians of {args.steps} steps)")
+    for column in ("batch", "step", "step, free (ms)", "step, masked (ms)", "masks (ms)", "masks / step"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(str(r["batch"]), r["mode"], f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}",
+                      f"{r['mask_ms']:.3f}", f"{r['mask_share']:.1%}")  # fmt: skip
+    console.print(table)
+    ms = sorted(s * 1e3 for s in seconds)
+    compile_summary = {"schemas": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))],
+                       "max_ms": ms[-1], "total_s": sum(seconds)}  # fmt: skip
+    console.print(f"compile of {len(ms)} JSON Schemas: median {compile_summary['median_ms']:.0f} ms, p90 "
+                  f"{compile_summary['p90_ms']:.0f} ms, max {compile_summary['max_ms']:.0f} ms")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "steps": results,
+              "compile": compile_summary, "compile_ms": [s * 1e3 for s in seconds]}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

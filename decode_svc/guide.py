@@ -1,0 +1,82 @@
+"""One sequence's output constraint as it decodes: free while it reasons, then the grammar and the banned tokens.
+
+    reasoning ──the reasoning's end token──▶ answer: the grammar's next-token set, minus the banned tokens
+
+`accept` follows every token the sequence emits, and for the span of one step the DSpark drafts too; `rollback`
+undoes drafts the verification will judge (the engine re-accepts the ones it emits). What the next token may be is
+the matcher's bitmask without the banned tokens (masking.py fills it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+
+import xgrammar as xgr
+
+_REASONING, _END, _ANSWER = 0, 1, 2  # what an accepted token was
+TRAIL = 64  # tokens a guide can undo: more than one step ever drafts
+
+
+class Guide:
+    def __init__(
+        self,
+        grammar: xgr.CompiledGrammar | None,
+        *,
+        banned: Collection[int] = (),
+        reasoning_end: int | None = None,
+        answer_prefix: str = "",
+        stop_ids: Collection[int] = (),
+    ) -> None:
+        """ValueError when the grammar refuses `answer_prefix`."""
+        self.matcher = None
+        if grammar is not None:
+            self.matcher = xgr.GrammarMatcher(grammar, override_stop_tokens=sorted(stop_ids) or None)
+            if answer_prefix and not self.matcher.accept_string(answer_prefix):
+                raise ValueError(f"the answer's prefix in the prompt does not match the grammar: {answer_prefix!r}")
+        self.banned = frozenset(banned)
+        self.reasoning_end = reasoning_end
+        self.in_answer = reasoning_end is None
+        self._trail: deque[int] = deque(maxlen=TRAIL)  # per recent accepted token: _REASONING, _END or _ANSWER
+
+    @property
+    def grammar_active(self) -> bool:
+        """The grammar decides the next token (in the answer, and not finished)."""
+        return self.in_answer and self.matcher is not None and not self.matcher.is_terminated()
+
+    @property
+    def restricts(self) -> bool:
+        """Anything restricts the next token."""
+        return self.grammar_active or (self.in_answer and bool(self.banned))
+
+    @property
+    def static(self) -> bool:
+        """What it allows no longer depends on the tokens to come (an answer with banned tokens and no grammar)."""
+        return self.in_answer and self.matcher is None
+
+    def accept(self, token: int) -> bool:
+        """Follow one more token; False (and nothing followed) when the constraint does not allow it."""
+        if not self.in_answer:
+            end = token == self.reasoning_end
+            self._trail.append(_END if end else _REASONING)
+            self.in_answer = end
+            return True
+        if token in self.banned:
+            return False
+        if self.matcher is not None and (self.matcher.is_terminated() or not self.matcher.accept_token(token)):
+            return False  # (nothing follows the stop token that completed the grammar)
+        self._trail.append(_ANSWER)
+        return True
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens."""
+        if n <= 0:
+            return
+        if n > len(self._trail):
+            raise ValueError(f"cannot undo {n} tokens: only the last {len(self._trail)} are remembered")
+        undone = [self._trail.pop() for _ in range(n)]
+        answer = undone.count(_ANSWER)
+        if answer and self.matcher is not None:
+            self.matcher.rollback(answer)
+        if _END in undone:
+            self.in_answer = False

@@ -1,0 +1,167 @@
+"""Grammar-constrained decoding in the engine (tiny model, driven one iteration at a time): a mask changes nothing
+when the free output already conforms and forces the grammar when it does not, each row of a batch on its own; DSpark
+drafts are masked and verified against the masked target, so speculation gives the plain lane's tokens, with drafts
+really accepted; the reasoning is free until its end token; banned tokens never appear in the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from driven import GREEDY, Driven, driven_engine
+from test_decode_speculation import oracle_drafter
+
+from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
+from decode_svc.guide import Guide
+from model import Transformer
+from proto.decode.v1 import decode_pb2
+from recipe import load_tokenizer
+
+LIMIT = 10
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def grammars(models: tuple[Transformer, Transformer]) -> Grammars:
+    return Grammars(vocabulary(default_tokenizer(), models[1].args.vocab_size))
+
+
+def exactly(text: str) -> decode_pb2.OutputConstraint:
+    """A grammar that admits `text` and nothing else."""
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": text}}
+    return decode_pb2.OutputConstraint(structural_tag=json.dumps(tag))
+
+
+def guide(grammars: Grammars, constraint: decode_pb2.OutputConstraint, **fields: object) -> Guide:
+    compiled = asyncio.run(grammars.compile(constraint))
+    return Guide(compiled, stop_ids=[EOS], **fields)  # type: ignore[arg-type]
+
+
+def run(
+    model: Transformer, prompts: list[list[int]], guides: list[Guide | None], speculate: bool = False
+) -> tuple[list[list[int]], Driven]:
+    """Greedy outputs of the prompts decoded together (EOS stops), each row under its guide."""
+    with driven_engine(model, speculation=speculate, max_draft=3, draft_policy="full") as d:
+        stop = frozenset({EOS})
+        seqs = [
+            d.submit(ids, LIMIT, sampling=GREEDY, speculate=speculate, stop_token_ids=stop, guide=g)
+            for ids, g in zip(prompts, guides, strict=True)
+        ]
+        d.run_to_end(*seqs)
+        return [seq.output for seq in seqs], d
+
+
+@pytest.fixture(scope="module")
+def conforming(models: tuple[Transformer, Transformer]) -> tuple[list[int], list[int], str]:
+    """A prompt whose free greedy output is plain text (no control token, whole UTF-8): (prompt, output, its text)."""
+    tokenizer = load_tokenizer()
+    control = set(tokenizer.added.values())
+    for seed in range(40):
+        prompt = torch.randint(100, 100_000, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        (free,), _ = run(models[1], [prompt], [None])
+        raw = b"".join(tokenizer.token_bytes(t) for t in free)
+        if not control & set(free):
+            try:
+                return prompt, free, raw.decode()
+            except UnicodeDecodeError:
+                continue
+    raise AssertionError("no prompt of the tiny model decodes to plain text")
+
+
+def test_a_mask_changes_nothing_when_the_output_conforms(
+    models: tuple[Transformer, Transformer], grammars: Grammars, conforming: tuple[list[int], list[int], str]
+) -> None:
+    prompt, free, text = conforming
+    for speculate in (False, True):
+        (masked,), _ = run(models[1], [prompt], [guide(grammars, exactly(text + "!"))], speculate)
+        assert masked == free
+
+
+def test_the_grammar_decides_when_the_output_does_not_conform(
+    models: tuple[Transformer, Transformer], grammars: Grammars, conforming: tuple[list[int], list[int], str]
+) -> None:
+    prompt, free, _ = conforming
+    tokenizer = load_tokenizer()
+    (forced,), _ = run(models[1], [prompt], [guide(grammars, exactly("Hi"))])
+    assert forced[-1] == EOS  # the grammar is complete: only the stop token was left
+    assert tokenizer.decode(forced[:-1]) == "Hi"
+    assert forced != free
+
+
+def test_each_row_of_a_batch_follows_its_own_constraint(
+    models: tuple[Transformer, Transformer], grammars: Grammars, conforming: tuple[list[int], list[int], str]
+) -> None:
+    prompt = conforming[0]
+    other = [p + 7 for p in prompt]
+    alone = {
+        "free": run(models[1], [other], [None])[0][0],
+        "json": run(models[1], [prompt], [guide(grammars, decode_pb2.OutputConstraint(json_object=True))])[0][0],
+    }
+    for speculate in (False, True):
+        together, _ = run(
+            models[1],
+            [prompt, other, prompt],
+            [guide(grammars, decode_pb2.OutputConstraint(json_object=True)), None, guide(grammars, exactly("Hi"))],
+            speculate,
+        )
+        assert together[0] == alone["json"]
+        assert together[1] == alone["free"]
+        assert load_tokenizer().decode(together[2][:-1]) == "Hi"
+
+
+@pytest.mark.parametrize("drafter", ["constrained", "free"])
+def test_speculation_is_lossless_under_a_constraint(
+    models: tuple[Transformer, Transformer],
+    grammars: Grammars,
+    conforming: tuple[list[int], list[int], str],
+    drafter: str,
+) -> None:
+    """Drafts forced by an oracle Markov head — along the constrained output (accepted), or along the free output
+    (the grammar refuses them: the masks pick others) — never change the tokens."""
+    prompt, free, _ = conforming
+
+    def constraint() -> Guide:
+        return guide(grammars, exactly("Hello, world"))
+
+    (plain,), _ = run(models[1], [prompt], [constraint()])
+    oracle = oracle_drafter(models[1], plain if drafter == "constrained" else free)
+    (spec,), d = run(oracle, [prompt], [constraint()], speculate=True)
+    assert spec == plain
+    if drafter == "constrained":
+        assert d.metric("draft_accepted_tokens_total") > 0  # the verify pass judged drafts against masked targets
+
+
+def test_the_reasoning_is_free_and_banned_tokens_stay_out_of_the_answer(
+    models: tuple[Transformer, Transformer], grammars: Grammars, conforming: tuple[list[int], list[int], str]
+) -> None:
+    prompt, free, _ = conforming
+    json_only = decode_pb2.OutputConstraint(json_object=True)
+    never_ends = 128822  # `</think>`, which the free output does not hold: all of it is reasoning
+    assert never_ends not in free
+    (reasoning,), _ = run(models[1], [prompt], [guide(grammars, json_only, reasoning_end=never_ends)])
+    assert reasoning == free
+    ends_first = free[0]  # the first token ends the reasoning: the grammar takes over from the second
+    (answered,), _ = run(models[1], [prompt], [guide(grammars, json_only, reasoning_end=ends_first)])
+    assert answered[0] == free[0]
+    assert answered != free
+    banned = free[2]
+    for speculate in (False, True):
+        ban = guide(grammars, decode_pb2.OutputConstraint(), banned=[banned])
+        (without,), _ = run(models[1], [prompt], [ban], speculate)
+        assert without[:2] == free[:2]
+        assert banned not in without
+
+
+def test_a_guide_undoes_drafts_across_the_reasoning_end(grammars: Grammars) -> None:
+    g = guide(grammars, decode_pb2.OutputConstraint(json_object=True), reasoning_end=128822, banned=[128825])
+    assert g.accept(5)
+    assert (g.in_answer, g.restricts) == (False, False)
+    assert g.accept(128822)
+    assert (g.in_answer, g.restricts) == (True, True)
+    assert not g.accept(128825)  # banned in the answer
+    assert g.accept(load_tokenizer().encode_plain("{")[0])
+    g.rollback(2)
+    assert (g.in_answer, g.restricts) == (False, False)
+    assert g.accept(128825)  # the reasoning is free
