@@ -194,8 +194,8 @@ def bench_loader(ns: argparse.Namespace) -> list[dict]:
 
 
 def bench_steps(ns: argparse.Namespace) -> list[dict]:
-    contexts = [256, 512] if ns.tiny else [4096, 131_072]
-    batches = [1, 4] if ns.tiny else [1, 64, 256]
+    contexts = [256, 512] if ns.tiny else ns.contexts
+    batches = [1, 4] if ns.tiny else ns.batches
     models = {"slice": (ns.slice_layers, 384), "rank": (40, 48)}
     rows = []
     for name, (layers, experts) in models.items():
@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice-layers", type=int, default=8)
     parser.add_argument("--loader-layers", type=int, default=2)
     parser.add_argument("--engram-vocab", type=int, default=200_000, help="ids per Engram head table")
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 64, 256])
+    parser.add_argument("--contexts", type=lambda s: [int(c) for c in s.split(",")], default=[4096, 131_072])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke of the script)")
     ns = parser.parse_args(argv)
