@@ -59,8 +59,11 @@ class EventStream(Response):
 
 
 async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """The result of `work`, or ClientDisconnect once the client left (and `work` was cancelled)."""
+    """The result of `work`, or ClientDisconnect once the client left (and `work` was cancelled). An error of `work`
+    itself is raised as it is — the task group would wrap it in an ExceptionGroup, which the app's error mapping
+    (a GatewayError's status) would not recognise."""
     done: list[T] = []
+    failed: list[Exception] = []
     async with anyio.create_task_group() as group:
 
         async def watch() -> None:
@@ -68,8 +71,13 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
             group.cancel_scope.cancel()
 
         group.start_soon(watch)
-        done.append(await work)
+        try:
+            done.append(await work)
+        except Exception as error:
+            failed.append(error)
         group.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
     if not done:
         raise ClientDisconnect()
     return done[0]
