@@ -88,6 +88,21 @@ def killed(mesh: Mesh, *names: str) -> Iterator[None]:
         wait_for(mesh.child("gateway").healthy, "the gateway to see every replica up again")
 
 
+def mesh_up(data_dir: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """`python -m mesh up` on a free port with small cache tiers under `data_dir` (and `flags`), as a user runs it;
+    returns the process and the base URL it prints once every process is healthy."""
+    root = Path(__file__).resolve().parents[2]
+    up = subprocess.Popen(
+        [sys.executable, "-m", "mesh", "up", "--port", "0", "--data-dir", str(data_dir),
+         "--cache-args", f"--ssd-bytes {64 << 20} --record-bytes {16 << 20} --dram-bytes {16 << 20}", *flags],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert up.stdout is not None
+    base_url = up.stdout.readline().strip()  # printed once every process is healthy
+    assert base_url.startswith("http://127.0.0.1:"), up.stderr.read() if up.stderr else ""
+    return up, base_url
+
+
 def start_gateway(
     mesh: Mesh, log: Path, *flags: str, prefill: str | None = None
 ) -> tuple[str, subprocess.Popen[bytes]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from e2e_helpers import START_TIMEOUT_S
+from e2e_helpers import START_TIMEOUT_S, mesh_up
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,15 +29,8 @@ def test_mesh_serves_a_released_layout_checkpoint(tmp_path: Path, preset: str) -
     assert len(shards) > 1
     assert (checkpoint / "model.safetensors.index.json").exists()
     data_dir = tmp_path / "mesh"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "mesh", "up", "--model", str(checkpoint), "--port", "0", "--data-dir", str(data_dir),
-         "--cache-args", f"--ssd-bytes {64 << 20} --record-bytes {16 << 20} --dram-bytes {16 << 20}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    up, base_url = mesh_up(data_dir, "--model", str(checkpoint))
     try:
-        assert up.stdout is not None
-        base_url = up.stdout.readline().strip()  # printed once every process is healthy
-        assert base_url.startswith("http://127.0.0.1:"), up.stderr.read() if up.stderr else ""
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="DeepSeek-V4.1-Flash", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, temperature=0

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import httpx
-from e2e_helpers import START_TIMEOUT_S, wait_for
+from e2e_helpers import START_TIMEOUT_S, mesh_up, wait_for
 
 from mesh.processes import grpc_serving
 
@@ -43,15 +43,8 @@ def children_of(data_dir: Path) -> dict[str, dict]:
 
 def test_up_demo_restart_and_a_clean_stop(tmp_path: Path) -> None:
     data_dir = tmp_path / "mesh"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "mesh", "up", "--port", "0", "--data-dir", str(data_dir),
-         "--cache-args", f"--ssd-bytes {64 << 20} --record-bytes {16 << 20} --dram-bytes {16 << 20}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    up, base_url = mesh_up(data_dir)
     try:
-        assert up.stdout is not None
-        base_url = up.stdout.readline().strip()  # printed once every process is healthy
-        assert base_url.startswith("http://127.0.0.1:"), up.stderr.read() if up.stderr else ""
         first = children_of(data_dir)
         assert set(first) == {"cache", "prefill-0", "decode-0", "gateway"}
         for name, family in METRICS.items():  # every process serves Prometheus, at the URL mesh.json gives
