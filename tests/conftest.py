@@ -21,9 +21,14 @@ DEMO_CHECKPOINT = Path(__file__).resolve().parents[1] / "model" / "checkpoints" 
 @pytest.fixture(scope="session")
 def demo_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """The whole mesh serving the committed demo checkpoint (`make up`'s model) as processes on loopback. DSpark
-    slows a CPU down at this checkpoint's acceptance (docs/benchmarks.md); greedy output is the same."""
+    slows a CPU down at this checkpoint's acceptance (docs/benchmarks.md); greedy output is the same. The tests that
+    use it load it with dozens of concurrent generations on a CPU shared with the rest of the suite: a decode message
+    may take longer than a client would wait for it in production."""
     spec = MeshSpec(
-        model=str(DEMO_CHECKPOINT), data_dir=tmp_path_factory.mktemp("demo-mesh"), decode_args=["--no-speculation"]
+        model=str(DEMO_CHECKPOINT),
+        data_dir=tmp_path_factory.mktemp("demo-mesh"),
+        decode_args=["--no-speculation"],
+        gateway_args=["--stall-timeout-s", "600"],
     )
     running = Mesh(spec)
     running.start(300.0)
