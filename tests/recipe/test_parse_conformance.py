@@ -45,7 +45,7 @@ def test_complete_response_matches_reference_for_any_cuts(api: str, data: st.Dat
         ours = run_text(api, body, whole, finish)
         cut = run_text(api, body, chunks, finish)
         cut["usage"] = ours["usage"]
-        assert cut == ours
+        assert oracle.normalize(cut) == oracle.normalize(ours)  # two runs: their timestamps may straddle a second
         chunks = whole
     _, expected = oracle.run_stream(api, body, chunks, finish)
     assert oracle.normalize(run_text(api, body, chunks, finish)) == oracle.normalize(expected)
