@@ -183,22 +183,21 @@ def state_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
             yield name, p.detach()
 
 
-def _accepted(name: str, target: Tensor) -> tuple[torch.dtype, ...]:
-    """Stored dtypes a tensor may come in for this model tensor."""
-    if target.dtype == torch.uint8:
-        return (torch.uint8, BYTE_DTYPES["scale" if name.endswith(".scale") else "fp4"])
-    if target.dtype in PLAIN_DTYPES:
-        return PLAIN_DTYPES
-    return (target.dtype,)
-
-
-def _check(name: str, value: Tensor, target: Tensor) -> None:
-    accepted = _accepted(name, target)
+def _check_dtype(name: str, value: Tensor, held_as: torch.dtype) -> None:
+    """ValueError unless `value` is stored in a dtype that a tensor held as `held_as` takes: bytes (scales, E2M1
+    nibbles) as U8 or their released dtype, E4M3 as E4M3, a plain tensor as any float (never an FP8 one)."""
+    if held_as == torch.uint8:
+        accepted = (torch.uint8, BYTE_DTYPES["scale" if name.endswith(".scale") else "fp4"])
+    else:
+        accepted = PLAIN_DTYPES if held_as in PLAIN_DTYPES else (held_as,)
     if value.dtype not in accepted:
         wanted = " or ".join(str(d).removeprefix("torch.") for d in accepted)
         raise ValueError(f"{name}: checkpoint dtype {str(value.dtype).removeprefix('torch.')}, expected {wanted}")
-    if tuple(value.shape) != tuple(target.shape):
-        raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+
+
+def _check_shape(name: str, shape: torch.Size, target: Tensor) -> None:
+    if tuple(shape) != tuple(target.shape):
+        raise ValueError(f"{name}: checkpoint shape {tuple(shape)} != model shape {tuple(target.shape)}")
 
 
 def _assign(target: Tensor, value: Tensor) -> None:
@@ -222,15 +221,14 @@ class _Targets:
     def put(self, name: str, value: Tensor) -> None:
         weight = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
         if weight not in self.formats:
-            _check(name, value, self.targets[name])
-            _assign(self.targets[name], value)
+            target = self.targets[name]
+            _check_dtype(name, value, target.dtype)
+            _check_shape(name, value.shape, target)
+            _assign(target, value)
             return
         fmt, target = self.formats[weight], self.targets[weight]
-        wanted = torch.float8_e4m3fn if fmt in ("fp8", "fp8_rows") else BYTE_DTYPES["fp4"]
-        if value.dtype not in ((torch.uint8, BYTE_DTYPES["scale"]) if name != weight else (wanted, torch.uint8)):
-            raise ValueError(
-                f"{name}: checkpoint dtype {str(value.dtype).removeprefix('torch.')} is not a {fmt} tensor"
-            )
+        held_as = torch.uint8 if name != weight or fmt == "fp4" else torch.float8_e4m3fn  # as the packed form has it
+        _check_dtype(name, value, held_as)
         self.held[name] = value
         if weight in self.held and scale_name(weight) in self.held:
             data, scale = self.held.pop(weight), self.held.pop(scale_name(weight))
@@ -238,10 +236,7 @@ class _Targets:
                 decoded = dequantize_weight(data, scale, fmt, target.dtype)
             except (ValueError, RuntimeError) as exc:
                 raise ValueError(f"{weight}: {exc}") from exc
-            if decoded.shape != target.shape:
-                raise ValueError(
-                    f"{weight}: checkpoint shape {tuple(decoded.shape)} != model shape {tuple(target.shape)}"
-                )
+            _check_shape(weight, decoded.shape, target)
             target.copy_(decoded)
 
 

@@ -31,23 +31,13 @@ def rewrite(directory, tensors: dict[str, torch.Tensor], config_from) -> None:
 
 
 @pytest.fixture(scope="module")
-def args(tiny_args):
-    return tiny_args.replace(vocab_size=2048, dspark_noise_token_id=2000)
+def checkpoint(tmp_path_factory, narrow):
+    return save_checkpoint(narrow, tmp_path_factory.mktemp("ckpt") / "tiny", shard_bytes=64 << 10)
 
 
-@pytest.fixture(scope="module")
-def model(args):
-    return build_model(args, seed=0)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, model):
-    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "tiny", shard_bytes=64 << 10)
-
-
-def test_released_layout_names_and_dtypes(checkpoint, args):
+def test_released_layout_names_and_dtypes(checkpoint, narrow_args):
     t = stored(checkpoint)
-    a = args
+    a = narrow_args
     L2, C, I = a.n_encoder_layers, a.hidden_size, a.moe_intermediate_size
     index = json.loads((checkpoint / INDEX_FILE).read_text())
     shards = sorted(p.name for p in checkpoint.glob("*.safetensors"))
@@ -81,12 +71,12 @@ def test_released_layout_names_and_dtypes(checkpoint, args):
         assert absent not in t, absent
 
 
-def test_round_trip_is_bit_exact(checkpoint, model):
+def test_round_trip_is_bit_exact(checkpoint, narrow):
     loaded = load_checkpoint(checkpoint)
-    assert loaded.state_dict().keys() == model.state_dict().keys()
-    for name, value in model.state_dict().items():
+    assert loaded.state_dict().keys() == narrow.state_dict().keys()
+    for name, value in narrow.state_dict().items():
         assert torch.equal(value, loaded.state_dict()[name]), name
-    assert loaded.fingerprint == checkpoint_fingerprint(checkpoint) != model.fingerprint
+    assert loaded.fingerprint == checkpoint_fingerprint(checkpoint) != narrow.fingerprint
     report = loaded.load_report
     assert report.read_bytes == Checkpoint(checkpoint).nbytes
     assert report.gb_per_s > 0
@@ -94,22 +84,21 @@ def test_round_trip_is_bit_exact(checkpoint, model):
     again = stored(save_checkpoint(loaded, checkpoint.parent / "resaved"))
     assert all(torch.equal(v.view(torch.uint8), again[n].view(torch.uint8)) for n, v in stored(checkpoint).items())
     float_form = load_checkpoint(checkpoint, packed=False)
-    float_seeded = build_model(model.args, seed=0, packed=False)
+    float_seeded = build_model(narrow.args, seed=0, packed=False)
     assert all(torch.equal(v, float_seeded.state_dict()[n]) for n, v in float_form.state_dict().items())
 
 
-def test_encoder_part_reads_only_its_tensors(checkpoint, model, args):
+def test_encoder_part_reads_only_its_tensors(checkpoint, narrow, narrow_args):
     encoder = load_checkpoint(checkpoint, "encoder")
     total = Checkpoint(checkpoint).nbytes
     assert encoder.load_report.read_bytes == weight_bytes(encoder) < total / 2
     for name, value in encoder.state_dict().items():
-        assert torch.equal(value, model.state_dict()[name]), name
+        assert torch.equal(value, narrow.state_dict()[name]), name
 
 
-def test_a_part_needs_every_tensor_it_holds(checkpoint, tmp_path):
+def test_a_part_needs_every_tensor_it_holds(checkpoint, narrow_args, tmp_path):
     t = stored(checkpoint)
-    encoder_names = expected_names(build_model(preset("tiny").replace(vocab_size=2048, dspark_noise_token_id=2000),
-                                               "encoder", seed=None, device="meta"))  # fmt: skip
+    encoder_names = expected_names(build_model(narrow_args, "encoder", seed=None, device="meta"))
     rewrite(tmp_path / "enc", {n: v for n, v in t.items() if n in encoder_names}, checkpoint)
     load_checkpoint(tmp_path / "enc", "encoder")
     with pytest.raises(ValueError, match="lacks"):
@@ -161,11 +150,11 @@ def test_expert_scale_block_is_read_off_the_shapes(tiny_args, tmp_path, tokens):
         load_checkpoint(tmp_path / "b8")
 
 
-def test_fingerprint_reads_headers_not_payloads(args, tmp_path):
+def test_fingerprint_reads_headers_not_payloads(narrow_args, tmp_path):
     """Different seeds → different fingerprints (the writer's identity is in every header); a payload byte changed
     behind the header's back does not move it — the fingerprint never reads a payload."""
-    a = write_seeded(tmp_path / "a", args, seed=0, dtype=torch.float32)
-    b = write_seeded(tmp_path / "b", args, seed=1, dtype=torch.float32)
+    a = write_seeded(tmp_path / "a", narrow_args, seed=0, dtype=torch.float32)
+    b = write_seeded(tmp_path / "b", narrow_args, seed=1, dtype=torch.float32)
     assert checkpoint_fingerprint(a) != checkpoint_fingerprint(b)
     before = checkpoint_fingerprint(a)
     shard = sorted(a.glob("*.safetensors"))[-1]
@@ -193,32 +182,32 @@ def test_synthetic_checkpoint_equals_the_seeded_model(tmp_path, capsys, tokens):
     assert checkpoint_fingerprint(tmp_path / "w").hex() in capsys.readouterr().out
 
 
-def test_confidence_temperatures_load_when_present(checkpoint, tmp_path, model, args):
+def test_confidence_temperatures_load_when_present(checkpoint, tmp_path, narrow, narrow_args):
     """The calibrated per-position temperatures load from `mtp.{last}.confidence_head.temperature`; a checkpoint from
     before calibration (no such tensor) loads with T = 1; a non-positive temperature is refused."""
-    name = f"mtp.{args.num_nextn_predict_layers - 1}.confidence_head.temperature"
+    name = f"mtp.{narrow_args.num_nextn_predict_layers - 1}.confidence_head.temperature"
     tensors = stored(checkpoint)
-    assert torch.equal(tensors[name], torch.ones(args.dspark_block_size))  # saved with the model
+    assert torch.equal(tensors[name], torch.ones(narrow_args.dspark_block_size))  # saved with the model
 
-    calibrated = torch.linspace(0.5, 3.0, args.dspark_block_size)
+    calibrated = torch.linspace(0.5, 3.0, narrow_args.dspark_block_size)
     rewrite(tmp_path / "calibrated", {**tensors, name: calibrated}, checkpoint)
     assert torch.equal(load_checkpoint(tmp_path / "calibrated").mtp[-1].confidence_head.temperature, calibrated)
     rewrite(tmp_path / "old", {n: t for n, t in tensors.items() if n != name}, checkpoint)
     old = load_checkpoint(tmp_path / "old")
-    assert torch.equal(old.mtp[-1].confidence_head.temperature, torch.ones(args.dspark_block_size))
+    assert torch.equal(old.mtp[-1].confidence_head.temperature, torch.ones(narrow_args.dspark_block_size))
     rewrite(tmp_path / "negative", {**tensors, name: -calibrated}, checkpoint)
     with pytest.raises(ValueError, match="temperature must be positive and finite"):
         load_checkpoint(tmp_path / "negative")
     # The same holds for an in-memory state dict (the trainer's saved phases).
-    fresh = build_model(args, seed=None, packed=False)
+    fresh = build_model(narrow_args, seed=None, packed=False)
     fresh.mtp[-1].confidence_head.temperature.fill_(2.0)
-    float_state = build_model(args, seed=0, packed=False).state_dict()
+    float_state = build_model(narrow_args, seed=0, packed=False).state_dict()
     fresh.load_state_dict({n: t for n, t in float_state.items() if n != name})
-    assert torch.equal(fresh.mtp[-1].confidence_head.temperature, torch.ones(args.dspark_block_size))
+    assert torch.equal(fresh.mtp[-1].confidence_head.temperature, torch.ones(narrow_args.dspark_block_size))
 
 
-def test_plain_checkpoint_round_trip(args, tmp_path):
-    plain_args = args.replace(quantization_config=None)
+def test_plain_checkpoint_round_trip(narrow_args, tmp_path):
+    plain_args = narrow_args.replace(quantization_config=None)
     model = build_model(plain_args, seed=3)
     save_checkpoint(model, tmp_path / "plain")
     t = stored(tmp_path / "plain")

@@ -1,7 +1,6 @@
 """The two forms of a model (packed for serving, float for training), seeded init, memory = checkpoint bytes.
 
-The formats do not depend on the vocabulary, so most tests use `tiny` with a 2,048-token vocabulary (the embedding,
-head and Markov head of the real one would be 90 % of the bytes).
+The formats do not depend on the vocabulary, so most tests use `narrow` (`tiny` with a 2,048-token vocabulary).
 """
 
 from __future__ import annotations
@@ -15,31 +14,21 @@ from model.moe import Experts, PackedExperts
 from model.weights import checkpoint_views, dequantize_weight, state_tensors, weight_bytes
 
 
-@pytest.fixture(scope="module")
-def args(tiny_args):
-    return tiny_args.replace(vocab_size=2048, dspark_noise_token_id=2000)
-
-
-@pytest.fixture(scope="module")
-def model(args):
-    return build_model(args, seed=0)
-
-
-def test_packed_form_holds_checkpoint_bytes_only(model, args):
+def test_packed_form_holds_checkpoint_bytes_only(narrow, narrow_args):
     """Every quantised weight is held as its stored bytes: E4M3 + UE8M0 blocks, E2M1 nibbles; no float copy."""
-    C, I = args.hidden_size, args.moe_intermediate_size
-    wq_a = model.layers[0].attn.wq_a
+    C, I = narrow_args.hidden_size, narrow_args.moe_intermediate_size
+    wq_a = narrow.layers[0].attn.wq_a
     assert isinstance(wq_a, Fp8Linear)
     assert (wq_a.weight.dtype, wq_a.scale.dtype) == (torch.float8_e4m3fn, torch.uint8)
-    assert tuple(wq_a.scale.shape) == (args.q_lora_rank // 32, C // 32)
-    experts = model.layers[3].ffn.experts
+    assert tuple(wq_a.scale.shape) == (narrow_args.q_lora_rank // 32, C // 32)
+    experts = narrow.layers[3].ffn.experts
     assert isinstance(experts, PackedExperts)
-    assert (experts.w13.dtype, tuple(experts.w13.shape)) == (torch.uint8, (args.n_routed_experts, 2 * I, C // 2))
-    assert tuple(experts.w2_scale.shape) == (args.n_routed_experts, C, I // 32)
-    assert isinstance(model.layers[1].engram.embed, Fp8Rows)
-    floats = [n for n, p in model.named_parameters() if p.dtype.is_floating_point and p.element_size() > 1]
+    assert (experts.w13.dtype, tuple(experts.w13.shape)) == (torch.uint8, (narrow_args.n_routed_experts, 2 * I, C // 2))
+    assert tuple(experts.w2_scale.shape) == (narrow_args.n_routed_experts, C, I // 32)
+    assert isinstance(narrow.layers[1].engram.embed, Fp8Rows)
+    floats = [n for n, p in narrow.named_parameters() if p.dtype.is_floating_point and p.element_size() > 1]
     assert not [n for n in floats if ".experts." in n or n.endswith(("wq_a.weight", "wo_b.weight", "embed.scale"))]
-    for module in model.modules():
+    for module in narrow.modules():
         assert not (isinstance(module, Linear) and module.quantized), module  # no float-form quantised linear left
 
 
@@ -67,17 +56,18 @@ def test_weight_memory_equals_checkpoint_bytes(preset_name):
     assert weight_bytes(model) == stored
 
 
-def test_seeded_init_is_deterministic(args, model):
-    again, other = build_model(args, seed=0), build_model(args, seed=1)
-    assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
-    assert not torch.equal(model.head.weight, other.head.weight)
-    assert again.fingerprint == model.fingerprint != other.fingerprint
+def test_seeded_init_is_deterministic(narrow_args, narrow):
+    again, other = build_model(narrow_args, seed=0), build_model(narrow_args, seed=1)
+    pairs = zip(narrow.state_dict().values(), again.state_dict().values(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
+    assert not torch.equal(narrow.head.weight, other.head.weight)
+    assert again.fingerprint == narrow.fingerprint != other.fingerprint
     # A prefill machine (encoder part) and a decode machine (full model) of one seed share weights and fingerprint.
-    encoder = build_model(args, "encoder", seed=0)
-    assert encoder.fingerprint == model.fingerprint
-    assert all(torch.equal(v, model.state_dict()[n]) for n, v in encoder.state_dict().items())
+    encoder = build_model(narrow_args, "encoder", seed=0)
+    assert encoder.fingerprint == narrow.fingerprint
+    assert all(torch.equal(v, narrow.state_dict()[n]) for n, v in encoder.state_dict().items())
     # The float form of the seed holds the values the packed bytes decode to (test_packed_and_float_forms_…).
-    assert build_model(args, seed=0, packed=False).fingerprint == model.fingerprint
+    assert build_model(narrow_args, seed=0, packed=False).fingerprint == narrow.fingerprint
 
 
 def test_fingerprint_identifies_config_and_weights(tiny_args):
