@@ -1,8 +1,7 @@
 """Kubernetes tooling for the mesh: `python -m mesh k8s render|apply|status`.
 
-- `kustomize`: renders the Kustomize overlays under k8s/ (a documented subset of Kustomize, output identical to
-  `kubectl kustomize`), so no kubectl is needed to render or apply.
-- `schema`: the Kubernetes 1.33 OpenAPI definitions (strategic-merge keys, offline validation).
+- `kustomize`: renders the Kustomize overlays under k8s/ with `kubectl kustomize`.
+- `validation`: strict offline validation against Kubernetes 1.33 (kubernetes-validate) and the monitor CRDs.
 - `apply`: server-side apply of the rendered objects through the `kubernetes` client.
 - `status`: a rollout and readiness summary of a deployed mesh.
 """
@@ -12,6 +11,10 @@ from __future__ import annotations
 
 class ManifestError(ValueError):
     """A kustomization or manifest that cannot be rendered or is invalid; the message names the file and field."""
+
+
+class ToolError(RuntimeError):
+    """kubectl is missing or did not finish; the message says what to do."""
 
 
 class ClusterError(RuntimeError):

@@ -19,9 +19,15 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from mesh.k8s import ClusterError, ManifestError
-from mesh.k8s.kustomize import CLUSTER_SCOPED, mappings
 
 FIELD_MANAGER = "v41mesh"
+CLUSTER_SCOPED = frozenset(
+    {
+        "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume",
+        "StorageClass", "PriorityClass", "IngressClass", "RuntimeClass", "CSIDriver", "VolumeAttachment",
+        "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "APIService", "Node",
+    }
+)  # fmt: skip
 _FIRST = ("Namespace", "NetworkPolicy")
 
 
@@ -81,6 +87,17 @@ def _secret_names(obj: Any) -> Iterator[str]:
         secret = m.get("secret")
         if isinstance(secret, Mapping) and "secretName" in secret and not secret.get("optional", False):
             yield secret["secretName"]
+
+
+def mappings(obj: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping inside a nested object, outermost first."""
+    if isinstance(obj, dict):
+        yield obj
+        for value in obj.values():
+            yield from mappings(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from mappings(value)
 
 
 def _resource(client: DynamicClient, call: ApplyCall) -> Any:

@@ -2,7 +2,7 @@
 
 TARGET is an overlay name under k8s/overlays (dev, gpu) or a directory holding a kustomization.yaml.
 
-  python -m mesh k8s render gpu -o gpu.yaml        # = kubectl kustomize k8s/overlays/gpu, validated offline
+  python -m mesh k8s render gpu -o gpu.yaml        # kubectl kustomize k8s/overlays/gpu, validated offline
   python -m mesh k8s apply dev --wait 600          # server-side apply, then wait until every role is ready
   python -m mesh k8s status gpu                    # rollouts, pods holding them back, autoscalers
 """
@@ -13,15 +13,14 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
 
-from mesh.k8s import ClusterError, ManifestError
-from mesh.k8s.kustomize import CLUSTER_SCOPED, build
-from mesh.k8s.schema import validate
-from mesh.k8s.yaml_io import dump_documents
+from mesh.k8s import ClusterError, ManifestError, ToolError
+from mesh.k8s.kustomize import documents, render
+from mesh.k8s.validation import validate
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "k8s"
 PART_OF = "app.kubernetes.io/part-of=v41mesh"
@@ -40,13 +39,19 @@ def resolve_target(target: str) -> Path:
     raise ManifestError(f"no overlay or directory {target!r} (overlays: {', '.join(names) or 'none found'})")
 
 
-def rendered(target: str, *, check: bool = True) -> list[dict[str, Any]]:
-    """The target's objects, each validated against the Kubernetes schemas (1.33) unless `check` is off."""
-    objects = build(resolve_target(target))
+class Rendering(NamedTuple):
+    text: str  # kubectl kustomize's output
+    objects: list[dict[str, Any]]
+
+
+def rendered(target: str, *, check: bool = True) -> Rendering:
+    """The target rendered, each object validated against the Kubernetes schemas (1.33) unless `check` is off."""
+    text = render(resolve_target(target))
+    objects = documents(text)
     if check:
         for obj in objects:
             validate(obj)
-    return objects
+    return Rendering(text, objects)
 
 
 def namespace_of(objects: list[dict[str, Any]]) -> str | None:
@@ -57,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mesh k8s", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    render = commands.add_parser("render", help="render an overlay to YAML (same output as kubectl kustomize)")
+    render = commands.add_parser("render", help="render an overlay to YAML with kubectl kustomize")
     render.add_argument("target", help="overlay name (dev, gpu) or kustomization directory")
     render.add_argument("-o", "--output", help="write to this file instead of stdout")
     render.add_argument("--no-validate", action="store_true", help="skip the Kubernetes schema validation")
@@ -101,7 +106,7 @@ def _client(context: str | None) -> Any:
 
 
 def _render(args: argparse.Namespace) -> int:
-    text = dump_documents(rendered(args.target, check=not args.no_validate))
+    text = rendered(args.target, check=not args.no_validate).text
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -112,8 +117,7 @@ def _render(args: argparse.Namespace) -> int:
 def _apply(args: argparse.Namespace, console: Console) -> int:
     from mesh.k8s.apply import apply, missing_secrets, plan
 
-    objects = rendered(args.target)
-    calls = plan(objects, namespace=args.namespace)
+    calls = plan(rendered(args.target).objects, namespace=args.namespace)
     client = _client(args.context)
     for ref in missing_secrets(client, calls):
         console.print(
@@ -131,14 +135,14 @@ def _apply(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]error[/]: {failure}")
     if failures:
         return 1
-    namespace = namespace_of([c.body for c in calls if c.kind not in CLUSTER_SCOPED])
+    namespace = next((c.namespace for c in calls if c.namespace), None)
     if args.wait and not args.dry_run and namespace:
         return _show_status(client, namespace, args.wait, console)
     return 0
 
 
 def _status(args: argparse.Namespace, console: Console) -> int:
-    namespace = args.namespace or (namespace_of(rendered(args.target, check=False)) if args.target else None)
+    namespace = args.namespace or (namespace_of(rendered(args.target, check=False).objects) if args.target else None)
     if namespace is None:
         raise ManifestError("name an overlay or pass --namespace")
     return _show_status(_client(args.context), namespace, args.wait, console)
@@ -195,6 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "apply":
             return _apply(args, console)
         return _status(args, console)
-    except (ManifestError, ClusterError) as exc:
+    except (ManifestError, ClusterError, ToolError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

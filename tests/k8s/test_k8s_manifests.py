@@ -28,7 +28,7 @@ from k8s_helpers import (
 
 from gateway.affinity import SESSION_HEADERS
 from mesh.k8s import ManifestError
-from mesh.k8s.schema import CRD_SCHEMAS, validate
+from mesh.k8s.validation import CRD_SCHEMAS, validate
 
 GPU_ROLES = ("prefill", "decode")
 HEALTH_SERVICES = {"prefill": "prefill.v1.Prefill", "decode": "decode.v1.Decode", "cache": "cache.v1.KvCache"}

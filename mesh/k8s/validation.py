@@ -1,17 +1,14 @@
-"""What Kubernetes 1.33 says about our objects, offline: the OpenAPI definitions bundled with kubernetes-validate.
+"""Offline validation of rendered objects, strict (unknown fields refused), before they are written or applied.
 
-Two uses: strategic-merge patches need each list's merge key (`containers` merge by `name`, container `ports` by
-`containerPort`, `tolerations` are replaced whole), and rendered objects are validated strictly before they are
-written or applied. The Prometheus Operator's PodMonitor and ServiceMonitor are CRDs, absent from those schemas:
-they are checked against the minimal structural schemas below (the fields the mesh uses, unknown fields refused).
+Built-in kinds: kubernetes-validate's Kubernetes 1.33 schemas. The Prometheus Operator's PodMonitor and
+ServiceMonitor are CRDs, absent from those schemas: they are checked against the minimal structural schemas below
+(the fields the mesh uses, unknown fields refused); the API server checks them against the installed CRDs on apply
+(`mesh k8s apply --dry-run` too).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping
-from importlib import resources
 from typing import Any
 
 import jsonschema
@@ -20,7 +17,6 @@ import kubernetes_validate
 from mesh.k8s import ManifestError
 
 KUBERNETES_VERSION = "1.33"
-_DEFINITIONS = f"kubernetes-json-schema/v{KUBERNETES_VERSION}.0-local/_definitions.json"
 
 _SELECTOR = {
     "type": "object",
@@ -102,55 +98,6 @@ CRD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): _monitor_schema("PodMonitor", "podMetricsEndpoints"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): _monitor_schema("ServiceMonitor", "endpoints"),
 }
-
-
-@functools.cache
-def _definitions() -> dict[str, Any]:
-    text = resources.files("kubernetes_validate").joinpath(_DEFINITIONS).read_text()
-    return json.loads(text)["$defs"]
-
-
-@functools.cache
-def _kinds() -> dict[tuple[str, str], str]:
-    """(apiVersion, kind) → definition name, from each definition's x-kubernetes-group-version-kind."""
-    kinds: dict[tuple[str, str], str] = {}
-    for name, definition in _definitions().items():
-        for gvk in definition.get("x-kubernetes-group-version-kind", []):
-            api_version = f"{gvk['group']}/{gvk['version']}" if gvk["group"] else gvk["version"]
-            kinds[(api_version, gvk["kind"])] = name
-    return kinds
-
-
-class Node:
-    """One position in an object's OpenAPI schema, for walking an object and its patch side by side."""
-
-    def __init__(self, raw: Mapping[str, Any]) -> None:
-        ref = raw.get("$ref")
-        self._raw = _definitions()[ref.rsplit("/", 1)[1]] if ref else raw
-        self._strategy = raw.get("x-kubernetes-patch-strategy", "")
-        self._merge_key = raw.get("x-kubernetes-patch-merge-key")
-
-    def field(self, name: str) -> Node | None:
-        """The schema of field `name` of an object (or of any value of a string-keyed map)."""
-        prop = self._raw.get("properties", {}).get(name)
-        if prop is None and isinstance(self._raw.get("additionalProperties"), Mapping):
-            prop = self._raw["additionalProperties"]
-        return Node(prop) if prop is not None else None
-
-    def items(self) -> Node | None:
-        item = self._raw.get("items")
-        return Node(item) if isinstance(item, Mapping) else None
-
-    @property
-    def merge_key(self) -> str | None:
-        """The key elements of this list are merged by, or None when a patch replaces the list whole."""
-        return self._merge_key if "merge" in self._strategy.split(",") else None
-
-
-def schema_for(api_version: str, kind: str) -> Node | None:
-    """The root schema of a built-in kind, or None for kinds Kubernetes does not define (CRDs)."""
-    name = _kinds().get((api_version, kind))
-    return Node(_definitions()[name]) if name else None
 
 
 def validate(obj: Mapping[str, Any]) -> None:
