@@ -145,7 +145,6 @@ class Child:
         self.healthy = healthy
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
 
     def ready_line(self, after_s: float) -> str:
         return f"{self.name:<10} ready after {after_s:5.1f} s   {self.address:<22}  {self.metrics}"
@@ -295,7 +294,6 @@ class Mesh:
             child.wait(10.0)
         started = time.monotonic()
         for child in children:
-            child.restarts += 1
             child.spawn(self._env)
         self._wait_healthy(children, started, timeout_s)
         self.write_state()

@@ -1,8 +1,9 @@
 """`python -m mesh up`: the whole mesh on this machine (cache, prefill, decode, gateway as separate processes on
 loopback), healthy before the base URL is printed, stopped cleanly on Ctrl-C / SIGTERM.
 
-A child that dies is restarted (up to `--max-restarts` times); after that the whole mesh stops and the command
-exits 1, showing the child's last log lines.
+A child that dies is restarted after a backoff, at most `--max-restarts` times within any `--restart-window-s`
+seconds (mesh/restarts.py); one more death inside the window stops the whole mesh and the command exits 1, showing
+the child's last log lines.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import shlex
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +21,7 @@ import msgspec
 
 from mesh.config import config_dict, load_config
 from mesh.processes import Mesh, MeshError, MeshSpec
+from mesh.restarts import RestartBudget, RestartPolicy
 
 # The model `make up` serves: the embedded trained demo checkpoint (train/, docs/training.md).
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[1] / "model" / "checkpoints" / "v41-demo")
@@ -43,7 +47,9 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_args: extra flags for every decode replica (e.g. "--no-speculation")
     gateway_args: extra flags for the gateway
     startup_timeout_s: how long the processes may take to become healthy
-    max_restarts: automatic restarts of a child that dies before the mesh gives up
+    max_restarts: restarts of one child allowed within restart_window_s; one more death stops the mesh
+    restart_window_s: the window max_restarts counts restarts in
+    restart_backoff_s: wait before restarting a child, doubled for each of its restarts within the window
     """
 
     model: str = DEFAULT_MODEL
@@ -58,7 +64,9 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_args: str = ""
     gateway_args: str = ""
     startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 5
+    restart_window_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
 
 def spec_of(cfg: UpConfig) -> MeshSpec:
@@ -81,21 +89,46 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def watch(mesh: Mesh, stop: threading.Event, max_restarts: int) -> int:
-    """Restart children that die until `stop` is set; 1 when one died too often."""
-    while not stop.wait(WATCH_INTERVAL_S):
+def restart_policy(cfg: UpConfig) -> RestartPolicy:
+    return RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s, backoff_s=cfg.restart_backoff_s)
+
+
+def watch(
+    mesh: Mesh,
+    stop: threading.Event,
+    policy: RestartPolicy,
+    interval_s: float = WATCH_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Restart children that die, within `policy`, until `stop` is set; 1 when one died too often."""
+    budgets = {child.name: RestartBudget(policy) for child in mesh.children}
+    due: dict[str, float] = {}  # dead children → when they restart
+    while not stop.wait(interval_s):
         for child in mesh.dead():
-            code = child.process.returncode if child.process else None
-            if child.restarts >= max_restarts:
-                say(f"{child.name} exited with status {code} after {child.restarts} restarts; stopping the mesh")
-                say(child.tail())
-                return 1
-            say(f"{child.name} exited with status {code}; restarting it ({child.restarts + 1}/{max_restarts})")
-            try:
-                mesh.restart(child.name)
-            except MeshError as exc:
-                say(str(exc))
-                return 1
+            budget, now = budgets[child.name], clock()
+            if child.name not in due:
+                code = child.process.returncode if child.process else None
+                if not budget.allows(now):
+                    say(
+                        f"{child.name} exited with status {code} after {budget.recent(now)} restarts within "
+                        f"{policy.window_s:g} s; stopping the mesh"
+                    )
+                    say(child.tail())
+                    return 1
+                due[child.name] = now + budget.delay(now)
+                say(
+                    f"{child.name} exited with status {code}; restarting it in {budget.delay(now):.1f} s "
+                    f"({budget.recent(now) + 1} of {policy.max_restarts} within {policy.window_s:g} s, "
+                    f"{budget.total + 1} in all)"
+                )
+            if now >= due[child.name]:
+                del due[child.name]
+                budget.record(now)
+                try:
+                    mesh.restart(child.name)
+                except MeshError as exc:
+                    say(str(exc))
+                    return 1
     return 0
 
 
@@ -117,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"v41mesh is up: {url}/v1   (gRPC gateway.v1.Gateway at {grpc_address})")
     say(f"  try: python -m mesh demo --base-url {mesh.base_url}\n  Ctrl-C stops it.")
     print(mesh.base_url, flush=True)
-    status = watch(mesh, stop, cfg.max_restarts)
+    status = watch(mesh, stop, restart_policy(cfg))
     say("stopping the mesh ...")
     codes = mesh.stop()
     say("stopped: " + ", ".join(f"{name} {'killed' if code is None else code}" for name, code in codes.items()))
