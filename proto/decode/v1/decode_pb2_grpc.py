@@ -61,7 +61,10 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """One stream per generation: token deltas, then a final message with finish_reason and usage.
+        """One stream per generation: token deltas, then a final message with finish_reason and usage. The stream closes
+        after the final message only once the sequence's write-back to the cache is done (or has failed): a closed
+        stream tells the caller that the conversation's next turn finds this turn's blocks and SWA record. The gateway
+        waits for that close before the next turn's prefill (gateway/writebacks.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
