@@ -177,8 +177,8 @@ _COMBINE_HEADS = 16  # heads per combine program: [16, 512] fp32 partial sums ar
 
 def _splits(programs: int, tiles: int) -> int:
     """Key-range splits per (query, head group): as many as keep every program in one wave, one per multiprocessor
-    (a 64-head program holds 128 accumulator registers a thread). On the H200 at B=64 (64 K context): 2 splits
-    0.085 ms, 1: 0.132, 4: 0.110, 5 (two programs per multiprocessor, the rule before): 0.120–0.127."""
+    (a 64-head program holds 128 accumulator registers a thread): at B=64 (64 K context) 2 splits take 0.085 ms on
+    the H200, 5 (two programs per multiprocessor) 0.120–0.127."""
     return max(1, min(tiles, multiprocessors() // programs))
 
 
@@ -200,12 +200,10 @@ def sparse_attention_triton(
     """`splits` (key-range splits; tests use it to reach both output paths), `block_n` (keys per tile), `block_h`
     (heads per program) and `num_warps` override the launch shape (bench/kernels.py tunes them).
 
-    Default: every head of a query in one program (up to 64) over 64-key tiles, `_splits` splits. On the H200 (64
-    heads × 512 latent, 128 ring slots + 512 entries, 2026-11-30, `attention-*` and `tune-attention`): B=64 0.084 ms
-    against 0.145–0.167 with 16 heads per program (each entry dequantised 4 times per query), B=256 0.288, B=8 0.024
-    against 0.028; B=1 0.022 against 0.015 (10 programs on 132 SMs: each carries all 64 heads of its key range).
-    Before the combine took its own head blocks, 64-head launches measured 2–16× slower: its [64, 512] fp32 sums
-    spilled at 4 warps."""
+    Default: every head of a query in one program (up to 64) over 64-key tiles, `_splits` splits, so that each
+    gathered entry is dequantised once per query: B=64 takes 0.084 ms on the H200 against 0.145–0.167 with 16 heads
+    per program (64 heads × 512 latent, 128 ring slots + 512 entries). B=1 is the exception (10 programs on 132 SMs,
+    each carrying all 64 heads of its key range: 0.022 ms against 0.015; docs/kernels.md)."""
     B, T, H, D = q.shape
     W, K = swa_data.shape[1], idx.shape[2]
     out = torch.empty_like(q)
