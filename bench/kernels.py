@@ -681,7 +681,7 @@ def tune(kernel: str, shape: str, fn: Callable[[], torch.Tensor], want, nbytes: 
 
 def tune_topk(tiny: bool) -> Iterator[Row]:
     """Launch shapes of top-k at batch 256 and 1, on Gaussian rows and, at 256 × 64 K, heavy-tailed ones: the
-    defaults of `topk.topk_indices_triton` against 4 K / 16 K groups, 8 K scores per group-max program, 512 / 2048
+    defaults of `topk.TopKTuning` against 4 K / 16 K groups, 8 K scores per group-max program, 512 / 2048
     per gathering program, a select tile of 2048, its 4 warps, the threshold's 8."""
     variants = [{}, {"max_groups": 4096}, {"max_groups": 16384}, {"group_tile": 8192}, {"gather": 512},
                 {"gather": 2048}, {"tile": 2048}, {"num_warps": 4}, {"threshold_warps": 8}]  # fmt: skip
@@ -693,7 +693,7 @@ def tune_topk(tiny: bool) -> Iterator[Row]:
     for R, L, kind, scores in rows:
         want = topk.topk_indices_triton(scores, k, None)
         for variant in variants:
-            fn = functools.partial(topk.topk_indices_triton, scores, k, None, **variant)
+            fn = functools.partial(topk.topk_indices_triton, scores, k, None, topk.TopKTuning(**variant))
             yield from tune("tune topk", f"R={R} L={L} {kind} {variant or 'default'}", fn, want, R * L * 2)
 
 
@@ -756,7 +756,7 @@ def tune_quantisers(tiny: bool) -> Iterator[Row]:
 
 
 def tune_indexer(tiny: bool) -> Iterator[Row]:
-    """Launch shapes around the indexer's defaults (`indexer._default_tiling`), each checked against the default
+    """Launch shapes around the indexer's defaults (`indexer.IndexerTuning`), each checked against the default
     launch: decode at B=64 × 64 K, B=8 × 1 M and the small B=1 × 64 K, B=4 × 128 K — 128 × 8 / 16 / 32 / 64 positions
     per program, 256 × 32 uncapped (two programs per SM), no register cap, 4 pipeline stages, per-thread loads
     instead of TMA and the FP16 operand (GPUs before sm_89); the prefill tile at B=1, T=1024, S=64 K — 64 positions,
@@ -773,9 +773,10 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
     for B, T, S, variants in shapes:
         case = indexer_inputs(B, T, 32, 128, S, ragged=False)
         want = indexer.indexer_scores_triton(*case)
-        default = dict(zip(("block_s", "tiles_per_program"), indexer._default_tiling(B, T, S), strict=True))
+        t = indexer.IndexerTuning().resolved(B, T, S)
+        default = {"block_s": t.block_s, "tiles_per_program": t.tiles_per_program}
         for variant in [{}, *(v for v in variants if v != default)]:
-            fn = functools.partial(indexer.indexer_scores_triton, *case, **variant)
+            fn = functools.partial(indexer.indexer_scores_triton, *case, indexer.IndexerTuning(**variant))
             yield from tune("tune indexer", f"B={B} T={T} S={S} {variant or default}", fn, want, B * S * 68)
 
 

@@ -9,8 +9,8 @@ the SASS of each loop, per launch shape. Triton's wheel ships ptxas and cuobjdum
     python bench/sass.py fp8-gemm --tokens 64 --weight-rows 5120 --inputs 8192   # the FP8 linear's default launch
     python bench/sass.py moe-gemm --tokens 256 --experts 48 --block 32    # gate_up and down, default launches
 
-What the H200 cannot tell you cheaply, this does: an instruction count per loop trip (the indexer's 458 → 311 per
-64-position tile came from reading it), and registers per thread → programs per SM (65 536 / (registers × threads)).
+What the H200 cannot tell you cheaply, this does: an instruction count per loop trip (what a tile loop's cost is
+cut by), and registers per thread → programs per SM (65 536 / (registers × threads)).
 Spill loads (LDL) inside a loop are the ones that cost.
 """
 
@@ -120,8 +120,9 @@ def compile_sm90(
     arguments = list(fn.arg_names)
     aligned = [a for a, kind in signature.items() if kind.startswith("*") or a in multiples_of_16]
     attrs = {(arguments.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    source = ASTSource(fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs,
-                       attrs=attrs)  # fmt: skip
+    source = ASTSource(
+        fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs, attrs=attrs
+    )
     options = {"num_warps": warps} | ({"maxnreg": max_registers} if max_registers else {})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     cubin = work_dir / f"sass_{os.getpid()}_{name}.cubin"
@@ -146,13 +147,36 @@ def indexer_reports(
 ) -> list[Report]:
     """The launch for `queries` queries per program (1: decode; prefill tiles take 2 at 32 heads), Di = 128, FP8
     operands, K tiles by TMA, at one tile shape."""
-    signature = {"q_ptr": "*u8", "qs_ptr": "*u8", "w_ptr": "*fp32", "k_ptr": "*u8", "ks_ptr": "*u8",
-                 "k_desc": f"tensordesc<u8[1, {block_s}, 64]>", "ks_desc": f"tensordesc<i32[1, {block_s}]>",
-                 "nv_ptr": "*i64", "out_ptr": "*fp32", "T": "i32", "H": "i32", "S": "i32", "k_stride": "i64",
-                 "ks_stride": "i64"}  # fmt: skip
-    constexprs = {"DI": 128, "DIP": 128, "HP": triton.next_power_of_2(heads), "BLOCK_T": queries, "BLOCK_S": block_s,
-                  "OPERAND": indexer.FP8.value, "TILES": tiles, "STAGES": 3, "SCALE_WORDS": True,
-                  "SCAN": triton.next_power_of_2(tiles * block_s), "TMA_K": True, "TMA_SCALES": True}  # fmt: skip
+    signature = {
+        "q_ptr": "*u8",
+        "qs_ptr": "*u8",
+        "w_ptr": "*fp32",
+        "k_ptr": "*u8",
+        "ks_ptr": "*u8",
+        "k_desc": f"tensordesc<u8[1, {block_s}, 64]>",
+        "ks_desc": f"tensordesc<i32[1, {block_s}]>",
+        "nv_ptr": "*i64",
+        "out_ptr": "*fp32",
+        "T": "i32",
+        "H": "i32",
+        "S": "i32",
+        "k_stride": "i64",
+        "ks_stride": "i64",
+    }
+    constexprs = {
+        "DI": 128,
+        "DIP": 128,
+        "HP": triton.next_power_of_2(heads),
+        "BLOCK_T": queries,
+        "BLOCK_S": block_s,
+        "OPERAND": indexer.FP8.value,
+        "TILES": tiles,
+        "STAGES": 3,
+        "SCALE_WORDS": True,
+        "SCAN": triton.next_power_of_2(tiles * block_s),
+        "TMA_K": True,
+        "TMA_SCALES": True,
+    }
     name = f"indexer {queries} × {block_s} × {tiles}"
     strides = ("k_stride", "ks_stride")
     return [compile_sm90(name, indexer._indexer_kernel, signature, constexprs, warps, max_registers, strides)]
@@ -160,10 +184,28 @@ def indexer_reports(
 
 def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
     """Sparse decode attention, one split, D = 512, bf16 dots."""
-    signature = {"q_ptr": "*bf16", "swa_ptr": "*u8", "swas_ptr": "*u8", "mask_ptr": "*i1", "kv_ptr": "*u8",
-                 "kvs_ptr": "*u8", "idx_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "po_ptr": "*fp32",
-                 "pm_ptr": "*fp32", "pl_ptr": "*fp32", "T": "i32", "H": "i32", "W": "i32", "kv_stride": "i64",
-                 "kvs_stride": "i64", "K": "i32", "qk_scale": "fp32", "tiles_per_split": "i32"}  # fmt: skip
+    signature = {
+        "q_ptr": "*bf16",
+        "swa_ptr": "*u8",
+        "swas_ptr": "*u8",
+        "mask_ptr": "*i1",
+        "kv_ptr": "*u8",
+        "kvs_ptr": "*u8",
+        "idx_ptr": "*i32",
+        "sink_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "po_ptr": "*fp32",
+        "pm_ptr": "*fp32",
+        "pl_ptr": "*fp32",
+        "T": "i32",
+        "H": "i32",
+        "W": "i32",
+        "kv_stride": "i64",
+        "kvs_stride": "i64",
+        "K": "i32",
+        "qk_scale": "fp32",
+        "tiles_per_split": "i32",
+    }
     constexprs = {"D": 512, "DP": 512, "BLOCK_H": heads, "BLOCK_N": keys, "SPLITS": 1, "DOT_F32": False}
     name = f"attention {heads} heads × {keys} keys"
     strides = ("kv_stride", "kvs_stride")
@@ -174,32 +216,79 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
     """The group path's four kernels for bf16 rows at the launch shapes `topk_indices_triton` picks by default, each
     waiting on its predecessor (dependent launch, as on sm_90) and none letting its successor launch early (one
     instruction, which the launch picks by the GPU's SM count)."""
-    GS = topk._group_size(length, k, topk._max_groups(rows, length))
+    t = topk.TopKTuning(direct_max=0).resolved(rows, length, k)  # the group path's default shape, at any length
+    GS = t.group_size
     NGP = triton.next_power_of_2(triton.cdiv(length, GS))
     KP = triton.next_power_of_2(k)
-    CG, P, span, _slots = topk._gather_shape(k, GS, None, None)
+    CG, P, span, _slots = t.gather_shape(k)
     row = {"x_ptr": "*bf16", "len_ptr": "*i32"}
     candidates = {"ckey_ptr": "*u32", "cpos_ptr": "*i32", "count_ptr": "*i32"}
     return [
-        compile_sm90("top-k group maxima", topk._group_max_kernel,
-                     row | {"gmax_ptr": "*u32", "L": "i32", "NG": "i32", "tiles": "i32"},
-                     {"HAS_LENGTHS": False, "TILE": max(topk._group_tile(length), GS), "GS": GS, "LOW_BIT": 16,
-                      "PDL": True, "EARLY": False}, 4,
-                     None, ("L", "NG")),
-        compile_sm90("top-k threshold", topk._threshold_kernel,
-                     {"gmax_ptr": "*u32", "glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32", "NG": "i32",
-                      "k": "i32"}, {"NGP": NGP, "KP": KP, "LOW_BIT": 16, "PDL": True, "EARLY": False},
-                     topk._threshold_warps(NGP), None, ("NG",)),
-        compile_sm90("top-k gather", topk._gather_kernel,
-                     row | {"glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32"} | candidates
-                     | {"L": "i32", "NGP": "i32", "SEG": "i32"},
-                     {"HAS_LENGTHS": False, "P": P, "SPAN": span, "CG": CG, "GS": GS,
-                      "LOW_BIT": 16, "PDL": True, "EARLY": False}, 4, None, ("L", "NGP", "SEG")),
-        compile_sm90("top-k select", topk._select_kernel,
-                     row | {"thr_ptr": "*u32"} | candidates | {"out_ptr": "*i32", "L": "i32", "SEG": "i32", "k": "i32"},
-                     {"HAS_LENGTHS": False, "DIRECT": False, "P": P, "PP": triton.next_power_of_2(P), "LOW_BIT": 16,
-                      "TILE": topk._select_tile(k), "KP": KP, "PDL": True}, 8, None, ("L", "SEG")),
-    ]  # fmt: skip
+        compile_sm90(
+            "top-k group maxima",
+            topk._group_max_kernel,
+            row | {"gmax_ptr": "*u32", "L": "i32", "NG": "i32", "tiles": "i32"},
+            {"HAS_LENGTHS": False, "TILE": t.group_tile, "GS": GS, "LOW_BIT": 16, "PDL": True, "EARLY": False},
+            4,
+            None,
+            ("L", "NG"),
+        ),
+        compile_sm90(
+            "top-k threshold",
+            topk._threshold_kernel,
+            {
+                "gmax_ptr": "*u32",
+                "glist_ptr": "*i32",
+                "thr_ptr": "*u32",
+                "ngroups_ptr": "*i32",
+                "NG": "i32",
+                "k": "i32",
+            },
+            {"NGP": NGP, "KP": KP, "LOW_BIT": 16, "PDL": True, "EARLY": False},
+            t.threshold_warps,
+            None,
+            ("NG",),
+        ),
+        compile_sm90(
+            "top-k gather",
+            topk._gather_kernel,
+            row
+            | {"glist_ptr": "*i32", "thr_ptr": "*u32", "ngroups_ptr": "*i32"}
+            | candidates
+            | {"L": "i32", "NGP": "i32", "SEG": "i32"},
+            {
+                "HAS_LENGTHS": False,
+                "P": P,
+                "SPAN": span,
+                "CG": CG,
+                "GS": GS,
+                "LOW_BIT": 16,
+                "PDL": True,
+                "EARLY": False,
+            },
+            4,
+            None,
+            ("L", "NGP", "SEG"),
+        ),
+        compile_sm90(
+            "top-k select",
+            topk._select_kernel,
+            row | {"thr_ptr": "*u32"} | candidates | {"out_ptr": "*i32", "L": "i32", "SEG": "i32", "k": "i32"},
+            {
+                "HAS_LENGTHS": False,
+                "DIRECT": False,
+                "P": P,
+                "PP": triton.next_power_of_2(P),
+                "LOW_BIT": 16,
+                "TILE": t.tile,
+                "KP": KP,
+                "PDL": True,
+            },
+            t.num_warps,
+            None,
+            ("L", "SEG"),
+        ),
+    ]
 
 
 def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None) -> list[Report]:
@@ -207,11 +296,27 @@ def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None
     way than the default's), scales read as words where whole (K a multiple of 128)."""
     t = fp8_gemm.FP8GemmTuning(dot=dot or ("bf16" if tokens >= fp8_gemm.FOLDED_FROM else "fp8")).resolved(tokens)
     operand = "*fp8e4nv" if t.dot == "fp8" else "*u8"
-    signature = {"x_ptr": operand, "xs_ptr": "*u8", "w_ptr": operand, "ws_ptr": "*u8", "out_ptr": "*bf16",
-                 "M": "i32", "N": "i32", "tiles_per_split": "i32"}  # fmt: skip
-    constexprs = {"K": inputs, "BM": t.block_m, "BN": t.block_n, "BK": t.block_k, "STAGES": t.num_stages,
-                  "FOLDED": t.dot == "bf16", "FP8_DOT": t.dot == "fp8",
-                  "WORDS": inputs % 128 == 0 and t.block_k % 128 == 0, "HW": True}  # fmt: skip
+    signature = {
+        "x_ptr": operand,
+        "xs_ptr": "*u8",
+        "w_ptr": operand,
+        "ws_ptr": "*u8",
+        "out_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "tiles_per_split": "i32",
+    }
+    constexprs = {
+        "K": inputs,
+        "BM": t.block_m,
+        "BN": t.block_n,
+        "BK": t.block_k,
+        "STAGES": t.num_stages,
+        "FOLDED": t.dot == "bf16",
+        "FP8_DOT": t.dot == "fp8",
+        "WORDS": inputs % 128 == 0 and t.block_k % 128 == 0,
+        "HW": True,
+    }
     name = f"fp8 linear {t.dot} dots, {t.block_m} tokens × {t.block_n} rows × {t.block_k}"
     return [compile_sm90(name, fp8_gemm._fp8_linear_kernel, signature, constexprs, t.num_warps, None, ("N",))]
 
@@ -220,14 +325,32 @@ def moe_gemm_reports(tokens: int, experts: int, block: int, top: int = 6, C: int
     """The grouped expert GEMMs' default launches (gate_up, down) for `tokens` tokens routed to `top` of `experts`
     (pairs per tile from the average), bf16 dots, the nibbles decoded by the PTX table lookups."""
     t = moe_gemm.MoEGemmTuning(ptx=True).resolved(tokens * top, experts)
-    signature = {"x_ptr": "*bf16", "offsets_ptr": "*i32", "experts_ptr": "*i32", "pw_ptr": "*fp32", "w_ptr": "*u8",
-                 "ws_ptr": "*u8", "out_ptr": "*bf16", "n_out": "i32", "limit": "fp32"}  # fmt: skip
+    signature = {
+        "x_ptr": "*bf16",
+        "offsets_ptr": "*i32",
+        "experts_ptr": "*i32",
+        "pw_ptr": "*fp32",
+        "w_ptr": "*u8",
+        "ws_ptr": "*u8",
+        "out_ptr": "*bf16",
+        "n_out": "i32",
+        "limit": "fp32",
+    }
     reports = []
     for name, gated, inputs in (("moe gate_up", True, C), ("moe down", False, I)):
-        constexprs = {"K": inputs, "SB": block, "BM": t.block_m, "BN": t.block_n // 2 if gated else t.block_n,
-                      "BK": t.block_k, "STAGES": t.num_stages, "GATED": gated,
-                      "COMPACT": tokens * top < experts, "W_WORDS": inputs // block % 4 == 0, "HW": True,
-                      "PTX": True}  # fmt: skip
+        constexprs = {
+            "K": inputs,
+            "SB": block,
+            "BM": t.block_m,
+            "BN": t.block_n // 2 if gated else t.block_n,
+            "BK": t.block_k,
+            "STAGES": t.num_stages,
+            "GATED": gated,
+            "COMPACT": tokens * top < experts,
+            "W_WORDS": inputs // block % 4 == 0,
+            "HW": True,
+            "PTX": True,
+        }
         name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block})"
         reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))
     return reports
@@ -238,8 +361,9 @@ def main() -> None:
     parser.add_argument("kernel", choices=["indexer", "attention", "topk", "fp8-gemm", "moe-gemm"])
     parser.add_argument("--block-s", type=int, default=128, help="indexer: positions per K tile")
     parser.add_argument("--tiles", type=int, default=64, help="indexer: K tiles per program")
-    parser.add_argument("--max-registers", type=int, default=indexer._DECODE_REGISTERS,
-                        help="indexer: register cap per thread (0: none)")  # fmt: skip
+    parser.add_argument(
+        "--max-registers", type=int, default=indexer.DECODE_REGISTERS, help="indexer: register cap per thread (0: none)"
+    )
     parser.add_argument("--queries", type=int, default=1, help="indexer: queries per program (prefill tiles: 2)")
     parser.add_argument("--heads", type=int, default=16, help="attention: heads per program")
     parser.add_argument("--keys", type=int, default=64, help="attention: keys per tile")

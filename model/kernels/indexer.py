@@ -19,6 +19,7 @@ never dequantised to memory.
 """
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -71,9 +72,20 @@ def _column_blocks(x, N: tl.constexpr):
 
 
 @triton.jit
-def _channel_blocks(k, b, s0, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr,
-                    SCALE_WORDS: tl.constexpr, PLAIN: tl.constexpr, TMA_K: tl.constexpr,
-                    TMA_SCALES: tl.constexpr):  # fmt: skip
+def _channel_blocks(
+    k,
+    b,
+    s0,
+    byte_offsets,
+    scale_offsets,
+    ok,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    PLAIN: tl.constexpr,
+    TMA_K: tl.constexpr,
+    TMA_SCALES: tl.constexpr,
+):
     """Rows s0 … of batch row b of the K entries `k` = (bytes, scales, their tensor descriptors): DI packed FP4
     channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale [rows] as fp32). One load of
     the rows' bytes and one of their scales, cut in registers: a load per block compiles to loads each issued only
@@ -150,13 +162,21 @@ def _codes(packed, OPERAND: tl.constexpr):
         low = tl.inline_asm_elementwise(
             "{ .reg .b32 t; and.b32 t, $1, 0x08080808; shl.b32 t, t, 4; and.b32 $0, $1, 0x07070707; "
             "shl.b32 $0, $0, 2; or.b32 $0, $0, t; }",
-            "=r,r", [packed], dtype=tl.uint8, is_pure=True, pack=4,
-        ).to(tl.float8e4nv, bitcast=True)  # fmt: skip
+            "=r,r",
+            [packed],
+            dtype=tl.uint8,
+            is_pure=True,
+            pack=4,
+        ).to(tl.float8e4nv, bitcast=True)
         high = tl.inline_asm_elementwise(
             "{ .reg .b32 t; and.b32 t, $1, 0x70707070; shr.b32 t, t, 2; and.b32 $0, $1, 0x80808080; "
             "or.b32 $0, $0, t; }",
-            "=r,r", [packed], dtype=tl.uint8, is_pure=True, pack=4,
-        ).to(tl.float8e4nv, bitcast=True)  # fmt: skip
+            "=r,r",
+            [packed],
+            dtype=tl.uint8,
+            is_pure=True,
+            pack=4,
+        ).to(tl.float8e4nv, bitcast=True)
     else:
         low, high = e2m1_to_f16(packed & 0xF), e2m1_to_f16(packed >> 4)
         if OPERAND == FP32:
@@ -211,8 +231,22 @@ def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, may_fold, DI: tl.constexpr,
 
 
 @triton.jit
-def _qk(k, b, s0, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr,
-        SCALE_WORDS: tl.constexpr, FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr):  # fmt: skip
+def _qk(
+    k,
+    b,
+    s0,
+    k_row,
+    ks_row,
+    s_ok,
+    q_ops,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    OPERAND: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    FAST: tl.constexpr,
+    TMA_K: tl.constexpr,
+    TMA_SCALES: tl.constexpr,
+):
     """q·K per (position, column) = Σ_j qs_j · ks_j · (code sum of block j): per channel block one dot of exact code
     sums (small integers times a power of two) and its fp32 rescale. FAST: the queries' scales are folded
     (`_query_operands`) and the K scales plain (`_all_plain_scales`)."""
@@ -227,10 +261,30 @@ def _qk(k, b, s0, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexp
 
 
 @triton.jit
-def _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride,
-                DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr, FAST: tl.constexpr, TMA_K: tl.constexpr,
-                TMA_SCALES: tl.constexpr):  # fmt: skip
+def _score_tile(
+    k,
+    out_ptr,
+    q_ops,
+    w,
+    n_visible,
+    tq,
+    b,
+    s0,
+    T,
+    S,
+    k_stride,
+    ks_stride,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    OPERAND: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    FAST: tl.constexpr,
+    TMA_K: tl.constexpr,
+    TMA_SCALES: tl.constexpr,
+):
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
@@ -244,28 +298,115 @@ def _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_s
 
 
 @triton.jit
-def _score_tiles(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride,
-                 DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                 OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                 FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr):  # fmt: skip
+def _score_tiles(
+    k,
+    out_ptr,
+    q_ops,
+    w,
+    n_visible,
+    tq,
+    b,
+    first,
+    T,
+    S,
+    k_stride,
+    ks_stride,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    OPERAND: tl.constexpr,
+    TILES: tl.constexpr,
+    STAGES: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    FAST: tl.constexpr,
+    TMA_K: tl.constexpr,
+    TMA_SCALES: tl.constexpr,
+):
     """The program's TILES consecutive K tiles from position `first`."""
     if TILES == 1:  # no loop: a pipelined loop of one trip would still pay its prologue
-        _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T,
-                    BLOCK_S, OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES)  # fmt: skip
+        _score_tile(
+            k,
+            out_ptr,
+            q_ops,
+            w,
+            n_visible,
+            tq,
+            b,
+            first,
+            T,
+            S,
+            k_stride,
+            ks_stride,
+            DI,
+            DIP,
+            HP,
+            BLOCK_T,
+            BLOCK_S,
+            OPERAND,
+            SCALE_WORDS,
+            FAST,
+            TMA_K,
+            TMA_SCALES,
+        )
     else:
         for i in tl.range(0, TILES, num_stages=STAGES):
-            _score_tile(k, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride, ks_stride, DI,
-                        DIP, HP, BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES)  # fmt: skip
+            _score_tile(
+                k,
+                out_ptr,
+                q_ops,
+                w,
+                n_visible,
+                tq,
+                b,
+                first + i * BLOCK_S,
+                T,
+                S,
+                k_stride,
+                ks_stride,
+                DI,
+                DIP,
+                HP,
+                BLOCK_T,
+                BLOCK_S,
+                OPERAND,
+                SCALE_WORDS,
+                FAST,
+                TMA_K,
+                TMA_SCALES,
+            )
 
 
 @triton.jit
 def _indexer_kernel(
-    q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, k_desc, ks_desc, nv_ptr, out_ptr,
-    T, H, S, k_stride, ks_stride,
-    DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-    OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, SCAN: tl.constexpr,
-    TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    qs_ptr,
+    w_ptr,
+    k_ptr,
+    ks_ptr,
+    k_desc,
+    ks_desc,
+    nv_ptr,
+    out_ptr,
+    T,
+    H,
+    S,
+    k_stride,
+    ks_stride,
+    DI: tl.constexpr,
+    DIP: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    OPERAND: tl.constexpr,
+    TILES: tl.constexpr,
+    STAGES: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
+    SCAN: tl.constexpr,
+    TMA_K: tl.constexpr,
+    TMA_SCALES: tl.constexpr,
+):
     """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads. k_desc /
     ks_desc: tensor descriptors of the K bytes [B, S, DI/2] / scale words [B, S·DI/128] where TMA_K / TMA_SCALES
     (otherwise the pointers again, unused)."""
@@ -286,11 +427,59 @@ def _indexer_kernel(
     n_visible = tl.load(nv_ptr + b * T + tq, mask=tq < T, other=0).to(tl.int32)  # ≤ S: 32-bit compares per tile
     k = (k_ptr, ks_ptr, k_desc, ks_desc)
     if fast:
-        _score_tiles(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T,
-                     BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, True, TMA_K, TMA_SCALES)  # fmt: skip
+        _score_tiles(
+            k,
+            out_ptr,
+            q_ops,
+            w,
+            n_visible,
+            tq,
+            b,
+            first,
+            T,
+            S,
+            k_stride,
+            ks_stride,
+            DI,
+            DIP,
+            HP,
+            BLOCK_T,
+            BLOCK_S,
+            OPERAND,
+            TILES,
+            STAGES,
+            SCALE_WORDS,
+            True,
+            TMA_K,
+            TMA_SCALES,
+        )
     else:
-        _score_tiles(k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T,
-                     BLOCK_S, OPERAND, TILES, STAGES, SCALE_WORDS, False, TMA_K, TMA_SCALES)  # fmt: skip
+        _score_tiles(
+            k,
+            out_ptr,
+            q_ops,
+            w,
+            n_visible,
+            tq,
+            b,
+            first,
+            T,
+            S,
+            k_stride,
+            ks_stride,
+            DI,
+            DIP,
+            HP,
+            BLOCK_T,
+            BLOCK_S,
+            OPERAND,
+            TILES,
+            STAGES,
+            SCALE_WORDS,
+            False,
+            TMA_K,
+            TMA_SCALES,
+        )
 
 
 def _operand() -> int:
@@ -314,26 +503,73 @@ def _tma_rows(t: Tensor, box: list[int]) -> bool:
 
 
 _MAX_PROGRAM_POSITIONS = 16384  # `_all_plain_scales` loads a program's scale words at once: 128 per thread at most
-_DECODE_REGISTERS = 128  # a cap that fits four 4-warp decode programs per SM (few spills at 128-position tiles)
+DECODE_REGISTERS = (
+    128  # the decode launch's register cap: four 4-warp programs per SM, few spills at 128-position tiles
+)
 _RESIDENT = 4  # decode programs per SM under that cap
 
 
 def _default_tiling(B: int, T: int, S: int) -> tuple[int, int]:
-    """(block_s, tiles_per_program). H200, tune-indexer (4 warps, 3 stages): decode tiles of 128 positions under a
-    128-register cap, four programs per SM (uncapped, 180 registers: two), and the fewest tiles per program (a
-    power of two, up to 32) that keep every program resident at once — a row's programs are whole, so 63 tiles per
-    program left B=64 × 64 K 9 programs a row, 576 for 528 places: 0.233 ms against 0.116 at 64 (third session).
-    With TMA tiles (seventh session) 8 / 16 / 32 / 64 tiles took 0.115 / 0.109 / 0.107 / 0.108 ms at B=64 × 64 K
-    (63 % of 4.28 TB/s) and 0.227 / 0.215 / 0.210 / 0.209 at B=8 × 1 M; 256-position tiles uncapped 0.101 / 0.214.
-    B=4 × 128 K 0.016 ms, B=1 × 64 K 0.005 (one tile per program). Prefill tiles (64 columns share a K tile)
-    128 × 4 uncapped, 1.72 ms at B=1, T=1024, S=64 K (64 × 4: 2.52; 1 tile per program: 3.35). The interpreter's
-    cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
+    """(block_s, tiles_per_program). Decode: tiles of 128 positions (under `DECODE_REGISTERS`: four programs per SM),
+    and the fewest tiles per program (a power of two, up to 32) that keep every program resident at once — a row's
+    programs are whole, so a grid larger than the resident places runs a second, mostly idle wave (B=64 × 64 K: 0.233
+    ms at 63 tiles per program against 0.116 at 64 on the H200). Prefill (64 columns share a K tile): tiles of 128,
+    4 per program. The interpreter's cost grows with the tile: small tiles, and the decode loop kept (2 tiles)."""
     if interpreting():
         return (32, 2) if T == 1 else (32, 1)
     if T > 1:
         return 128, 4
     per_row, resident = triton.cdiv(S, 128), _RESIDENT * multiprocessors()
     return 128, next((t for t in (1, 2, 4, 8, 16) if B * triton.cdiv(per_row, t) <= resident), 32)
+
+
+@dataclass(frozen=True)
+class IndexerTuning:
+    """Launch shape of `indexer_scores_triton` (None: chosen per call; every shape gives the same scores up to fp32
+    summation order; `bench/kernels.py --bench tune-indexer` times them).
+
+    - `block_s`: positions per K tile, a power of two ≥ 16 (the dot's M side; None: `_default_tiling`);
+    - `tiles_per_program`: consecutive K tiles per program, in a loop software-pipelined over `num_stages` (None:
+      `_default_tiling`);
+    - `num_warps`: warps per program;
+    - `operand`: the code operands' type, FP8 (sm_89 and later), FP16 or FP32 (`FP8.value` …; None: the GPU's);
+    - `max_registers`: a cap on registers per thread, so that more programs fit an SM (spills are the price; None:
+      `DECODE_REGISTERS` for decode launches of tiles up to 128 positions on a GPU, else none);
+    - `tma`: K tiles by TMA where the layout allows it (None: on sm_90 and later and in the interpreter), else by
+      per-thread loads."""
+
+    block_s: int | None = None
+    tiles_per_program: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    operand: int | None = None
+    max_registers: int | None = None
+    tma: bool | None = None
+
+    def resolved(self, B: int, T: int, S: int) -> "IndexerTuning":
+        """These settings with the defaults for B rows of T queries over S positions filled in (`max_registers` stays
+        None where uncapped, `tma` None until the launch asks the GPU); a ValueError names a setting out of range."""
+        default_block_s, default_tiles = _default_tiling(B, T, S)
+        block_s = default_block_s if self.block_s is None else self.block_s
+        tiles = default_tiles if self.tiles_per_program is None else self.tiles_per_program
+        max_registers = self.max_registers
+        if max_registers is None and T == 1 and block_s <= 128 and not interpreting():
+            max_registers = DECODE_REGISTERS  # measured at 128-position tiles; larger ones spill under it
+        operand = _operand() if self.operand is None else self.operand
+        if block_s < 16 or block_s & (block_s - 1):
+            raise ValueError(f"block_s must be a power of two ≥ 16 (a dot's M side), got {block_s}")
+        if not 1 <= tiles <= _MAX_PROGRAM_POSITIONS // block_s:
+            raise ValueError(
+                f"tiles_per_program must be 1 … {_MAX_PROGRAM_POSITIONS // block_s} at block_s {block_s} (at most "
+                f"{_MAX_PROGRAM_POSITIONS} positions per program, whose scales it scans at once), got {tiles}"
+            )
+        if max_registers is not None and not 16 <= max_registers <= 255:
+            raise ValueError(f"max_registers must be 16 … 255 (registers per thread), got {max_registers}")
+        if operand not in (FP8.value, FP16.value, FP32.value):
+            raise ValueError(
+                f"operand must be FP8 ({FP8.value}), FP16 ({FP16.value}) or FP32 ({FP32.value}), got {operand}"
+            )
+        return replace(self, block_s=block_s, tiles_per_program=tiles, operand=operand, max_registers=max_registers)
 
 
 def indexer_scores_triton(
@@ -343,45 +579,13 @@ def indexer_scores_triton(
     k_data: Tensor,
     k_scale: Tensor,
     n_visible: Tensor,
-    block_s: int | None = None,
-    tiles_per_program: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    operand: int | None = None,
-    max_registers: int | None = None,
-    tma: bool | None = None,
+    tuning: IndexerTuning = IndexerTuning(),
 ) -> Tensor:
-    """The launch knobs (bench/kernels.py tune-indexer times them; each gives the same scores up to fp32 summation
-    order; None takes the default of `_default_tiling` / the GPU):
-    - `block_s`: positions per K tile, a power of two ≥ 16 (the dot's M side);
-    - `tiles_per_program`: consecutive K tiles per program, in a loop software-pipelined over `num_stages`;
-    - `num_warps`: warps per program;
-    - `operand`: the code operands' type, FP8 (sm_89 and later), FP16 or FP32 (`FP8.value` …);
-    - `max_registers`: a cap on registers per thread, so that more programs fit an SM (spills are the price);
-      decode launches default to `_DECODE_REGISTERS`;
-    - `tma`: K tiles by TMA where the layout allows it (None: on sm_90 and later and in the interpreter), else by
-      per-thread loads."""
+    """The kernel (module docstring) at the launch shape `tuning`."""
     B, T, H, half = q_data.shape
     S = k_data.shape[1]
-    default_block_s, default_tiles = _default_tiling(B, T, S)
-    block_s = default_block_s if block_s is None else block_s
-    tiles_per_program = default_tiles if tiles_per_program is None else tiles_per_program
-    operand = _operand() if operand is None else operand
-    if max_registers is None and T == 1 and block_s <= 128 and not interpreting():
-        max_registers = _DECODE_REGISTERS  # measured at 128-position tiles; larger ones spill under it
-    if block_s < 16 or block_s & (block_s - 1):
-        raise ValueError(f"block_s must be a power of two ≥ 16 (a dot's M side), got {block_s}")
-    if not 1 <= tiles_per_program <= _MAX_PROGRAM_POSITIONS // block_s:
-        raise ValueError(
-            f"tiles_per_program must be 1 … {_MAX_PROGRAM_POSITIONS // block_s} at block_s {block_s} (at most "
-            f"{_MAX_PROGRAM_POSITIONS} positions per program, whose scales it scans at once), got {tiles_per_program}"
-        )
-    if max_registers is not None and not 16 <= max_registers <= 255:
-        raise ValueError(f"max_registers must be 16 … 255 (registers per thread), got {max_registers}")
-    if operand not in (FP8.value, FP16.value, FP32.value):
-        raise ValueError(
-            f"operand must be FP8 ({FP8.value}), FP16 ({FP16.value}) or FP32 ({FP32.value}), got {operand}"
-        )
+    t = tuning.resolved(B, T, S)
+    block_s, tiles_per_program = t.block_s, t.tiles_per_program
     out = torch.empty((B, T, S), dtype=torch.float32, device=q_data.device)
     if out.numel() == 0:
         return out
@@ -394,18 +598,41 @@ def indexer_scores_triton(
     # scale rows of whole 32-bit words, word-aligned: read as words (see _channel_blocks)
     scale_words = 2 * half % 128 == 0 and k_scale.data_ptr() % 4 == 0 and k_scale.stride(0) % 4 == 0
     DI, DIP = 2 * half, 32 * triton.next_power_of_2(half // 16)
-    tma = _tma() if tma is None else tma
     k_box, ks_box = [1, block_s, half], [1, block_s * DI // 128]
+    tma = _tma() if t.tma is None else t.tma
     tma_k = tma and DI == DIP and _tma_rows(k_data, k_box)
     words = k_scale.view(torch.int32).flatten(1) if scale_words else k_scale  # [B, S · DI/128]
     tma_scales = tma_k and scale_words and _tma_rows(words, ks_box)
     k_desc = TensorDescriptor.from_tensor(k_data, k_box) if tma_k else k_data
     ks_desc = TensorDescriptor.from_tensor(words, ks_box) if tma_scales else k_scale
     _indexer_kernel[grid](
-        q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, k_desc, ks_desc,
-        n_visible.contiguous(), out, T, H, S, k_data.stride(0), k_scale.stride(0), DI, DIP, HP, block_t, block_s,
-        operand, tiles_per_program, num_stages, scale_words, triton.next_power_of_2(tiles_per_program * block_s),
-        tma_k, tma_scales, num_warps=num_warps,
-        **({} if max_registers is None else {"maxnreg": max_registers}),
-    )  # fmt: skip
+        q_data.contiguous(),
+        q_scale.contiguous(),
+        weights.contiguous(),
+        k_data,
+        k_scale,
+        k_desc,
+        ks_desc,
+        n_visible.contiguous(),
+        out,
+        T,
+        H,
+        S,
+        k_data.stride(0),
+        k_scale.stride(0),
+        DI,
+        DIP,
+        HP,
+        block_t,
+        block_s,
+        t.operand,
+        tiles_per_program,
+        t.num_stages,
+        scale_words,
+        triton.next_power_of_2(tiles_per_program * block_s),
+        tma_k,
+        tma_scales,
+        num_warps=t.num_warps,
+        **({} if t.max_registers is None else {"maxnreg": t.max_registers}),
+    )
     return out

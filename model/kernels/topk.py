@@ -25,19 +25,14 @@ Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate
 On sm_90 every kernel is a programmatic dependent launch: it is scheduled while its predecessor (the previous kernel
 here, or whatever wrote the scores) still runs and waits for its writes (`_follow`), and a kernel whose programs fit
 on the GPU at once lets its successor launch as it starts (`_launch_order`). With these launches and `_trisect`,
-256 × 64 K went 33.6 → 31.7 µs and 1 × 64 K 12.2 → 10.0 (H200, eighth session).
+1 × 64 K takes 10.0 µs on the H200 instead of 12.2.
 
-Where the time goes at 256 × 64 K on the H200 (torch.profiler, 2026-11-30, eighth session): group maxima 12.1 µs
-(the scores' bandwidth), threshold 6.4, gather 10.1, select 4.2 (overlapping by their launches: 32.2 µs in all) — the
-last three chains of block-wide sums and dependent loads, which is why their steps are counted and cut
-(`_search_range`, one pass per gathering program).
-Measured and dropped (sixth session): a 4-ary search (three pivots counted in one int64 sum: threshold 7.7, select
-5.0 µs — an int64 sum costs more than two int32 ones), a register cap on the gather for more programs per SM (no
-change), and the select reading the passing groups' scores itself, no gather kernel (16 K items in registers: 62 µs);
-(eighth session, 256 × 64 K) the threshold and the select run by the last program of a row in the group-max and
-gather kernels (45.7 / 35.0 µs: the threshold's registers cut the streaming kernel's occupancy), a 4-ary search by one
-tuple reduce (35.8 µs), 16-bit group maxima for bf16 rows (34.7 µs).
+The group maxima are bound by the scores' bandwidth; the other three kernels are chains of block-wide sums and
+dependent loads, which is why their steps are counted and cut (`_search_range`, one pass per gathering program).
+docs/kernels.md has where the time goes and the variants measured against this design.
 """
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -108,9 +103,9 @@ def _row_length(len_ptr, r, L, HAS_LENGTHS: tl.constexpr):
 
 @triton.jit
 def _row_keys(x_row, length, start, TILE: tl.constexpr, LOW_BIT: tl.constexpr):
-    """Keys of positions start … start + TILE − 1 of a row (and those positions). The scores stream: their lines go
-    first from L2, which keeps the small per-row buffers (H200, seventh session: 256 × 256 K 73.6 µs against 76.3 with
-    the gather's reads hinted alike, 256 × 64 K 33.25 against 33.7)."""
+    """Keys of positions start … start + TILE − 1 of a row (and those positions). The scores stream: their lines
+    leave L2 first, which keeps the small per-row buffers there (256 × 256 K: 73.6 µs against 75.9–76.8 without the
+    hint)."""
     pos = start + tl.arange(0, TILE)
     x = tl.load(x_row + pos, mask=pos < length, other=float("-inf"), eviction_policy="evict_first")
     return _order_key(x, pos < length, LOW_BIT), pos
@@ -153,9 +148,9 @@ def _bisect(keys, k, lo, hi, LOW_BIT: tl.constexpr):
 @triton.jit
 def _trisect(keys, k, lo, hi, LOW_BIT: tl.constexpr):
     """`_bisect` with two pivots a step, both counted in one int32 sum (a count per half: fewer than 2^16 keys), so
-    that each step keeps a third of the range: ≈ 5 block-wide sums instead of 7 on the select's 2k candidates (H200,
-    eighth session: select 4.52 → 4.14 µs at 256 × 64 K, 1 × 4 K 6.98 → 6.32). The threshold kernel keeps halvings:
-    at 32 keys per thread its second compare costs more than the step it saves (6.41 → 6.69 µs)."""
+    that each step keeps a third of the range: ≈ 5 block-wide sums instead of 7 on the select's 2k candidates (the
+    select 4.52 → 4.14 µs at 256 × 64 K on the H200). The threshold kernel keeps halvings: at 32 keys per thread its
+    second compare costs more than the step it saves."""
     a, b, _steps = _search_range(lo, hi, LOW_BIT)
     while a < b:
         low = a + (b - a) // 3 + ((b - a) % 3 != 0).to(tl.uint32)  # a + ⌈(b − a) / 3⌉: above a
@@ -163,8 +158,10 @@ def _trisect(keys, k, lo, hi, LOW_BIT: tl.constexpr):
         both = (keys >= (low << LOW_BIT)).to(tl.int32) | ((keys >= (high << LOW_BIT)).to(tl.int32) << 16)
         counts = tl.sum(both, axis=0)
         at_low, at_high = (counts & 0xFFFF) >= k, (counts >> 16) >= k  # T ≥ low, T ≥ high
-        a, b = (tl.where(at_high, high, tl.where(at_low, low, a)),
-                tl.where(at_high, b, tl.where(at_low, high - 1, low - 1)))  # fmt: skip
+        a, b = (
+            tl.where(at_high, high, tl.where(at_low, low, a)),
+            tl.where(at_high, b, tl.where(at_low, high - 1, low - 1)),
+        )
     return a << LOW_BIT
 
 
@@ -191,10 +188,19 @@ def _follow(PDL: tl.constexpr, EARLY: tl.constexpr):
 
 @triton.jit
 def _group_max_kernel(
-    x_ptr, len_ptr, gmax_ptr, L, NG, tiles,
-    HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    len_ptr,
+    gmax_ptr,
+    L,
+    NG,
+    tiles,
+    HAS_LENGTHS: tl.constexpr,
+    TILE: tl.constexpr,
+    GS: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+    PDL: tl.constexpr,
     EARLY: tl.constexpr,
-):  # fmt: skip
+):
     """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r; one TILE of one row per program."""
     _follow(PDL, EARLY)
     r = (tl.program_id(0) // tiles).to(tl.int64)
@@ -206,9 +212,18 @@ def _group_max_kernel(
 
 @triton.jit
 def _threshold_kernel(
-    gmax_ptr, glist_ptr, thr_ptr, ngroups_ptr, NG, k,
-    NGP: tl.constexpr, KP: tl.constexpr, LOW_BIT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-):  # fmt: skip
+    gmax_ptr,
+    glist_ptr,
+    thr_ptr,
+    ngroups_ptr,
+    NG,
+    k,
+    NGP: tl.constexpr,
+    KP: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     """Row r's candidate threshold T and the ids of the groups that reach it, ascending.
 
     T = the k-th largest group maximum: k groups hold a score ≥ T, so the k-th largest score is ≥ T, and every
@@ -233,8 +248,21 @@ def _threshold_kernel(
 
 
 @triton.jit
-def _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start, last, n, SEG,
-                 CG: tl.constexpr, GS: tl.constexpr, LOW_BIT: tl.constexpr):  # fmt: skip
+def _gather_pass(
+    x_row,
+    length,
+    glist_row,
+    ckey_seg,
+    cpos_seg,
+    threshold,
+    start,
+    last,
+    n,
+    SEG,
+    CG: tl.constexpr,
+    GS: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+):
     """Passing groups start … start + CG − 1 (those before `last`): their scores ≥ T appended, in position order,
     after the segment's first n candidates → the new count. [groups, positions] throughout: the slots are a scan
     over the groups' counts and one inside each group (a scan over the flattened scores, and the reshapes to it,
@@ -255,18 +283,33 @@ def _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start,
 
 @triton.jit
 def _gather_kernel(
-    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
-    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, SPAN: tl.constexpr, CG: tl.constexpr, GS: tl.constexpr,
-    LOW_BIT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    len_ptr,
+    glist_ptr,
+    thr_ptr,
+    ngroups_ptr,
+    ckey_ptr,
+    cpos_ptr,
+    count_ptr,
+    L,
+    NGP,
+    SEG,
+    HAS_LENGTHS: tl.constexpr,
+    P: tl.constexpr,
+    SPAN: tl.constexpr,
+    CG: tl.constexpr,
+    GS: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     """Program (r, p) takes row r's passing groups p·SPAN … (p + 1)·SPAN − 1 (in list order: ascending), CG per
     pass, and writes their scores ≥ T, in position order, to segment p of the row's candidate buffer (SEG slots)
     → count[r, p]. The P programs of a row cover P·SPAN passing groups; a row with more (ties at T), or a segment
     with more candidates than slots, is marked overflowing (a count above SEG) and selected from its scores.
 
-    By default SPAN ≤ CG: one pass per program, with no loop (a loop costs registers, so fewer programs per SM).
-    Programs that looped over their share of the groups paid a chain of dependent loads and scans per pass
-    (≈ 2–3 µs each on the H200), and one program per row gathering all of them 50–80 % of the row's select time."""
+    By default SPAN ≤ CG: one pass per program, with no loop — a loop costs registers (fewer programs per SM), and
+    each of its passes is a chain of dependent loads and scans (≈ 2–3 µs on the H200)."""
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     segment = r * P + p
@@ -281,20 +324,32 @@ def _gather_kernel(
     n = 0
     if SPAN <= CG:
         if first < last:
-            n = _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, first, last, n, SEG, CG, GS,
-                             LOW_BIT)  # fmt: skip
+            n = _gather_pass(
+                x_row, length, glist_row, ckey_seg, cpos_seg, threshold, first, last, n, SEG, CG, GS, LOW_BIT
+            )
     else:
         for start in range(first, last, CG):
-            n = _gather_pass(x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start, last, n, SEG, CG, GS,
-                             LOW_BIT)  # fmt: skip
+            n = _gather_pass(
+                x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start, last, n, SEG, CG, GS, LOW_BIT
+            )
     tl.store(count_ptr + segment, tl.where((p == P - 1) & (n_groups > P * SPAN), SEG + 1, n))
 
 
 @triton.jit
 def _items(
-    x_row, length, ckey_row, cpos_row, count_row, n, start, from_row,
-    P: tl.constexpr, SEG, TILE: tl.constexpr, LOW_BIT: tl.constexpr,
-):  # fmt: skip
+    x_row,
+    length,
+    ckey_row,
+    cpos_row,
+    count_row,
+    n,
+    start,
+    from_row,
+    P: tl.constexpr,
+    SEG,
+    TILE: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+):
     """Tile of (key, position) items in ascending position order: from the scores, or the candidates' items
     start … start + TILE − 1 counted across the P segments in order."""
     if from_row:
@@ -336,10 +391,25 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 
 @triton.jit
 def _select_kernel(
-    x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k,
-    HAS_LENGTHS: tl.constexpr, DIRECT: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    len_ptr,
+    thr_ptr,
+    ckey_ptr,
+    cpos_ptr,
+    count_ptr,
+    out_ptr,
+    L,
+    SEG,
+    k,
+    HAS_LENGTHS: tl.constexpr,
+    DIRECT: tl.constexpr,
+    P: tl.constexpr,
+    PP: tl.constexpr,
+    LOW_BIT: tl.constexpr,
+    TILE: tl.constexpr,
+    KP: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
     written in position order and −1 padded. The k-th largest key is bisected between its bounds: every chosen key
     is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
@@ -369,8 +439,7 @@ def _select_kernel(
         selectable = 0
         hi = tl.zeros((), dtype=tl.uint32)
         for start in range(0, n, TILE):
-            key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                               LOW_BIT)  # fmt: skip
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE, LOW_BIT)
             selectable += tl.sum((key > 0).to(tl.int32), axis=0)
             hi = tl.maximum(hi, tl.max(key, axis=0))
         kk = tl.minimum(k, selectable)
@@ -379,20 +448,19 @@ def _select_kernel(
             mid = _midpoint(a, b)
             count = 0
             for start in range(0, n, TILE):
-                key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                                   LOW_BIT)  # fmt: skip
+                key, _pos = _items(
+                    x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE, LOW_BIT
+                )
                 count += tl.sum((key >= (mid << LOW_BIT)).to(tl.int32), axis=0)
             a, b = _halve(a, b, mid, count, kk)
         threshold = a << LOW_BIT
         above = 0
         for start in range(0, n, TILE):
-            key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                               LOW_BIT)  # fmt: skip
+            key, _pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE, LOW_BIT)
             above += tl.sum((key > threshold).to(tl.int32), axis=0)
         ties, written = 0, 0
         for start in range(0, n, TILE):
-            key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE,
-                              LOW_BIT)  # fmt: skip
+            key, pos = _items(x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P, SEG, TILE, LOW_BIT)
             ties, written = _write_chosen(out_row, key, pos, threshold, kk - above, ties, written, k)
     i = tl.arange(0, KP)
     tl.store(out_row + i, tl.full((KP,), -1, tl.int32), mask=(i >= kk) & (i < k))
@@ -407,10 +475,8 @@ def _low_bit(dtype: torch.dtype) -> int:
 def _max_groups(R: int, L: int) -> int:
     """Group maxima per row by default: `_MAX_GROUPS`, but 2 K for batches of at most `_FEW_ROWS` rows of up to 256 K
     scores — a few rows leave most of the GPU idle, so work moves from the threshold (one program per row, a chain
-    over its maxima) to the gather (many programs per row). H200, seventh session: 1 × 64 K 12.1 µs against 13.1,
-    1 × 256 K 14.4 against 17.2, 6 × 64 K 12.8 against 14.0, 6 × 256 K 15.4 against 18.1; at 1 M fewer groups are
-    slower (1 × 1 M 22.9 against 18.5: groups of 512), and by 32 rows the gain is gone (32 × 256 K 24.8 against
-    23.4)."""
+    over its maxima) to the gather (many programs per row): 1 × 256 K 14.4 µs against 17.2 on the H200. Rows of 1 M
+    and batches of 32 rows gain nothing (docs/kernels.md)."""
     return 2048 if R <= _FEW_ROWS and L <= 262_144 else _MAX_GROUPS
 
 
@@ -425,43 +491,93 @@ def _group_size(L: int, k: int, max_groups: int) -> int:
 
 
 def _threshold_warps(NGP: int) -> int:
-    """Warps of the threshold kernel, by group maxima per row. On the H200 (2026-11-30, sixth session): 4 warps take
-    8.0 µs at 4 K maxima (256 × 64 K) and 15.7 at 8 K (256 × 256 K) against 8.9 / 22.4 with 8 / 16; 16 K maxima (1 M
-    rows with `max_groups` 16 K) keep 16 warps (1 × 1 M 0.040 ms against 0.046 with 4; 6 × 1 M 0.044 against
-    0.049)."""
+    """Warps of the threshold kernel, by group maxima per row: 4 (8.0 µs at 4 K maxima on the H200, 8.9 with 8
+    warps), 16 from 16 K maxima (rows of 1 M), which 4 warps hold in too few registers."""
     return 16 if NGP >= 16384 else 4
 
 
 def _group_tile(L: int) -> int:
-    """Scores per group-max program: 8 K for rows of 256 K and more (H200, 2026-11-30, sixth session: 256 × 256 K
-    0.0764 ms against 0.0779 with 4 K, 256 × 1 M 0.240 against 0.253; 6 × 1 M the same), else 4 K (256 × 64 K 11.5 µs
-    against 13.0 with 8 K)."""
+    """Scores per group-max program: 8 K for rows of 256 K and more, else 4 K (the faster of the two at each length
+    on the H200: docs/kernels.md)."""
     return 2 * _TILE if L >= 262_144 else _TILE
 
 
 def _gather_scores(GS: int) -> int:
-    """Scores per gathering pass: 2 K, or 4 K for groups of more than 64 (rows of 1 M; H200, 2026-11-30, sixth
-    session: 1 × 1 M 0.0189 ms against 0.0205 with 2 K, 256 × 1 M 0.221 against 0.230). One pass covers a program's
+    """Scores per gathering pass: 2 K, or 4 K for groups of more than 64 (rows of 1 M). One pass covers a program's
     share of the passing groups wherever the programs do not hit `_MAX_SEGMENTS`: 64 K rows take 6 programs of 128
     groups of 16, 256 K rows 11 of 64 × 32, 1 M rows 21 of 32 × 128 (k = 512)."""
     return _GATHER if GS <= 64 else 2 * _GATHER
 
 
-def _gather_shape(k: int, GS: int, gather: int | None, covered_groups: int | None) -> tuple[int, int, int, int]:
-    """(passing groups per gathering pass CG, gathering programs per row P, passing groups per program, candidate
-    slots per segment). The programs cover k + k/4 + 8 passing groups by default (k reach T, and bf16 rows tie a
-    few more at it); a segment holds 2k candidates at most — all of a row's, ties at T aside."""
-    CG = max((gather or _gather_scores(GS)) // GS, 1)
-    covered = covered_groups or k + k // 4 + 8
-    P = min(triton.cdiv(covered, CG), _MAX_SEGMENTS)
-    span = triton.cdiv(covered, P)
-    return CG, P, span, min(span * GS, 2 * triton.next_power_of_2(k))
-
-
 def _select_tile(k: int) -> int:
-    """The select kernel's register tile on the group path: 2k candidates, at least 1 K (256 × 64 K 0.0366 ms
-    against 0.0378 with 2 K, 1 × 64 K 0.0150 against 0.0200; H200, sixth session), at most `_TILE`."""
+    """The select kernel's register tile on the group path: 2k candidates, at least 1 K (1 × 64 K 0.0150 ms against
+    0.0200 with 2 K on the H200), at most `_TILE`."""
     return min(_TILE, max(1024, 2 * triton.next_power_of_2(k)))
+
+
+@dataclass(frozen=True)
+class TopKTuning:
+    """Launch shape of `topk_indices_triton` (None: chosen per call). The defaults suit k ≤ 4096; the tests shrink
+    them to reach every path, `bench/kernels.py --bench tune-topk` times others.
+
+    - `direct_max`: rows of at most this many scores skip the group path (the row is the candidate set);
+    - `group_size`: positions per group, a power of two (None: `_group_size`, at most `max_groups` groups);
+    - `max_groups`: group maxima per row at most (None: `_max_groups`);
+    - `group_tile`: scores per group-max program (None: `_group_tile`; at least one group);
+    - `threshold_warps`: the threshold kernel's warps (None: `_threshold_warps`);
+    - `gather`: scores per pass of a gathering program, a power of two (None: `_gather_scores`);
+    - `covered_groups`: passing groups per row that the gathering programs cover, as many programs as take one pass
+      each, at most `_MAX_SEGMENTS` (None: k + k/4 + 8, as k reach T and bf16 rows tie a few more at it; a row with
+      more is selected from its scores);
+    - `tile`: the select kernel's register tile, a power of two up to `_MAX_TILE` (None: a direct row whole, else
+      `_select_tile`);
+    - `num_warps`: the select kernel's warps."""
+
+    direct_max: int = _TILE
+    group_size: int | None = None
+    max_groups: int | None = None
+    group_tile: int | None = None
+    threshold_warps: int | None = None
+    gather: int | None = None
+    covered_groups: int | None = None
+    tile: int | None = None
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gather is not None and (self.gather < 1 or self.gather & (self.gather - 1)):
+            raise ValueError(f"gather must be a power of two, got {self.gather}")
+        if self.tile is not None and not (0 < self.tile <= _MAX_TILE and self.tile & (self.tile - 1) == 0):
+            raise ValueError(f"tile must be a power of two up to {_MAX_TILE}, got {self.tile}")
+
+    def direct(self, L: int) -> bool:
+        """Whether rows of L scores skip the group path."""
+        return self.direct_max >= L
+
+    def resolved(self, R: int, L: int, k: int) -> "TopKTuning":
+        """These settings with the defaults for R rows of L scores and k filled in (a direct row needs only `tile`)."""
+        if self.direct(L):
+            return replace(self, tile=self.tile or _TILE)
+        GS = self.group_size or _group_size(L, k, self.max_groups or _max_groups(R, L))
+        return replace(
+            self,
+            group_size=GS,
+            group_tile=max(self.group_tile or _group_tile(L), GS),
+            threshold_warps=self.threshold_warps or _threshold_warps(triton.next_power_of_2(triton.cdiv(L, GS))),
+            gather=self.gather or _gather_scores(GS),
+            covered_groups=self.covered_groups or k + k // 4 + 8,
+            tile=self.tile or _select_tile(k),
+        )
+
+    def gather_shape(self, k: int) -> tuple[int, int, int, int]:
+        """Of resolved settings on the group path: (passing groups per gathering pass CG, gathering programs per row
+        P, passing groups per program, candidate slots per segment). A segment holds 2k candidates at most — all of a
+        row's, ties at T aside."""
+        if self.group_size is None or self.gather is None or self.covered_groups is None:
+            raise ValueError("gather_shape needs resolved settings (TopKTuning.resolved)")
+        CG = max(self.gather // self.group_size, 1)
+        P = min(triton.cdiv(self.covered_groups, CG), _MAX_SEGMENTS)
+        span = triton.cdiv(self.covered_groups, P)
+        return CG, P, span, min(span * self.group_size, 2 * triton.next_power_of_2(k))
 
 
 def _dependent_launch(device: torch.device) -> bool:
@@ -473,39 +589,13 @@ def _dependent_launch(device: torch.device) -> bool:
 def _launch_order(pdl: bool, *programs: int) -> tuple[bool, ...]:
     """Which of the group-max, threshold and gather kernels (`programs` each) let their successor launch as they
     start (`_follow`'s EARLY): those whose programs all fit on the GPU at once, `_RESIDENT` per SM. Where they do not,
-    it costs time, presumably because the successor's programs, placed once the kernel's last program has started,
-    crowd onto the few SMs free at that moment. H200, eighth session, kernels 2–4 as dependents: 256 × 64 K 33.4 →
-    32.9 µs, with the threshold early 31.9–32.7 (the group maxima early too: 33.8; the gather: 34.0–34.3); every kernel
-    early at 1 × 64 K 12.2 → 10.6 µs, 6 × 64 K 12.6 → 10.9, 6 × 256 K 15.4 → 13.6, 32 × 256 K 24.6 → 22.5."""
+    an early successor costs time, presumably because its programs, placed once the kernel's last program has
+    started, crowd onto the few SMs free at that moment (docs/kernels.md)."""
     return tuple(pdl and n <= per_sm * multiprocessors() for n, per_sm in zip(programs, _RESIDENT, strict=True))
 
 
-def topk_indices_triton(
-    scores: Tensor,
-    k: int,
-    lengths: Tensor | None,
-    direct_max: int = _TILE,
-    group_size: int | None = None,
-    max_groups: int | None = None,
-    group_tile: int | None = None,
-    threshold_warps: int | None = None,
-    gather: int | None = None,
-    covered_groups: int | None = None,
-    tile: int | None = None,
-    num_warps: int = 8,
-) -> Tensor:
-    """The launch knobs (the defaults suit k ≤ 4096; tests shrink them to reach every path, bench/kernels.py tunes
-    them): rows longer than `direct_max` take the group path, with groups of `group_size` positions (a power of
-    two; default: at most `max_groups` groups, by default `_max_groups`), their maxima taken `group_tile` scores per
-    program (default `_group_tile`); the threshold kernel's `threshold_warps` (default `_threshold_warps`); `gather`
-    scores per pass of a gathering program (a power of two; default `_gather_scores`), whose programs — as many as
-    cover one pass each, at most `_MAX_SEGMENTS` — cover `covered_groups` passing groups per row (default
-    k + k/4 + 8; a row with more selects from its scores); the select kernel's register `tile` (a power of two up to
-    `_MAX_TILE`; default: a direct row whole, else `_select_tile`) and `num_warps`."""
-    if gather is not None and (gather < 1 or gather & (gather - 1)):
-        raise ValueError(f"gather must be a power of two, got {gather}")
-    if tile is not None and not (0 < tile <= _MAX_TILE and tile & (tile - 1) == 0):
-        raise ValueError(f"tile must be a power of two up to {_MAX_TILE}, got {tile}")
+def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: TopKTuning = TopKTuning()) -> Tensor:
+    """The kernels (module docstring) at the launch shape `tuning`."""
     R, L = scores.shape
     device = scores.device
     out = torch.empty((R, k), dtype=torch.int32, device=device)
@@ -515,12 +605,12 @@ def topk_indices_triton(
     has_lengths = lengths is not None
     lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
-    direct = scores.shape[1] <= direct_max
-    tile = tile or (_TILE if direct else _select_tile(k))
-    GS = 1 if direct else (group_size or _group_size(L, k, max_groups or _max_groups(R, L)))
+    t = tuning.resolved(R, L, k)
+    direct = t.direct(L)
+    GS = 1 if direct else t.group_size
     NG = triton.cdiv(L, GS)
     NGP = 1 if direct else triton.next_power_of_2(NG)
-    CG, P, span, SEG = (1, 1, 1, 1) if direct else _gather_shape(k, GS, gather, covered_groups)
+    CG, P, span, SEG = (1, 1, 1, 1) if direct else t.gather_shape(k)
 
     def per_row(*shape: int, dtype: torch.dtype) -> Tensor:
         """A buffer of the group path (nothing for direct rows)."""
@@ -532,17 +622,82 @@ def topk_indices_triton(
     counts = per_row(P, dtype=torch.int32)
     pdl = _dependent_launch(device)
     if not direct:
-        group_tile = max(group_tile or _group_tile(L), GS)
-        tiles = triton.cdiv(L, group_tile)
+        tiles = triton.cdiv(L, t.group_tile)
         early = _launch_order(pdl, R * tiles, R, R * P)
-        _group_max_kernel[(R * tiles,)](x, lengths, gmax, L, NG, tiles, has_lengths, group_tile, GS, low_bit,
-                                        pdl, early[0], num_warps=4, launch_pdl=pdl)  # fmt: skip
-        _threshold_kernel[(R,)](gmax, glist, threshold, n_groups, NG, k, NGP, KP, low_bit, pdl, early[1],
-                                num_warps=threshold_warps or _threshold_warps(NGP), launch_pdl=pdl)  # fmt: skip
-        _gather_kernel[(R, P)](x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG,
-                               has_lengths, P, span, CG, GS, low_bit, pdl, early[2], num_warps=4,
-                               launch_pdl=pdl)  # fmt: skip
-    _select_kernel[(R,)](x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k,
-                         has_lengths, direct, P, triton.next_power_of_2(P), low_bit, tile, KP, pdl,
-                         num_warps=num_warps, launch_pdl=pdl)  # fmt: skip
+        _group_max_kernel[(R * tiles,)](
+            x,
+            lengths,
+            gmax,
+            L,
+            NG,
+            tiles,
+            has_lengths,
+            t.group_tile,
+            GS,
+            low_bit,
+            pdl,
+            early[0],
+            num_warps=4,
+            launch_pdl=pdl,
+        )
+        _threshold_kernel[(R,)](
+            gmax,
+            glist,
+            threshold,
+            n_groups,
+            NG,
+            k,
+            NGP,
+            KP,
+            low_bit,
+            pdl,
+            early[1],
+            num_warps=t.threshold_warps,
+            launch_pdl=pdl,
+        )
+        _gather_kernel[(R, P)](
+            x,
+            lengths,
+            glist,
+            threshold,
+            n_groups,
+            ckey,
+            cpos,
+            counts,
+            L,
+            NGP,
+            SEG,
+            has_lengths,
+            P,
+            span,
+            CG,
+            GS,
+            low_bit,
+            pdl,
+            early[2],
+            num_warps=4,
+            launch_pdl=pdl,
+        )
+    _select_kernel[(R,)](
+        x,
+        lengths,
+        threshold,
+        ckey,
+        cpos,
+        counts,
+        out,
+        L,
+        SEG,
+        k,
+        has_lengths,
+        direct,
+        P,
+        triton.next_power_of_2(P),
+        low_bit,
+        t.tile,
+        KP,
+        pdl,
+        num_warps=t.num_warps,
+        launch_pdl=pdl,
+    )
     return out

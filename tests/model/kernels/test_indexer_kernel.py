@@ -32,7 +32,7 @@ def launch_id(launch: dict) -> str:
 def test_matches_the_reference(launch: dict, B: int, T: int, H: int, Di: int, S: int) -> None:
     """Ragged rows (one full, one empty, the rest random n_visible), tails of S that no tile size divides."""
     case = indexer_case(generator(B * S + T), B, T, H, Di, S)
-    got = indexer.indexer_scores_triton(*case, **launch)
+    got = indexer.indexer_scores_triton(*case, indexer.IndexerTuning(**launch))
     assert_indexer_scores_close(got, kernels.indexer_scores(*case), case)
 
 
@@ -48,7 +48,7 @@ def test_extreme_scales() -> None:
     want = kernels.indexer_scores(*case)
     assert (want[torch.isfinite(want)].abs() > 2.0**60).any()  # the case reaches the large scales
     for launch in LAUNCHES:
-        assert_indexer_scores_close(indexer.indexer_scores_triton(*case, **launch), want, case)
+        assert_indexer_scores_close(indexer.indexer_scores_triton(*case, indexer.IndexerTuning(**launch)), want, case)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_extreme_scales() -> None:
 def test_bad_launch_is_named(launch: dict, message: str) -> None:
     case = indexer_case(generator(0), 1, 1, 4, 64, 8)
     with pytest.raises(ValueError, match=message):
-        indexer.indexer_scores_triton(*case, **launch)
+        indexer.indexer_scores_triton(*case, indexer.IndexerTuning(**launch))
 
 
 @pytest.mark.parametrize("launch", [{}, {"operand": indexer.FP16.value}], ids=launch_id)
@@ -80,7 +80,9 @@ def test_query_block_scales_far_apart(launch: dict, spread: int) -> None:
     q_scale[1, 0, 0, 2] = 1  # a zero block at the quantiser's floor beside scales of 2^23
     q_data[1, 0, 0, 32:48] = 0
     case = (q_data, q_scale, w, k_data, k_scale, n_visible)
-    assert_indexer_scores_close(indexer.indexer_scores_triton(*case, **launch), kernels.indexer_scores(*case), case)
+    assert_indexer_scores_close(
+        indexer.indexer_scores_triton(*case, indexer.IndexerTuning(**launch)), kernels.indexer_scores(*case), case
+    )
 
 
 def test_nan_scales_give_nan_scores() -> None:
@@ -113,7 +115,7 @@ def test_cache_views(capacity: int) -> None:
     want = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible)
     for launch in ({}, {"block_s": 16, "tiles_per_program": 3}):
         got = indexer.indexer_scores_triton(
-            q_data, q_scale, w, room_data[:, :S], room_scale[:, :S], n_visible, **launch
+            q_data, q_scale, w, room_data[:, :S], room_scale[:, :S], n_visible, indexer.IndexerTuning(**launch)
         )
         assert_indexer_scores_close(got, want, (q_data, q_scale, w, k_data, k_scale, n_visible))
 
@@ -132,7 +134,7 @@ def test_k_scales_outside_the_plain_range() -> None:
     assert want[0, 0, 5] != 0
     assert want[1, 0, 70].isnan()
     for launch in LAUNCHES:
-        got = indexer.indexer_scores_triton(*case, **launch)
+        got = indexer.indexer_scores_triton(*case, indexer.IndexerTuning(**launch))
         assert torch.equal(got.isnan(), want.isnan())
         assert_indexer_scores_close(got, want, case)
 

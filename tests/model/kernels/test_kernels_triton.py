@@ -6,6 +6,8 @@ indexer scores and attention differ from the reference only by fp32 summation or
 fp32; the GPU's bf16 dots are checked at real sizes by `bench/kernels.py --check`).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_cases import (
@@ -22,7 +24,7 @@ from kernel_cases import (
 from model import kernels, quant
 from model.kernels.formats import dense_rows
 from model.kernels.sparse_attn import sparse_attention_triton
-from model.kernels.topk import topk_indices_triton
+from model.kernels.topk import TopKTuning, topk_indices_triton
 
 FORMATS = ["kv_fp4", "index_fp4", "swa_fp8"]
 
@@ -135,12 +137,13 @@ def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int, tied
 
 
 # every path of the Triton top-k, reached on small rows by shrinking its launch parameters
-DIRECT = {}  # one program per row, the row in registers
-DIRECT_STREAMED = {"tile": 64}  # one program per row, streaming the row in tiles
-GROUPS = {"direct_max": 64}  # group maxima → threshold → gather the passing groups → select in registers
-GROUPS_STREAMED = {"direct_max": 64, "group_size": 4, "tile": 32}  # the candidates streamed in tiles
-OVERFLOW = {"direct_max": 64, "group_size": 16, "gather": 16, "covered_groups": 1}  # more passing groups than the
+DIRECT = TopKTuning()  # one program per row, the row in registers
+DIRECT_STREAMED = TopKTuning(tile=64)  # one program per row, streaming the row in tiles
+GROUPS = TopKTuning(direct_max=64)  # group maxima → threshold → gather the passing groups → select in registers
+GROUPS_STREAMED = TopKTuning(direct_max=64, group_size=4, tile=32)  # the candidates streamed in tiles
+OVERFLOW = TopKTuning(direct_max=64, group_size=16, gather=16, covered_groups=1)  # more passing groups than the
 # gathering programs cover: select from the row
+PATHS = [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW]
 
 
 @pytest.mark.parametrize(
@@ -154,24 +157,24 @@ OVERFLOW = {"direct_max": 64, "group_size": 16, "gather": 16, "covered_groups": 
         (5, 1000, 20, torch.float16, GROUPS),
         (3, 300, 8, torch.bfloat16, GROUPS_STREAMED),
         (3, 300, 8, torch.bfloat16, OVERFLOW),
-        (2, 40_000, 64, torch.bfloat16, {}),  # the defaults: a small batch, so 2 K groups (of 32 here)
-        (3, 300, 8, torch.float32, {**GROUPS, "gather": 4096}),  # one gathering program per row
-        (3, 1000, 20, torch.bfloat16, {**GROUPS, "gather": 32}),  # a few passing groups per gathering program
-        (2, 300, 8, torch.float32, {**GROUPS, "gather": 1, "covered_groups": 100}),  # programs with no group
+        (2, 40_000, 64, torch.bfloat16, TopKTuning()),  # the defaults: a small batch, so 2 K groups (of 32 here)
+        (3, 300, 8, torch.float32, replace(GROUPS, gather=4096)),  # one gathering program per row
+        (3, 1000, 20, torch.bfloat16, replace(GROUPS, gather=32)),  # a few passing groups per gathering program
+        (2, 300, 8, torch.float32, replace(GROUPS, gather=1, covered_groups=100)),  # programs with no group
     ],
 )
-def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: dict[str, int]) -> None:
+def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: TopKTuning) -> None:
     scores, lengths = topk_case(generator(L + k), R, L, dtype)
-    got = topk_indices_triton(scores, k, lengths, **paths)
+    got = topk_indices_triton(scores, k, lengths, paths)
     assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
-    assert torch.equal(topk_indices_triton(scores, k, None, **paths), kernels.topk_indices(scores, k))
+    assert torch.equal(topk_indices_triton(scores, k, None, paths), kernels.topk_indices(scores, k))
 
 
-@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
-def test_topk_ties_match_the_definition(paths: dict[str, int]) -> None:
-    scores, lengths = tied_topk_case(generator(len(paths)), 4, 90, torch.bfloat16)
+@pytest.mark.parametrize("paths", PATHS)
+def test_topk_ties_match_the_definition(paths: TopKTuning) -> None:
+    scores, lengths = tied_topk_case(generator(PATHS.index(paths)), 4, 90, torch.bfloat16)
     for k in (1, 7, 40):
-        assert torch.equal(topk_indices_triton(scores, k, lengths, **paths), lowest_position_topk(scores, k, lengths))
+        assert torch.equal(topk_indices_triton(scores, k, lengths, paths), lowest_position_topk(scores, k, lengths))
 
 
 def search_edge_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -186,25 +189,25 @@ def search_edge_rows(g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("paths", [DIRECT, DIRECT_STREAMED, GROUPS, GROUPS_STREAMED, OVERFLOW])
-def test_topk_search_range_edges(paths: dict[str, int], dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("paths", PATHS)
+def test_topk_search_range_edges(paths: TopKTuning, dtype: torch.dtype) -> None:
     scores = search_edge_rows(generator(5), dtype)
-    for k in (30,) if "tile" in paths else (1, 30, 61):  # the streamed paths are slow in the interpreter: one k
-        assert torch.equal(topk_indices_triton(scores, k, None, **paths), lowest_position_topk(scores, k, None))
+    for k in (30,) if paths.tile is not None else (1, 30, 61):  # the streamed paths are slow in the interpreter: one k
+        assert torch.equal(topk_indices_triton(scores, k, None, paths), lowest_position_topk(scores, k, None))
 
 
 @pytest.mark.parametrize(("knob", "value"), [("gather", 3), ("tile", 48), ("tile", 65536)])
 def test_topk_names_a_bad_launch_knob(knob: str, value: int) -> None:
     with pytest.raises(ValueError, match=knob):
-        topk_indices_triton(torch.zeros(1, 100), 4, None, **{knob: value})
+        TopKTuning(**{knob: value})
 
 
 def test_topk_ties_go_to_the_lowest_positions() -> None:
     scores = torch.zeros(3, 130, dtype=torch.bfloat16)
     scores[1, ::3] = 1.0
     scores[2, 40:] = float("-inf")
-    for paths in (DIRECT, {"direct_max": 64, "group_size": 16, "gather": 16, "covered_groups": 2}):
-        got = topk_indices_triton(scores, 10, None, **paths)
+    for paths in (DIRECT, replace(OVERFLOW, covered_groups=2)):
+        got = topk_indices_triton(scores, 10, None, paths)
         assert got[0].tolist() == list(range(10))
         assert got[1].tolist() == list(range(0, 30, 3))
         assert got[2].tolist() == list(range(10))
