@@ -2,6 +2,10 @@
 
     reasoning ──the reasoning's end token──▶ answer: the grammar's next-token set, minus the banned tokens
 
+The reasoning's content is free, but where the grammar needs an answer (a JSON Schema, a required call: one its
+stop token cannot end at once) the sequence may not stop inside the reasoning either: a stop there would return
+reasoning without the answer the client asked for.
+
 `accept` follows every token the sequence emits, and for the span of one step the DSpark drafts too; `rollback`
 undoes drafts the verification will judge (the engine re-accepts the ones it emits). What the next token may be is
 the matcher's bitmask without the banned tokens (masking.py fills it).
@@ -37,7 +41,18 @@ class Guide:
         self.banned = frozenset(banned)
         self.reasoning_end = reasoning_end
         self.in_answer = reasoning_end is None
+        # the stop tokens the reasoning may not use: all of them when the grammar cannot take an empty answer
+        required = grammar is not None and not self._empty_answer(grammar.tokenizer_info.vocab_size, stop_ids)
+        self.no_stop = frozenset(stop_ids) if required else frozenset()
         self._trail: deque[int] = deque(maxlen=TRAIL)  # per recent accepted token: _REASONING, _END or _ANSWER
+
+    def _empty_answer(self, vocab_size: int, stop_ids: Collection[int]) -> bool:
+        """The grammar takes a stop token right away (an empty answer conforms)."""
+        assert self.matcher is not None
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        return any(words[t // 32] >> (t % 32) & 1 for t in stop_ids)
 
     @property
     def grammar_active(self) -> bool:
@@ -45,9 +60,15 @@ class Guide:
         return self.in_answer and self.matcher is not None and not self.matcher.is_terminated()
 
     @property
+    def banned_now(self) -> frozenset[int]:
+        """The tokens the next position may not take besides the grammar's: the banned ones in the answer, the stop
+        tokens in a reasoning that must reach its answer."""
+        return self.banned if self.in_answer else self.no_stop
+
+    @property
     def restricts(self) -> bool:
         """Anything restricts the next token."""
-        return self.grammar_active or (self.in_answer and bool(self.banned))
+        return self.grammar_active or bool(self.banned_now)
 
     @property
     def static(self) -> bool:
@@ -57,6 +78,8 @@ class Guide:
     def accept(self, token: int) -> bool:
         """Follow one more token; False (and nothing followed) when the constraint does not allow it."""
         if not self.in_answer:
+            if token in self.no_stop:
+                return False
             end = token == self.reasoning_end
             self._trail.append(_END if end else _REASONING)
             self.in_answer = end

@@ -114,7 +114,7 @@ class Masks:
             _filler().batch_fill_next_token_bitmask([live[b].matcher for b in grammar], bitmask, grammar)  # type: ignore[union-attr]
         banned: dict[int, list[int]] = {}  # token → the rows that ban it (every row bans the same few, usually)
         for b, guide in enumerate(live):
-            for token in guide.banned if guide is not None else ():
+            for token in guide.banned_now if guide is not None else ():
                 banned.setdefault(token, []).append(b)
         for token, rows in banned.items():
             bitmask[rows, token // 32] &= _int32(~(1 << (token % 32)))

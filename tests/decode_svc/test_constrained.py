@@ -157,11 +157,22 @@ def test_the_reasoning_is_free_and_banned_tokens_stay_out_of_the_answer(
 def test_a_guide_undoes_drafts_across_the_reasoning_end(grammars: Grammars) -> None:
     g = guide(grammars, decode_pb2.OutputConstraint(json_object=True), reasoning_end=128822, banned=[128825])
     assert g.accept(5)
-    assert (g.in_answer, g.restricts) == (False, False)
+    assert (g.in_answer, g.banned_now) == (False, {EOS})  # a JSON answer must come: no stop inside the reasoning
+    assert not g.accept(EOS)
     assert g.accept(128822)
     assert (g.in_answer, g.restricts) == (True, True)
     assert not g.accept(128825)  # banned in the answer
     assert g.accept(load_tokenizer().encode_plain("{")[0])
     g.rollback(2)
-    assert (g.in_answer, g.restricts) == (False, False)
+    assert (g.in_answer, g.banned_now) == (False, {EOS})
     assert g.accept(128825)  # the reasoning is free
+
+
+def test_a_reasoning_may_stop_only_where_an_empty_answer_conforms(grammars: Grammars) -> None:
+    """Where the grammar takes the stop token at once (an empty answer conforms: here, banned tokens only, or an
+    empty literal), the reasoning may end the sequence; under a grammar that needs an answer it may not."""
+    for free in (decode_pb2.OutputConstraint(), exactly("")):
+        g = guide(grammars, free, reasoning_end=128822)
+        assert (g.restricts, g.accept(EOS)) == (False, True)
+    required = guide(grammars, exactly("ok"), reasoning_end=128822)
+    assert (required.restricts, required.accept(EOS)) == (True, False)
