@@ -10,6 +10,7 @@ import os
 import msgspec
 
 from gateway.affinity import AffinityKey
+from gateway.api_rules import check_request
 from gateway.constraint import output_constraint
 from gateway.errors import GatewayError, Kind
 from mesh.block_keys import block_keys
@@ -92,29 +93,27 @@ class Codec:
         self.max_output_tokens = max_output_tokens
         self.prefix_reuse = prefix_reuse
         aliases = {model_name: ModelVersion.V41} if model_name != ModelVersion.V41.value else {}
-        if max_output_tokens:
-            self.options = ConversionOptions(
-                model_aliases=aliases, thinking_max_tokens=max_output_tokens, non_thinking_max_tokens=max_output_tokens
-            )
-        else:
-            self.options = ConversionOptions(model_aliases=aliases)
+        budgets = {"thinking_max_tokens": max_output_tokens, "non_thinking_max_tokens": max_output_tokens}
+        self.options = ConversionOptions(
+            versions=(ModelVersion.V41,),  # the official name of what is served, never another's
+            model_aliases=aliases,
+            **(budgets if max_output_tokens else {}),
+        )
 
     @property
     def model_names(self) -> tuple[str, ...]:
         """The names requests may use: the served name and the official name of its encoding."""
         return tuple(dict.fromkeys((self.model_name, ModelVersion.V41.value)))
 
-    def render(self, api: Api, body: bytes) -> Rendered:
-        """Convert and render one request body; GatewayError (400) naming what is wrong with it."""
+    def render(self, api: Api, body: bytes, generation: bool = True) -> Rendered:
+        """Convert and render one request body (`generation`: it asks for an answer, not a token count);
+        GatewayError (400) naming what is wrong with it."""
         try:
             request = convert(api, body, self.options)
-            if request.version is not ModelVersion.V41:
-                raise RecipeError(
-                    f"The model {request.model} is not served here; use {self.model_name}.", param="model"
-                )
-            token_ids = render(request.conversation, request.version, self.tokenizer).token_ids or []
         except RecipeError as error:
             raise GatewayError.from_recipe(error) from None
+        check_request(request, generation=generation)
+        token_ids = render(request.conversation, request.version, self.tokenizer).token_ids or []
         return Rendered(request, token_ids, self._salt(body), output_constraint(request, self.tokenizer))
 
     def job(self, rendered: Rendered, model: Model, *, request_id: str, session: str | None) -> Job:

@@ -160,7 +160,7 @@ class Gateway:
         try:
             self.authorize(api_key)
             self.check_size(len(body))
-            rendered = await asyncio.to_thread(self.codec.render, "messages", body)
+            rendered = await asyncio.to_thread(self.codec.render, "messages", body, False)
         except GatewayError as error:
             self.refused("messages", error)
             raise

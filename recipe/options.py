@@ -25,7 +25,9 @@ class ConversionOptions(msgspec.Struct, frozen=True):
     reasoning_content: history tool-call turns without reasoning in thinking mode: "fill_empty" or "reject".
     responses_web_search / messages_web_search: "drop" or "reject" web-search tools.
     thinking_max_tokens / non_thinking_max_tokens: the largest output budget a request may ask for.
-    model_aliases: extra model names and the encoding each selects (the two official names always work).
+    versions: the encodings whose official names requests may use (default both; a server that serves one
+        lists only that one).
+    model_aliases: extra model names and the encoding each selects.
     max_n: the largest `n` (Chat Completions choices) accepted.
     """
 
@@ -35,20 +37,20 @@ class ConversionOptions(msgspec.Struct, frozen=True):
     messages_web_search: Literal["drop", "reject"] = "reject"
     thinking_max_tokens: int = 393216
     non_thinking_max_tokens: int = 393216
+    versions: tuple[ModelVersion, ...] = tuple(ModelVersion)
     model_aliases: dict[str, ModelVersion] = msgspec.field(default_factory=dict)
     max_n: int = 16
 
     def model_version(self, model: str) -> ModelVersion:
+        """The encoding `model` selects; a name outside `versions` and `model_aliases` is a 400 listing them."""
         version = self.model_aliases.get(model)
         if version is not None:
             return version
-        try:
-            return ModelVersion(model)
-        except ValueError:
-            names = ", ".join([v.value for v in ModelVersion] + sorted(self.model_aliases))
-            raise RecipeError(
-                f"The supported API model names are {names}, but you passed {model}.", param="model"
-            ) from None
+        for version in self.versions:
+            if version.value == model:
+                return version
+        names = ", ".join([v.value for v in self.versions] + sorted(self.model_aliases))
+        raise RecipeError(f"The supported API model names are {names}, but you passed {model}.", param="model")
 
 
 class Sampling(msgspec.Struct):
