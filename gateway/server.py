@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.replicas import CacheHealth, ReplicaPool
 from gateway.router import Router
 from gateway.service import Gateway
+from gateway.workers import Workers
 from mesh.grpc_server import GrpcServer
 from mesh.logging import get_logger
 from mesh.metrics import new_registry
@@ -102,6 +103,7 @@ class GatewayServer:
             codec,
             Backends(settings, router, self._cache, self.metrics),
             admission,
+            Workers(cfg.prepare_threads),
             self.metrics,
             api_key=cfg.api_key,
             max_body_bytes=cfg.max_body_bytes,

@@ -125,6 +125,25 @@ class ConvertedRequest(msgspec.Struct):
     namespaces: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
     custom_tools: frozenset[str] = frozenset()
 
+    def prompt_limit(self, context_limit: int) -> int:
+        """The most prompt tokens that leave room for the requested output budget (all of the context when none is
+        requested): `render(..., token_limit=...)` stops there."""
+        return context_limit - (self.sampling.max_tokens or 0)
+
+    def context_error(self, prompt_tokens: int, context_limit: int, *, at_least: bool = False) -> RecipeError:
+        """The error of a prompt of `prompt_tokens` tokens (`at_least`: counting stopped there) that leaves no room
+        for the requested budget."""
+        requested = self.sampling.max_tokens
+        some = "at least " if at_least else ""
+        head = f"This model's maximum context length is {context_limit} tokens. However, "
+        if requested is None:
+            return RecipeError(f"{head}your messages resulted in {some}{prompt_tokens} tokens.", param="messages")
+        return RecipeError(
+            f"{head}you requested {some}{prompt_tokens + requested} tokens ({some}{prompt_tokens} in the messages, "
+            f"{requested} in the completion).",
+            param="max_tokens",
+        )
+
     def resolve_max_tokens(self, prompt_tokens: int, context_limit: int) -> int:
         """The output budget to send to the backend for a prompt of `prompt_tokens` tokens.
 
@@ -132,19 +151,9 @@ class ConvertedRequest(msgspec.Struct):
         The result is lowered to the context left and is at least 1. A prompt that leaves no room for the
         requested budget (or, with none requested, no room at all) is an error.
         """
+        if prompt_tokens > self.prompt_limit(context_limit):
+            raise self.context_error(prompt_tokens, context_limit)
         requested = self.sampling.max_tokens
-        if requested is not None and prompt_tokens + requested > context_limit:
-            raise RecipeError(
-                f"This model's maximum context length is {context_limit} tokens. However, you requested "
-                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested} in the completion).",
-                param="max_tokens",
-            )
-        if requested is None and prompt_tokens > context_limit:
-            raise RecipeError(
-                f"This model's maximum context length is {context_limit} tokens. However, your messages resulted "
-                f"in {prompt_tokens} tokens.",
-                param="messages",
-            )
         conv = self.conversation
         if requested is None:
             if not conv.thinking:

@@ -347,11 +347,13 @@ def _parameters(arguments: str, dsml: Special, parameter: str, v4: bool) -> tupl
     return tuple(pieces)
 
 
-def _prompt(renderer: _Renderer, tokenizer: Tokenizer | None, spans: bool) -> RenderedPrompt:
+def _prompt(
+    renderer: _Renderer, tokenizer: Tokenizer | None, spans: bool, token_limit: int | None = None
+) -> RenderedPrompt:
     prompt = renderer.render()
     offsets: list[int] | None = None
     if tokenizer is not None:
-        prompt.token_ids, offsets = tokenizer.encode_pieces(prompt.pieces)
+        prompt.token_ids, offsets = tokenizer.encode_pieces(prompt.pieces, token_limit)
     if spans:
         if offsets is None:
             offsets = [0]
@@ -371,14 +373,17 @@ def render(
     tokenizer: Tokenizer | None = None,
     *,
     tokens: SpecialTokens | None = None,
+    token_limit: int | None = None,
 ) -> RenderedPrompt:
     """The request prompt: the conversation followed by the generation header of the next turn.
 
     `model` is a `ModelVersion` or its name (`DeepSeek-V4.1-Flash`, `DeepSeek-V4-Pro`). With a tokenizer
-    the result carries `token_ids`. `tokens` overrides spellings (default: the tokenizer's, else official).
+    the result carries `token_ids`; with `token_limit` too, a prompt of more tokens raises `PromptTooLongError` as soon
+    as encoding finds it over (a server refuses an over-long prompt without encoding all of it). `tokens`
+    overrides spellings (default: the tokenizer's, else official).
     """
     renderer = _Renderer(conversation, ModelVersion(model), _tokens(tokenizer, tokens), history=False)
-    return _prompt(renderer, tokenizer, spans=False)
+    return _prompt(renderer, tokenizer, spans=False, token_limit=token_limit)
 
 
 def render_history(

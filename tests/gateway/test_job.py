@@ -25,7 +25,7 @@ def chat(content: str = "hello", **fields: object) -> bytes:
 
 
 def job_of(codec: Codec, body: bytes, api: str = "chat.completions"):
-    return codec.job(codec.render(api, body), MODEL, request_id="r", session=None)  # type: ignore[arg-type]
+    return codec.job(codec.convert(api, body), MODEL, request_id="r", session=None)  # type: ignore[arg-type]
 
 
 def refused(codec: Codec, body: bytes, api: str = "chat.completions") -> GatewayError:
