@@ -160,6 +160,7 @@ class Gateway:
         except BaseException:
             self.close(reply, ticket)
             raise
+        ticket.started()  # every choice has its first decode message: the request is in service
         return reply, ticket
 
     async def count_tokens(self, body: bytes, *, api_key: str | None) -> int:
