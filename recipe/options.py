@@ -18,7 +18,7 @@ DEFAULT_THINKING_MAX_TOKENS = 65536
 DEFAULT_THINKING_MAX_EFFORT_MAX_TOKENS = 131072
 
 
-class ConversionOptions(msgspec.Struct, frozen=True):
+class ConversionOptions(msgspec.Struct, frozen=True, gc=False):
     """How requests are converted.
 
     default_thinking: thinking mode of requests that do not say.
@@ -53,7 +53,7 @@ class ConversionOptions(msgspec.Struct, frozen=True):
         raise RecipeError(f"The supported API model names are {names}, but you passed {model}.", param="model")
 
 
-class Sampling(msgspec.Struct):
+class Sampling(msgspec.Struct, gc=False):
     """Sampling settings for the backend. `max_tokens` is the requested budget (None: use the default)."""
 
     temperature: float = 1.0
@@ -68,7 +68,7 @@ class Sampling(msgspec.Struct):
     top_logprobs: int = 0
 
 
-class OutputConstraint(msgspec.Struct, frozen=True):
+class OutputConstraint(msgspec.Struct, frozen=True, gc=False):
     """A constraint the backend may enforce by constrained decoding.
 
     kind: "json" (schema: compact JSON Schema, or "" for any JSON object), "regex" (schema: the pattern),
@@ -82,7 +82,7 @@ class OutputConstraint(msgspec.Struct, frozen=True):
     strict: bool = False
 
 
-class ParsingOptions(msgspec.Struct, frozen=True):
+class ParsingOptions(msgspec.Struct, frozen=True, gc=False):
     """How to read the model output.
 
     parse_tool_calls: recognise DSML tool calls (only when the request declared tools).
@@ -99,7 +99,7 @@ class ParsingOptions(msgspec.Struct, frozen=True):
     stop_sequences: tuple[str, ...] = ()
 
 
-class ConvertedRequest(msgspec.Struct):
+class ConvertedRequest(msgspec.Struct, gc=False):
     """A request converted for the DeepSeek model.
 
     api / model: the API and the requested model name (echoed in responses).

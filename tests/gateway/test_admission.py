@@ -251,6 +251,8 @@ def test_a_gateway_refuses_by_expected_wait_with_429_and_retry_after(one_slot_de
         for _ in range(4):  # four services measured
             client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=2, **request)
         assert refusals(gateway) == 0
+        # The replicas' load is polled: wait until the mesh is seen idle, so only the stream below keeps it busy.
+        wait_until(lambda: expected_wait_s(gateway) == 0.0, "the gateway to see the mesh idle")
         # Greedy on the seeded tiny model: this answer runs to its budget, so the slot stays busy while it streams.
         with client.chat.completions.create(
             messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=1000, stream=True, **request
@@ -263,6 +265,10 @@ def test_a_gateway_refuses_by_expected_wait_with_429_and_retry_after(one_slot_de
         assert "for service; the bound is 0.001 s" in refused.value.message
         assert int(refused.value.response.headers["retry-after"]) >= 1
         assert refusals(gateway) == 1
+
+
+def expected_wait_s(gateway: InProcessGateway) -> float | None:
+    return gateway.server.registry.get_sample_value("v41mesh_gateway_expected_queue_wait_seconds")
 
 
 def refusals(gateway: InProcessGateway) -> float:
