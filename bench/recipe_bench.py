@@ -1,16 +1,19 @@
 """recipe vs deepseek-recipe 0.2.0, side by side in one process on the same inputs.
 
-(a) convert + render: requests/s on a realistic 21-message conversation with tools and reasoning
-    (message text taken from a real agent session in ../shared/data/agent-traces when present), once as
-    an agent session sends it (the same tools and earlier calls every turn: our memoised schema lines and
-    call parameters hit) and once with tools and calls never seen before (every request different).
+(a) convert + render: requests/s on conversations of several shapes, with message text taken from a real agent
+    session in ../shared/data/agent-traces when present: a 21-message mix of chat and tool turns with 5 tools, and
+    32-message agent loops (every assistant turn reasoning and one tool call, each answered by a tool message)
+    with flat arguments, nested JSON arguments, short turns, and 4 KB tool outputs. Each shape runs as an agent
+    session sends it (the same tools and earlier calls every turn: our memoised schema lines and call parameters
+    hit) and with tools and calls never seen before (every request different); the agent loop once more with the
+    last 500 converted requests kept alive, as a busy server keeps those in flight.
 (b) streaming parse: MB/s and chunks/s on a long reasoning + answer + DSML output cut into 4-character
     chunks, with every event materialised (JSON bytes), for each API.
 (c) token-mode parse (ours only, with the reference for scale): token ids one per push.
 
-Rounds alternate ours and the reference and each side keeps its best round; time is the process's CPU
-time, so other load on a shared machine does not count against either side. Prints a table with ratios
-and writes JSON (default bench/out/recipe.json).
+Rounds alternate ours and the reference; each row reports each side's best round and the spread of the round-by-
+round ratios. Time is the process's CPU time, so other load on a shared machine does not count against either
+side. Prints a table and writes JSON (default bench/out/recipe.json).
 
     python bench/recipe_bench.py [--rounds 5] [--seconds 1.0] [--out bench/out/recipe.json]
 """
@@ -18,6 +21,9 @@ and writes JSON (default bench/out/recipe.json).
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
+import itertools
 import json
 import platform
 import sys
@@ -52,10 +58,8 @@ def _trace_texts() -> list[str]:
     return [c["output"] for c in calls] + [c["input"][-1500:] for c in calls]
 
 
-def conversation_body() -> dict[str, Any]:
-    """21 messages (system, 10 user/tool turns, 10 assistant turns with reasoning and tool calls), 5 tools."""
-    texts = _trace_texts()
-    tools = [
+def _tools() -> list[dict[str, Any]]:
+    return [
         {
             "type": "function",
             "function": {
@@ -74,6 +78,16 @@ def conversation_body() -> dict[str, Any]:
         }
         for name in ("run_command", "read_file", "write_file", "search_code", "run_tests")
     ]
+
+
+def _call(number: int, arguments: dict[str, Any]) -> dict[str, Any]:
+    function = {"name": "run_command", "arguments": json.dumps(arguments)}
+    return {"id": f"call_{number}", "type": "function", "function": function}
+
+
+def mixed_body() -> dict[str, Any]:
+    """21 messages (system, 10 user/tool turns, 10 assistant turns with reasoning and tool calls), 5 tools."""
+    texts = _trace_texts()
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful software engineer."}]
     for turn in range(10):
         if turn % 2 == 0:
@@ -82,14 +96,62 @@ def conversation_body() -> dict[str, Any]:
                 {"role": "assistant", "content": texts[10 + turn][:300], "reasoning_content": texts[20 + turn][:250]}
             )
         else:
-            call_id = f"call_{turn}"
-            arguments = json.dumps({"path": f"src/module_{turn}.py", "command": "pytest -q", "timeout": 12.5})
-            call = {"id": call_id, "type": "function", "function": {"name": "run_command", "arguments": arguments}}
+            call = _call(turn, {"path": f"src/module_{turn}.py", "command": "pytest -q", "timeout": 12.5})
             messages.append(
                 {"role": "assistant", "content": "", "reasoning_content": texts[turn][:300], "tool_calls": [call]}
             )
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": texts[30 + turn][:400]})
-    return {"model": "DeepSeek-V4.1-Flash", "messages": messages[:21], "tools": tools}
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": texts[30 + turn][:400]})
+    return {"model": "DeepSeek-V4.1-Flash", "messages": messages[:21], "tools": _tools()}
+
+
+def _flat_arguments(turn: int) -> dict[str, Any]:
+    return {"path": f"src/module_{turn}.py", "command": "pytest -q", "timeout": 12.5}
+
+
+def _nested_arguments(turn: int) -> dict[str, Any]:
+    """A booking as a travel agent's tool call carries it: objects in a list, numbers, booleans, nulls."""
+    flights = [
+        {
+            "flight_number": f"HAT{100 + turn + leg:03d}",
+            "origin": "IAH",
+            "destination": "SFO",
+            "date": f"2024-05-{10 + leg:02d}",
+            "prices": {"basic_economy": 50 + leg, "economy": 141.5, "business": 391},
+            "refundable": leg % 2 == 0,
+            "seat": None,
+        }
+        for leg in range(3)
+    ]
+    return {"reservation_id": f"HX{turn:04d}", "cabin": "economy", "flights": flights, "total": 782.25}
+
+
+def agent_body(
+    *, text_chars: int = 300, output_chars: int = 400, arguments: Callable[[int], dict[str, Any]] = _flat_arguments
+) -> dict[str, Any]:
+    """32 messages: a system prompt, the task, then 15 assistant turns, each with reasoning and one tool call and
+    answered by a tool message; 5 tools."""
+    texts = _trace_texts()
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful software engineer."},
+        {"role": "user", "content": texts[0][:text_chars]},
+    ]
+    for turn in range(1, 16):
+        call = _call(turn, arguments(turn))
+        reasoning = texts[(3 * turn) % len(texts)][:text_chars]
+        messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning, "tool_calls": [call]})
+        output = texts[(7 * turn) % len(texts)]
+        output = (output * (output_chars // max(1, len(output)) + 1))[:output_chars]
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+    return {"model": "DeepSeek-V4.1-Flash", "messages": messages, "tools": _tools()}
+
+
+SHAPES: dict[str, Callable[[], dict[str, Any]]] = {
+    "21-message mix": mixed_body,
+    "32-message agent loop": agent_body,
+    "… nested JSON arguments": lambda: agent_body(arguments=_nested_arguments),
+    "… short turns (40 chars)": lambda: agent_body(text_chars=40, output_chars=40),
+    "… 4 KB tool outputs": lambda: agent_body(output_chars=4000),
+}
 
 
 def long_output() -> str:
@@ -131,76 +193,119 @@ STREAM_BODIES = {
 }
 
 
-def best_rate(work: Callable[[], int], rounds: int, seconds: float) -> float:
-    """Items per second of `work` (which returns its item count): the best of `rounds` timed rounds."""
-    best = 0.0
+def rate(work: Callable[[], int], seconds: float) -> float:
+    """Items per second of `work` (which returns its item count) over one timed round of process CPU time."""
+    done, start = 0, time.process_time()
+    while time.process_time() - start < seconds:
+        done += work()
+    return done / (time.process_time() - start)
+
+
+class Pair:
+    """Both sides' rates, round by round (the rounds alternate the sides)."""
+
+    def __init__(self, ours: list[float], theirs: list[float]) -> None:
+        self.ours, self.theirs = ours, theirs
+
+    @property
+    def best(self) -> tuple[float, float]:
+        return max(self.ours), max(self.theirs)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The lowest and highest ratio of a round to the round of the other side next to it."""
+        ratios = [mine / reference for mine, reference in zip(self.ours, self.theirs, strict=True)]
+        return min(ratios), max(ratios)
+
+    def json(self) -> dict[str, Any]:
+        return {"ours_per_s": self.ours, "reference_per_s": self.theirs, "ratio_best": self.best[0] / self.best[1],
+                "ratio_spread": self.spread}  # fmt: skip
+
+
+def side_by_side(ours: Callable[[], int], theirs: Callable[[], int], rounds: int, seconds: float) -> Pair:
+    """Interleaved rounds of both sides."""
+    mine: list[float] = []
+    reference: list[float] = []
     for _ in range(rounds):
-        done, start = 0, time.process_time()
-        while time.process_time() - start < seconds:
-            done += work()
-        best = max(best, done / (time.process_time() - start))
-    return best
+        mine.append(rate(ours, seconds))
+        reference.append(rate(theirs, seconds))
+    return Pair(mine, reference)
 
 
-def side_by_side(
-    ours: Callable[[], int], theirs: Callable[[], int], rounds: int, seconds: float
-) -> tuple[float, float]:
-    """Interleaved rounds of both sides, each side's best."""
-    mine = reference = 0.0
-    for _ in range(rounds):
-        mine = max(mine, best_rate(ours, 1, seconds))
-        reference = max(reference, best_rate(theirs, 1, seconds))
-    return mine, reference
+def unseen(body: dict[str, Any]) -> Callable[[], bytes]:
+    """A source of `body` made new on every call: tool descriptions and call arguments carry a serial number, so
+    nothing is memoised on either side."""
+    marked = copy.deepcopy(body)
+    for tool in marked["tools"]:
+        tool["function"]["description"] += " (variant @@)"
+    for message in marked["messages"]:
+        for call in message.get("tool_calls", ()):
+            arguments = json.loads(call["function"]["arguments"])
+            call["function"]["arguments"] = json.dumps({"request": "@@", **arguments})
+    head, *rest = json.dumps(marked).encode().split(b"@@")
+    serial = itertools.count()
+
+    def next_body() -> bytes:
+        number = str(next(serial)).encode()
+        return head + b"".join(number + part for part in rest)
+
+    return next_body
 
 
-def unseen_variants(count: int) -> list[bytes]:
-    """The conversation with tool descriptions and call arguments made unique per variant."""
-    variants = []
-    for number in range(count):
-        body = conversation_body()
-        for tool in body["tools"]:
-            tool["function"]["description"] += f" (variant {number})"
-        for message in body["messages"]:
-            for call in message.get("tool_calls", ()):
-                call["function"]["arguments"] = call["function"]["arguments"].replace("12.5", f"{number}.5")
-        variants.append(json.dumps(body).encode())
-    return variants
+_OPTIONS = dr.ConversionOptions()
+_ENCODING = dr.DeepseekV41Encoding()
 
 
-def bench_render(rounds: int, seconds: float) -> dict[str, Any]:
-    body = json.dumps(conversation_body()).encode()
-    options = dr.ConversionOptions()
-    encoding = dr.DeepseekV41Encoding()
+ALIVE = 500
 
-    def render_ours(raw: bytes) -> int:
-        converted = convert("chat.completions", raw)
-        return len(render(converted.conversation, converted.version).text) and 1
 
-    def render_theirs(raw: bytes) -> int:
-        converted = dr.ChatCompletionRequest(raw).convert(options)
-        return len(encoding.render_conversation(converted.conversation).prompt) and 1
+def _render_ours(raw: bytes, alive: collections.deque[Any] | None = None) -> int:
+    converted = convert("chat.completions", raw)
+    if alive is not None:
+        alive.append(converted)
+    return len(render(converted.conversation, converted.version).text) and 1
 
-    converted = convert("chat.completions", body)
-    text = render(converted.conversation, converted.version).text
-    assert text == encoding.render_conversation(dr.ChatCompletionRequest(body).convert(options).conversation).prompt
-    session = side_by_side(lambda: render_ours(body), lambda: render_theirs(body), rounds, seconds)
-    variants = unseen_variants(4_000)
-    position = {"ours": 0, "theirs": 0}
 
-    def next_variant(side: str) -> bytes:
-        position[side] = (position[side] + 1) % len(variants)
-        return variants[position[side]]
+def _render_theirs(raw: bytes, alive: collections.deque[Any] | None = None) -> int:
+    converted = dr.ChatCompletionRequest(raw).convert(_OPTIONS)
+    if alive is not None:
+        alive.append(converted)
+    return len(_ENCODING.render_conversation(converted.conversation).prompt) and 1
 
-    unseen = side_by_side(
-        lambda: render_ours(next_variant("ours")), lambda: render_theirs(next_variant("theirs")), rounds, seconds
-    )
+
+def _same_prompt(raw: bytes) -> str:
+    """The prompt of `raw`, which both sides must render byte for byte."""
+    text = render(convert("chat.completions", raw).conversation).text
+    reference = dr.ChatCompletionRequest(raw).convert(_OPTIONS).conversation
+    assert text == _ENCODING.render_conversation(reference).prompt
+    return text
+
+
+def bench_shape(body: dict[str, Any], rounds: int, seconds: float, alive: bool = False) -> dict[str, Any]:
+    """Convert + render of one conversation shape: as a session resends it, and never seen before (`alive`: also
+    never seen before, with the last `ALIVE` converted requests of each side kept)."""
+    raw = json.dumps(body).encode()
+    text = _same_prompt(raw)
+    _same_prompt(unseen(body)())
+    session = side_by_side(lambda: _render_ours(raw), lambda: _render_theirs(raw), rounds, seconds)
+    ours_source, theirs_source = unseen(body), unseen(body)
+    fresh = side_by_side(lambda: _render_ours(ours_source()), lambda: _render_theirs(theirs_source()), rounds, seconds)
+    pairs = [("session", session), ("unseen", fresh)]
+    if alive:
+        kept_ours: collections.deque[Any] = collections.deque(maxlen=ALIVE)
+        kept_theirs: collections.deque[Any] = collections.deque(maxlen=ALIVE)
+        kept = side_by_side(
+            lambda: _render_ours(ours_source(), kept_ours),
+            lambda: _render_theirs(theirs_source(), kept_theirs),
+            rounds,
+            seconds,
+        )
+        pairs.append(("alive", kept))
     return {
-        "messages": len(json.loads(body)["messages"]),
+        "messages": len(body["messages"]),
         "prompt_chars": len(text),
-        "ours_per_s": session[0],
-        "reference_per_s": session[1],
-        "unseen_ours_per_s": unseen[0],
-        "unseen_reference_per_s": unseen[1],
+        **{name: pair.json() for name, pair in pairs},
+        "pairs": pairs,
     }
 
 
@@ -233,16 +338,9 @@ def bench_stream(api: str, rounds: int, seconds: float) -> dict[str, Any]:
             size += len(event.to_json())
         return 1 if size else 0
 
-    mine, reference = side_by_side(ours, theirs, rounds, seconds)
+    pair = side_by_side(ours, theirs, rounds, seconds)
     megabytes = len(text.encode()) / 1e6
-    return {
-        "bytes": len(text.encode()),
-        "chunks": len(chunks),
-        "ours_mb_per_s": mine * megabytes,
-        "reference_mb_per_s": reference * megabytes,
-        "ours_chunks_per_s": mine * len(chunks),
-        "reference_chunks_per_s": reference * len(chunks),
-    }
+    return {"bytes": len(text.encode()), "chunks": len(chunks), "megabytes": megabytes, **pair.json(), "pair": pair}
 
 
 def bench_tokens(rounds: int, seconds: float) -> dict[str, Any]:
@@ -271,8 +369,8 @@ def bench_tokens(rounds: int, seconds: float) -> dict[str, Any]:
         processor.push(dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop))
         return len(ids)
 
-    mine, reference = side_by_side(ours, theirs, rounds, seconds)
-    return {"tokens": len(ids), "ours_tokens_per_s": mine, "reference_tokens_per_s": reference}
+    pair = side_by_side(ours, theirs, rounds, seconds)
+    return {"tokens": len(ids), **pair.json(), "pair": pair}
 
 
 def main() -> int:
@@ -285,27 +383,33 @@ def main() -> int:
     results: dict[str, Any] = {
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}",
         "reference": f"deepseek-recipe {dr.__version__}",
-        "render": bench_render(args.rounds, args.seconds),
+        "render": {
+            shape: bench_shape(make(), args.rounds, args.seconds, alive=shape == "32-message agent loop")
+            for shape, make in SHAPES.items()
+        },
         "stream": {api: bench_stream(api, args.rounds, args.seconds) for api in STREAM_BODIES},
         "tokens": bench_tokens(args.rounds, args.seconds),
     }
-    info = results["render"]
-    rows = [
-        ("(a) convert+render, requests/s", info["ours_per_s"], info["reference_per_s"]),
-        ("(a) … unseen tools and calls, requests/s", info["unseen_ours_per_s"], info["unseen_reference_per_s"]),
-    ]
+    rows: list[tuple[str, Pair, float]] = []
+    labels = {"unseen": "(a) … unseen tools and calls, req/s", "alive": f"(a) … unseen, last {ALIVE} kept alive, req/s"}
+    for shape, info in results["render"].items():
+        for name, pair in info.pop("pairs"):
+            label = f"(a) {shape} ({info['messages']} msgs, {info['prompt_chars']:,} chars), req/s"
+            rows.append((labels.get(name, label), pair, 1.0))
     for api, stream in results["stream"].items():
-        rows.append((f"(b) parse {api}, MB/s", stream["ours_mb_per_s"], stream["reference_mb_per_s"]))
-        rows.append((f"(b) parse {api}, chunks/s", stream["ours_chunks_per_s"], stream["reference_chunks_per_s"]))
-    tokens = results["tokens"]
-    rows.append(("(c) token-mode parse, tokens/s", tokens["ours_tokens_per_s"], tokens["reference_tokens_per_s"]))
-    table = Table(title=f"recipe vs {results['reference']} ({results['machine']})")
-    for column in ("benchmark", "recipe", "deepseek-recipe", "ratio"):
+        pair = stream.pop("pair")
+        rows.append((f"(b) parse {api}, MB/s", pair, stream["megabytes"]))
+        rows.append((f"(b) parse {api}, chunks/s", pair, stream["chunks"]))
+    rows.append(("(c) token-mode parse, tokens/s", results["tokens"].pop("pair"), 1.0))
+    table = Table(title=f"recipe vs {results['reference']} ({results['machine']}), best of {args.rounds} rounds")
+    for column in ("benchmark", "recipe", "deepseek-recipe", "ratio", "round ratios"):
         table.add_column(column, justify="left" if column == "benchmark" else "right")
-    for name, mine, reference in rows:
-        table.add_row(name, f"{mine:,.1f}", f"{reference:,.1f}", f"{mine / reference:.2f}x")
-    Console(width=120).print(table)
-    print(f"(a) conversation: {info['messages']} messages, {info['prompt_chars']:,} prompt characters")
+    for name, pair, scale in rows:
+        mine, reference = pair.best
+        low, high = pair.spread
+        table.add_row(name, f"{mine * scale:,.1f}", f"{reference * scale:,.1f}", f"{mine / reference:.2f}x",
+                      f"{low:.2f}–{high:.2f}x")  # fmt: skip
+    Console(width=150).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.affinity import session_of
+from gateway.api_rules import check_content_type
 from gateway.errors import GatewayError, Kind
 from gateway.openapi import openapi_document
 from gateway.service import Gateway, presented_key, request_id
@@ -52,7 +53,9 @@ def _error(error: GatewayError, api: Api, rid: str) -> Response:
 
 
 async def _read_body(request: Request, gateway: Gateway) -> bytes:
-    """The body, refused with 413 as soon as it is known to be too large (declared or streamed)."""
+    """The body, refused with 400 if it is not declared JSON, and with 413 as soon as it is known to be too large
+    (declared or streamed)."""
+    check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
         gateway.check_size(int(declared))

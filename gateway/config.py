@@ -32,7 +32,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight: requests generating at once; more wait in the queue
     max_queue: requests waiting for a slot; more are refused with 429 and Retry-After
     queue_timeout_s: the longest wait for a slot before a 429
+    max_queue_wait_s: refuse at once (429) a request expected to wait longer than this for service (0: no bound)
     max_body_bytes: largest request body accepted (413 above it)
+    prepare_threads: worker threads that convert, render and tokenise requests off the event loop
     max_output_tokens: cap on any request's output budget (0: the model's context)
     prefix_reuse: reuse cached prefixes; off gives every request its own cache salt (a cold run)
     prefill_fallback: when no prefill replica can serve, decode prefills the prompt itself (no reuse)
@@ -64,7 +66,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight: Positive = 64
     max_queue: NonNegative = 256
     queue_timeout_s: Seconds = 30.0
+    max_queue_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     max_body_bytes: Positive = 16 << 20
+    prepare_threads: Positive = 4
     max_output_tokens: NonNegative = 0
     prefix_reuse: bool = True
     prefill_fallback: bool = True

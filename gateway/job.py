@@ -1,6 +1,12 @@
 """An API request made ready for the mesh: converted by the recipe, rendered to token ids, its output budget
 resolved against the model's context, its cache salt and conversation key computed. Everything wrong with a
-request is found here, before it takes an admission slot."""
+request is found here, before it takes an admission slot.
+
+Both steps run on the gateway's worker threads (gateway/workers.py): `convert` (the body's JSON, the API's
+rules, the salt, the output constraint) needs no replica; `job` renders and tokenises against the served model's
+context, so an over-long prompt is refused as soon as its count passes the room it has, not after encoding all
+of it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import os
 import msgspec
 
 from gateway.affinity import AffinityKey
+from gateway.api_rules import check_request
 from gateway.constraint import output_constraint
 from gateway.errors import GatewayError, Kind
 from mesh.block_keys import block_keys
@@ -20,6 +27,7 @@ from recipe import (
     ConversionOptions,
     ConvertedRequest,
     ModelVersion,
+    PromptTooLongError,
     RecipeError,
     Tokenizer,
     User,
@@ -67,12 +75,10 @@ class Job(msgspec.Struct, frozen=True):
         return self.request.api
 
 
-class Rendered(msgspec.Struct, frozen=True):
-    """A request converted and rendered: what it asks, its prompt's token ids, its block-key salt, its output
-    constraint."""
+class Converted(msgspec.Struct, frozen=True):
+    """A request body converted: what it asks, its block-key salt, its output constraint."""
 
     request: ConvertedRequest
-    token_ids: list[int]
     salt: bytes
     constraint: decode_pb2.OutputConstraint
 
@@ -92,36 +98,44 @@ class Codec:
         self.max_output_tokens = max_output_tokens
         self.prefix_reuse = prefix_reuse
         aliases = {model_name: ModelVersion.V41} if model_name != ModelVersion.V41.value else {}
-        if max_output_tokens:
-            self.options = ConversionOptions(
-                model_aliases=aliases, thinking_max_tokens=max_output_tokens, non_thinking_max_tokens=max_output_tokens
-            )
-        else:
-            self.options = ConversionOptions(model_aliases=aliases)
+        budgets = {"thinking_max_tokens": max_output_tokens, "non_thinking_max_tokens": max_output_tokens}
+        self.options = ConversionOptions(
+            versions=(ModelVersion.V41,),  # the official name of what is served, never another's
+            model_aliases=aliases,
+            **(budgets if max_output_tokens else {}),
+        )
 
     @property
     def model_names(self) -> tuple[str, ...]:
         """The names requests may use: the served name and the official name of its encoding."""
         return tuple(dict.fromkeys((self.model_name, ModelVersion.V41.value)))
 
-    def render(self, api: Api, body: bytes) -> Rendered:
-        """Convert and render one request body; GatewayError (400) naming what is wrong with it."""
-        try:
-            request = convert(api, body, self.options)
-            if request.version is not ModelVersion.V41:
-                raise RecipeError(
-                    f"The model {request.model} is not served here; use {self.model_name}.", param="model"
-                )
-            token_ids = render(request.conversation, request.version, self.tokenizer).token_ids or []
-        except RecipeError as error:
-            raise GatewayError.from_recipe(error) from None
-        return Rendered(request, token_ids, self._salt(body), output_constraint(request, self.tokenizer))
+    def convert(self, api: Api, body: bytes) -> Converted:
+        """Convert one request body for generation; GatewayError (400) naming what is wrong with it."""
+        request = self._convert(api, body, generation=True)
+        return Converted(request, self._salt(body), output_constraint(request, self.tokenizer))
 
-    def job(self, rendered: Rendered, model: Model, *, request_id: str, session: str | None) -> Job:
-        """The job: the output budget resolved against the model's context (400 if the prompt leaves no room)."""
-        request, token_ids = rendered.request, rendered.token_ids
+    def count_tokens(self, api: Api, body: bytes) -> int:
+        """The length of the prompt a request renders to (no budget: counting needs none); GatewayError (400)."""
+        request = self._convert(api, body, generation=False)
+        return len(render(request.conversation, request.version, self.tokenizer).token_ids or ())
+
+    def job(self, converted: Converted, model: Model, *, request_id: str, session: str | None) -> Job:
+        """The job: the prompt rendered and its output budget resolved against the model's context (400 once the
+        prompt is known to leave no room for the requested budget, or for any when none is requested)."""
+        request = converted.request
         try:
+            prompt = render(
+                request.conversation,
+                request.version,
+                self.tokenizer,
+                token_limit=request.prompt_limit(model.max_context),
+            )
+            token_ids = prompt.token_ids or []
             max_tokens = request.resolve_max_tokens(len(token_ids), model.max_context)
+        except PromptTooLongError as over:
+            error = request.context_error(over.tokens, model.max_context, at_least=True)
+            raise GatewayError.from_recipe(error) from None
         except RecipeError as error:
             raise GatewayError.from_recipe(error) from None
         if self.max_output_tokens:
@@ -130,11 +144,19 @@ class Codec:
             token_ids,
             block_tokens=model.block_tokens,
             fingerprint=model.fingerprint,
-            salt=rendered.salt,
+            salt=converted.salt,
             layout_version=model.layout_version,
         )
-        affinity = AffinityKey(session, tuple(keys), opening(request.conversation, rendered.salt))
-        return Job(request_id, request, token_ids, max_tokens, rendered.salt, affinity, rendered.constraint)
+        affinity = AffinityKey(session, tuple(keys), opening(request.conversation, converted.salt))
+        return Job(request_id, request, token_ids, max_tokens, converted.salt, affinity, converted.constraint)
+
+    def _convert(self, api: Api, body: bytes, *, generation: bool) -> ConvertedRequest:
+        try:
+            request = convert(api, body, self.options)
+        except RecipeError as error:
+            raise GatewayError.from_recipe(error) from None
+        check_request(request, generation=generation)
+        return request
 
     def _salt(self, body: bytes) -> bytes:
         if not self.prefix_reuse:

@@ -23,6 +23,12 @@ class GatewayMetrics:
 
         self.queue_depth = gauge("queue_depth", "Requests waiting for an admission slot")
         self.inflight = gauge("inflight_requests", "Requests holding an admission slot")
+        self.expected_wait = gauge(
+            "expected_queue_wait_seconds", "How long a request arriving now would wait for service (admission)"
+        )
+        self.admission_refusals = counter(
+            "admission_refusals", "Requests admission turned away, by reason", ("reason",)
+        )
         self.requests = counter("requests", "Finished requests by API and outcome", ("api", "outcome"))
         self.errors = counter("errors", "Requests that ended in an error, by kind", ("kind",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token", ("api",))

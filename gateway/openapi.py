@@ -7,6 +7,7 @@ document cannot drift from what is accepted; the gateway adds what it decides it
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ ENDPOINTS: dict[str, tuple[str, type, str, str]] = {
     "/v1/responses": ("createResponse", ResponsesRequest, "max_output_tokens", "OpenAIError"),
     "/v1/messages": ("createMessage", MessagesRequest, "max_tokens", "AnthropicError"),
 }
+REQUIRED_BUDGET = {"/v1/messages"}  # Anthropic Messages requires max_tokens (gateway/api_rules.py)
+COUNT_TOKENS_REQUEST = "MessageCountTokensRequest"  # a Messages request without max_tokens
 ERROR_STATUSES = {
     "400": "The request is invalid (the message names the field)",
     "401": "Missing or wrong API key",
@@ -89,8 +92,8 @@ def _operation(operation_id: str, request: str, error: str, secured: bool) -> di
 
 
 def _count_tokens_operation(secured: bool) -> dict[str, Any]:
-    """A Messages request (its `max_tokens` optional) → {"input_tokens": n}."""
-    operation = _operation("countMessageTokens", MessagesRequest.__name__, "AnthropicError", secured)
+    """A Messages request without `max_tokens` → {"input_tokens": n}."""
+    operation = _operation("countMessageTokens", COUNT_TOKENS_REQUEST, "AnthropicError", secured)
     counted = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
     operation["responses"]["200"] = {
         "description": "Input tokens of the request as the model reads it",
@@ -113,7 +116,14 @@ def openapi_document(model_names: Sequence[str], max_output_tokens: int, secured
             "description": "Isolates this tenant's prefix cache: requests share cached prefixes only with equal salts",
         }
         limit = {"type": "integer", "minimum": 1, **({"maximum": max_output_tokens} if max_output_tokens else {})}
-        properties[budget] = {"anyOf": [limit, {"type": "null"}]}
+        if path in REQUIRED_BUDGET:
+            counting = copy.deepcopy(components[request.__name__])
+            del counting["properties"][budget]
+            components[COUNT_TOKENS_REQUEST] = counting
+            properties[budget] = limit
+            components[request.__name__]["required"] = [*components[request.__name__]["required"], budget]
+        else:
+            properties[budget] = {"anyOf": [limit, {"type": "null"}]}
         paths[path] = {"post": _operation(operation_id, request.__name__, error, secured)}
     paths["/v1/messages/count_tokens"] = {"post": _count_tokens_operation(secured)}
     paths["/v1/models"] = {"get": {"operationId": "listModels", "responses": {"200": {"description": "Served models"}}}}

@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.replicas import CacheHealth, ReplicaPool
 from gateway.router import Router
 from gateway.service import Gateway
+from gateway.workers import Workers
 from mesh.grpc_server import GrpcServer
 from mesh.logging import get_logger
 from mesh.metrics import new_registry
@@ -94,7 +95,15 @@ class GatewayServer:
             handoff_lease_s=cfg.handoff_lease_s,
             writeback_wait_s=cfg.writeback_wait_s,
         )
-        admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s, self._admission_changed)
+        admission = Admission(
+            cfg.max_inflight,
+            cfg.max_queue,
+            cfg.queue_timeout_s,
+            cfg.max_queue_wait_s,
+            on_change=self._admission_changed,
+            on_refused=lambda reason: self.metrics.admission_refusals.labels(reason).inc(),
+        )
+        self.metrics.expected_wait.set_function(admission.expected_wait_s)
         codec = Codec(
             tokenizer, model_name=cfg.model_name, max_output_tokens=cfg.max_output_tokens, prefix_reuse=cfg.prefix_reuse
         )
@@ -102,6 +111,7 @@ class GatewayServer:
             codec,
             Backends(settings, router, self._cache, self.metrics),
             admission,
+            Workers(cfg.prepare_threads),
             self.metrics,
             api_key=cfg.api_key,
             max_body_bytes=cfg.max_body_bytes,
@@ -183,6 +193,7 @@ class GatewayServer:
         while True:
             polls = [pool.poll() for pool in self._pools.values()]
             await asyncio.gather(*polls, self._cache.poll(), self._learn_model())
+            self._observe_decode()
             await self._follow_readiness()
             await asyncio.sleep(self.cfg.load_interval_s)
 
@@ -192,6 +203,13 @@ class GatewayServer:
         if self._grpc is not None and ready != self._grpc_serving and not self.gateway.draining:  # type: ignore[union-attr]
             self._grpc_serving = ready
             await self._grpc.set_serving(ready)
+
+    def _observe_decode(self) -> None:
+        """Admission's view of the mesh: the batch slots and the sequences of the decode replicas that answer."""
+        assert self.gateway is not None
+        up = [state for state in self._pools["decode"].states() if state.up]
+        load = sum(state.reported + state.sent_since_poll for state in up)
+        self.gateway.admission.observe(sum(state.capacity for state in up), load)
 
     async def _learn_model(self) -> None:
         assert self.gateway is not None

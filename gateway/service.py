@@ -1,7 +1,10 @@
 """What the HTTP and gRPC faces share: authorise, size-check, prepare, admit and open a request.
 
-    key check (401) → body size (413) → recipe conversion + render (400) → admission slot (429) → prefill + first
-    decode message (503 / 429) → a `Reply` the face streams or completes
+    key check (401) → body size (413) → recipe conversion (400) → the model known (503) → render within the
+    model's context (400) → admission slot (429) → prefill + first decode message (503 / 429) → a `Reply` the face
+    streams or completes
+
+Conversion and rendering run on the worker threads (gateway/workers.py), never on the event loop.
 
 Nothing is sent to the client before the first decode message, so every failure up to there is a clean HTTP
 status (or gRPC code) with the API's error body.
@@ -10,6 +13,7 @@ status (or gRPC code) with the API's error body.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
 import uuid
@@ -24,6 +28,7 @@ from gateway.job import Codec, Model
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaState
 from gateway.reply import Reply
+from gateway.workers import Workers
 from mesh.logging import get_logger
 from proto.mesh.v1 import model_info_pb2
 from recipe import Api
@@ -55,6 +60,7 @@ class Gateway:
         codec: Codec,
         backends: Backends,
         admission: Admission,
+        workers: Workers,
         metrics: GatewayMetrics,
         *,
         api_key: str,
@@ -63,6 +69,7 @@ class Gateway:
         self.codec = codec
         self.backends = backends
         self.admission = admission
+        self.workers = workers
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self._api_key = api_key.encode()
@@ -139,9 +146,10 @@ class Gateway:
         try:
             self.authorize(api_key)
             self.check_size(len(body))
-            rendered = await asyncio.to_thread(self.codec.render, api, body)
+            converted = await self.workers.run(len(body), self.codec.convert, api, body)
             model = await self.model()
-            job = self.codec.job(rendered, model, request_id=request_id, session=session)
+            prepare = functools.partial(self.codec.job, request_id=request_id, session=session)
+            job = await self.workers.run(len(body), prepare, converted, model)
             ticket = await self.admission.enter()
         except GatewayError as error:
             self.refused(api, error)
@@ -152,6 +160,7 @@ class Gateway:
         except BaseException:
             self.close(reply, ticket)
             raise
+        ticket.started()  # every choice has its first decode message: the request is in service
         return reply, ticket
 
     async def count_tokens(self, body: bytes, *, api_key: str | None) -> int:
@@ -160,11 +169,10 @@ class Gateway:
         try:
             self.authorize(api_key)
             self.check_size(len(body))
-            rendered = await asyncio.to_thread(self.codec.render, "messages", body)
+            return await self.workers.run(len(body), self.codec.count_tokens, "messages", body)
         except GatewayError as error:
             self.refused("messages", error)
             raise
-        return len(rendered.token_ids)
 
     def refused(self, api: Api, error: GatewayError) -> None:
         """Count a request turned away before it had a reply."""

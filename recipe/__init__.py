@@ -25,7 +25,7 @@ from recipe.parser import Out, Parser
 from recipe.render import RenderedPrompt, render, render_history
 from recipe.response.events import DONE, Event, Finish, Usage
 from recipe.stream import MultiChoiceProcessor, StreamProcessor
-from recipe.tokenizer import Tokenizer, load_tokenizer
+from recipe.tokenizer import PromptTooLongError, Tokenizer, load_tokenizer
 from recipe.tokens import ModelVersion, SpecialTokens
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "OutputConstraint",
     "Parser",
     "ParsingOptions",
+    "PromptTooLongError",
     "RecipeError",
     "RenderedPrompt",
     "ResponseFormat",

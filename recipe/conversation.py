@@ -15,7 +15,7 @@ ReasoningEffort = Literal["low", "high", "xhigh", "max"]
 ToolChoice = Literal["auto", "none", "required"]
 
 
-class Image(msgspec.Struct, frozen=True):
+class Image(msgspec.Struct, frozen=True, gc=False):
     """An image given by URL (http(s) or a `data:` URL with base64 bytes)."""
 
     url: str
@@ -25,7 +25,7 @@ class Image(msgspec.Struct, frozen=True):
 Content = str | list[str | Image]
 
 
-class ToolCall(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True, gc=False):
     """A tool call of an assistant turn; `arguments` is the JSON object text as the client sent it."""
 
     id: str
@@ -33,15 +33,15 @@ class ToolCall(msgspec.Struct, frozen=True):
     arguments: str
 
 
-class System(msgspec.Struct, tag="system", tag_field="role"):
+class System(msgspec.Struct, tag="system", tag_field="role", gc=False):
     content: Content
 
 
-class User(msgspec.Struct, tag="user", tag_field="role"):
+class User(msgspec.Struct, tag="user", tag_field="role", gc=False):
     content: Content
 
 
-class Assistant(msgspec.Struct, tag="assistant", tag_field="role"):
+class Assistant(msgspec.Struct, tag="assistant", tag_field="role", gc=False):
     """An assistant turn. `prefix` marks the last message as a partial answer the model continues."""
 
     content: str = ""
@@ -50,19 +50,19 @@ class Assistant(msgspec.Struct, tag="assistant", tag_field="role"):
     prefix: bool = False
 
 
-class ToolResult(msgspec.Struct, tag="tool", tag_field="role"):
+class ToolResult(msgspec.Struct, tag="tool", tag_field="role", gc=False):
     content: Content
     tool_call_id: str = ""
 
 
-class LatestReminder(msgspec.Struct, tag="latest_reminder", tag_field="role"):
+class LatestReminder(msgspec.Struct, tag="latest_reminder", tag_field="role", gc=False):
     content: str
 
 
 Message = System | User | Assistant | ToolResult | LatestReminder
 
 
-class Tool(msgspec.Struct, frozen=True):
+class Tool(msgspec.Struct, frozen=True, gc=False):
     """A function the model may call. `parameters` is its JSON Schema (an object schema, or `{}`)."""
 
     name: str
@@ -71,7 +71,7 @@ class Tool(msgspec.Struct, frozen=True):
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, frozen=True):
+class ResponseFormat(msgspec.Struct, frozen=True, gc=False):
     """A requested answer format: any JSON object, JSON matching `schema`, or text matching `regex`. `strict`: the
     schema's objects admit no property it does not name (OpenAI's strict structured outputs)."""
 
@@ -81,7 +81,7 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     strict: bool = False
 
 
-class Conversation(msgspec.Struct):
+class Conversation(msgspec.Struct, gc=False):
     """A conversation and its prompt settings.
 
     `reasoning_effort` is a level name or an integer 1..100 (V4.1 renders the number; `None` means high).

@@ -18,14 +18,16 @@ DEFAULT_THINKING_MAX_TOKENS = 65536
 DEFAULT_THINKING_MAX_EFFORT_MAX_TOKENS = 131072
 
 
-class ConversionOptions(msgspec.Struct, frozen=True):
+class ConversionOptions(msgspec.Struct, frozen=True, gc=False):
     """How requests are converted.
 
     default_thinking: thinking mode of requests that do not say.
     reasoning_content: history tool-call turns without reasoning in thinking mode: "fill_empty" or "reject".
     responses_web_search / messages_web_search: "drop" or "reject" web-search tools.
     thinking_max_tokens / non_thinking_max_tokens: the largest output budget a request may ask for.
-    model_aliases: extra model names and the encoding each selects (the two official names always work).
+    versions: the encodings whose official names requests may use (default both; a server that serves one
+        lists only that one).
+    model_aliases: extra model names and the encoding each selects.
     max_n: the largest `n` (Chat Completions choices) accepted.
     """
 
@@ -35,23 +37,23 @@ class ConversionOptions(msgspec.Struct, frozen=True):
     messages_web_search: Literal["drop", "reject"] = "reject"
     thinking_max_tokens: int = 393216
     non_thinking_max_tokens: int = 393216
+    versions: tuple[ModelVersion, ...] = tuple(ModelVersion)
     model_aliases: dict[str, ModelVersion] = msgspec.field(default_factory=dict)
     max_n: int = 16
 
     def model_version(self, model: str) -> ModelVersion:
+        """The encoding `model` selects; a name outside `versions` and `model_aliases` is a 400 listing them."""
         version = self.model_aliases.get(model)
         if version is not None:
             return version
-        try:
-            return ModelVersion(model)
-        except ValueError:
-            names = ", ".join([v.value for v in ModelVersion] + sorted(self.model_aliases))
-            raise RecipeError(
-                f"The supported API model names are {names}, but you passed {model}.", param="model"
-            ) from None
+        for version in self.versions:
+            if version.value == model:
+                return version
+        names = ", ".join([v.value for v in self.versions] + sorted(self.model_aliases))
+        raise RecipeError(f"The supported API model names are {names}, but you passed {model}.", param="model")
 
 
-class Sampling(msgspec.Struct):
+class Sampling(msgspec.Struct, gc=False):
     """Sampling settings for the backend. `max_tokens` is the requested budget (None: use the default)."""
 
     temperature: float = 1.0
@@ -66,7 +68,7 @@ class Sampling(msgspec.Struct):
     top_logprobs: int = 0
 
 
-class OutputConstraint(msgspec.Struct, frozen=True):
+class OutputConstraint(msgspec.Struct, frozen=True, gc=False):
     """A constraint the backend may enforce by constrained decoding.
 
     kind: "json" (schema: compact JSON Schema, or "" for any JSON object), "regex" (schema: the pattern),
@@ -80,7 +82,7 @@ class OutputConstraint(msgspec.Struct, frozen=True):
     strict: bool = False
 
 
-class ParsingOptions(msgspec.Struct, frozen=True):
+class ParsingOptions(msgspec.Struct, frozen=True, gc=False):
     """How to read the model output.
 
     parse_tool_calls: recognise DSML tool calls (only when the request declared tools).
@@ -97,7 +99,7 @@ class ParsingOptions(msgspec.Struct, frozen=True):
     stop_sequences: tuple[str, ...] = ()
 
 
-class ConvertedRequest(msgspec.Struct):
+class ConvertedRequest(msgspec.Struct, gc=False):
     """A request converted for the DeepSeek model.
 
     api / model: the API and the requested model name (echoed in responses).
@@ -123,6 +125,25 @@ class ConvertedRequest(msgspec.Struct):
     namespaces: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
     custom_tools: frozenset[str] = frozenset()
 
+    def prompt_limit(self, context_limit: int) -> int:
+        """The most prompt tokens that leave room for the requested output budget (all of the context when none is
+        requested): `render(..., token_limit=...)` stops there."""
+        return context_limit - (self.sampling.max_tokens or 0)
+
+    def context_error(self, prompt_tokens: int, context_limit: int, *, at_least: bool = False) -> RecipeError:
+        """The error of a prompt of `prompt_tokens` tokens (`at_least`: counting stopped there) that leaves no room
+        for the requested budget."""
+        requested = self.sampling.max_tokens
+        some = "at least " if at_least else ""
+        head = f"This model's maximum context length is {context_limit} tokens. However, "
+        if requested is None:
+            return RecipeError(f"{head}your messages resulted in {some}{prompt_tokens} tokens.", param="messages")
+        return RecipeError(
+            f"{head}you requested {some}{prompt_tokens + requested} tokens ({some}{prompt_tokens} in the messages, "
+            f"{requested} in the completion).",
+            param="max_tokens",
+        )
+
     def resolve_max_tokens(self, prompt_tokens: int, context_limit: int) -> int:
         """The output budget to send to the backend for a prompt of `prompt_tokens` tokens.
 
@@ -130,19 +151,9 @@ class ConvertedRequest(msgspec.Struct):
         The result is lowered to the context left and is at least 1. A prompt that leaves no room for the
         requested budget (or, with none requested, no room at all) is an error.
         """
+        if prompt_tokens > self.prompt_limit(context_limit):
+            raise self.context_error(prompt_tokens, context_limit)
         requested = self.sampling.max_tokens
-        if requested is not None and prompt_tokens + requested > context_limit:
-            raise RecipeError(
-                f"This model's maximum context length is {context_limit} tokens. However, you requested "
-                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested} in the completion).",
-                param="max_tokens",
-            )
-        if requested is None and prompt_tokens > context_limit:
-            raise RecipeError(
-                f"This model's maximum context length is {context_limit} tokens. However, your messages resulted "
-                f"in {prompt_tokens} tokens.",
-                param="messages",
-            )
         conv = self.conversation
         if requested is None:
             if not conv.thinking:

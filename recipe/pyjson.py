@@ -7,6 +7,11 @@ reference's JSON reader does (`1e+20` for `100000000000000000000`).
 
 V4 prompts spell small floats differently (deepseek-recipe's V4 encoder): decimals down to 1e-5
 (`0.00001`) and unpadded exponents below that (`1e-7`, not `1e-07`).
+
+Containers are written by msgspec (compact, then laid out with Python's separators: 3× faster than the json
+module's encoder) unless its text may differ from Python's: a float with an exponent (msgspec writes `1e16`,
+`0.00001` and `1e-7` where Python writes `1e+16`, `1e-05` and `1e-07`) or a run of 19+ digits (an integer that may
+be outside 64 bits). Such text, or a string msgspec cannot encode (a lone surrogate), takes the json module.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 import msgspec
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "), allow_nan=False).encode
+_encode_compact = msgspec.json.encode
+_format = msgspec.json.format
 
 # Only a literal of 19+ digits can fall outside [-2**63, 2**64): checking the text spares the walk
 # (a byte translation and a substring search, far cheaper than a regular expression).
@@ -37,6 +44,12 @@ def dumps(value: Any, *, v4: bool = False) -> str:
         return "true" if value else "false"
     if value is None:
         return "null"
+    try:
+        fast = _format(_encode_compact(value), indent=0)
+    except UnicodeEncodeError:  # a lone surrogate: the json module writes it
+        fast = b""
+    if fast and not _may_differ(fast):
+        return fast.decode()
     text = _encode(value)
     if _may_hold_wide_integers(text):  # rare: only then walk the value
         value = narrow_integers(value)
@@ -83,6 +96,13 @@ def loads(text: str) -> Any:
     tool arguments, decoded for the Messages API's `input`). Raises `msgspec.DecodeError` on malformed text."""
     value = msgspec.json.decode(text)
     return narrow_integers(value) if _may_hold_wide_integers(text) else value
+
+
+def _may_differ(text: bytes) -> bool:
+    """Whether msgspec's `text` may spell a number unlike Python: a digit before `e` (an exponent), `0.0000` (1e-5
+    written out), or 19+ digits in a row (matches inside strings only cost the json module)."""
+    digits = text.translate(_DIGITS_AS_ZERO)
+    return b"0e" in digits or _LONG_RUN in digits or b"0.0000" in text
 
 
 def _may_hold_wide_integers(text: str) -> bool:

@@ -93,10 +93,14 @@ class _Template(NamedTuple):
     invoke: str
     parameter: str
     tools_head: tuple[str, ...]
+    calls_open: tuple[str, ...]  # the pieces around tool calls, spelled once
+    calls_close: tuple[str, ...]
+    invoke_close: tuple[str, ...]
 
 
 @functools.cache
 def _template(version: ModelVersion, tokens: SpecialTokens) -> _Template:
+    dsml = Special(tokens.dsml)
     return _Template(
         *(
             Special(spelling)
@@ -110,13 +114,16 @@ def _template(version: ModelVersion, tokens: SpecialTokens) -> _Template:
                 tokens.eos,
                 tokens.latest_reminder,
                 tokens.image,
-                tokens.dsml,
             )
         ),
+        dsml=dsml,
         calls=version.calls_block,
         invoke=version.invoke_tag,
         parameter=version.parameter_tag,
         tools_head=tuple(Special(text) if special else text for text, special in tools_head(version, tokens)),
+        calls_open=("\n\n<", dsml, version.calls_block + ">\n"),
+        calls_close=("\n</", dsml, version.calls_block + ">"),
+        invoke_close=(dsml, version.invoke_tag + ">"),
     )
 
 
@@ -263,13 +270,15 @@ class _Renderer:
 
     def _tool_calls(self, calls: list[ToolCall]) -> None:
         out, t = self.pieces, self.t
-        dsml, invoke, v4 = t.dsml, t.invoke, not self.v41
-        out += ("\n\n<", dsml, t.calls + ">\n")
-        for position, call in enumerate(calls):
-            out += ("\n<" if position else "<", dsml, f'{invoke} name="{call.name}">')
-            out += _parameters(call.arguments, dsml, t.parameter, v4)
-            out += (dsml, invoke + ">")
-        out += ("\n</", dsml, t.calls + ">")
+        dsml, invoke, parameter, close, v4 = t.dsml, t.invoke, t.parameter, t.invoke_close, not self.v41
+        out += t.calls_open
+        opening = "<"
+        for call in calls:
+            out += (opening, dsml, f'{invoke} name="{call.name}">')
+            out += _parameters(call.arguments, dsml, parameter, v4)
+            out += close
+            opening = "\n<"
+        out += t.calls_close
 
 
 def _normalize(messages: list[Message], version: ModelVersion) -> list[Message]:
@@ -337,21 +346,25 @@ def _parameters(arguments: str, dsml: Special, parameter: str, v4: bool) -> tupl
         values = {"arguments": arguments}  # text that is not a JSON object renders as one string
     # An empty call: V4.1 keeps an empty parameter line, V4 does not.
     pieces: list[str] = ["\n" if values or v4 else "\n\n"]
-    for number, (key, value) in enumerate(values.items()):
-        if isinstance(value, str):
+    opening, close = "<", parameter + ">"
+    for key, value in values.items():
+        if type(value) is str:
             text = f'{parameter} name="{key}" string="true">{value}</'
         else:
             text = f'{parameter} name="{key}" string="false">{pyjson.dumps(value, v4=v4)}</'
-        pieces += ("\n<" if number else "<", dsml, text, dsml, parameter + ">")
+        pieces += (opening, dsml, text, dsml, close)
+        opening = "\n<"
     pieces.append("\n</" if values else "</")
     return tuple(pieces)
 
 
-def _prompt(renderer: _Renderer, tokenizer: Tokenizer | None, spans: bool) -> RenderedPrompt:
+def _prompt(
+    renderer: _Renderer, tokenizer: Tokenizer | None, spans: bool, token_limit: int | None = None
+) -> RenderedPrompt:
     prompt = renderer.render()
     offsets: list[int] | None = None
     if tokenizer is not None:
-        prompt.token_ids, offsets = tokenizer.encode_pieces(prompt.pieces)
+        prompt.token_ids, offsets = tokenizer.encode_pieces(prompt.pieces, token_limit)
     if spans:
         if offsets is None:
             offsets = [0]
@@ -371,14 +384,17 @@ def render(
     tokenizer: Tokenizer | None = None,
     *,
     tokens: SpecialTokens | None = None,
+    token_limit: int | None = None,
 ) -> RenderedPrompt:
     """The request prompt: the conversation followed by the generation header of the next turn.
 
     `model` is a `ModelVersion` or its name (`DeepSeek-V4.1-Flash`, `DeepSeek-V4-Pro`). With a tokenizer
-    the result carries `token_ids`. `tokens` overrides spellings (default: the tokenizer's, else official).
+    the result carries `token_ids`; with `token_limit` too, a prompt of more tokens raises `PromptTooLongError` as soon
+    as encoding finds it over (a server refuses an over-long prompt without encoding all of it). `tokens`
+    overrides spellings (default: the tokenizer's, else official).
     """
     renderer = _Renderer(conversation, ModelVersion(model), _tokens(tokenizer, tokens), history=False)
-    return _prompt(renderer, tokenizer, spans=False)
+    return _prompt(renderer, tokenizer, spans=False, token_limit=token_limit)
 
 
 def render_history(

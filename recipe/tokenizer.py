@@ -7,20 +7,43 @@ the image token. Any Hugging Face `tokenizer.json` can be loaded instead.
 
 Two views of one vocabulary encode a prompt: template tokens through the added vocabulary, message
 content through a copy without it, so text that spells a special token stays plain text.
+
+Prompts are encoded with the batch encoder, which releases the GIL (the single-text one holds it through a
+megabyte of text), in slices of at most `BATCH_CHARS`: a caller with a token limit learns that a prompt is over
+it after the first slice that passes it, not after the whole body. A run of text longer than `CHUNK_CHARS` is cut
+where the DeepSeek pre-tokenizer splits anyway, so its pieces encode to exactly the ids of the whole.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Sequence
+import math
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from recipe.errors import RecipeError
 from recipe.tokens import IMAGE_TOKEN_ID, OFFICIAL_IMAGE_TOKEN, SYSTEM_TOKEN_ID, SpecialTokens
+
+CHUNK_CHARS = 1 << 16
+BATCH_CHARS = 1 << 20
+
+# The DeepSeek V4 pre-tokenizer: digits, kana and CJK isolated, then a GPT-style split; no normalizer.
+_DEEPSEEK_SPLITS = (
+    r"\p{N}{1,3}",
+    "[一-龥\u3040-ゟ゠-ヿ]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+# Where that pre-tokenizer always splits: after an ASCII letter, before an ASCII character that is not one. No
+# split pattern matches across that point (a letter run ends there, nothing else spans a letter) and none looks
+# behind it, so the text on either side splits, and encodes, exactly as it does inside the whole.
+_CUT = re.compile(r"(?<=[A-Za-z])[\x00-\x40\x5b-\x60\x7b-\x7f]")
 
 
 def default_tokenizer_path() -> Path:
@@ -60,6 +83,10 @@ class Tokenizer:
         self._byte_level = (config.get("decoder") or {}).get("type") == "ByteLevel"
         self.eos_id = self.special_id(tokens.eos)
         self._bytes_cache: dict[int, bytes] = {}
+        # Cutting long runs and bounding a run's tokens by its length need the DeepSeek pre-tokenizer (no normalizer:
+        # every character is encoded, and no token covers more characters than its byte-level spelling has).
+        self._deepseek_splits = _splits_like_deepseek(config)
+        self._longest_token = max(map(len, self._plain.get_vocab()), default=1)
 
     def special_id(self, spelling: str) -> int:
         """Id of a template token; a spelling outside the added vocabulary is a configuration error."""
@@ -70,31 +97,81 @@ class Tokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         """Plain BPE ids of `text`: added-vocabulary spellings inside it are ordinary characters."""
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
-    def encode_pieces(self, pieces: Sequence[str]) -> tuple[list[int], list[int]]:
+    def encode_pieces(self, pieces: Sequence[str], limit: int | None = None) -> tuple[list[int], list[int]]:
         """Ids of a prompt given as pieces (template tokens are `render.Special` strings).
 
         Consecutive plain pieces are encoded together, as one run of text. Also returns the token offset
-        of every piece boundary (exact at the boundaries of template tokens).
+        of every piece boundary (exact at the boundaries of template tokens). With `limit`, a prompt of more
+        tokens raises `PromptTooLongError` as soon as that is known: before encoding when its text is too long for
+        `limit` tokens of the vocabulary's longest, else after the slice of text that passes the limit.
         """
-        ids: list[int] = []
-        offsets: list[int] = []
+        items: list[str | int] = []  # the runs of plain text and the template token ids, in prompt order
+        owners: list[int] = []  # the item each piece belongs to
         run: list[str] = []
         for piece in pieces:
             if type(piece) is str:
-                offsets.append(len(ids))
+                if not run:
+                    items.append("")
+                owners.append(len(items) - 1)
                 run.append(piece)
                 continue
             if run:
-                ids += self.encode_plain("".join(run))
+                items[-1] = "".join(run)
                 run = []
-            offsets.append(len(ids))
-            ids.append(self.special_id(piece))
+            owners.append(len(items))
+            items.append(self.special_id(piece))
         if run:
-            ids += self.encode_plain("".join(run))
-        offsets.append(len(ids))
-        return ids, offsets
+            items[-1] = "".join(run)
+        if limit is not None and self._deepseek_splits:
+            floor = sum(math.ceil(len(i) / self._longest_token) if type(i) is str else 1 for i in items)
+            if floor > limit:
+                raise PromptTooLongError(floor, limit)
+        parts = [self._chunks(i) if type(i) is str else i for i in items]
+        encoded = self._encoded([chunk for part in parts if type(part) is list for chunk in part])
+        ids: list[int] = []
+        starts: list[int] = []
+        for part in parts:
+            starts.append(len(ids))
+            if type(part) is int:
+                ids.append(part)
+                continue
+            for _ in part:
+                ids += next(encoded)
+                if limit is not None and len(ids) > limit:
+                    raise PromptTooLongError(len(ids), limit)
+        if limit is not None and len(ids) > limit:
+            raise PromptTooLongError(len(ids), limit)
+        return ids, [*(starts[owner] for owner in owners), len(ids)]
+
+    def _chunks(self, text: str) -> list[str]:
+        """`text` cut into pieces of about `CHUNK_CHARS` that encode to the ids of the whole (whole when it has no
+        such cut, or the tokenizer is not DeepSeek's)."""
+        if len(text) <= CHUNK_CHARS or not self._deepseek_splits:
+            return [text]
+        chunks: list[str] = []
+        start = 0
+        while len(text) - start > CHUNK_CHARS:
+            cut = _CUT.search(text, start + CHUNK_CHARS)
+            if cut is None:
+                break
+            chunks.append(text[start : cut.start()])
+            start = cut.start()
+        chunks.append(text[start:])
+        return chunks
+
+    def _encoded(self, texts: list[str]) -> Iterator[list[int]]:
+        """The plain ids of each text in turn, encoded (without the GIL) `BATCH_CHARS` of text at a time."""
+        start = 0
+        while start < len(texts):
+            end, size = start + 1, len(texts[start])
+            while end < len(texts) and size + len(texts[end]) <= BATCH_CHARS:
+                size += len(texts[end])
+                end += 1
+            for encoding in self._plain.encode_batch_fast(texts[start:end], add_special_tokens=False):
+                yield encoding.ids
+            start = end
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
@@ -120,6 +197,30 @@ class Tokenizer:
         if self._byte_level:
             return bytes(_BYTE_LEVEL[ch] for ch in piece)
         return self.hf.decode([token_id]).encode()
+
+
+class PromptTooLongError(RecipeError):
+    """A prompt with more tokens than the limit it was encoded under: at least `tokens` (encoding stopped there)."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"The prompt has more than {limit} tokens (at least {tokens}).", param="messages")
+        self.tokens = tokens
+        self.limit = limit
+
+
+def _splits_like_deepseek(config: dict) -> bool:
+    """Whether `config` pre-tokenizes as DeepSeek V4 does (its split patterns, byte-level, no normalizer)."""
+    steps = (config.get("pre_tokenizer") or {}).get("pretokenizers") or []
+    splits = tuple((step.get("pattern") or {}).get("Regex") for step in steps[:-1])
+    normalizer = config.get("normalizer") or {}
+    return (
+        splits == _DEEPSEEK_SPLITS
+        and all(step.get("behavior") == "Isolated" and not step.get("invert") for step in steps[:-1])
+        and steps[-1].get("type") == "ByteLevel"
+        and not steps[-1].get("use_regex", True)
+        and normalizer.get("type", "Sequence") == "Sequence"
+        and not normalizer.get("normalizers")
+    )
 
 
 def _patch_v41_names(config: dict, image_token: str) -> dict[str, int]:

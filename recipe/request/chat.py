@@ -35,108 +35,108 @@ EFFORTS: dict[str, Any] = {
 }
 
 
-class TextPart(msgspec.Struct, tag="text", tag_field="type"):
+class TextPart(msgspec.Struct, tag="text", tag_field="type", gc=False):
     text: str
 
 
-class ImageUrl(msgspec.Struct):
+class ImageUrl(msgspec.Struct, gc=False):
     url: str
     detail: Literal["low", "high", "auto", "original"] = "auto"
 
 
-class ImagePart(msgspec.Struct, tag="image_url", tag_field="type"):
+class ImagePart(msgspec.Struct, tag="image_url", tag_field="type", gc=False):
     image_url: ImageUrl
 
 
 Parts = str | list[TextPart | ImagePart]
 
 
-class SystemMessage(msgspec.Struct, tag="system", tag_field="role"):
+class SystemMessage(msgspec.Struct, tag="system", tag_field="role", gc=False):
     content: Parts
 
 
-class DeveloperMessage(msgspec.Struct, tag="developer", tag_field="role"):
+class DeveloperMessage(msgspec.Struct, tag="developer", tag_field="role", gc=False):
     content: Parts
 
 
-class UserMessage(msgspec.Struct, tag="user", tag_field="role"):
+class UserMessage(msgspec.Struct, tag="user", tag_field="role", gc=False):
     content: Parts
 
 
-class Function(msgspec.Struct):
+class Function(msgspec.Struct, gc=False):
     name: str
     arguments: str
 
 
-class ChatToolCall(msgspec.Struct):
+class ChatToolCall(msgspec.Struct, gc=False):
     id: str
     function: Function
     type: Literal["function"] = "function"
 
 
-class AssistantMessage(msgspec.Struct, tag="assistant", tag_field="role"):
+class AssistantMessage(msgspec.Struct, tag="assistant", tag_field="role", gc=False):
     content: str | list[TextPart] | None = None
     reasoning_content: str | None = None
     tool_calls: list[ChatToolCall] | None = None
     prefix: bool = False
 
 
-class ToolMessage(msgspec.Struct, tag="tool", tag_field="role"):
+class ToolMessage(msgspec.Struct, tag="tool", tag_field="role", gc=False):
     content: Parts
     tool_call_id: str
 
 
-class ReminderMessage(msgspec.Struct, tag="latest_reminder", tag_field="role"):
+class ReminderMessage(msgspec.Struct, tag="latest_reminder", tag_field="role", gc=False):
     content: str
 
 
 ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage | ReminderMessage
 
 
-class FunctionDefinition(msgspec.Struct):
+class FunctionDefinition(msgspec.Struct, gc=False):
     name: str
     description: str | None = None
     parameters: Any = None
     strict: bool | None = None
 
 
-class ToolDefinition(msgspec.Struct):
+class ToolDefinition(msgspec.Struct, gc=False):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(msgspec.Struct):
+class NamedFunction(msgspec.Struct, gc=False):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct):
+class NamedToolChoice(msgspec.Struct, gc=False):
     function: NamedFunction
     type: Literal["function"] = "function"
 
 
-class Thinking(msgspec.Struct):
+class Thinking(msgspec.Struct, gc=False):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
-class JsonSchema(msgspec.Struct):
+class JsonSchema(msgspec.Struct, gc=False):
     schema: Any
     name: str = ""
     description: str | None = None
     strict: bool | None = None
 
 
-class ChatResponseFormat(msgspec.Struct):
+class ChatResponseFormat(msgspec.Struct, gc=False):
     type: Literal["text", "json_object", "json_schema", "regex"]
     json_schema: JsonSchema | None = None
     regex: str | None = None
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, gc=False):
     include_usage: bool = False
 
 
-class ChatRequest(msgspec.Struct):
+class ChatRequest(msgspec.Struct, gc=False):
     model: str
     messages: list[ChatMessage]
     thinking: Thinking | None = None

@@ -28,26 +28,26 @@ from recipe.request import common
 from recipe.request.chat import EFFORTS
 
 
-class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+class TextBlock(msgspec.Struct, tag="text", tag_field="type", gc=False):
     text: str
 
 
-class ImageSource(msgspec.Struct):
+class ImageSource(msgspec.Struct, gc=False):
     type: Literal["base64", "url", "file"]
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
 
 
-class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type", gc=False):
     source: ImageSource
 
 
-class DocumentSource(msgspec.Struct):
+class DocumentSource(msgspec.Struct, gc=False):
     media_type: str | None = None
 
 
-class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
+class DocumentBlock(msgspec.Struct, tag="document", tag_field="type", gc=False):
     source: DocumentSource | None = None
 
     def placeholder(self) -> str:
@@ -55,32 +55,32 @@ class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
         return f"[Unsupported document type: {media_type or 'unknown'}]"
 
 
-class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", gc=False):
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type"):
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type", gc=False):
     data: str = ""
 
 
-class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", gc=False):
     id: str
     name: str
     input: Any
 
 
-class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", gc=False):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
     is_error: bool | None = None
 
 
-class ServerToolUseBlock(msgspec.Struct, tag="server_tool_use", tag_field="type"):
+class ServerToolUseBlock(msgspec.Struct, tag="server_tool_use", tag_field="type", gc=False):
     pass
 
 
-class WebSearchResultBlock(msgspec.Struct, tag="web_search_tool_result", tag_field="type"):
+class WebSearchResultBlock(msgspec.Struct, tag="web_search_tool_result", tag_field="type", gc=False):
     pass
 
 
@@ -97,33 +97,33 @@ Block = (
 )
 
 
-class InputMessage(msgspec.Struct):
+class InputMessage(msgspec.Struct, gc=False):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
-class ToolDefinition(msgspec.Struct):
+class ToolDefinition(msgspec.Struct, gc=False):
     name: str
     description: str | None = None
     input_schema: Any = None
     type: str | None = None
 
 
-class ToolChoice(msgspec.Struct):
+class ToolChoice(msgspec.Struct, gc=False):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
 
 
-class Thinking(msgspec.Struct):
+class Thinking(msgspec.Struct, gc=False):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
-class OutputConfig(msgspec.Struct):
+class OutputConfig(msgspec.Struct, gc=False):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | int | None = None
 
 
-class MessagesRequest(msgspec.Struct):
+class MessagesRequest(msgspec.Struct, gc=False):
     model: str
     messages: list[InputMessage]
     max_tokens: int | None = None

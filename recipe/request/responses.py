@@ -36,99 +36,99 @@ UNSUPPORTED_DOCUMENT = "[Unsupported Document]"
 WEB_SEARCH_TYPES = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
 
 
-class InputText(msgspec.Struct, tag="input_text", tag_field="type"):
+class InputText(msgspec.Struct, tag="input_text", tag_field="type", gc=False):
     text: str
 
 
-class OutputText(msgspec.Struct, tag="output_text", tag_field="type"):
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type", gc=False):
     text: str
 
 
-class InputImage(msgspec.Struct, tag="input_image", tag_field="type"):
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", gc=False):
     image_url: str | None = None
     file_id: str | None = None
     detail: Literal["low", "high", "auto", "original"] = "auto"
 
 
-class InputFile(msgspec.Struct, tag="input_file", tag_field="type"):
+class InputFile(msgspec.Struct, tag="input_file", tag_field="type", gc=False):
     pass
 
 
 Part = InputText | OutputText | InputImage | InputFile
 
 
-class MessageItem(msgspec.Struct):
+class MessageItem(msgspec.Struct, gc=False):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Part]
 
 
-class ReasoningText(msgspec.Struct):
+class ReasoningText(msgspec.Struct, gc=False):
     text: str
     type: str = "reasoning_text"
 
 
-class ReasoningItem(msgspec.Struct):
+class ReasoningItem(msgspec.Struct, gc=False):
     content: list[ReasoningText] | None = None
 
 
-class FunctionCallItem(msgspec.Struct):
+class FunctionCallItem(msgspec.Struct, gc=False):
     call_id: str
     name: str
     arguments: str
     namespace: str | None = None
 
 
-class CustomToolCallItem(msgspec.Struct):
+class CustomToolCallItem(msgspec.Struct, gc=False):
     call_id: str
     name: str
     input: str
 
 
-class OutputItem(msgspec.Struct):
+class OutputItem(msgspec.Struct, gc=False):
     call_id: str
     output: str | list[Part]
 
 
-class FunctionTool(msgspec.Struct):
+class FunctionTool(msgspec.Struct, gc=False):
     name: str
     description: str | None = None
     parameters: Any = None
     strict: bool | None = None
 
 
-class NamespaceTool(msgspec.Struct):
+class NamespaceTool(msgspec.Struct, gc=False):
     name: str
     tools: list[FunctionTool]
     description: str | None = None
 
 
-class CustomTool(msgspec.Struct):
+class CustomTool(msgspec.Struct, gc=False):
     name: str
 
 
-class Reasoning(msgspec.Struct):
+class Reasoning(msgspec.Struct, gc=False):
     effort: Effort | int | None = None
     summary: str | None = None
 
 
-class TextFormat(msgspec.Struct, omit_defaults=True):
+class TextFormat(msgspec.Struct, omit_defaults=True, gc=False):
     type: Literal["text", "json_object", "json_schema"]
     schema: Any = None
     name: str | None = None
     strict: bool | None = None
 
 
-class Text(msgspec.Struct):
+class Text(msgspec.Struct, gc=False):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class NamedToolChoice(msgspec.Struct):
+class NamedToolChoice(msgspec.Struct, gc=False):
     type: Literal["function", "custom"]
     name: str
 
 
-class ResponsesRequest(msgspec.Struct):
+class ResponsesRequest(msgspec.Struct, gc=False):
     model: str
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
@@ -250,7 +250,7 @@ def _check_outputs(messages: list[Message]) -> None:
         raise RecipeError(f"No tool output found for tool call {pending[0]}.", param="input")
 
 
-class _Tools(msgspec.Struct):
+class _Tools(msgspec.Struct, gc=False):
     tools: list[Tool] = msgspec.field(default_factory=list)
     echo: list[dict[str, Any]] = msgspec.field(default_factory=list)
     namespaces: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)

@@ -275,6 +275,7 @@ def test_a_full_queue_is_429_with_retry_after(mesh: Mesh, extra_gateway: Callabl
     assert messages_refused.value.body["error"]["type"] == "rate_limit_error"
     assert "overloaded" in messages_refused.value.body["error"]["message"]
     assert metric(url, "v41mesh_gateway_errors_total", kind="overloaded") == 2
+    assert metric(url, "v41mesh_gateway_admission_refusals_total", reason="queue_full") == 2
 
 
 def test_sigterm_drains_the_gateway(mesh: Mesh, tmp_path: Any) -> None:

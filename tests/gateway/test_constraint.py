@@ -42,7 +42,7 @@ def grammars() -> Grammars:
 
 
 def constraint(codec: Codec, api: str, **body: object) -> decode_pb2.OutputConstraint:
-    return codec.render(api, json.dumps({"model": NAME, **body}).encode()).constraint  # type: ignore[arg-type]
+    return codec.convert(api, json.dumps({"model": NAME, **body}).encode()).constraint  # type: ignore[arg-type]
 
 
 def chat(codec: Codec, **fields: object) -> decode_pb2.OutputConstraint:

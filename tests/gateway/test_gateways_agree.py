@@ -6,57 +6,17 @@ first user message). Gateways that no longer see one replica move only the conve
 from __future__ import annotations
 
 import collections
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from decode_replicas import WAIT_S, Decodes, wait_until
 from gateway_helpers import InProcessGateway, refusing_address
 
-from decode_svc.config import DecodeConfig
-from decode_svc.server import DecodeServer
 from gateway.config import GatewayConfig
-from model import build_model, preset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "prefill_svc"))
-from service_mesh import WAIT_S, Loop, wait_until  # the service tests' background loop and polling wait
 
 MODEL = "DeepSeek-V4.1-Flash"
-
-
-class Decodes:
-    """Three decode replicas sharing one tiny model (no cache: each prefills its prompts itself)."""
-
-    def __init__(self, count: int) -> None:
-        torch.set_num_threads(1)
-        model = build_model(preset("tiny"), "full")
-        self.loop = Loop()
-        self.servers = [DecodeServer(DecodeConfig(port=0, metrics_port=0, speculation=False), model=model)]
-        self.servers += [DecodeServer(self.servers[0].cfg, model=model) for _ in range(count - 1)]
-        for server in self.servers:
-            self.loop.call(server.start())
-        self.addresses = [f"127.0.0.1:{server.port}" for server in self.servers]
-
-    def generations(self) -> list[float]:
-        """Generate calls each replica has finished (its own Prometheus counter)."""
-        return [
-            sum(
-                sample.value
-                for metric in server.registry.collect()
-                if metric.name == "v41mesh_decode_requests"
-                for sample in metric.samples
-                if sample.name.endswith("_total")
-            )
-            for server in self.servers
-        ]
-
-    def stop(self) -> None:
-        for server in self.servers:
-            self.loop.call(server.stop(1.0))
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -109,6 +109,46 @@ def test_bad_input_is_400_even_without_a_model(lone_gateway: InProcessGateway) -
     assert "JSON" in assert_anthropic_error(raw.json(), "invalid_request_error")["message"]
 
 
+def test_what_the_apis_refuse_is_a_400_though_the_codec_converts_it(lone_gateway: InProcessGateway) -> None:
+    """deepseek-recipe converts these; the OpenAI and Anthropic APIs answer 400, and so does the gateway: a body not
+    declared JSON, Anthropic Messages without max_tokens or opening with an assistant turn."""
+    for path, api_key in (("/v1/chat/completions", {"authorization": f"Bearer {API_KEY}"}),
+                          ("/v1/messages", {"x-api-key": API_KEY}),
+                          ("/v1/messages/count_tokens", {"x-api-key": API_KEY})):  # fmt: skip
+        for declared in ("text/plain", "application/x-www-form-urlencoded"):  # the second: curl -d's default
+            raw = httpx.post(lone_gateway.base_url + path, content=json.dumps(MESSAGES),
+                             headers={**api_key, "content-type": declared})  # fmt: skip
+            assert raw.status_code == 400
+            error = raw.json()["error"]
+            assert error["message"].startswith(f"Unsupported content type: '{declared}'.")
+            assert error["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as no_budget:
+        anthropic_client(lone_gateway).post(
+            "/v1/messages", body={"model": MODEL, "messages": MESSAGES["messages"]}, cast_to=httpx.Response
+        )
+    assert assert_anthropic_error(no_budget.value.body, "invalid_request_error")["message"] == (
+        "max_tokens: Field required"
+    )
+    assistant_first = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "hi"}]
+    for system in ({}, {"system": "Be brief."}):
+        with pytest.raises(anthropic.BadRequestError) as wrong_turn:
+            anthropic_client(lone_gateway).messages.create(model=MODEL, max_tokens=4, messages=assistant_first,
+                                                           **system)  # type: ignore[arg-type]  # fmt: skip
+        message = assert_anthropic_error(wrong_turn.value.body, "invalid_request_error")["message"]
+        assert message == 'messages: first message must use the "user" role'
+    counting = anthropic_client(lone_gateway).messages.count_tokens
+    with pytest.raises(anthropic.BadRequestError):
+        counting(model=MODEL, messages=assistant_first)  # type: ignore[arg-type]
+    # What the APIs take gets past these checks (to the 503 of a gateway without replicas): JSON with a charset,
+    # and a Chat conversation that opens with an assistant turn (OpenAI accepts one).
+    charset = httpx.post(lone_gateway.base_url + "/v1/messages", content=json.dumps(MESSAGES),
+                         headers={"x-api-key": API_KEY, "content-type": "application/json; charset=utf-8"})  # fmt: skip
+    assert charset.status_code == 503
+    chat = openai_client(lone_gateway).chat.completions
+    with pytest.raises(openai.InternalServerError):
+        chat.create(model=MODEL, messages=assistant_first)  # type: ignore[arg-type]
+
+
 def test_no_backend_is_a_503_with_a_clear_message(lone_gateway: InProcessGateway) -> None:
     with pytest.raises(openai.InternalServerError) as unavailable:
         openai_client(lone_gateway).chat.completions.create(**CHAT)
@@ -165,7 +205,11 @@ def test_openapi_document_describes_the_endpoints(lone_gateway: InProcessGateway
         assert "cache_salt" in properties
         assert {"400", "401", "413", "429", "503"} <= set(operation["responses"])
         assert operation["security"]  # the key is required here
+    schemas = document["components"]["schemas"]
+    assert "max_tokens" in schemas["MessagesRequest"]["required"]  # Anthropic requires it; counting takes none
     counting = document["paths"]["/v1/messages/count_tokens"]["post"]
+    counted_schema = counting["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    assert "max_tokens" not in schemas[counted_schema]["properties"]
     assert counting["responses"]["200"]["content"]["application/json"]["schema"]["required"] == ["input_tokens"]
     assert set(document["components"]["securitySchemes"]) == {"bearer", "apiKey"}
 

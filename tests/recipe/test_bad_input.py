@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from recipe_strategies import REQUESTS, examples
 
-from recipe import APIS, RecipeError, convert, render
+from recipe import APIS, ConversionOptions, ModelVersion, RecipeError, convert, render
 
 WRONG_VALUES = st.one_of(
     st.none(),
@@ -147,6 +147,25 @@ def test_errors_name_the_field(api: str, body: dict[str, Any], field: str) -> No
     error = rejected.value
     _assert_clean_rejection(error, api)
     assert field in (error.param or "") or field in error.message
+
+
+def test_an_unknown_model_name_is_refused_listing_only_the_names_accepted() -> None:
+    """By default both official names (as the reference lists them); a server of one encoding lists only its names."""
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(RecipeError) as every:
+        convert("chat.completions", body)
+    assert every.value.message == (
+        "The supported API model names are DeepSeek-V4-Pro, DeepSeek-V4.1-Flash, but you passed gpt-4o."
+    )
+    served = ConversionOptions(versions=(ModelVersion.V41,), model_aliases={"mine": ModelVersion.V41})
+    for name in ("gpt-4o", "DeepSeek-V4-Pro"):
+        with pytest.raises(RecipeError) as one:
+            convert("chat.completions", {**body, "model": name}, served)
+        assert one.value.message == (
+            f"The supported API model names are DeepSeek-V4.1-Flash, mine, but you passed {name}."
+        )
+        assert one.value.param == "model"
+    assert convert("chat.completions", {**body, "model": "mine"}, served).version is ModelVersion.V41
 
 
 def test_unknown_api_is_a_programming_error() -> None:
