@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 
 from model import kernels, quant
+from model.engram_store import DeviceMemory
 from model.kernels import fp8_gemm, indexer, kv_quant, sparse_attn, topk
 
 GiB = 1 << 30
@@ -846,6 +847,8 @@ def filled_decode_batch(model, B: int, context: int, steps: int):
         entries.kv_data, entries.kv_scale = random_bytes(B, n, D // 2), valid_e4m3_scales(B, n, D // 16)
         entries.k_data, entries.k_scale = random_bytes(B, n, Di // 2), valid_ue8m0_scales(B, n, Di // 32)
     cache.history.copy_(torch.randint(0, a.vocab_size, cache.history.shape, device=DEVICE))
+    if cache.host_history is not None:
+        cache.host_history.copy_(cache.history.cpu())
     cache.pos[:] = [context] * B
     batch.seq_ids = list(range(B))
     return batch
@@ -867,8 +870,8 @@ def dense_decode_step(model, tokens: torch.Tensor, position: int, history: torch
         return attn.project_out(o[:, None], positions)
 
     X, pre = model.embed_stream(tokens)
-    rows = model.engram_rows(tokens, history)
-    X, pre = model.run_layers(range(model.args.num_hidden_layers), X, pre, attend, rows)
+    memory = DeviceMemory(model, tokens, history)
+    X, pre = model.run_layers(range(model.args.num_hidden_layers), X, pre, attend, memory)
     return model.logits(X[:, -1:], pre[:, -1:])
 
 

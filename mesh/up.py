@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -36,6 +36,7 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Run the mesh locally: cache, prefill, decode and gateway on loopback.
 
     model: tiny, small, or a checkpoint directory (prefill and decode load it)
+    engram_store: where prefill and decode keep the Engram tables: auto, device, host or mmap (their --engram-store)
     port: the gateway's HTTP port (0 picks a free one)
     data_dir: the cache's SSD tier, logs and mesh.json live here (kept between runs: prefixes stay cached)
     prefill_replicas: prefill processes
@@ -53,6 +54,7 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     model: str = DEFAULT_MODEL
+    engram_store: Literal["auto", "device", "host", "mmap"] = "auto"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     data_dir: str = DEFAULT_DATA_DIR
     prefill_replicas: Count = 1
@@ -79,8 +81,8 @@ def spec_of(cfg: UpConfig) -> MeshSpec:
         gateway_replicas=cfg.gateway_replicas,
         api_key=cfg.api_key,
         cache_args=shlex.split(cfg.cache_args),
-        prefill_args=shlex.split(cfg.prefill_args),
-        decode_args=shlex.split(cfg.decode_args),
+        prefill_args=["--engram-store", cfg.engram_store, *shlex.split(cfg.prefill_args)],
+        decode_args=["--engram-store", cfg.engram_store, *shlex.split(cfg.decode_args)],
         gateway_args=shlex.split(cfg.gateway_args),
     )
 

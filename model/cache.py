@@ -9,7 +9,8 @@ leading views and never gathers):
   indexer K: E2M1 + UE8M0 scale per 32), entry j at index j, grown by doubling;
 - per m>1 compressor, the pending partial group (kv and gate logits of the pos mod m tokens since the last group);
 - H^{L/2} rows (the hc stream entering layer L/2 and its pre-mix) of the last W positions — the decoder's bounded
-  replay input — and the last n−1 token ids (Engram look-back).
+  replay input — and the last n−1 token ids (Engram look-back), mirrored on the host when the Engram tables are
+  there (`host_history`: the host hashes a step's rows without waiting for the device).
 
 A `Step` runs T new positions of every active row. Layers read committed state plus the step's own new entries and
 *stage* their writes; `Step.commit(keep)` then keeps the first keep[b] positions of row b (verification drops
@@ -147,6 +148,7 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
         capacity: int = 1,
+        host_history: bool = False,
     ) -> None:
         self.args, self.device, self.dtype = args, torch.device(device), dtype
         S, W, D, Di = capacity, args.sliding_window, args.head_dim, args.index_head_dim
@@ -179,6 +181,7 @@ class KVCache:
         self.hidden = torch.zeros(S, W, hc, C, dtype=dtype, device=self.device)  # H^{L/2}, slot = pos mod W
         self.hidden_pre = torch.zeros(S, W, hc, dtype=mix_dtype(dtype), device=self.device)  # its pre-mix
         self.history = torch.full((S, h), -1, dtype=torch.int64, device=self.device)
+        self.host_history = torch.full((S, h), -1, dtype=torch.int64) if host_history else None
         self.pos: list[int] = []  # committed positions per active row
         # The same on the device, valid while it was built from (or advanced with) `pos`: steps read their
         # positions from it instead of copying the host list every step.
@@ -196,6 +199,8 @@ class KVCache:
 
     def _row_tensors(self) -> list[tuple[object, str]]:
         owners: list[tuple[object, str]] = [(self, "hidden"), (self, "hidden_pre"), (self, "history")]
+        if self.host_history is not None:
+            owners.append((self, "host_history"))
         for ring in self.rings.values():
             owners += [(ring, "data"), (ring, "scale"), (ring, "pos")]
         for entries in self.entries.values():
@@ -235,6 +240,12 @@ class KVCache:
             self.pos[row] = self.pos[last]
         self.pos.pop()
 
+    def set_history(self, row: int, ids: Tensor) -> None:
+        """A row's Engram look-back: the n−1 token ids before its next position (−1 before the sequence start)."""
+        self.history[row] = ids.to(self.device)
+        if self.host_history is not None:
+            self.host_history[row] = ids.cpu()
+
     # ------------------------------------------------------------------------------------------------ steps
     def step(
         self,
@@ -247,6 +258,8 @@ class KVCache:
     ) -> Step:
         """A forward over tokens [B, T] of cache rows `rows` (all active rows by default) at their next positions.
 
+        `tokens` may be on the host or the device (the step holds them on the device, and on the host too where the
+        look-back is mirrored there: host tokens then cost no wait). `history`, likewise on either.
         A bounded replay (`replay`) runs at explicit `positions` whose global entries are cached already: owners
         write no entries, positions and history do not advance; SWA rings (and H rows) are rebuilt. Its `history`
         is the Engram look-back before the first replayed token (the decoder replay has no tokens at all: it
@@ -260,8 +273,14 @@ class KVCache:
             positions = self.next_positions(rows).unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device)
         else:
             start = positions[:, 0].tolist()
-        history = self.history[rows] if history is None else history
-        return Step(self, rows, tokens, positions, start, positions.shape[1] if replay else replayed, history)
+        host = None
+        if self.host_history is not None:
+            host_tokens = None if tokens is None else tokens.cpu()  # a no-op for host tokens
+            host = (host_tokens, self.host_history[rows].clone() if history is None else history.cpu())
+        tokens = None if tokens is None else tokens.to(self.device)
+        history = self.history[rows] if history is None else history.to(self.device)
+        replayed = positions.shape[1] if replay else replayed
+        return Step(self, rows, tokens, positions, start, replayed, history, host=host)
 
     def next_positions(self, rows: slice) -> Tensor:
         """int64 [B]: the next position of each row (its committed length), on the device."""
@@ -292,6 +311,7 @@ class Step:
     start: list[int]  # positions[:, 0] on the host (shapes and bounds never wait for the device)
     replayed: int  # leading positions that only rebuild windows (their global entries are cached); T: a replay
     history: Tensor  # int64 [B, n−1] token ids before the step (Engram look-back)
+    host: tuple[Tensor | None, Tensor] | None = None  # (tokens, history) on the host, where the cache mirrors them
     selection: Selection = field(default_factory=Selection)  # Top-K per index source, candidate pool
     rings: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer → staged (data, scale) [B, T, ·]
     groups: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer → (kv, score, n_open)
@@ -304,6 +324,12 @@ class Step:
     @property
     def length(self) -> int:
         return self.positions.shape[1]
+
+    def host_ids(self) -> tuple[Tensor, Tensor]:
+        """(tokens [B, T], history [B, n−1]) on the host: what the host hashes Engram rows from."""
+        if self.host is None or self.host[0] is None:
+            raise ValueError("this step's token ids are not on the host (the cache mirrors no look-back)")
+        return self.host[0], self.host[1]
 
     @property
     def replay(self) -> bool:
@@ -345,18 +371,15 @@ class Step:
             pairs = ((cache.hidden, X), (cache.hidden_pre, pre))
             _write_kept(pairs, self.rows, self.positions, keep_t, cache.args.sliding_window)
         if not self.replay:
-            self._commit_history(keep_t)
+            self._commit_history(keep_t, keep)
             cache.advance(self.rows, self.start, [T] * B if keep is None else keep, keep_t)
 
-    def _commit_history(self, keep: Tensor | None) -> None:
-        """Each row's look-back ends with its kept tokens."""
-        history = self.cache.history
-        h = history.shape[1]
-        seen = torch.cat((self.history, self.tokens), dim=1)  # the step's look-back: before a replayed prefix too
-        if keep is None:
-            history[self.rows] = seen[:, seen.shape[1] - h :]
-        else:
-            history[self.rows] = seen.gather(1, keep.unsqueeze(1) + torch.arange(h, device=keep.device))
+    def _commit_history(self, keep_t: Tensor | None, keep: list[int] | None) -> None:
+        """Each row's look-back ends with its kept tokens (on the host too, where the cache mirrors it)."""
+        _keep_last(self.cache.history, self.rows, self.history, self.tokens, keep_t)
+        if self.host is not None and self.cache.host_history is not None:
+            host_keep = None if keep is None else torch.tensor(keep, dtype=torch.int64)
+            _keep_last(self.cache.host_history, self.rows, self.host[1], self.host[0], host_keep)
 
     def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: Tensor, keep: Tensor | None) -> None:
         """New open group = the kept tokens after the last complete group (kv/score are group-aligned [B, L, D])."""
@@ -369,3 +392,13 @@ class Step:
         open_ = (j < (end - lo).unsqueeze(1)).unsqueeze(-1)
         for dst, src in ((pending.kv, kv), (pending.score, score)):
             dst[self.rows] = torch.where(open_, src.gather(1, take).to(dst.dtype), dst[self.rows])
+
+
+def _keep_last(history: Tensor, rows: slice, before: Tensor, tokens: Tensor, keep: Tensor | None) -> None:
+    """history[rows] ← the last n−1 ids of before ‖ tokens[:, :keep[b]] per row (keep None: all the tokens)."""
+    h = history.shape[1]
+    seen = torch.cat((before, tokens), dim=1)  # the step's look-back: before a replayed prefix too
+    if keep is None:
+        history[rows] = seen[:, seen.shape[1] - h :]
+    else:
+        history[rows] = seen.gather(1, keep.unsqueeze(1) + torch.arange(h, device=keep.device))

@@ -19,15 +19,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -35,10 +38,13 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from model.config import ModelArgs, preset
+from model.engram_store import Placement
 from model.transformer import Part, Transformer
 from model.weights import (
     build_model,
+    engram_table_names,
     expected_names,
+    map_tensor,
     model_fingerprint,
     seeded_tensors,
     state_tensors,
@@ -67,6 +73,7 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    offset: int  # of its bytes in the shard file
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ def _entries(path: Path, header: bytes) -> dict[str, Entry]:
         if info["dtype"] == "F4":
             shape = (*shape[:-1], shape[-1] // 2)
         begin, end = info["data_offsets"]
-        entries[name] = Entry(path, _DTYPES[info["dtype"]], shape, end - begin)
+        entries[name] = Entry(path, _DTYPES[info["dtype"]], shape, end - begin, 8 + len(header) + begin)
     return entries
 
 
@@ -126,7 +133,7 @@ class Checkpoint:
             self.entries |= _entries(self.directory / name, header)
         if self.index:
             for tensor, file in json.loads(self.index)["weight_map"].items():
-                if self.entries.get(tensor, Entry(Path(), torch.uint8, (), 0)).shard.name != file:
+                if self.entries.get(tensor, Entry(Path(), torch.uint8, (), 0, 0)).shard.name != file:
                     raise ValueError(f"{index} places {tensor} in {file}, whose header does not hold it")
         self.args = _with_expert_block(ModelArgs.from_json(self.directory / CONFIG_FILE), self.entries)
 
@@ -161,6 +168,26 @@ class Checkpoint:
                         bar.update(self.entries[name].nbytes)
                         bar.set_postfix_str(f"{bar.n / max(time.perf_counter() - start, 1e-9) / 1e9:.2f} GB/s")
 
+    def mapped(self, name: str) -> Tensor:
+        """A stored tensor memory-mapped read-only from its shard: no byte is read until a row is touched, and the
+        page cache (not the process) holds what is."""
+        entry = self.entries[name]
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        return map_bytes(entry.shard, entry.offset, entry.nbytes).view(entry.dtype).view(entry.shape)
+
+
+def map_bytes(path: Path, offset: int, nbytes: int) -> Tensor:
+    """`nbytes` bytes of a file from `offset`, memory-mapped read-only as a uint8 tensor. Random access is declared
+    (MADV_RANDOM): a row lookup faults in its own page, not a read-ahead window around it."""
+    with open(path, "rb") as fh:
+        whole = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    whole.madvise(mmap.MADV_RANDOM)
+    raw = np.frombuffer(whole, dtype=np.uint8, count=nbytes, offset=offset)
+    with warnings.catch_warnings():  # read-only by design: nothing writes a mapped table
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.from_numpy(raw)
+
 
 def _with_expert_block(args: ModelArgs, entries: dict[str, Entry]) -> ModelArgs:
     """The config with the FP4 experts' scale block the stored scales have: [I, C/32] or [I, C/16] — the same for
@@ -183,11 +210,17 @@ def _with_expert_block(args: ModelArgs, entries: dict[str, Entry]) -> ModelArgs:
 
 
 # ------------------------------------------------------------------------------------------------------ load
-def load_weights(model: Transformer, directory: str | os.PathLike[str], progress: bool = False) -> LoadReport:
-    """Fill a built model part from the checkpoint in `directory`, reading only the tensors it holds."""
+def load_weights(
+    model: Transformer, directory: str | os.PathLike[str], progress: bool = False, mapped: Iterable[str] = ()
+) -> LoadReport:
+    """Fill a built model part from the checkpoint in `directory`, reading only the tensors it holds; the `mapped`
+    ones (the Engram tables of `--engram-store mmap`) are memory-mapped from their shards instead of read."""
     checkpoint = Checkpoint(directory)
     start = time.perf_counter()
-    read = store(model, checkpoint.tensors(expected_names(model), progress), str(directory))
+    mapped = set(mapped)
+    for name in mapped:
+        map_tensor(model, name, checkpoint.mapped(name) if name in checkpoint.entries else None, str(directory))
+    read = store(model, checkpoint.tensors(expected_names(model) - mapped, progress), str(directory), skip=mapped)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.fingerprint = checkpoint.fingerprint()
@@ -202,12 +235,14 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
     packed: bool = True,
+    engram: Placement = "device",
 ) -> Transformer:
-    """A model part from a checkpoint directory: packed (serving) or float (training). Its `load_report` says what
-    was read, how fast, and the resident weight bytes."""
+    """A model part from a checkpoint directory: packed (serving) or float (training), its Engram tables placed by
+    `engram` (`model.engram_store`). Its `load_report` says what was read, how fast, and the resident weight bytes."""
     args = Checkpoint(directory).args
-    model = build_model(args, part, seed=None, device=device, dtype=dtype, packed=packed)
-    model.load_report = load_weights(model, directory, progress)
+    model = build_model(args, part, seed=None, device=device, dtype=dtype, packed=packed, engram=engram)
+    mapped = engram_table_names(model) if engram == "mmap" else []
+    model.load_report = load_weights(model, directory, progress, mapped)
     return model
 
 

@@ -221,10 +221,11 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size, dtype=dtype))
 
-    def forward(self, X: Tensor, rows: Tensor) -> Tensor:
-        """X [B, T, n, C], rows [B, T, R] → X with the gated memory value added to every copy."""
+    def forward(self, X: Tensor, memory: Tensor) -> Tensor:
+        """X [B, T, n, C], memory [B, T, R, head_dim] (the table rows of the step's n-grams, `model.engram_store`)
+        → X with the gated memory value added to every copy."""
         a = self.args
-        kv = self.wkv(self.embed(rows).flatten(-2))
+        kv = self.wkv(memory.flatten(-2))
         key = kv[..., : a.hc_mult * a.hidden_size].unflatten(-1, (a.hc_mult, a.hidden_size))
         value = kv[..., a.hc_mult * a.hidden_size :]
         compute = torch.promote_types(X.dtype, torch.float32)

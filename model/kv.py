@@ -392,4 +392,4 @@ def restore(cache: KVCache, row: int, blocks: list[GlobalKVBlock], state: Encode
     recent = torch.arange(max(0, n - W), n) % W
     cache.hidden[row, recent] = state.hidden.to(cache.device, cache.dtype)
     cache.hidden_pre[row, recent] = state.hidden_pre.to(cache.device, cache.hidden_pre.dtype)
-    cache.history[row] = state.history.to(cache.device)
+    cache.set_history(row, state.history)

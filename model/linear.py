@@ -36,9 +36,13 @@ def param_dtype(fmt: WeightFormat, dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if fmt == "fp32" else dtype
 
 
-def packed_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Parameter:
-    """Storage for checkpoint bytes (E4M3, packed E2M1, UE8M0 scales): a parameter no gradient reaches."""
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+def packed_param(
+    *shape: int, dtype: torch.dtype, device: torch.device | str | None = None, pin_memory: bool = False
+) -> nn.Parameter:
+    """Storage for checkpoint bytes (E4M3, packed E2M1, UE8M0 scales): a parameter no gradient reaches
+    (`pin_memory`: page-locked host memory, which copies to a GPU asynchronously)."""
+    storage = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    return nn.Parameter(storage, requires_grad=False)
 
 
 class Fp8Act(NamedTuple):
@@ -138,15 +142,26 @@ class Fp8Rows(nn.Module):
     """A row table at native precision (the Engram tables): E4M3 rows [rows, dim] with a UE8M0 scale per 32
     channels; a lookup decodes only the rows it gathers, into `dtype`."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        pin_memory: bool = False,
+    ) -> None:
         super().__init__()
         self.dtype = dtype
-        self.weight = packed_param(rows, dim, dtype=torch.float8_e4m3fn, device=device)
-        self.scale = packed_param(rows, dim // FP8_BLOCK, dtype=torch.uint8, device=device)
+        self.weight = packed_param(rows, dim, dtype=torch.float8_e4m3fn, device=device, pin_memory=pin_memory)
+        self.scale = packed_param(rows, dim // FP8_BLOCK, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
     def forward(self, ids: Tensor) -> Tensor:
-        data = self.weight.view(torch.uint8)[ids]
-        return quant.fp8_dequant(data, self.scale[ids], FP8_BLOCK, self.dtype)
+        return self.decode(self.weight.view(torch.uint8)[ids], self.scale[ids], self.dtype)
+
+    @staticmethod
+    def decode(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+        """Gathered rows (E4M3 bytes [..., dim], UE8M0 scales [..., dim/32]) → their values in `dtype`."""
+        return quant.fp8_dequant(data, scale, FP8_BLOCK, dtype)
 
 
 class RMSNorm(nn.Module):

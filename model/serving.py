@@ -99,13 +99,13 @@ class PrefillRun:
     `tokens`."""
 
     def __init__(self, model: Transformer, tokens: Tensor | Sequence[int], past: Past | None, chunk_tokens: int = 512):
-        self.tokens = model.check_tokens(tokens).flatten()
+        self.cache = model.new_cache(encoder_only=True)
+        self.tokens = model.check_tokens(tokens, host=self.cache.host_history is not None).flatten()
         if self.tokens.shape[0] == 0:
             raise ValueError("encode_prefill needs at least one token")
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.model, self.past, self.chunk_tokens = model, past, chunk_tokens
-        self.cache = model.new_cache(encoder_only=True)
         self.row = self.cache.add_row()
         self.bounded_replay = False
         self._replay_from: int | None = None  # where the first chunk starts its bounded replay, if it owes one
@@ -208,7 +208,7 @@ def bounded_replay(model: Transformer, cache: KVCache, row: int, side: str, toke
     with torch.no_grad():
         encode_chunk(model, step)
     step.commit()
-    cache.history[row] = _history(tokens, n, h)[0]
+    cache.set_history(row, _history(tokens, n, h)[0])
     return None
 
 
@@ -331,8 +331,10 @@ class DecodeBatch:
             raise KeyError(f"sequence {seq_id} is not in this batch") from None
 
 
-def _batch_tokens(model: Transformer, batch: DecodeBatch, tokens, T: int | None = None) -> Tensor:
-    tokens = model.check_tokens(tokens)
+def _batch_tokens(model: Transformer, batch: DecodeBatch, tokens, T: int | None = None, host: bool = False) -> Tensor:
+    """tokens as [B, T] for the batch; `host`: ids given on the host stay there where the cache mirrors the Engram
+    look-back (its step then hashes them without waiting for the device)."""
+    tokens = model.check_tokens(tokens, host=host and batch.cache.host_history is not None)
     tokens = tokens.view(len(batch), -1) if tokens.numel() else tokens
     if len(batch) == 0 or tokens.shape[0] != len(batch) or (T is not None and tokens.shape[1] != T):
         raise ValueError(
@@ -356,7 +358,7 @@ def forward_full(model: Transformer, step: Step, last_only: bool = False) -> Ten
 @torch.no_grad()
 def decode_step(model: Transformer, batch: DecodeBatch, tokens) -> Tensor:
     """Process one pending token per sequence; returns the next-token logits [B, V] (sampling is the caller's)."""
-    step = batch.cache.step(_batch_tokens(model, batch, tokens, 1))
+    step = batch.cache.step(_batch_tokens(model, batch, tokens, 1, host=True))
     logits = forward_full(model, step, last_only=True)
     step.commit()
     return logits[:, -1]
@@ -411,7 +413,7 @@ def verify(
     of confidences drops. The returned tokens of a row are its accepted drafts plus the next pending token. With one
     generator per row, a row's draws depend on its own lengths[b] only, not on the batch's draft width.
     """
-    y = _batch_tokens(model, batch, tokens, 1)
+    y = _batch_tokens(model, batch, tokens, 1, host=True)
     B, g = draft.tokens.shape
     lengths = torch.full((B,), g, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).cpu()
     if len(batch) != B or bool(((lengths < 0) | (lengths > g)).any()):

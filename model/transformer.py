@@ -28,6 +28,7 @@ from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.dspark import Draft, DSparkBlock
 from model.engram import NgramHash
+from model.engram_store import DeviceMemory, EngramFetch, Memory
 from model.linear import Embedding, Linear, RMSNorm
 from model.mhc import hc_collapse, identity_pre
 from model.sampling import Generators, SamplingParams
@@ -54,6 +55,7 @@ class Transformer(nn.Module):
             self.head = Linear(C, args.vocab_size, "bf16", dtype)
             self.mtp = nn.ModuleList(DSparkBlock(args, s, dtype) for s in range(args.num_nextn_predict_layers))
         self._ngram: list[NgramHash] = []  # built on first use (needs the tokenizer; not needed on `meta`)
+        self.engram_fetch: EngramFetch | None = None  # the Engram tables are off the device (model.engram_store)
         # Identifies config + weights in prefix-cache keys; set by model.weights (seed or checkpoint), b"" = unknown.
         self.fingerprint = b""
 
@@ -72,8 +74,9 @@ class Transformer(nn.Module):
             self._ngram.append(NgramHash(self.args).to(self.device))
         return self._ngram[0]
 
-    def check_tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
-        """int64 tensor of token ids on the model's device; ValueError naming the first id outside the vocabulary.
+    def check_tokens(self, tokens: Tensor | Sequence[int], host: bool = False) -> Tensor:
+        """int64 tensor of token ids on the model's device (`host`: ids given on the host stay there); ValueError
+        naming the first id outside the vocabulary.
 
         Ids from the host (a list, a CPU tensor) are checked there, before the copy. Ids already on an accelerator
         are the sampler's own (always in the vocabulary) and pass unchecked: checking them would wait for the device
@@ -83,6 +86,8 @@ class Transformer(nn.Module):
             bad = (t < 0) | (t >= self.args.vocab_size)
             if bool(bad.any()):
                 raise ValueError(f"token id {int(t[bad][0])} is outside the vocabulary [0, {self.args.vocab_size})")
+            if host:
+                return t
         return t.to(self.device, torch.int64)
 
     def embed_stream(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,6 +99,13 @@ class Transformer(nn.Module):
     def engram_rows(self, tokens: Tensor, history: Tensor) -> dict[int, Tensor]:
         return {layer: self.ngram.rows(layer, tokens, history) for layer in self.args.engram_layer_ids}
 
+    def engram_memory(self, step: Step) -> Memory:
+        """The Engram rows of a step: fetched from the host tables (started now, waited for by each Engram layer), or
+        looked up on the device."""
+        if self.engram_fetch is None:
+            return DeviceMemory(self, step.tokens, step.history)
+        return self.engram_fetch.start(*step.host_ids())
+
     def logits(self, X: Tensor, pre: Tensor) -> Tensor:
         """fp32 logits of the final stream (collapsed with the last FFN site's pre-mix)."""
         return self.head(self.norm(hc_collapse(X, pre))).float()
@@ -104,14 +116,14 @@ class Transformer(nn.Module):
         X: Tensor,
         pre: Tensor,
         attend: Callable[[Block, Tensor], Tensor],
-        rows: dict[int, Tensor] | None = None,
+        memory: Memory | None = None,
         taps: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Layers in order; `attend(block, x)` runs a block's attention; collects DSpark taps when asked."""
         for i in layers:
             block = self.layers[i]
             if hasattr(block, "engram"):
-                X = block.engram(X, rows[i])
+                X = block.engram(X, memory.values(i))
             if taps is not None and self.args.role(i).dspark_tap:
                 taps.append(X.mean(-2))  # hc-mean of the stream entering the target layer
             X, pre = block(X, pre, lambda x, block=block: attend(block, x))
@@ -136,7 +148,8 @@ class Transformer(nn.Module):
         def attend(block: Block, x: Tensor) -> Tensor:
             return block.attn(x, shared, replay_start if block.layer >= L2 else 0)
 
-        X, pre = self.run_layers(range(len(self.layers)), X, pre, attend, self.engram_rows(tokens, history), taps)
+        memory = DeviceMemory(self, tokens, history)
+        X, pre = self.run_layers(range(len(self.layers)), X, pre, attend, memory, taps)
         return X, pre, torch.cat(taps, -1)
 
     def forward(
@@ -158,14 +171,14 @@ class Transformer(nn.Module):
         full = self.part == "full" and not encoder_only
         rings = range(a.n_layers_total) if full else range(L2)
         sources = [s for s in a.kv_source_layer_ids if full or s <= L2]
-        return KVCache(a, rings, sources, device=self.device, dtype=self.dtype, capacity=capacity)
+        host = self.engram_fetch is not None  # the host hashes Engram rows: it keeps the look-back too
+        return KVCache(a, rings, sources, device=self.device, dtype=self.dtype, capacity=capacity, host_history=host)
 
     def step_layers(self, step: Step, X: Tensor, pre: Tensor, layers: Iterable[int], taps=None):
         """Run layers over a Step of the packed cache."""
         layers = list(layers)
-        needs_rows = any(self.args.role(i).engram for i in layers)
-        rows = self.engram_rows(step.tokens, step.history) if needs_rows else None
-        return self.run_layers(layers, X, pre, lambda block, x: block.attn.forward_step(x, step), rows, taps)
+        memory = self.engram_memory(step) if any(self.args.role(i).engram for i in layers) else None
+        return self.run_layers(layers, X, pre, lambda block, x: block.attn.forward_step(x, step), memory, taps)
 
     # ------------------------------------------------------------------------------------ the serving split
     def encode_prefill(

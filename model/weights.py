@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from model import quant
 from model.config import ModelArgs
 from model.dspark import ConfidenceHead
+from model.engram_store import Placement, place_tables
 from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm
 from model.moe import Experts, PackedExperts
 from model.transformer import Part, Transformer
@@ -119,25 +120,55 @@ def _packed_twin(name: str, module: nn.Module, model: Transformer, device: torch
             len(module), w1.in_features, w1.out_features, module[0].limit, q.expert_scale_block, device
         )
     if isinstance(module, Embedding) and name.endswith("engram.embed"):
-        return Fp8Rows(*module.weight.shape, model.dtype, device)
+        return Fp8Rows(*module.weight.shape, model.dtype, "meta")  # allocated where it is placed (`pack`)
     return None
 
 
-def pack(model: Transformer, device: torch.device) -> Transformer:
+def pack(model: Transformer, device: torch.device, engram: Placement = "device") -> Transformer:
     """A float-form model built on `meta` → the packed form on `device`, uninitialised: quantised weights become
-    their checkpoint bytes, everything else is allocated as it is (never a float copy of a quantised weight)."""
+    their checkpoint bytes, everything else is allocated as it is (never a float copy of a quantised weight). The
+    Engram tables go where `engram` places them (`place_engram_tables`), never to the device first."""
     for name, module in list(model.named_modules()):
         twin = _packed_twin(name, module, model, device)
         if twin is not None:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, twin)
+    place_engram_tables(model, engram, device)
+    mapped = {id(t) for t in _engram_tables(model)} if engram == "mmap" else set()  # left for the loader
     for module in model.modules():
+        if id(module) in mapped:
+            continue
         for key, p in module.named_parameters(recurse=False):
             if p.is_meta:
                 setattr(module, key, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
         for key, b in module.named_buffers(recurse=False):
             setattr(module, key, torch.empty_like(b, device=device) if b.is_meta else b.to(device))
     return model
+
+
+def place_engram_tables(model: Transformer, placement: Placement, device: torch.device) -> None:
+    """Move the Engram tables' storage off the device, uninitialised: into host memory for `host` (page-locked when
+    the model is on a GPU, which then copies rows from it asynchronously), onto `meta` for `mmap` (the loader maps
+    the checkpoint's shards there). `device`: nothing moves."""
+    if placement == "device":
+        return
+    if placement == "mmap" and not any(isinstance(m, Fp8Rows) for m in model.modules()):
+        raise ValueError("--engram-store mmap maps FP8 tables: it needs a quantised model in its packed form")
+    where = torch.device("meta" if placement == "mmap" else "cpu")
+    pin = placement == "host" and device.type == "cuda"
+    for table in _engram_tables(model):
+        for key, p in list(table.named_parameters(recurse=False)):
+            storage = torch.empty(p.shape, dtype=p.dtype, device=where, pin_memory=pin)
+            setattr(table, key, nn.Parameter(storage, requires_grad=False))
+
+
+def _engram_tables(model: Transformer) -> list[nn.Module]:
+    return [block.engram.embed for block in model.layers if hasattr(block, "engram")]
+
+
+def engram_table_names(model: Transformer) -> list[str]:
+    """Checkpoint names of the model's Engram tables (weights and scales)."""
+    return [name for name in checkpoint_views(model) if ".engram.embed." in name]
 
 
 def is_packed(model: nn.Module) -> bool:
@@ -155,9 +186,11 @@ def checkpoint_views(model: nn.Module) -> dict[str, Tensor]:
     return views
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's persistent state (what a checkpoint of it stores)."""
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+def weight_bytes(model: nn.Module, device: torch.device | None = None) -> int:
+    """Bytes of the model's persistent state (what a checkpoint of it stores); `device`: of what lives there only
+    (the Engram tables may be in host memory or mapped from the checkpoint)."""
+    state = model.state_dict().values()
+    return sum(t.numel() * t.element_size() for t in state if device is None or t.device == device)
 
 
 def stored_form(name: str, t: Tensor) -> Tensor:
@@ -246,12 +279,13 @@ def expected_names(model: Transformer) -> set[str]:
 
 
 @torch.no_grad()
-def store(model: Transformer, tensors: Iterable[tuple[str, Tensor]], source: str) -> int:
+def store(model: Transformer, tensors: Iterable[tuple[str, Tensor]], source: str, skip: Iterable[str] = ()) -> int:
     """Fill `model` (either form) from checkpoint (name, tensor) pairs and return the bytes stored. Tensors the model
     does not hold are skipped; one it holds with the wrong dtype or shape is a ValueError naming it, and so is a
-    missing one — except the DSpark confidence temperatures (a calibration: absent, they are 1)."""
+    missing one — except the DSpark confidence temperatures (a calibration: absent, they are 1) and the `skip` ones
+    (filled otherwise: `map_tensor`)."""
     targets = _Targets(model)
-    seen, stored = set(), 0
+    seen, stored = set(skip), 0
     for name, value in tensors:
         if name in targets.expected:
             targets.put(name, value)
@@ -266,6 +300,19 @@ def store(model: Transformer, tensors: Iterable[tuple[str, Tensor]], source: str
             head.temperature.fill_(1.0)
         head.check()
     return stored
+
+
+def map_tensor(model: Transformer, name: str, value: Tensor | None, source: str) -> None:
+    """Make a packed model's tensor `name` the given storage itself (a memory-mapped checkpoint tensor), checked as
+    `store` checks a copied one; None: the checkpoint lacks it (a ValueError naming it)."""
+    if value is None:
+        raise ValueError(f"{source} lacks {name}")
+    module_name, _, key = name.rpartition(".")
+    target = getattr(model.get_submodule(module_name), key)
+    _check_dtype(name, value, target.dtype)
+    _check_shape(name, value.shape, target)
+    held = value if value.dtype == target.dtype else value.view(target.dtype)
+    setattr(model.get_submodule(module_name), key, nn.Parameter(held, requires_grad=False))
 
 
 # -------------------------------------------------------------------------------------------- initialise
@@ -293,10 +340,16 @@ def _initial(name: str, shape: torch.Size, module: nn.Module, g: torch.Generator
 
 
 def seeded_tensors(
-    args: ModelArgs, part: Part, seed: int, device: torch.device | str, dtype: torch.dtype
+    args: ModelArgs,
+    part: Part,
+    seed: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    skip: Callable[[str], bool] = lambda name: False,
 ) -> Iterator[tuple[str, Tensor]]:
     """The checkpoint tensors of the seeded `part`, one weight at a time, generated and quantised on `device`:
-    what `build_model(args, part, seed=seed)` holds, and what `model.checkpoint write` stores."""
+    what `build_model(args, part, seed=seed)` holds, and what `model.checkpoint write` stores; a weight `skip`
+    names is not generated (nor its scale)."""
     device = torch.device(device)
     with torch.device("meta"):
         spec = Transformer(args, part, dtype)
@@ -309,6 +362,8 @@ def seeded_tensors(
         f"{m}.{n}" if m else n: mod for m, mod in spec.named_modules() for n, _ in mod.named_buffers(recurse=False)
     }
     for name, t in spec.state_dict().items():
+        if skip(name):
+            continue
         value = _initial(name, t.shape, owners[name], _generator(seed, name, device))
         if name in formats:
             data, scale = quantize_weight(value, formats[name], block)
@@ -335,18 +390,24 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     packed: bool = True,
+    engram: Placement = "device",
 ) -> Transformer:
     """A model part on `device`, packed (serving) or float (training); initialised from `seed` (None: uninitialised,
-    e.g. before a load). A packed model is built on `meta` first, so no float copy of a quantised weight exists."""
+    e.g. before a load). A packed model is built on `meta` first, so no float copy of a quantised weight exists.
+    `engram`: where the Engram tables live (`model.engram_store`); `mmap` leaves them to the checkpoint loader."""
     device = torch.device(device)
     if packed and args.quantization_config is not None:
         with torch.device("meta"):
-            model = pack(Transformer(args, part, dtype), device)
+            model = pack(Transformer(args, part, dtype), device, engram)
     else:
         with torch.device(device):
             model = Transformer(args, part, dtype)
+        place_engram_tables(model, engram, device)
     if seed is not None and device.type != "meta":
+        if engram == "mmap":
+            raise ValueError("--engram-store mmap maps the checkpoint's shards: a seeded model has none")
         init_weights(model, seed)
+    place_tables(model, engram)
     return model
 
 

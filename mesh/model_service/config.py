@@ -26,6 +26,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: weight seed of a preset model (the same seed on every prefill and decode replica)
     device: auto, cpu, cuda or cuda:N
     dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, float64, bfloat16 or float16
+    engram_store: Engram tables: device, host (pinned memory), mmap (the checkpoint's shards), auto (docs/services.md)
     threads: torch CPU threads (0 = torch's default)
     cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
     cache_timeout_s: deadline of every cache RPC
@@ -42,6 +43,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     device: str = "auto"
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    engram_store: Literal["auto", "device", "host", "mmap"] = "auto"
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     cache: list[str] = msgspec.field(default_factory=list)
     cache_timeout_s: PositiveFloat = 5.0

@@ -25,6 +25,8 @@ from mesh.logging import get_logger
 from mesh.metrics import new_registry, serve_metrics
 from mesh.model_service.config import ModelServiceConfig
 from model import LAYOUT_VERSION, SamplingParams, Transformer, build_model, load_checkpoint, preset
+from model.checkpoint import Checkpoint
+from model.engram_store import choose_placement, table_bytes
 from model.transformer import Part
 from model.weights import weight_bytes
 from proto.mesh.v1 import model_info_pb2
@@ -46,15 +48,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(spec: str, part: Part, *, device: str = "auto", dtype: str = "auto", seed: int = 0) -> Transformer:
-    """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode."""
+def load_model(
+    spec: str, part: Part, *, device: str = "auto", dtype: str = "auto", seed: int = 0, engram: str = "auto"
+) -> Transformer:
+    """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode; its Engram
+    tables placed by `engram` (`model.engram_store.choose_placement`)."""
     where = resolve_device(device)
     precision = resolve_dtype(dtype, where)
     progress = sys.stderr.isatty()  # a bar on a terminal; JSON log lines stay clean in a container
-    if Path(spec).is_dir():
-        model = load_checkpoint(spec, part, device=where, dtype=precision, progress=progress)
+    checkpoint = Path(spec).is_dir()
+    args = Checkpoint(spec).args if checkpoint else preset(spec)
+    placement = choose_placement(engram, table_bytes(args, precision), where, checkpoint)
+    if checkpoint:
+        model = load_checkpoint(spec, part, device=where, dtype=precision, progress=progress, engram=placement)
     else:
-        model = build_model(preset(spec), part, seed=seed, device=where, dtype=precision)
+        model = build_model(args, part, seed=seed, device=where, dtype=precision, engram=placement)
+    model.engram_placement = placement
     return model.eval()
 
 
@@ -152,6 +161,8 @@ def model_summary(model: Transformer) -> dict[str, object]:
         "part": model.part,
         "fingerprint": model.fingerprint.hex(),
         "weight_bytes": weight_bytes(model),
+        "device_weight_bytes": weight_bytes(model, model.device),
+        "engram_store": getattr(model, "engram_placement", "device"),
         **read,
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
@@ -219,7 +230,9 @@ class ModelServer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         started = time.monotonic()
-        model = load_model(cfg.model, self.part, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+        model = load_model(
+            cfg.model, self.part, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, engram=cfg.engram_store
+        )
         warm_up(model)
         self.log.info("model_loaded", seconds=round(time.monotonic() - started, 3), **model_summary(model))
         return model

@@ -1,0 +1,216 @@
+"""Where the Engram tables live, and how a step's rows reach its Engram layers (DESIGN §10, reference §4.3).
+
+Each released table holds ≈ 384 M FP8 rows (≈ 98 GB): the GPU is no place for it. Row ids depend only on the token
+stream, so they are known before the first layer runs. Placements (`--engram-store`):
+
+- `device`: the tables are parameters on the model's device; a step hashes its ids and looks its rows up there
+  (the CPU runs, and small models).
+- `host`: the tables stay FP8 (E4M3 rows + UE8M0 scales, as released) in pinned host memory.
+- `mmap`: the tables are memory-mapped from the checkpoint's own shards (no second copy on disk); the page cache
+  holds what the token stream touches.
+
+On the host, `EngramFetch.start` takes a step's token ids and look-back on the host as soon as the step starts
+(before its first layer is launched), hashes them, gathers the rows into a pinned staging buffer (a big step's in
+pieces, by a small pool of threads) and issues one non-blocking host-to-device copy per table on a side stream,
+which runs while the GPU runs the layers before the first Engram layer (block 0). That layer's stream then waits on
+the copy's event, never the host. A layer decodes the same bytes by
+the same function whichever placement fetched them, so the outputs are bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from model.config import ModelArgs
+from model.engram import NgramHash
+from model.linear import Embedding, Fp8Rows
+
+if TYPE_CHECKING:
+    from model.transformer import Transformer
+
+Placement = Literal["device", "host", "mmap"]
+PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "mmap")
+HOST_SHARE = 0.8  # `auto` keeps the tables in host memory when they take at most this share of what is available
+GATHER_ROWS = 4096  # rows per gather task: enough to amortise a task, few enough to spread a big prefill chunk
+
+
+def available_host_bytes() -> int:
+    """The host memory available to new allocations (MemAvailable), or the physical memory where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_placement(requested: str, table_bytes: int, device: torch.device, checkpoint: bool) -> Placement:
+    """The placement for `--engram-store requested`: `auto` keeps the tables on a CPU model's own device; on a GPU,
+    in host memory when they fit `HOST_SHARE` of what is available, else mapped from the checkpoint. ValueError for
+    an unknown name, or `mmap` without a checkpoint to map."""
+    if requested not in PLACEMENTS:
+        raise ValueError(f"--engram-store must be one of {', '.join(PLACEMENTS)}, got {requested!r}")
+    if requested == "mmap" and not checkpoint:
+        raise ValueError("--engram-store mmap maps the checkpoint's shards: it needs a checkpoint directory as --model")
+    if requested != "auto":
+        return requested  # type: ignore[return-value]
+    if device.type != "cuda":
+        return "device"
+    if table_bytes <= HOST_SHARE * available_host_bytes() or not checkpoint:
+        return "host"
+    return "mmap"
+
+
+def table_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Bytes of a model's Engram tables: FP8 rows and their scales when quantised, else rows in `dtype`."""
+    rows, dim = sum(args.engram_num_embeddings), args.engram_head_dim
+    if args.quantization_config is not None:
+        return rows * (dim + dim // 32)
+    return rows * dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class Memory:
+    """A step's Engram rows: `values(layer)` → the decoded rows [B, T, R, head_dim] of that layer's table."""
+
+    def values(self, layer: int) -> Tensor:
+        raise NotImplementedError
+
+
+class DeviceMemory(Memory):
+    """Rows hashed and looked up on the model's device (the `device` placement, and the dense training forward)."""
+
+    def __init__(self, model: Transformer, tokens: Tensor, history: Tensor) -> None:
+        self.model, self.rows = model, model.engram_rows(tokens, history)
+
+    def values(self, layer: int) -> Tensor:
+        return self.model.layers[layer].engram.embed(self.rows[layer])
+
+
+class Fetched(NamedTuple):
+    """One layer's gathered rows on the model's device — the table's stored tensors (E4M3 bytes and UE8M0 scales, or
+    float rows) at the step's ids —, the event of their copy (None on a CPU model) and the ids' shape [B, T, R]."""
+
+    rows: tuple[Tensor, ...]
+    copied: torch.cuda.Event | None
+    shape: torch.Size
+
+
+class HostMemory(Memory):
+    """Rows fetched from host tables; `values` makes the current stream wait for the layer's copy (not the host)."""
+
+    def __init__(self, fetched: dict[int, Fetched], decode: Callable[[int, tuple[Tensor, ...]], Tensor]) -> None:
+        self.fetched, self.decode = fetched, decode
+
+    def values(self, layer: int) -> Tensor:
+        rows, copied, shape = self.fetched[layer]
+        if copied is not None:
+            stream = torch.cuda.current_stream(rows[0].device)
+            stream.wait_event(copied)
+            for t in rows:
+                t.record_stream(stream)  # side-stream memory: not reused before this stream is done with it
+        return self.decode(layer, rows).view(*shape, -1)
+
+
+class EngramFetch:
+    """Fetches steps' Engram rows from tables held off the device (`host`, `mmap`) of one model.
+
+    The host work runs on the thread that launches the step, before its first layer: hashing is a few small torch
+    ops, and a decode step's rows (B × T × R per table) are gathered in one call; a step of more than `gather_rows`
+    ids (a prefill chunk) is gathered in pieces by `gather_threads` threads, each holding the GIL only to start its
+    piece. (Worker threads that also hashed and copied would wait for the GIL behind the launching thread for
+    milliseconds per hand-over.) The copy is the asynchronous part: it runs on a side stream while the device runs
+    the step's first layers."""
+
+    def __init__(self, model: Transformer, gather_threads: int = 4, gather_rows: int = GATHER_ROWS) -> None:
+        self.device, self.gather_rows = model.device, gather_rows
+        self.hash = NgramHash(model.args)  # on the host, beside the tables
+        self.tables = {block.layer: block.engram.embed for block in model.layers if hasattr(block, "engram")}
+        self.gatherers = ThreadPoolExecutor(gather_threads, thread_name_prefix="engram-gather")
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.staging: dict[int, tuple[Tensor, ...]] = {}  # layer → pinned rows of its stored tensors, grown
+        self.last_copy: dict[int, torch.cuda.Event] = {}  # layer → the copy that last read its staging
+
+    def start(self, tokens: Tensor, history: Tensor) -> HostMemory:
+        """Fetch every layer's rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — and start
+        their copies to the device."""
+        return HostMemory({layer: self._fetch(layer, tokens, history) for layer in self.tables}, self._decode)
+
+    def close(self) -> None:
+        self.gatherers.shutdown(wait=True)
+
+    def _decode(self, layer: int, rows: tuple[Tensor, ...]) -> Tensor:
+        table = self.tables[layer]
+        return Fp8Rows.decode(*rows, table.dtype) if isinstance(table, Fp8Rows) else rows[0]
+
+    def _fetch(self, layer: int, tokens: Tensor, history: Tensor) -> Fetched:
+        ids = self.hash.rows(layer, tokens, history)
+        flat = ids.flatten()
+        sources, staged = _stored(self.tables[layer]), self._staged(layer, flat.numel())
+        self._gather(sources, flat, staged)
+        if self.stream is None:  # a CPU model: the gathered rows are its input
+            return Fetched(staged, None, ids.shape)
+        with torch.cuda.stream(self.stream):
+            moved = tuple(t.to(self.device, non_blocking=True) for t in staged)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        self.last_copy[layer] = copied
+        return Fetched(moved, copied, ids.shape)
+
+    def _gather(self, sources: tuple[Tensor, ...], ids: Tensor, out: tuple[Tensor, ...]) -> None:
+        """out[i] = source[ids[i]] for each stored tensor: inline, or in pieces on the gather threads."""
+        step = self.gather_rows
+        if ids.numel() <= step:
+            for src, dst in zip(sources, out, strict=True):
+                torch.index_select(src, 0, ids, out=dst)
+            return
+        pieces = [
+            self.gatherers.submit(torch.index_select, src, 0, ids[i : i + step], out=dst[i : i + step])
+            for i in range(0, ids.numel(), step)
+            for src, dst in zip(sources, out, strict=True)
+        ]
+        for piece in pieces:
+            piece.result()
+
+    def _staged(self, layer: int, n: int) -> tuple[Tensor, ...]:
+        """Rows for n ids of a layer's stored tensors: new ones on a CPU model; on a GPU, pinned staging reused from
+        step to step, free to overwrite once the previous copy from it has ended."""
+        sources = _stored(self.tables[layer])
+        if self.stream is None:
+            return tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in sources)
+        if layer in self.last_copy:
+            self.last_copy[layer].synchronize()
+        have = self.staging.get(layer)
+        if have is None or have[0].shape[0] < n:
+            size = max(n, 2 * have[0].shape[0]) if have is not None else n
+            have = tuple(torch.empty((size, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in sources)
+            self.staging[layer] = have
+        return tuple(t[:n] for t in have)
+
+
+def _stored(table: Embedding | Fp8Rows) -> tuple[Tensor, ...]:
+    """The stored tensors of a table: (E4M3 rows as bytes, UE8M0 scales) or (float rows,)."""
+    if isinstance(table, Fp8Rows):
+        return table.weight.view(torch.uint8), table.scale
+    return (table.weight,)
+
+
+# How each off-device placement gathers: host memory answers at memory speed (big pieces, a few threads); a mapped
+# table may fault every row in from the disk, so its gathers are small pieces on many threads (NVMe needs requests
+# in flight, and a thread blocks on each fault).
+GATHERING = {
+    "host": {"gather_threads": 4, "gather_rows": GATHER_ROWS},
+    "mmap": {"gather_threads": 32, "gather_rows": 64},
+}
+
+
+def place_tables(model: Transformer, placement: Placement) -> None:
+    """Give a model whose tables are off its device (`host`, `mmap`) the fetcher its steps use."""
+    model.engram_fetch = EngramFetch(model, **GATHERING[placement]) if placement != "device" else None

@@ -1,0 +1,149 @@
+"""Engram tables off the device (`host`: host memory, `mmap`: the checkpoint's shards mapped): the host hashes each
+step's rows and gathers them on worker threads; every output is bit-identical to the on-device table's, through
+chunked prefill, a restored prefix, decode steps, forks and DSpark verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import ModelArgs, SamplingParams, Transformer, build_model
+from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
+from model.engram_store import EngramFetch, HostMemory, choose_placement
+from model.linear import Fp8Rows
+from model.serving import Past
+
+
+@pytest.fixture(scope="module")
+def on_host(tiny_args: ModelArgs) -> Transformer:
+    return build_model(tiny_args, seed=0, dtype=torch.float64, engram="host")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tiny_args: ModelArgs, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engram") / "tiny"
+    write_seeded(out, tiny_args, seed=0, dtype=torch.float64, shard_bytes=1 << 20)
+    return out
+
+
+def tables(model: Transformer) -> list[Fp8Rows]:
+    return [block.engram.embed for block in model.layers if hasattr(block, "engram")]
+
+
+def run(model: Transformer, prompt: list[int], cut: int) -> dict[str, object]:
+    """Everything a request does that reads Engram rows: a prefill in chunks, a second prefill continuing the first's
+    prefix, a decode batch (join, steps, a fork) and one DSpark draft + verify; the results, for bitwise checks."""
+    first = model.encode_prefill(prompt[:cut], chunk_tokens=5)
+    whole = model.encode_prefill(prompt, Past(first.blocks, first.encoder_state), chunk_tokens=4)
+    batch = model.new_decode_batch()
+    seq, logits = batch.join(whole.blocks, whole.encoder_state)
+    out = {"blocks": whole.blocks, "state": whole.encoder_state, "join": logits}
+    steps = [model.decode_step(batch, [t]) for t in (5, 17)]
+    batch.fork(seq)
+    steps.append(model.decode_step(batch, [3, 4]))
+    greedy = SamplingParams.uniform(2)
+    draft = model.dspark_draft(batch, [8, 9], greedy)
+    result = model.verify(batch, [8, 9], draft, greedy)
+    return out | {"steps": steps, "verify": (result.tokens, result.logits), "history": batch.cache.history.clone()}
+
+
+def assert_same(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype
+        assert torch.equal(a, b)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif hasattr(a, "__dataclass_fields__"):
+        assert_same(vars(a), vars(b))
+    else:
+        assert a == b
+
+
+def test_host_tables_give_the_device_tables_outputs_bit_for_bit(tiny: Transformer, on_host: Transformer, tokens):
+    prompt = tokens(23).tolist()
+    assert all(t.weight.device.type == "cpu" for t in tables(on_host))
+    assert on_host.engram_fetch is not None
+    assert tiny.engram_fetch is None
+    assert_same(run(on_host, prompt, cut=13), run(tiny, prompt, cut=13))
+
+
+def test_a_host_step_fetches_its_rows_on_the_host_and_mirrors_the_look_back(on_host: Transformer, tokens) -> None:
+    batch = on_host.new_decode_batch()
+    out = on_host.encode_prefill(tokens(9).tolist())
+    batch.join(out.blocks, out.encoder_state)
+    step = batch.cache.step(torch.tensor([[7]]))
+    memory = on_host.engram_memory(step)
+    assert isinstance(memory, HostMemory)
+    host_tokens, host_history = step.host_ids()
+    assert torch.equal(host_history, batch.cache.history[:1])
+    assert host_tokens.tolist() == [[7]]
+    layer = on_host.args.engram_layer_ids[0]
+    expected = on_host.layers[layer].engram.embed(on_host.engram_rows(step.tokens, step.history)[layer])
+    assert torch.equal(memory.values(layer), expected)
+
+
+def test_mapped_tables_are_the_shard_files_pages_and_give_the_same_outputs(checkpoint_dir: Path, tokens) -> None:
+    mapped = load_checkpoint(checkpoint_dir, dtype=torch.float64, engram="mmap")
+    on_device = load_checkpoint(checkpoint_dir, dtype=torch.float64)
+    shards = {str(p.resolve()) for p in checkpoint_dir.glob("*.safetensors")}
+    regions = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+    regions = [tuple(int(x, 16) for x in r[0].split("-")) for r in regions if len(r) >= 6 and r[5] in shards]
+    for table in tables(mapped):
+        for t in (table.weight, table.scale):
+            assert any(lo <= t.data_ptr() < hi for lo, hi in regions), "an Engram table was copied, not mapped"
+    assert mapped.load_report.read_bytes < Checkpoint(checkpoint_dir).nbytes  # the tables were not read
+    prompt = tokens(15).tolist()
+    assert_same(run(mapped, prompt, cut=6), run(on_device, prompt, cut=6))
+
+
+def test_placement_choices_and_refusals(tiny_args: ModelArgs) -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert choose_placement("auto", 1 << 40, cpu, checkpoint=True) == "device"
+    assert choose_placement("auto", 1 << 20, gpu, checkpoint=True) == "host"
+    assert choose_placement("auto", 1 << 60, gpu, checkpoint=True) == "mmap"  # more than any host holds
+    assert choose_placement("host", 1 << 60, gpu, checkpoint=False) == "host"
+    with pytest.raises(ValueError, match="needs a checkpoint directory"):
+        choose_placement("mmap", 1, gpu, checkpoint=False)
+    with pytest.raises(ValueError, match="must be one of auto, device, host, mmap"):
+        choose_placement("ssd", 1, gpu, checkpoint=True)
+    with pytest.raises(ValueError, match="a seeded model has none"):
+        build_model(tiny_args, seed=0, engram="mmap")
+
+
+def test_a_mapped_table_of_the_wrong_dtype_is_refused_by_name(checkpoint_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in checkpoint_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+            continue
+        tensors = load_file(f)
+        name = next((n for n in tensors if n.endswith("engram.embed.weight")), None)
+        if name is not None:
+            tensors[name] = tensors[name].view(torch.uint8).to(torch.bfloat16)
+        save_file(tensors, broken / f.name, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"engram\.embed\.weight: checkpoint dtype bfloat16, expected float8_e4m3fn"):
+        load_checkpoint(broken, dtype=torch.float64, engram="mmap")
+
+
+def test_the_fetcher_gathers_big_steps_in_pieces_with_the_same_rows(on_host: Transformer, tokens) -> None:
+    history = torch.full((2, on_host.ngram.history_len), -1, dtype=torch.int64)
+    ids = torch.stack([tokens(11), tokens(11)])
+    whole, split = EngramFetch(on_host), EngramFetch(on_host, gather_threads=3, gather_rows=7)
+    try:
+        a, b = whole.start(ids, history), split.start(ids, history)
+        for layer in on_host.args.engram_layer_ids:
+            assert torch.equal(a.values(layer), b.values(layer))
+    finally:
+        whole.close()
+        split.close()

@@ -1,0 +1,44 @@
+"""On a GPU (skipped without one): Engram tables in pinned host memory hold zero bytes on the device, and a model
+fetching its rows from them (hashed on the host, copied on a side stream) gives the on-device tables' outputs bit for
+bit through prefill, decode and DSpark verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import SamplingParams, build_model, preset
+from model.weights import weight_bytes
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def outputs(model, prompt: list[int]) -> list[torch.Tensor]:
+    out = model.encode_prefill(prompt, chunk_tokens=16)
+    batch = model.new_decode_batch()
+    seq, first = batch.join(out.blocks, out.encoder_state)
+    batch.fork(seq)
+    results = [first, out.encoder_state.hidden]
+    for tokens in ([5, 6], [7, 8], [9, 10]):
+        results.append(model.decode_step(batch, tokens))
+    greedy = SamplingParams.uniform(2)
+    draft = model.dspark_draft(batch, [11, 12], greedy)
+    results.append(model.verify(batch, [11, 12], draft, greedy).logits)
+    return [r.float().cpu() for r in results]
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_host_tables_hold_nothing_on_the_gpu_and_change_no_output(name: str) -> None:
+    args = preset(name)
+    on_device = build_model(args, seed=0, device="cuda", dtype=torch.bfloat16)
+    on_host = build_model(args, seed=0, device="cuda", dtype=torch.bfloat16, engram="host")
+    tables = [block.engram.embed for block in on_host.layers if hasattr(block, "engram")]
+    assert all(t.weight.device.type == "cpu" and t.weight.is_pinned() for t in tables)
+    table_bytes = sum(weight_bytes(t) for t in tables)
+    assert weight_bytes(on_host, on_host.device) == weight_bytes(on_device, on_device.device) - table_bytes
+    prompt = torch.randint(0, args.vocab_size, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    for got, want in zip(outputs(on_host, prompt), outputs(on_device, prompt), strict=True):
+        assert torch.equal(got, want)
