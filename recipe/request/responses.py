@@ -120,7 +120,7 @@ class TextFormat(msgspec.Struct, omit_defaults=True, gc=False):
 
 class Text(msgspec.Struct, gc=False):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class NamedToolChoice(msgspec.Struct, gc=False):
@@ -316,6 +316,15 @@ def _tools(declared: list[dict[str, Any]], options: ConversionOptions, version: 
     return out
 
 
+def _text_echo(fmt: TextFormat | None, verbosity: str | None) -> dict[str, Any]:
+    """The response's `text`: the format asked for (plain text by default) and the verbosity, absent unless asked
+    (the schema allows `low`, `medium` or `high`, never null)."""
+    text: dict[str, Any] = {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}
+    if verbosity is not None:
+        text["verbosity"] = verbosity
+    return text
+
+
 def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRequest:
     request = common.decode(body, ResponsesRequest)
     version = options.model_version(request.model)
@@ -377,10 +386,7 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
             "summary": request.reasoning.summary if request.reasoning else None,
         },
         "temperature": 1.0 if request.temperature is None else request.temperature,
-        "text": {
-            "format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"},
-            "verbosity": request.text.verbosity if request.text else None,
-        },
+        "text": _text_echo(fmt, request.text.verbosity if request.text else None),
         "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
         "tools": tools.echo,
         "top_logprobs": request.top_logprobs or 0,

@@ -306,7 +306,7 @@ class ResponsesWriter(Writer):
             "service_tier": "default",
             "store": False,
             "temperature": echo.get("temperature", 1.0),
-            "text": echo.get("text", {"format": {"type": "text"}, "verbosity": None}),
+            "text": echo.get("text", {"format": {"type": "text"}}),
             "tool_choice": echo.get("tool_choice", "auto"),
             "tools": echo.get("tools", []),
             "top_logprobs": echo.get("top_logprobs", 0),
