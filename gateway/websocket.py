@@ -85,7 +85,10 @@ class ResponsesSocket:
                 return
             except WebSocketDisconnect:
                 return
-            await self.turn(message)
+            try:
+                await self.turn(message)
+            except (WebSocketDisconnect, OSError):  # gone mid-response: closing the reply stopped its decode
+                return
 
     async def turn(self, message: str) -> None:
         """One response: its events, or an error envelope; a failed continuation forgets its previous turn."""

@@ -43,6 +43,7 @@ def start(mesh: Mesh, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Call
     started: list[InProcessGateway] = []
 
     def run(**options: Any) -> InProcessGateway:
+        options = {"compact_max_tokens": 8, **options}  # random weights never stop: a summary of 8 tokens
         cfg = GatewayConfig(
             port=0, grpc_port=0, prefill=[f"127.0.0.1:{mesh.prefill.port}"], decode=[f"127.0.0.1:{mesh.decode.port}"],
             cache=mesh.cache_addresses, api_key=API_KEY, response_store=str(store), **options,
@@ -73,7 +74,7 @@ def created(oai: openai.OpenAI, **fields: Any) -> Any:
 
 
 def test_a_stored_conversation_continues_across_a_gateway_restart_from_the_cache(
-    start: Callable[..., InProcessGateway], mesh: Mesh
+    start: Callable[..., InProcessGateway], mesh: Mesh, gateway: InProcessGateway
 ) -> None:
     first_gateway = start()
     first = created(client(first_gateway), input=OPENING, extra_body={"cache_salt": "restart"})
@@ -92,6 +93,8 @@ def test_a_stored_conversation_continues_across_a_gateway_restart_from_the_cache
     assert oai.responses.retrieve(first.id).model_dump() == first.model_dump()
     items = oai.responses.input_items.list(second.id)
     assert [item.content[0].text for item in items.data] == ["And again?"]  # its own input, not the chain's
+    # Another gateway running over the same store file sees it at once.
+    assert client(gateway).responses.retrieve(second.id).model_dump() == second.model_dump()
 
 
 def test_retrieve_delete_and_input_items_answer_in_the_api_shape(gateway: InProcessGateway) -> None:
@@ -143,6 +146,7 @@ def test_compact_summarises_into_an_item_that_starts_a_new_chain(gateway: InProc
     body = compacted.model_dump(mode="json", exclude_unset=True, warnings=False)
     check("CompactResource", body)
     assert body["object"] == "response.compaction"
+    assert body["usage"]["output_tokens"] <= 8  # the summary's budget: --compact-max-tokens
     assert [item["type"] for item in body["output"]] == ["message", "message", "compaction"]
     assert [item["content"][0]["text"] for item in body["output"][:2]] == [
         "We launch on Tuesday and notify support first.",
