@@ -48,6 +48,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     inhibit_s: a replica that failed a call gets no new work for this long
     affinity_entries: conversations whose replica is remembered, per role (one unknown here goes to its hashed owner)
     affinity_slack: extra load (requests per batch slot) a conversation's own replica may carry before another is chosen
+    response_store: the sqlite file of stored Responses, shared by the gateways given it (empty: memory, lost at exit)
+    response_retention_h: how long a stored response stays retrievable and continuable (the KV's retention)
+    compact_max_tokens: output budget of the summary /v1/responses/compact writes
+    websocket_max_s: how long one Responses WebSocket connection may stay open
     grace_s: seconds in-flight requests get to finish after SIGTERM
     log_level: debug, info, warning or error
     """
@@ -82,5 +86,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     inhibit_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     affinity_entries: Positive = 100_000
     affinity_slack: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    response_store: str = ""
+    response_retention_h: Annotated[float, msgspec.Meta(gt=0)] = 72.0
+    compact_max_tokens: Positive = 1024
+    websocket_max_s: Seconds = 3600.0
     grace_s: Annotated[float, msgspec.Meta(ge=0)] = 170.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -34,21 +34,30 @@ class Kind(enum.Enum):
 class GatewayError(Exception):
     """A request the gateway cannot serve: `kind` says how to answer; `retry_after_s` goes to Retry-After."""
 
-    def __init__(self, kind: Kind, message: str, *, param: str | None = None, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
+        self.code = code
         self.retry_after_s = retry_after_s
 
     @classmethod
     def from_recipe(cls, error: RecipeError) -> GatewayError:
         kind = next((k for k in Kind if k.status == error.status), Kind.BAD_REQUEST)
-        return cls(kind, error.message, param=error.param)
+        return cls(kind, error.message, param=error.param, code=error.code)
 
     def body(self, api: Api) -> dict[str, Any]:
         """The error body of `api` (OpenAI `{"error": {...}}`, Anthropic `{"type": "error", "error": {...}}`)."""
-        return RecipeError(self.message, param=self.param, status=self.kind.status, api=api).body()
+        return RecipeError(self.message, param=self.param, status=self.kind.status, api=api, code=self.code).body()
 
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after_s is None else {"retry-after": str(self.retry_after_s)}

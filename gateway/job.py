@@ -101,6 +101,7 @@ class Codec:
         budgets = {"thinking_max_tokens": max_output_tokens, "non_thinking_max_tokens": max_output_tokens}
         self.options = ConversionOptions(
             versions=(ModelVersion.V41,),  # the official name of what is served, never another's
+            responses_chain="resolved",  # gateway/chains.py splices the previous response into `input`
             model_aliases=aliases,
             **(budgets if max_output_tokens else {}),
         )

@@ -53,6 +53,14 @@ class GatewayMetrics:
         self.routed = counter("routed", "Routing decisions by what chose the replica", ("role", "reason"))
         self.replica_load = gauge("replica_load", "Routing load of each replica", ("role", "replica"))
         self.replica_up = gauge("replica_up", "1 if the replica answered its last load poll", ("role", "replica"))
+        self.responses_stored = counter("responses_stored", "Responses kept for previous_response_id (store: true)")
+        self.responses_continued = counter(
+            "responses_continued", "Responses continued by previous_response_id, by where the previous one was found",
+            ("source",),
+        )  # fmt: skip
+        self.previous_response_reuse = counter(
+            "previous_response_reused_tokens", "Tokens of a continued response's prompt that repeat its previous turn's"
+        )
         self.cache_up = gauge("cache_up", "1 if every cache shard answered its last health check")
         self._prompt_total = 0
         self._cached_total = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 
@@ -84,9 +84,19 @@ class Choices:
 
 class Reply:
     """The response to one job. `open()` (errors raise: nothing was sent yet), then `events()` or `body()`,
-    then `close()` (always: it stops what still runs and records the request)."""
+    then `close()` (always: it stops what still runs and records the request). `keep`, when given, is awaited once
+    every choice has finished, before the finishing events are yielded: what it keeps is there by the time the
+    client has the response."""
 
-    def __init__(self, job: Job, backends: Backends, tokenizer: Tokenizer, model: Model, arrived: float) -> None:
+    def __init__(
+        self,
+        job: Job,
+        backends: Backends,
+        tokenizer: Tokenizer,
+        model: Model,
+        arrived: float,
+        keep: Callable[[Reply], Awaitable[None]] | None = None,
+    ) -> None:
         self.job = job
         self.backends = backends
         self.model = model
@@ -97,6 +107,8 @@ class Reply:
         self.generations = [Generation(backends, self._choice_prompt(i, n), decode_request(job, i)) for i in range(n)]
         self.choices = Choices(job, tokenizer)
         self.failure: GatewayError | None = None
+        self.keep = keep
+        self.output_ids: list[int] = []  # the first choice's generated tokens
         self.first_token_at: float | None = None
         self._pumps: list[asyncio.Task[None]] = []
         self._closed = False
@@ -147,11 +159,15 @@ class Reply:
                 else:
                     metrics.itl.labels(self.job.api).observe(now - last_message_at[choice])
                 last_message_at[choice] = now
+            if choice == 0:
+                self.output_ids += message.token_ids
             events = self.choices.push(choice, message)
             if message.finish_reason != decode_pb2.FINISH_REASON_UNSPECIFIED:
                 events += self._finish(choice, message)
             elif self.choices.each[choice].finished:  # a stop sequence ended it inside the parser
                 self._stop(choice, "stop_sequence")
+            if self.choices.finished and self.keep is not None:
+                await self.keep(self)
             yield events
             if self.choices.finished:
                 return

@@ -27,6 +27,7 @@ from gateway.grpc_api import SERVICE_NAME, GatewayService
 from gateway.job import Codec
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import CacheHealth, ReplicaPool
+from gateway.response_store import ResponseStore
 from gateway.router import Router
 from gateway.service import Gateway
 from gateway.workers import Workers
@@ -113,6 +114,7 @@ class GatewayServer:
             admission,
             Workers(cfg.prepare_threads),
             self.metrics,
+            ResponseStore(cfg.response_store, cfg.response_retention_h * 3600),
             api_key=cfg.api_key,
             max_body_bytes=cfg.max_body_bytes,
         )
@@ -120,7 +122,7 @@ class GatewayServer:
 
         sock = _listen(cfg.host, cfg.port)
         self.port = sock.getsockname()[1]
-        app = create_app(self.gateway, self.registry, self.readiness)
+        app = create_app(self.gateway, self.registry, self.readiness, cfg)
         config = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=int(cfg.grace_s)
         )
@@ -180,6 +182,7 @@ class GatewayServer:
                 await self._poller
         if gateway is not None:
             await gateway.backends.drain()
+            gateway.store.close()
         await asyncio.gather(*(pool.close() for pool in self._pools.values()))
         if self._cache is not None:
             await self._cache.close()

@@ -1,8 +1,9 @@
 """What the HTTP and gRPC faces share: authorise, size-check, prepare, admit and open a request.
 
-    key check (401) → body size (413) → recipe conversion (400) → the model known (503) → render within the
-    model's context (400) → admission slot (429) → prefill + first decode message (503 / 429) → a `Reply` the face
-    streams or completes
+    key check (401) → body size (413) → a Responses chain resolved (400 previous_response_not_found) → recipe
+    conversion (400) → the model known (503) → render within the model's context (400) → admission slot (429) →
+    prefill + first decode message (503 / 429) → a `Reply` the face streams or completes → a finished Responses
+    turn kept (gateway/chains.py) before its terminal event leaves
 
 Conversion and rendering run on the worker threads (gateway/workers.py), never on the event loop.
 
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from gateway import chains
 from gateway.admission import Admission, Ticket
 from gateway.backends import Backends
 from gateway.errors import GatewayError, Kind
@@ -28,6 +30,7 @@ from gateway.job import Codec, Model
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaState
 from gateway.reply import Reply
+from gateway.response_store import ResponseStore, Turn
 from gateway.workers import Workers
 from mesh.logging import get_logger
 from proto.mesh.v1 import model_info_pb2
@@ -62,11 +65,13 @@ class Gateway:
         admission: Admission,
         workers: Workers,
         metrics: GatewayMetrics,
+        store: ResponseStore,
         *,
         api_key: str,
         max_body_bytes: int,
     ) -> None:
         self.codec = codec
+        self.store = store
         self.backends = backends
         self.admission = admission
         self.workers = workers
@@ -139,13 +144,26 @@ class Gateway:
         )
 
     async def open(
-        self, api: Api, body: bytes, *, api_key: str | None, request_id: str, session: str | None
+        self,
+        api: Api,
+        body: bytes,
+        *,
+        api_key: str | None,
+        request_id: str,
+        session: str | None,
+        local: dict[str, Turn] | None = None,
     ) -> tuple[Reply, Ticket]:
-        """An opened reply and the admission slot it holds (release both with `close`); GatewayError if refused."""
+        """An opened reply and the admission slot it holds (release both with `close`); GatewayError if refused.
+        `local`: a connection's memory of its latest Responses turn (WebSocket), searched before the store and
+        given each finished turn."""
         arrived = time.monotonic()
+        chain = None
         try:
             self.authorize(api_key)
             self.check_size(len(body))
+            if api == "responses":
+                chain = await self.chain(body, local or {})
+                body = chain.body
             converted = await self.workers.run(len(body), self.codec.convert, api, body)
             model = await self.model()
             prepare = functools.partial(self.codec.job, request_id=request_id, session=session)
@@ -154,7 +172,13 @@ class Gateway:
         except GatewayError as error:
             self.refused(api, error)
             raise
-        reply = Reply(job, self.backends, self.codec.tokenizer, model, arrived)
+        keep = None if chain is None else functools.partial(self._keep, chain, local)
+        reply = Reply(job, self.backends, self.codec.tokenizer, model, arrived, keep)
+        if chain is not None and chain.previous is not None:
+            reused = chains.reused_tokens(chain.previous, job.token_ids)
+            self.metrics.previous_response_reuse.inc(reused)
+            log.info("response_continued", request_id=request_id, previous=chain.previous.id,
+                     prompt_tokens=len(job.token_ids), reused_tokens=reused)  # fmt: skip
         try:
             await reply.open()
         except BaseException:
@@ -162,6 +186,27 @@ class Gateway:
             raise
         ticket.started()  # every choice has its first decode message: the request is in service
         return reply, ticket
+
+    async def chain(self, body: bytes, local: dict[str, Turn]) -> chains.Chain:
+        """A Responses body with its `previous_response_id` resolved (400 previous_response_not_found)."""
+        request = await self.workers.run(len(body), chains.read, body)
+        previous_id = request.fields.previous_response_id if request.fields else None
+        if previous_id is None:
+            return chains.spliced(request, None)
+        previous, source = await chains.find(self.store, previous_id, local)
+        self.metrics.responses_continued.labels(source).inc()
+        return await self.workers.run(len(body), chains.spliced, request, previous)
+
+    async def _keep(self, chain: chains.Chain, local: dict[str, Turn] | None, reply: Reply) -> None:
+        """A finished Responses turn: the connection's latest (when there is a connection), and stored unless the
+        request said `store: false`."""
+        turn = chain.turn(reply.choices.response(), reply.job.salt, [*reply.job.token_ids, *reply.output_ids])
+        if local is not None:
+            local.clear()
+            local[turn.id] = turn
+        if chain.store:
+            await self.store.put(turn)
+            self.metrics.responses_stored.inc()
 
     async def count_tokens(self, body: bytes, *, api_key: str | None) -> int:
         """Input tokens of an Anthropic Messages request as this model reads it (system, tools and the generation

@@ -242,7 +242,8 @@ class Mesh:
         self._env = self._environment()
 
     def _gateway(self, index: int, workers: dict[str, list[str]], cache_address: str) -> Child:
-        """Gateway `index` over every replica; the first keeps `spec.port` (when given), the others get free ports."""
+        """Gateway `index` over every replica; the first keeps `spec.port` (when given), the others get free ports.
+        Every gateway keeps stored Responses in the one file under the data directory, so they share them."""
         spec, host = self.spec, self.spec.host
         port = (spec.port if index == 0 else 0) or free_port(host)
         url, grpc_address = f"http://{host}:{port}", f"{host}:{free_port(host)}"
@@ -250,7 +251,8 @@ class Mesh:
         self.grpc_addresses.append(grpc_address)
         argv = [*_PYTHON_M, "gateway", "serve", "--host", host, "--port", str(port), "--grpc-port",
                 grpc_address.rsplit(":", 1)[1], "--prefill", ",".join(workers["prefill"]),
-                "--decode", ",".join(workers["decode"]), "--cache", cache_address, *spec.gateway_args]  # fmt: skip
+                "--decode", ",".join(workers["decode"]), "--cache", cache_address,
+                "--response-store", str(self.data_dir / "responses.sqlite3"), *spec.gateway_args]  # fmt: skip
         # One gateway keeps the name it always had; several are numbered like the replicas.
         name = "gateway" if spec.gateway_replicas == 1 else f"gateway-{index}"
         healthy = functools.partial(gateway_sees, url, spec.prefill_replicas, spec.decode_replicas, 1)

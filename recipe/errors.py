@@ -26,15 +26,23 @@ class RecipeError(Exception):
 
     status: the HTTP status (4xx for bad input).
     param: the request field at fault, as a dotted path (`messages.2.content`), when one is.
+    code: OpenAI's machine-readable error code (`previous_response_not_found`), when there is one.
     api: the API whose error shape `body()` uses; `convert` sets it.
     """
 
     def __init__(
-        self, message: str, *, param: str | None = None, status: int = 400, api: Api = "chat.completions"
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        api: Api = "chat.completions",
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
         self.status = status
         self.api = api
 
@@ -48,7 +56,7 @@ class RecipeError(Exception):
         """The error response body of `api` (OpenAI `{"error": {...}}`, Anthropic `{"type": "error", ...}`)."""
         if self.api == "messages":
             return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
     def body_bytes(self) -> bytes:
         return msgspec.json.encode(self.body())

@@ -24,6 +24,8 @@ class ConversionOptions(msgspec.Struct, frozen=True, gc=False):
     default_thinking: thinking mode of requests that do not say.
     reasoning_content: history tool-call turns without reasoning in thinking mode: "fill_empty" or "reject".
     responses_web_search / messages_web_search: "drop" or "reject" web-search tools.
+    responses_chain: Responses `previous_response_id`: "reject" (the codec keeps no responses), or "resolved" (the
+        caller has spliced the previous response's items into `input`; the id is only echoed).
     thinking_max_tokens / non_thinking_max_tokens: the largest output budget a request may ask for.
     versions: the encodings whose official names requests may use (default both; a server that serves one
         lists only that one).
@@ -34,6 +36,7 @@ class ConversionOptions(msgspec.Struct, frozen=True, gc=False):
     default_thinking: bool = True
     reasoning_content: Literal["fill_empty", "reject"] = "fill_empty"
     responses_web_search: Literal["drop", "reject"] = "drop"
+    responses_chain: Literal["reject", "resolved"] = "reject"
     messages_web_search: Literal["drop", "reject"] = "reject"
     thinking_max_tokens: int = 393216
     non_thinking_max_tokens: int = 393216

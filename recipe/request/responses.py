@@ -7,6 +7,8 @@ starts the next one). Namespaced functions are declared to the model as `namespa
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Literal
 
 import msgspec
@@ -33,6 +35,8 @@ from recipe.request.chat import EFFORTS, Effort
 from recipe.tokens import ModelVersion
 
 UNSUPPORTED_DOCUMENT = "[Unsupported Document]"
+COMPACTION_PREFIX = "v41c1:"  # the encoding of a compaction item's `encrypted_content`: this, then base64 UTF-8
+COMPACTION_LEAD = "A summary of the conversation so far, which replaces its earlier turns:\n\n"
 WEB_SEARCH_TYPES = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
 
 
@@ -84,6 +88,10 @@ class CustomToolCallItem(msgspec.Struct, gc=False):
     input: str
 
 
+class CompactionItem(msgspec.Struct, gc=False):
+    encrypted_content: str
+
+
 class OutputItem(msgspec.Struct, gc=False):
     call_id: str
     output: str | list[Part]
@@ -120,7 +128,7 @@ class TextFormat(msgspec.Struct, omit_defaults=True, gc=False):
 
 class Text(msgspec.Struct, gc=False):
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class NamedToolChoice(msgspec.Struct, gc=False):
@@ -142,6 +150,7 @@ class ResponsesRequest(msgspec.Struct, gc=False):
     top_logprobs: int | None = None
     stream: bool | None = None
     user: str | None = None
+    store: bool | None = None
     previous_response_id: str | None = None
 
 
@@ -227,8 +236,31 @@ class _Turns:
             self.close()
             output = _item(item, OutputItem, param)
             self.messages.append(ToolResult(_parts(output.output, f"{param}.output"), output.call_id))
+        elif kind == "compaction":
+            self.close()
+            compaction = _item(item, CompactionItem, param)
+            self.messages.append(User(COMPACTION_LEAD + compaction_summary(compaction.encrypted_content, param)))
         elif kind != "item_reference":
             raise RecipeError(f"Unsupported input item type '{kind}'", param=f"{param}.type")
+
+
+def compaction_item(item_id: str, summary: str) -> dict[str, Any]:
+    """The compaction item of a conversation summarised as `summary` (`/v1/responses/compact`): its content is
+    not encrypted, only encoded, so any replica, and the recipe itself, can read it back."""
+    content = COMPACTION_PREFIX + base64.b64encode(summary.encode()).decode()
+    return {"type": "compaction", "id": item_id, "encrypted_content": content}
+
+
+def compaction_summary(content: str, param: str) -> str:
+    """The summary a compaction item's `encrypted_content` carries; a 400 for content another server made."""
+    try:
+        if content.startswith(COMPACTION_PREFIX):
+            return base64.b64decode(content.removeprefix(COMPACTION_PREFIX), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        pass
+    raise RecipeError(
+        f"{param}.encrypted_content: not a compaction item of this server", param=f"{param}.encrypted_content"
+    )
 
 
 def _check_outputs(messages: list[Message]) -> None:
@@ -316,10 +348,19 @@ def _tools(declared: list[dict[str, Any]], options: ConversionOptions, version: 
     return out
 
 
+def _text_echo(fmt: TextFormat | None, verbosity: str | None) -> dict[str, Any]:
+    """The response's `text`: the format asked for (plain text by default) and the verbosity, absent unless asked
+    (the schema allows `low`, `medium` or `high`, never null)."""
+    text: dict[str, Any] = {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}}
+    if verbosity is not None:
+        text["verbosity"] = verbosity
+    return text
+
+
 def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRequest:
     request = common.decode(body, ResponsesRequest)
     version = options.model_version(request.model)
-    if request.previous_response_id is not None:
+    if request.previous_response_id is not None and options.responses_chain == "reject":
         raise RecipeError(
             "previous_response_id is not supported: responses are not stored; send the whole conversation in 'input'",
             param="previous_response_id",
@@ -377,15 +418,14 @@ def convert(body: bytes | str | dict, options: ConversionOptions) -> ConvertedRe
             "summary": request.reasoning.summary if request.reasoning else None,
         },
         "temperature": 1.0 if request.temperature is None else request.temperature,
-        "text": {
-            "format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"},
-            "verbosity": request.text.verbosity if request.text else None,
-        },
+        "text": _text_echo(fmt, request.text.verbosity if request.text else None),
         "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
         "tools": tools.echo,
         "top_logprobs": request.top_logprobs or 0,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "user": request.user,
+        "store": request.store is not False,
+        "previous_response_id": request.previous_response_id,
     }
     sampling = {
         "temperature": request.temperature,

@@ -1,5 +1,6 @@
 """Our events and responses through the real `openai` and `anthropic` SDKs: their type models parse every
-event and complete response we emit, and their stream accumulators rebuild our complete response."""
+event and complete response we emit, and their stream accumulators rebuild our complete response. Every Responses
+event and response also validates against the vendored Open Responses schema (tests/open_responses)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from recipe_strategies import cuts, examples, outputs, parse_requests
 
 from recipe import APIS, DONE, Event, StreamProcessor, Tokenizer, convert
+from tests.open_responses.schema import check, check_event
 
 
 def _by_type(union: Any) -> dict[str, Any]:
@@ -70,11 +72,13 @@ def check_chat(events: list[Event], response: dict[str, Any]) -> None:
 def check_responses(events: list[Event], response: dict[str, Any]) -> None:
     state = ResponseStreamState(input_tools=omit, text_format=omit)
     for number, event in enumerate(events):
+        check_event(event.json())
         parsed = RESPONSES_EVENT.validate_python(event.json())
         assert event.name == parsed.type
         assert parsed.sequence_number == number
         state.handle_event(parsed)
     snapshot = state._ResponseStreamState__current_snapshot  # type: ignore[attr-defined]
+    check("ResponseResource", response)
     ours = Response.model_validate(response)
 
     def content(item: Any) -> Any:
@@ -161,6 +165,7 @@ def test_failure_mid_stream_is_an_api_error_event(api: str) -> None:
         assert error["error"]["message"] == "decode backend unavailable"
         assert events[-1].data == DONE
     elif api == "responses":
+        check_event(events[-1].json())
         failed = RESPONSES_EVENT.validate_python(events[-1].json())
         assert failed.type == "response.failed"
         assert failed.response.error.message == "decode backend unavailable"
