@@ -9,10 +9,10 @@ stream, so they are known before the first layer runs. Placements (`--engram-sto
 - `mmap`: the tables are memory-mapped from the checkpoint's own shards (no second copy on disk); the page cache
   holds what the token stream touches.
 
-On the host, `EngramFetch.start` takes a step's token ids and look-back on the host as soon as the step starts
-(before its first layer is launched), hashes them, gathers the rows into a pinned staging buffer (a big step's in
-pieces, by a small pool of threads) and issues one non-blocking host-to-device copy per table on a side stream,
-which runs while the GPU runs the layers before the first Engram layer (block 0). That layer's stream then waits on
+On the host, a step's token ids and look-back are on the host as soon as the step is built (`EngramFetch.start`);
+once the layers before the first Engram layer (block 0) are launched, the host hashes them, gathers the rows into a
+pinned staging buffer (a big step's in pieces, by a small pool of threads) and issues one non-blocking
+host-to-device copy per table on a side stream, while the GPU runs block 0. The Engram layer's stream then waits on
 the copy's event, never the host. A layer decodes the same bytes by
 the same function whichever placement fetched them, so the outputs are bit-identical.
 """
@@ -104,12 +104,17 @@ class Fetched(NamedTuple):
 
 
 class HostMemory(Memory):
-    """Rows fetched from host tables; `values` makes the current stream wait for the layer's copy (not the host)."""
+    """A step's rows in host tables, fetched when its first Engram layer is reached — the launching thread has queued
+    the layers before it, which the device runs meanwhile — and then every layer's at once; `values` makes the
+    current stream wait for the layer's copy (not the host)."""
 
-    def __init__(self, fetched: dict[int, Fetched], decode: Callable[[int, tuple[Tensor, ...]], Tensor]) -> None:
-        self.fetched, self.decode = fetched, decode
+    def __init__(self, fetch: Callable[[], dict[int, Fetched]], decode: Callable[[int, tuple[Tensor, ...]], Tensor]):
+        self.fetch, self.decode = fetch, decode
+        self.fetched: dict[int, Fetched] | None = None
 
     def values(self, layer: int) -> Tensor:
+        if self.fetched is None:
+            self.fetched = self.fetch()
         rows, copied, shape = self.fetched[layer]
         if copied is not None:
             stream = torch.cuda.current_stream(rows[0].device)
@@ -139,9 +144,9 @@ class EngramFetch:
         self.last_copy: dict[int, torch.cuda.Event] = {}  # layer → the copy that last read its staging
 
     def start(self, tokens: Tensor, history: Tensor) -> HostMemory:
-        """Fetch every layer's rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — and start
-        their copies to the device."""
-        return HostMemory({layer: self._fetch(layer, tokens, history) for layer in self.tables}, self._decode)
+        """The rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — to fetch from every layer's
+        table (and copy to the device) when the first Engram layer is reached."""
+        return HostMemory(lambda: {layer: self._fetch(layer, tokens, history) for layer in self.tables}, self._decode)
 
     def close(self) -> None:
         self.gatherers.shutdown(wait=True)

@@ -12,7 +12,8 @@ from mesh.k8s.kustomize import build
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-OVERLAYS = ("dev", "gpu")
+OVERLAYS = ("dev", "gpu", "released", "released-mmap")
+GPU_OVERLAYS = ("gpu", "released", "released-mmap")  # the production shapes: `gpu` and the released checkpoint on it
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ROLES = ("gateway", "prefill", "decode", "cache")
 COMPONENT = "app.kubernetes.io/component"

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from k8s_helpers import (
     COMPONENT,
+    GPU_OVERLAYS,
     ROLES,
     container_ports,
     containers,
@@ -136,7 +137,7 @@ def test_gpus_are_requested_only_by_prefill_and_decode_with_requests_equal_to_li
 ) -> None:
     for w, c in containers(objects):
         requests, limits = c["resources"]["requests"], c["resources"]["limits"]
-        wants_gpu = overlay == "gpu" and role_of(w) in GPU_ROLES
+        wants_gpu = overlay in GPU_OVERLAYS and role_of(w) in GPU_ROLES
         assert (GPU in limits) == wants_gpu, role_of(w)
         assert (GPU in requests) == wants_gpu, role_of(w)
         if wants_gpu:
@@ -146,7 +147,7 @@ def test_gpus_are_requested_only_by_prefill_and_decode_with_requests_equal_to_li
 def test_gpu_scheduling_fields_only_where_gpus_are(overlay: str, objects: list[dict[str, Any]]) -> None:
     for w in workloads(objects):
         spec, role = pod_spec(w), role_of(w)
-        on_gpu = overlay == "gpu" and role in GPU_ROLES
+        on_gpu = overlay in GPU_OVERLAYS and role in GPU_ROLES
         tolerated = any(t.get("key") == GPU for t in spec.get("tolerations", []))
         assert tolerated == on_gpu, role
         assert (spec.get("nodeSelector", {}).get(f"{GPU}.present") == "true") == on_gpu, role
@@ -235,7 +236,7 @@ def test_cache_is_a_parallel_statefulset_with_a_retained_volume_per_replica_at_i
     container = pod_spec(sts)["containers"][0]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
     assert mount["mountPath"] == flag(container["args"], "--data-dir")
-    assert ("storageClassName" in claim["spec"]) == (overlay == "gpu"), "the gpu overlay names a fast class"
+    assert ("storageClassName" in claim["spec"]) == (overlay in GPU_OVERLAYS), "the gpu overlays name a fast class"
     service = named(objects, "Service", sts["spec"]["serviceName"])
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
@@ -292,12 +293,34 @@ def test_config_and_secret_references_resolve(overlay: str, objects: list[dict[s
     assert secret.get("optional", False) is (overlay == "dev")
 
 
+@pytest.mark.parametrize(("overlay", "store", "least_gi"), [("released", "host", 256), ("released-mmap", "mmap", 64)])
+def test_released_overlays_size_host_memory_for_where_the_engram_tables_live(
+    overlay: str, store: str, least_gi: int
+) -> None:
+    """Host tables: ≥ 256 GiB per prefill and decode pod (the two ≈ 98 GB tables and the process); mapped ones: the
+    page cache holds them, the pod less. Both read the checkpoint from a read-only volume at /models."""
+    objects = rendered(overlay)
+    for role in GPU_ROLES:
+        spec = pod_spec(workload(objects, role))
+        container = spec["containers"][0]
+        ref = env_value(container, f"{role.upper()}_SVC_ENGRAM_STORE")["valueFrom"]["configMapKeyRef"]
+        assert named(objects, "ConfigMap", ref["name"])["data"][ref["key"]] == store
+        memory = quantity(container["resources"]["limits"]["memory"])
+        assert memory >= least_gi * 2**30
+        assert (memory >= 256 * 2**30) == (store == "host")
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["checkpoint"]["mountPath"] == "/models"
+        assert mounts["checkpoint"]["readOnly"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "checkpoint"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "v41mesh-checkpoint", "readOnly": True}
+
+
 def test_model_comes_from_the_model_config_map(overlay: str, objects: list[dict[str, Any]]) -> None:
     for role in GPU_ROLES:
         container = pod_spec(workload(objects, role))["containers"][0]
         ref = env_value(container, f"{role.upper()}_SVC_MODEL")["valueFrom"]["configMapKeyRef"]
         model = named(objects, "ConfigMap", ref["name"])["data"][ref["key"]]
-        assert model == {"dev": "tiny", "gpu": "small"}[overlay]
+        assert model == {"dev": "tiny", "gpu": "small"}.get(overlay, "/models/ckpt")
 
 
 def test_workload_selectors_match_their_own_pods_and_no_other_workloads(objects: list[dict[str, Any]]) -> None:
@@ -332,7 +355,7 @@ def test_one_pinned_image_everywhere(overlay: str, objects: list[dict[str, Any]]
     (image,) = images
     name, _, tag = image.rpartition(":")
     assert name == "ghcr.io/v41mesh/v41mesh"
-    assert tag == {"dev": "0.1.0-cpu", "gpu": "0.1.0-cuda"}[overlay]
+    assert tag == ("0.1.0-cpu" if overlay == "dev" else "0.1.0-cuda")
 
 
 # --- conversations across gateway replicas ---
