@@ -134,15 +134,22 @@ def run_stream(
     return events, json.loads(response.to_json())
 
 
+DROPPED = ("completion_tokens_details", "output_tokens_details", "cache_write_tokens")
+
+
 def normalize(value: Any) -> Any:
     """`value` with ids, timestamps and signatures replaced, and usage detail fields the reference omits
-    in text mode dropped (reasoning-token counts are ours, see docs/recipe.md)."""
+    in text mode dropped (reasoning-token counts are ours, see docs/recipe.md). Two Responses fields differ on
+    purpose: `store` echoes the request (the reference always says false), and an unset `text.verbosity` is absent,
+    as the Open Responses schema requires (the reference writes null)."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
             if key in VOLATILE and isinstance(item, str | int) and not isinstance(item, bool):
                 out[key] = "<volatile>"
-            elif key in ("completion_tokens_details", "output_tokens_details", "cache_write_tokens"):
+            elif key == "store" and isinstance(item, bool):
+                out[key] = "<echoed>"
+            elif key in DROPPED or (key == "verbosity" and item is None):
                 continue
             elif key == "model":
                 out[key] = "MODEL"
