@@ -41,9 +41,9 @@ from decode_svc.grammar import Grammars, default_tokenizer, vocabulary  # noqa: 
 from decode_svc.guide import Guide  # noqa: E402
 from decode_svc.masking import Chain, Masks  # noqa: E402
 from decode_svc.sampler import StepSampling  # noqa: E402
-from mesh.model_service.runtime import load_model  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model import Transformer  # noqa: E402
+from model_service.runtime import load_model  # noqa: E402
 from proto.decode.v1 import decode_pb2  # noqa: E402
 from recipe import Conversation, ModelVersion, ResponseFormat, User, load_tokenizer, render  # noqa: E402
 

@@ -48,8 +48,8 @@ from decode_svc.config import DecodeConfig  # noqa: E402
 from decode_svc.server import DecodeServer  # noqa: E402
 from decode_svc.step_times import Forward  # noqa: E402
 from mesh.logging import configure_logging  # noqa: E402
-from mesh.model_service.runtime import load_model  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
+from model_service.runtime import load_model  # noqa: E402
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from train.eval import chat_prompts  # noqa: E402
 

@@ -38,8 +38,8 @@ from record_probe import latency_summary  # noqa: E402
 from serve_bench import machine  # noqa: E402
 
 from cache_svc.client import AsyncCacheClient  # noqa: E402
-from mesh.model_service.kvstore import HANDLE_PREFIX, KVStore  # noqa: E402
 from model import build_model, preset  # noqa: E402
+from model_service.kvstore import HANDLE_PREFIX, KVStore  # noqa: E402
 from proto.prefill.v1 import prefill_pb2  # noqa: E402
 
 LEASE_S = 60.0

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from serve_bench import machine  # noqa: E402
 
-from mesh.model_service.runtime import load_model  # noqa: E402
 from model import DecodeBatch, PrefillOutput, Transformer  # noqa: E402
+from model_service.runtime import load_model  # noqa: E402
 
 console = Console(width=120)
 Join = Callable[[DecodeBatch, list[PrefillOutput]], list[int]]

@@ -5,7 +5,7 @@ before 2026-11-30), side by side in one run on real cache servers.
         [--out bench/out/record_probe.json]
 
 A prefill does not know where the conversation's previous turn ended inside its last cached block, so it asks the
-cache which of the up to `kv_block_tokens` − 1 possible ends holds an SWA record (mesh/model_service/kvstore.py,
+cache which of the up to `kv_block_tokens` − 1 possible ends holds an SWA record (model_service/kvstore.py,
 `_find_record`) — before the encoder starts, on every request, so the probe's latency is time to first token. Ours
 sends one Lookup per shard holding any of the keys (`AsyncCacheClient.has_records`); the peer sends one Lookup per
 key, concurrently. `concurrency` prefills probe at once (a busy prefill replica). Reported: median and p90 latency of

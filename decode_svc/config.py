@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mesh.model_service.config import ModelServiceConfig, NonNegativeFloat, Port, Positive, with_shared_settings
+from model_service.config import ModelServiceConfig, NonNegativeFloat, Port, Positive, with_shared_settings
 
 ENV_PREFIX = "DECODE_SVC"
 

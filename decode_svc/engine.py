@@ -45,8 +45,8 @@ from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
 from decode_svc.step_times import Forward, StepTimes, profile
-from mesh.model_service.runtime import RequestError
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
+from model_service.runtime import RequestError
 from proto.decode.v1 import decode_pb2
 
 # (sequence, the token ids its blocks and state cover, new complete blocks, end-of-sequence state or None)

@@ -30,7 +30,7 @@ import tokenizers
 import xgrammar as xgr
 from prometheus_client import Histogram
 
-from mesh.model_service.runtime import invalid
+from model_service.runtime import invalid
 from proto.decode.v1 import decode_pb2
 
 # The most whitespace characters between two JSON tokens: pretty-printed JSON fits, and a model that would rather

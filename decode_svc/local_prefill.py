@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from mesh.model_service.kvstore import start_prefill
 from model import GlobalKVBlock, Past, PrefillOutput, PrefillRun, Transformer
+from model_service.kvstore import start_prefill
 
 
 class LocalPrefill:

@@ -16,9 +16,9 @@ from decode_svc.service import DecodeService
 from decode_svc.step_times import StepTimes
 from decode_svc.writeback import WriteBack
 from mesh.grpc_server import Registrar
-from mesh.model_service.kvstore import KVStore
-from mesh.model_service.runtime import ModelServer, model_info
 from model import Transformer
+from model_service.kvstore import KVStore
+from model_service.runtime import ModelServer, model_info
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 

@@ -33,9 +33,9 @@ from decode_svc.guide import Guide
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Delta, End, Failure, Outbox, Params, Prompt, Sampling, Sequence
 from mesh.logging import bind_request
-from mesh.model_service.kvstore import KVStore
-from mesh.model_service.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from model import Past, Transformer
+from model_service.kvstore import KVStore
+from model_service.runtime import RequestError, check_common, invalid, max_context, prompt_error, request_id_of
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 from proto.mesh.v1 import model_info_pb2
 

@@ -17,8 +17,8 @@ from typing import Any
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Sequence
 from mesh.logging import bind_request
-from mesh.model_service.kvstore import KVStore
 from model import EncoderState, GlobalKVBlock
+from model_service.kvstore import KVStore
 
 
 class WriteBack:

@@ -20,11 +20,20 @@ from model.engram import Engram
 from model.linear import RMSNorm, param_dtype
 from model.mhc import hc_collapse, hc_expand, hc_mixes
 from model.moe import MoE
+from model.parallel import SINGLE, Parallel
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, projection_only: bool = False, dtype: torch.dtype | None = None):
-        """`projection_only`: layer L/2 in an encoder-only model keeps just attn_norm and its KV projections."""
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer: int,
+        projection_only: bool = False,
+        dtype: torch.dtype | None = None,
+        parallel: Parallel = SINGLE,
+    ):
+        """`projection_only`: layer L/2 in an encoder-only model keeps just attn_norm and its KV projections;
+        `parallel`: which routed experts this rank holds."""
         super().__init__()
         self.args, self.layer = args, layer
         C, n = args.hidden_size, args.hc_mult
@@ -33,7 +42,7 @@ class Block(nn.Module):
         if projection_only:
             return
         self.ffn_norm = RMSNorm(C, args.rms_norm_eps, dtype)
-        self.ffn = MoE(args, dspark=layer >= args.num_hidden_layers, dtype=dtype)
+        self.ffn = MoE(args, dspark=layer >= args.num_hidden_layers, dtype=dtype, parallel=parallel)
         fp32 = param_dtype("fp32", dtype or torch.get_default_dtype())
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty((2 + n) * n, n * C, dtype=fp32)))

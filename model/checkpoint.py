@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from model.config import ModelArgs, preset
 from model.engram_store import Placement
+from model.parallel import SINGLE, Parallel
 from model.transformer import Part, Transformer
 from model.weights import (
     build_model,
@@ -236,11 +237,15 @@ def load_checkpoint(
     progress: bool = False,
     packed: bool = True,
     engram: Placement = "device",
+    parallel: Parallel = SINGLE,
 ) -> Transformer:
     """A model part from a checkpoint directory: packed (serving) or float (training), its Engram tables placed by
-    `engram` (`model.engram_store`). Its `load_report` says what was read, how fast, and the resident weight bytes."""
+    `engram` (`model.engram_store`); an expert-parallel rank (`parallel`) reads its own routed experts only. Its
+    `load_report` says what was read, how fast, and the resident weight bytes."""
     args = Checkpoint(directory).args
-    model = build_model(args, part, seed=None, device=device, dtype=dtype, packed=packed, engram=engram)
+    model = build_model(
+        args, part, seed=None, device=device, dtype=dtype, packed=packed, engram=engram, parallel=parallel
+    )
     mapped = engram_table_names(model) if engram == "mmap" else []
     model.load_report = load_weights(model, directory, progress, mapped)
     return model

@@ -30,6 +30,7 @@ from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.linear import Embedding, Linear, RMSNorm, param_dtype, quantize_input
 from model.mhc import hc_collapse
+from model.parallel import SINGLE, Parallel
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
@@ -81,8 +82,10 @@ class ConfidenceHead(nn.Module):
 class DSparkBlock(Block):
     """mtp.{stage}: an SWA-only block; the first also builds the context, the last holds the heads."""
 
-    def __init__(self, args: ModelArgs, stage: int, dtype: torch.dtype | None = None) -> None:
-        super().__init__(args, args.num_hidden_layers + stage, dtype=dtype)
+    def __init__(
+        self, args: ModelArgs, stage: int, dtype: torch.dtype | None = None, parallel: Parallel = SINGLE
+    ) -> None:
+        super().__init__(args, args.num_hidden_layers + stage, dtype=dtype, parallel=parallel)
         C = args.hidden_size
         if stage == 0:
             fp8 = "fp8" if args.quantization_config else "bf16"

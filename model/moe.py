@@ -12,10 +12,13 @@ expert id (fp32), whatever computed them, so every form and kernel of the routed
 The routed experts come in the two forms of `model.linear`: `Experts` (float weights, one `Expert` module each:
 training and the oracle) and `PackedExperts` (the checkpoint's packed E2M1 nibbles and UE8M0 scales, W1‖W3 stacked
 per expert, computed by the grouped MXFP4 GEMM: the (token, slot) pairs sorted by expert on the device, one launch
-for W1‖W3 with SwiGLU and one for W2 — no host sync, no loop over experts).
+for W1‖W3 with SwiGLU and one for W2 — no host sync, no loop over experts). Under expert parallelism either form
+holds one rank's share of the experts and reaches the others' by all-to-all (`model.parallel`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 from model import kernels
 from model.config import ModelArgs
 from model.linear import Fp8Act, Linear, WeightFormat, fp8_act, packed_param, param_dtype
+from model.parallel import SINGLE, Parallel, expert_parallel
 
 
 class Gate(nn.Module):
@@ -71,11 +75,29 @@ class Expert(nn.Module):
         return self.w2(h)
 
 
-class Experts(nn.ModuleList):
-    """The routed experts with float weights (`experts.{e}.w1` …, the checkpoint's names)."""
+class Experts(nn.Module):
+    """The routed experts with float weights, this rank's share: local expert i is `experts.{first + i}` (`w1` …,
+    the checkpoint's names, whose expert index is global)."""
+
+    def __init__(self, experts: Iterable[Expert], first: int = 0) -> None:
+        super().__init__()
+        self.first = first
+        for i, expert in enumerate(experts):
+            self.add_module(str(first + i), expert)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> Expert:
+        """Local expert i."""
+        return self._modules[str(self.first + i)]
+
+    def __iter__(self) -> Iterator[Expert]:
+        return iter(self._modules.values())
 
     def forward(self, xq: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """Weighted routed-expert outputs [N, k, C] of the cast input xq [N, C], slot by slot as `ids` [N, k] has them.
+        """Weighted routed-expert outputs [N, k, C] of the cast input xq [N, C], slot by slot as the local ids [N, k]
+        have them.
 
         Only the matmuls run expert by expert; the gathers, the activation, the routing weights and the FP8 cast of
         W2's input run once over every (token, slot) pair (each is elementwise or per row: the same values).
@@ -84,6 +106,8 @@ class Experts(nn.ModuleList):
         k = ids.shape[1]
         sizes = torch.bincount(ids.flatten(), minlength=len(self)).tolist()  # the host waits once per layer
         active = [e for e, size in enumerate(sizes) if size]
+        if not active:  # an expert-parallel rank may receive no pairs
+            return xq.new_zeros(*ids.shape, self[0].w2.out_features)
         x = xq[order // k].split(sizes)
         gate = torch.cat([self[e].w1(x[e], True) for e in active])
         up = torch.cat([self[e].w3(x[e], True) for e in active])
@@ -97,11 +121,15 @@ class Experts(nn.ModuleList):
 class PackedExperts(nn.Module):
     """The routed experts at native precision: per expert, W1‖W3 as one [2I, C/2] block of E2M1 nibbles (low nibble =
     even input) and W2 as [C, I/2], each with a UE8M0 scale per `block` inputs (32 or 16: the released files leave it
-    open, reference §2.9; `model.weights` reads it off the scales' shapes)."""
+    open, reference §2.9; `model.weights` reads it off the scales' shapes). Holds this rank's `n_experts`, the
+    checkpoint's experts `first` … `first + n_experts − 1`."""
 
-    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, block: int, device=None) -> None:
+    def __init__(
+        self, n_experts: int, dim: int, inter: int, limit: float, block: int, device=None, first: int = 0
+    ) -> None:
         super().__init__()
         self.n_experts, self.dim, self.inter, self.limit, self.block = n_experts, dim, inter, limit, block
+        self.first = first
         u8 = torch.uint8
         self.w13 = packed_param(n_experts, 2 * inter, dim // 2, dtype=u8, device=device)
         self.w13_scale = packed_param(n_experts, 2 * inter, dim // block, dtype=u8, device=device)
@@ -109,7 +137,7 @@ class PackedExperts(nn.Module):
         self.w2_scale = packed_param(n_experts, dim, inter // block, dtype=u8, device=device)
 
     def checkpoint_views(self, prefix: str) -> dict[str, Tensor]:
-        """The checkpoint's per-expert tensors (`{prefix}{e}.w1.weight` …) as views of the stacked storage."""
+        """The checkpoint's per-expert tensors (`{prefix}{e}.w1.weight` …, e global) as views of the stacked storage."""
         I, views = self.inter, {}
         for e in range(self.n_experts):
             for name, (data, scale) in {
@@ -117,7 +145,8 @@ class PackedExperts(nn.Module):
                 "w3": (self.w13[e, I:], self.w13_scale[e, I:]),
                 "w2": (self.w2[e], self.w2_scale[e]),
             }.items():
-                views[f"{prefix}{e}.{name}.weight"], views[f"{prefix}{e}.{name}.scale"] = data, scale
+                key = f"{prefix}{self.first + e}.{name}"
+                views[f"{key}.weight"], views[f"{key}.scale"] = data, scale
         return views
 
     def forward(self, xq: Fp8Act, weights: Tensor, ids: Tensor) -> Tensor:
@@ -134,30 +163,42 @@ class PackedExperts(nn.Module):
         return _unsort(out, order, ids.shape)
 
     def extra_repr(self) -> str:
-        return f"experts={self.n_experts}, dim={self.dim}, inter={self.inter}, fp4 scale block={self.block}"
+        held = f"{self.first}…{self.first + self.n_experts - 1}"
+        return f"experts={held}, dim={self.dim}, inter={self.inter}, fp4 scale block={self.block}"
 
 
 def _unsort(out: Tensor, order: Tensor, shape: torch.Size) -> Tensor:
     """Rows of the expert-sorted pairs back to [N, k, C] (pair order[i] is sorted row i)."""
     pairs = out.new_empty(out.shape)
     pairs[order] = out
-    return pairs.view(*shape, -1)
+    return pairs.view(*shape, out.shape[-1])
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, dspark: bool = False, dtype: torch.dtype | None = None) -> None:
+    """Gate, routed experts (this rank's share of them: `model.parallel`) and the shared expert."""
+
+    def __init__(
+        self, args: ModelArgs, dspark: bool = False, dtype: torch.dtype | None = None, parallel: Parallel = SINGLE
+    ) -> None:
         super().__init__()
-        n_experts = args.dspark_n_routed_experts if dspark else args.n_routed_experts
+        self.n_experts = args.dspark_n_routed_experts if dspark else args.n_routed_experts
         topk = args.dspark_num_experts_per_tok if dspark else args.num_experts_per_tok
         q = args.quantization_config
         routed: WeightFormat = "fp4" if q else "bf16"
         shared: WeightFormat = "fp8" if q else "bf16"
         dim, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
-        self.gate, self.limit = Gate(args, n_experts, topk, dtype), limit
+        self.gate, self.limit, self.parallel = Gate(args, self.n_experts, topk, dtype), limit, parallel
+        held = parallel.experts(self.n_experts)
         self.experts: Experts | PackedExperts = Experts(
-            Expert(dim, inter, limit, routed, dtype) for _ in range(n_experts)
+            (Expert(dim, inter, limit, routed, dtype) for _ in held), first=held.start
         )
         self.shared_experts = Expert(dim, inter, limit, shared, dtype)
+
+    def routed(self, xq: Tensor | Fp8Act, weights: Tensor, ids: Tensor) -> Tensor:
+        """Weighted routed-expert outputs [N, k, C]: this process's experts, or the expert-parallel group's."""
+        if self.parallel.world_size == 1:
+            return self.experts(xq, weights, ids)
+        return expert_parallel(self.experts, self.n_experts, xq, weights, ids, self.parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -166,7 +207,7 @@ class MoE(nn.Module):
         xq = self.shared_experts.w1.cast(x)  # one FP8 cast for every expert
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation over experts
         y = self.shared_experts(xq).to(compute)
-        routed = self.experts(xq, weights, ids).to(compute)
+        routed = self.routed(xq, weights, ids).to(compute)
         for r in range(routed.shape[1]):  # each token's experts added one at a time, in ascending id
             y = y + routed[:, r]
         return y.to(x.dtype).view(shape)

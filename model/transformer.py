@@ -6,7 +6,8 @@
 
 `part="encoder"` builds only what a prefill machine holds: the embedding, layers 0..L/2−1 (with their Engram) and
 layer L/2's attn_norm + compressor + indexer keys (the decoder's global KV is projected from H^{L/2}). `part="full"`
-adds the decoder, the head and the DSpark blocks.
+adds the decoder, the head and the DSpark blocks. `parallel` says which routed experts the model holds: all of them,
+or one rank's share in an expert-parallel group whose ranks run every forward together (`model.parallel`).
 
 `forward` is the dense, differentiable form over whole sequences (training, and the oracle of the tests). The
 serving split — `encode_prefill`, `bounded_replay`, `decode_step`, `dspark_draft`, `verify` — runs the same modules
@@ -31,6 +32,7 @@ from model.engram import NgramHash
 from model.engram_store import DeviceMemory, EngramFetch, Memory
 from model.linear import Embedding, Linear, RMSNorm
 from model.mhc import hc_collapse, identity_pre
+from model.parallel import SINGLE, Parallel
 from model.sampling import Generators, SamplingParams
 from model.serving import DecodeBatch, Past, PrefillOutput, VerifyResult
 
@@ -38,22 +40,28 @@ Part = Literal["full", "encoder"]
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, part: Part = "full", dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, args: ModelArgs, part: Part = "full", dtype: torch.dtype | None = None, parallel: Parallel = SINGLE
+    ) -> None:
         super().__init__()
         if not args.is_v41:
             raise ValueError(f"model_type {args.model_type!r} is an accounting-only preset; it cannot be built")
         if part not in ("full", "encoder"):
             raise ValueError(f"part must be 'full' or 'encoder', got {part!r}")
-        self.args, self.part = args, part
+        self.args, self.part, self.parallel = args, part, parallel
         L, L2, C = args.num_hidden_layers, args.n_encoder_layers, args.hidden_size
         self.embed = Embedding(args.vocab_size, C, dtype)
-        self.layers = nn.ModuleList(Block(args, i, dtype=dtype) for i in range(L if part == "full" else L2))
+        self.layers = nn.ModuleList(
+            Block(args, i, dtype=dtype, parallel=parallel) for i in range(L if part == "full" else L2)
+        )
         if part == "encoder":
             self.layers.append(Block(args, L2, projection_only=True, dtype=dtype))
         else:
             self.norm = RMSNorm(C, args.rms_norm_eps, dtype)
             self.head = Linear(C, args.vocab_size, "bf16", dtype)
-            self.mtp = nn.ModuleList(DSparkBlock(args, s, dtype) for s in range(args.num_nextn_predict_layers))
+            self.mtp = nn.ModuleList(
+                DSparkBlock(args, s, dtype, parallel) for s in range(args.num_nextn_predict_layers)
+            )
         self._ngram: list[NgramHash] = []  # built on first use (needs the tokenizer; not needed on `meta`)
         self.engram_fetch: EngramFetch | None = None  # the Engram tables are off the device (model.engram_store)
         # Identifies config + weights in prefix-cache keys; set by model.weights (seed or checkpoint), b"" = unknown.

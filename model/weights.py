@@ -37,6 +37,7 @@ from model.dspark import ConfidenceHead
 from model.engram_store import Placement, place_tables
 from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm
 from model.moe import Experts, PackedExperts
+from model.parallel import SINGLE, Parallel
 from model.transformer import Part, Transformer
 
 _BLOCK = 32  # FP8 weight blocks are 32×32 (quantization_config.weight_block_size)
@@ -117,7 +118,7 @@ def _packed_twin(name: str, module: nn.Module, model: Transformer, device: torch
     if isinstance(module, Experts):
         w1 = module[0].w1
         return PackedExperts(
-            len(module), w1.in_features, w1.out_features, module[0].limit, q.expert_scale_block, device
+            len(module), w1.in_features, w1.out_features, module[0].limit, q.expert_scale_block, device, module.first
         )
     if isinstance(module, Embedding) and name.endswith("engram.embed"):
         return Fp8Rows(*module.weight.shape, model.dtype, "meta")  # allocated where it is placed (`pack`)
@@ -346,13 +347,14 @@ def seeded_tensors(
     device: torch.device | str,
     dtype: torch.dtype,
     skip: Callable[[str], bool] = lambda name: False,
+    parallel: Parallel = SINGLE,
 ) -> Iterator[tuple[str, Tensor]]:
     """The checkpoint tensors of the seeded `part`, one weight at a time, generated and quantised on `device`:
-    what `build_model(args, part, seed=seed)` holds, and what `model.checkpoint write` stores; a weight `skip`
-    names is not generated (nor its scale)."""
+    what `build_model(args, part, seed=seed, parallel=parallel)` holds (a rank's routed experts only), and what
+    `model.checkpoint write` stores; a weight `skip` names is not generated (nor its scale)."""
     device = torch.device(device)
     with torch.device("meta"):
-        spec = Transformer(args, part, dtype)
+        spec = Transformer(args, part, dtype, parallel)
     formats = _formats(spec)
     block = args.quantization_config.expert_scale_block if args.quantization_config else _BLOCK
     owners = {
@@ -375,7 +377,8 @@ def seeded_tensors(
 
 def init_weights(model: Transformer, seed: int = 0) -> Transformer:
     """Deterministic weights from `seed`, generated on the model's device (either form; quantised ones snapped)."""
-    store(model, seeded_tensors(model.args, model.part, seed, model.device, model.dtype), f"seed {seed}")
+    tensors = seeded_tensors(model.args, model.part, seed, model.device, model.dtype, parallel=model.parallel)
+    store(model, tensors, f"seed {seed}")
     # The weights are a pure function of (config, seed, dtype, generating device): every part shares this fingerprint.
     identity = {"seed": torch.tensor(seed), f"dtype={model.dtype}|{model.device.type}": torch.zeros(0)}
     model.fingerprint = model_fingerprint(model.args, identity)
@@ -391,17 +394,19 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     packed: bool = True,
     engram: Placement = "device",
+    parallel: Parallel = SINGLE,
 ) -> Transformer:
     """A model part on `device`, packed (serving) or float (training); initialised from `seed` (None: uninitialised,
     e.g. before a load). A packed model is built on `meta` first, so no float copy of a quantised weight exists.
-    `engram`: where the Engram tables live (`model.engram_store`); `mmap` leaves them to the checkpoint loader."""
+    `engram`: where the Engram tables live (`model.engram_store`); `mmap` leaves them to the checkpoint loader.
+    `parallel`: the expert-parallel rank it is, holding only its routed experts (`model.parallel`)."""
     device = torch.device(device)
     if packed and args.quantization_config is not None:
         with torch.device("meta"):
-            model = pack(Transformer(args, part, dtype), device, engram)
+            model = pack(Transformer(args, part, dtype, parallel), device, engram)
     else:
         with torch.device(device):
-            model = Transformer(args, part, dtype)
+            model = Transformer(args, part, dtype, parallel)
         place_engram_tables(model, engram, device)
     if seed is not None and device.type != "meta":
         if engram == "mmap":

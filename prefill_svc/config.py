@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from mesh.model_service.config import (
+from model_service.config import (
     ModelServiceConfig,
     NonNegativeFloat,
     Port,

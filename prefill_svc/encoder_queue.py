@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import grpc
 
-from mesh.model_service.runtime import RequestError
+from model_service.runtime import RequestError
 from prefill_svc.metrics import PrefillMetrics
 
 T = TypeVar("T")

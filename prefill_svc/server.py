@@ -7,8 +7,8 @@ import asyncio
 from typing import Any
 
 from mesh.grpc_server import Registrar
-from mesh.model_service.kvstore import KVStore
-from mesh.model_service.runtime import ModelServer
+from model_service.kvstore import KVStore
+from model_service.runtime import ModelServer
 from prefill_svc.metrics import PrefillMetrics
 from prefill_svc.service import PrefillService
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc

@@ -27,9 +27,9 @@ import grpc
 
 from cache_svc.client import DOWN, CacheError
 from mesh.logging import bind_request
-from mesh.model_service.kvstore import KVStore, encode_with_past
-from mesh.model_service.runtime import RequestError, check_common, invalid, model_info, prompt_error, request_id_of
 from model import Past, PrefillOutput, Transformer
+from model_service.kvstore import KVStore, encode_with_past
+from model_service.runtime import RequestError, check_common, invalid, model_info, prompt_error, request_id_of
 from prefill_svc.config import PrefillConfig
 from prefill_svc.encoder_queue import EncoderQueue
 from prefill_svc.metrics import PrefillMetrics

@@ -22,8 +22,8 @@ from service_mesh import Mesh, metric_value, token_ids
 from decode_svc.local_prefill import LocalPrefill
 from decode_svc.sequence import End, Failure, State
 from mesh.block_keys import block_keys, sequence_key
-from mesh.model_service.kvstore import encode_with_past
 from model import EncoderState, Past, Transformer
+from model_service.kvstore import encode_with_past
 from proto.decode.v1 import decode_pb2
 
 CHUNK = 16

@@ -23,12 +23,12 @@ from cache_svc.client import AsyncCacheClient
 from mesh.grpc_server import GrpcServer, Registrar
 from mesh.logging import get_logger
 from mesh.metrics import new_registry, serve_metrics
-from mesh.model_service.config import ModelServiceConfig
 from model import LAYOUT_VERSION, SamplingParams, Transformer, build_model, load_checkpoint, preset
 from model.checkpoint import Checkpoint
 from model.engram_store import choose_placement, table_bytes
 from model.transformer import Part
 from model.weights import weight_bytes
+from model_service.config import ModelServiceConfig
 from proto.mesh.v1 import model_info_pb2
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
