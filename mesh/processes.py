@@ -145,6 +145,7 @@ class Child:
         self.healthy = healthy
         self.log = log
         self.process: subprocess.Popen[bytes] | None = None
+        self._log_from = 0  # where the current run's lines start in `log`
 
     def ready_line(self, after_s: float) -> str:
         return f"{self.name:<10} ready after {after_s:5.1f} s   {self.address:<22}  {self.metrics}"
@@ -160,6 +161,7 @@ class Child:
         with self.log.open("ab") as out:
             out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(self.argv)}\n".encode())
             out.flush()
+            self._log_from = out.tell()  # this run's lines start here
             self.process = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
@@ -187,11 +189,23 @@ class Child:
             return None
 
     def tail(self, lines: int = 15) -> str:
+        """The last lines this run of the child wrote to its log."""
         try:
-            text = self.log.read_text(errors="replace").splitlines()
+            with self.log.open("rb") as fh:
+                fh.seek(self._log_from)
+                text = fh.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
         return "\n".join("    " + line for line in text[-lines:])
+
+
+START_ATTEMPTS = 3
+_BIND_FAILURES = ("Failed to bind to address", "Address already in use", "address already in use")
+
+
+def _lost_port(child: Child) -> bool:
+    """Whether a child exited because its port was taken."""
+    return not child.running() and any(text in child.tail(40) for text in _BIND_FAILURES)
 
 
 class Mesh:
@@ -205,7 +219,12 @@ class Mesh:
         self.on_event = on_event
         self.data_dir = Path(spec.data_dir).expanduser().resolve()
         self.logs = self.data_dir / "logs"
-        host = spec.host
+        self._plan()
+        self._env = self._environment()
+
+    def _plan(self) -> None:
+        """The children and their addresses, on ports drawn now (`start` draws again when one was taken meanwhile)."""
+        spec, host = self.spec, self.spec.host
         cache_address = f"{host}:{free_port(host)}"
         metrics_args, metrics = _metrics_endpoint(host)
         self.children: list[Child] = [
@@ -239,7 +258,6 @@ class Mesh:
             self.children.append(self._gateway(index, workers, cache_address))
         self.base_url = self.base_urls[0]
         self.grpc_address = self.grpc_addresses[0]
-        self._env = self._environment()
 
     def _gateway(self, index: int, workers: dict[str, list[str]], cache_address: str) -> Child:
         """Gateway `index` over every replica; the first keeps `spec.port` (when given), the others get free ports.
@@ -275,16 +293,25 @@ class Mesh:
 
     def start(self, timeout_s: float = 600.0, cancelled: Callable[[], bool] = lambda: False) -> None:
         """Start every child and wait until all are healthy; on failure (or `cancelled()`) stop them all and raise
-        MeshError."""
+        MeshError. A child that could not bind its port (another process took it between the draw and the bind) is
+        no failure of the mesh: the ports are drawn again and everything restarts, up to `START_ATTEMPTS` times."""
         self.logs.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        for child in self.children:
-            child.spawn(self._env)
-        try:
-            self._wait_healthy(self.children, started, timeout_s, cancelled)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, START_ATTEMPTS + 1):
+            for child in self.children:
+                child.spawn(self._env)
+            try:
+                self._wait_healthy(self.children, started, timeout_s, cancelled)
+                break
+            except MeshError as error:
+                self.stop()
+                if attempt == START_ATTEMPTS or not any(_lost_port(c) for c in self.children):
+                    raise
+                self.on_event(f"a port was taken before its child bound it ({error}); drawing new ports")
+                self._plan()
+            except BaseException:
+                self.stop()
+                raise
         self.write_state()
 
     def restart(self, *names: str, timeout_s: float = 600.0) -> None:
