@@ -13,8 +13,8 @@ On the host, a step's token ids and look-back are on the host as soon as the ste
 once the layers before the first Engram layer (block 0) are launched, the host hashes them, gathers the rows into a
 pinned staging buffer (a big step's in pieces, by a small pool of threads) and issues one non-blocking
 host-to-device copy per table on a side stream, while the GPU runs block 0. The Engram layer's stream then waits on
-the copy's event, never the host. A layer decodes the same bytes by
-the same function whichever placement fetched them, so the outputs are bit-identical.
+the copy's event, never the host. A layer decodes the same bytes by the same function whichever placement fetched
+them, so the outputs are bit-identical.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -77,14 +77,13 @@ def table_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
     return rows * dim * torch.empty(0, dtype=dtype).element_size()
 
 
-class Memory:
+class Memory(Protocol):
     """A step's Engram rows: `values(layer)` → the decoded rows [B, T, R, head_dim] of that layer's table."""
 
-    def values(self, layer: int) -> Tensor:
-        raise NotImplementedError
+    def values(self, layer: int) -> Tensor: ...
 
 
-class DeviceMemory(Memory):
+class DeviceMemory:
     """Rows hashed and looked up on the model's device (the `device` placement, and the dense training forward)."""
 
     def __init__(self, model: Transformer, tokens: Tensor, history: Tensor) -> None:
@@ -103,7 +102,7 @@ class Fetched(NamedTuple):
     shape: torch.Size
 
 
-class HostMemory(Memory):
+class HostMemory:
     """A step's rows in host tables, fetched when its first Engram layer is reached — the launching thread has queued
     the layers before it, which the device runs meanwhile — and then every layer's at once; `values` makes the
     current stream wait for the layer's copy (not the host)."""
