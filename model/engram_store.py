@@ -77,6 +77,11 @@ def table_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
     return rows * dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def engram_tables(model: Transformer) -> dict[int, Embedding | Fp8Rows]:
+    """Each Engram layer's table (its `embed`: float rows, or FP8 rows and scales), by layer."""
+    return {block.layer: block.engram.embed for block in model.layers if hasattr(block, "engram")}
+
+
 class Memory(Protocol):
     """A step's Engram rows: `values(layer)` → the decoded rows [B, T, R, head_dim] of that layer's table."""
 
@@ -136,7 +141,7 @@ class EngramFetch:
     def __init__(self, model: Transformer, gather_threads: int = 4, gather_rows: int = GATHER_ROWS) -> None:
         self.device, self.gather_rows = model.device, gather_rows
         self.hash = NgramHash(model.args)  # on the host, beside the tables
-        self.tables = {block.layer: block.engram.embed for block in model.layers if hasattr(block, "engram")}
+        self.tables = engram_tables(model)
         self.gatherers = ThreadPoolExecutor(gather_threads, thread_name_prefix="engram-gather")
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.staging: dict[int, tuple[Tensor, ...]] = {}  # layer → pinned rows of its stored tensors, grown

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from model import quant
 from model.config import ModelArgs
 from model.dspark import ConfidenceHead
-from model.engram_store import Placement, place_tables
+from model.engram_store import Placement, engram_tables, place_tables
 from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm
 from model.moe import Experts, PackedExperts
 from model.parallel import SINGLE, Parallel
@@ -135,7 +135,7 @@ def pack(model: Transformer, device: torch.device, engram: Placement = "device")
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, twin)
     place_engram_tables(model, engram, device)
-    mapped = {id(t) for t in _engram_tables(model)} if engram == "mmap" else set()  # left for the loader
+    mapped = {id(t) for t in engram_tables(model).values()} if engram == "mmap" else set()  # left for the loader
     for module in model.modules():
         if id(module) in mapped:
             continue
@@ -157,14 +157,10 @@ def place_engram_tables(model: Transformer, placement: Placement, device: torch.
         raise ValueError("--engram-store mmap maps FP8 tables: it needs a quantised model in its packed form")
     where = torch.device("meta" if placement == "mmap" else "cpu")
     pin = placement == "host" and device.type == "cuda"
-    for table in _engram_tables(model):
+    for table in engram_tables(model).values():
         for key, p in list(table.named_parameters(recurse=False)):
             storage = torch.empty(p.shape, dtype=p.dtype, device=where, pin_memory=pin)
             setattr(table, key, nn.Parameter(storage, requires_grad=False))
-
-
-def _engram_tables(model: Transformer) -> list[nn.Module]:
-    return [block.engram.embed for block in model.layers if hasattr(block, "engram")]
 
 
 def engram_table_names(model: Transformer) -> list[str]:

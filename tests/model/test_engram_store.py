@@ -11,8 +11,7 @@ import torch
 
 from model import ModelArgs, SamplingParams, Transformer, build_model
 from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
-from model.engram_store import EngramFetch, HostMemory, choose_placement
-from model.linear import Fp8Rows
+from model.engram_store import EngramFetch, HostMemory, choose_placement, engram_tables
 from model.serving import Past
 
 
@@ -26,10 +25,6 @@ def checkpoint_dir(tiny_args: ModelArgs, tmp_path_factory: pytest.TempPathFactor
     out = tmp_path_factory.mktemp("engram") / "tiny"
     write_seeded(out, tiny_args, seed=0, dtype=torch.float64, shard_bytes=1 << 20)
     return out
-
-
-def tables(model: Transformer) -> list[Fp8Rows]:
-    return [block.engram.embed for block in model.layers if hasattr(block, "engram")]
 
 
 def run(model: Transformer, prompt: list[int], cut: int) -> dict[str, object]:
@@ -69,7 +64,7 @@ def assert_same(a: object, b: object) -> None:
 
 def test_host_tables_give_the_device_tables_outputs_bit_for_bit(tiny: Transformer, on_host: Transformer, tokens):
     prompt = tokens(23).tolist()
-    assert all(t.weight.device.type == "cpu" for t in tables(on_host))
+    assert all(t.weight.device.type == "cpu" for t in engram_tables(on_host).values())
     assert on_host.engram_fetch is not None
     assert tiny.engram_fetch is None
     assert_same(run(on_host, prompt, cut=13), run(tiny, prompt, cut=13))
@@ -96,7 +91,7 @@ def test_mapped_tables_are_the_shard_files_pages_and_give_the_same_outputs(check
     shards = {str(p.resolve()) for p in checkpoint_dir.glob("*.safetensors")}
     regions = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
     regions = [tuple(int(x, 16) for x in r[0].split("-")) for r in regions if len(r) >= 6 and r[5] in shards]
-    for table in tables(mapped):
+    for table in engram_tables(mapped).values():
         for t in (table.weight, table.scale):
             assert any(lo <= t.data_ptr() < hi for lo, hi in regions), "an Engram table was copied, not mapped"
     assert mapped.load_report.read_bytes < Checkpoint(checkpoint_dir).nbytes  # the tables were not read

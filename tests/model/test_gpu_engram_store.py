@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model import SamplingParams, build_model, preset
+from model.engram_store import engram_tables
 from model.weights import weight_bytes
 
 pytestmark = [
@@ -35,7 +36,7 @@ def test_host_tables_hold_nothing_on_the_gpu_and_change_no_output(name: str) -> 
     args = preset(name)
     on_device = build_model(args, seed=0, device="cuda", dtype=torch.bfloat16)
     on_host = build_model(args, seed=0, device="cuda", dtype=torch.bfloat16, engram="host")
-    tables = [block.engram.embed for block in on_host.layers if hasattr(block, "engram")]
+    tables = engram_tables(on_host).values()
     assert all(t.weight.device.type == "cpu" and t.weight.is_pinned() for t in tables)
     table_bytes = sum(weight_bytes(t) for t in tables)
     assert weight_bytes(on_host, on_host.device) == weight_bytes(on_device, on_device.device) - table_bytes
