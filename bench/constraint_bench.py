@@ -42,7 +42,7 @@ from decode_svc.guide import Guide  # noqa: E402
 from decode_svc.masking import Chain, Masks  # noqa: E402
 from decode_svc.sampler import StepSampling  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
-from model import Transformer  # noqa: E402
+from model import DecodeBatch, Transformer, encode_prefill  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
 from proto.decode.v1 import decode_pb2  # noqa: E402
 from recipe import Conversation, ModelVersion, ResponseFormat, User, load_tokenizer, render  # noqa: E402
@@ -102,8 +102,8 @@ class Rows:
     """B rows of one prompt in a DecodeBatch, their pending tokens and (when constrained) their guides."""
 
     def __init__(self, model: Transformer, prompt: list[int], batch: int, grammar: Any | None) -> None:
-        prefill = model.encode_prefill(prompt, None)
-        self.batch = model.new_decode_batch(capacity=batch)
+        prefill = encode_prefill(model, prompt, None)
+        self.batch = DecodeBatch(model, capacity=batch)
         joined = self.batch.join_many([(prefill.blocks, prefill.encoder_state)] * batch)
         self.pending = [int(logits.argmax()) for _, logits in joined]
         self.grammar = grammar
@@ -126,7 +126,7 @@ class Rows:
 
 
 def plain_step(model: Transformer, rows: Rows, clock: Clock) -> None:
-    logits = model.decode_step(rows.batch, rows.pending)
+    logits = rows.batch.decode_step(rows.pending)
     rows.pending = greedy(len(rows.pending), rows.masks(clock)).probs(logits).argmax(-1).tolist()
     with clock.timed():
         rows.follow([[t] for t in rows.pending])
@@ -134,9 +134,9 @@ def plain_step(model: Transformer, rows: Rows, clock: Clock) -> None:
 
 def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> None:
     sampling = greedy(len(rows.pending), rows.masks(clock))
-    draft = model.dspark_draft(rows.batch, rows.pending, sampling)
+    draft = rows.batch.dspark_draft(rows.pending, sampling)
     chain = sampling.masks.close() if sampling.masks is not None else None
-    result = model.verify(rows.batch, rows.pending, draft, greedy(len(rows.pending), rows.masks(clock, chain)))
+    result = rows.batch.verify(rows.pending, draft, greedy(len(rows.pending), rows.masks(clock, chain)))
     rows.pending = [tokens[-1] for tokens in result.tokens]
     with clock.timed():
         rows.follow(result.tokens)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import filled_decode_batch
 
-from model import build_model, preset, serving
+from model import build_model, encode_prefill, preset
 from model.checkpoint import map_bytes
 from model.config import ModelArgs
 from model.engram import table_sizes
@@ -84,7 +84,7 @@ def step_ms(model, batch, ids: torch.Tensor, steps: int) -> float:
         torch.cuda.synchronize()
     start = time.perf_counter()
     for s in range(steps):
-        serving.decode_step(model, batch, ids[s].tolist())
+        batch.decode_step(ids[s].tolist())
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps * 1e3
@@ -124,7 +124,7 @@ def bench_prefill(models: dict, tokens: int, rounds: int) -> dict:
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            model.encode_prefill(ids, chunk_tokens=tokens)
+            encode_prefill(model, ids, chunk_tokens=tokens)
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             if r:  # the first round warms
@@ -141,10 +141,10 @@ def overlap(model, out: Path) -> list[dict]:
     ids = trace_ids(64 * 4, 129280).view(4, 64)
     prompt = trace_ids(4096, 129280).tolist()
     step_ms(model, batch, ids, 2)
-    model.encode_prefill(prompt, chunk_tokens=4096)
+    encode_prefill(model, prompt, chunk_tokens=4096)
     return [
         profiled(lambda: step_ms(model, batch, ids[2:], 1), out / "engram_host_step.json", "decode B=64"),
-        profiled(lambda: model.encode_prefill(prompt, chunk_tokens=4096), out / "engram_host_prefill.json", "prefill"),
+        profiled(lambda: encode_prefill(model, prompt, chunk_tokens=4096), out / "engram_host_prefill.json", "prefill"),
     ]
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from serve_bench import machine  # noqa: E402
 
-from model import DecodeBatch, PrefillOutput, Transformer  # noqa: E402
+from model import DecodeBatch, PrefillOutput, Transformer, encode_prefill  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
 
 console = Console(width=120)
@@ -61,11 +61,11 @@ def measure(model: Transformer, args: argparse.Namespace) -> list[dict[str, floa
     rng = random.Random(0)
 
     def prefill() -> PrefillOutput:
-        return model.encode_prefill([rng.randrange(10, model.args.vocab_size) for _ in range(rng.randint(W, 40 * W))])
+        return encode_prefill(model, [rng.randrange(10, model.args.vocab_size) for _ in range(rng.randint(W, 40 * W))])
 
     arrivals = [int(k) for k in args.arrivals.split(",")]
     prompts = [prefill() for _ in range(max(arrivals))]
-    batch = model.new_decode_batch(args.running + max(arrivals))
+    batch = DecodeBatch(model, args.running + max(arrivals))
     for _ in range(args.running):
         ours(batch, [prefill()])
     timed(batch, ours, prompts)  # warm-up: the batch's buffers grown, the kernels loaded

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton
 
-from model import kernels, quant
+from model import DecodeBatch, kernels, quant
 from model.engram_store import DeviceMemory
 from model.kernels import fp8_gemm, indexer, kv_quant, sparse_attn, topk
 
@@ -827,12 +827,13 @@ def decode_model(tiny: bool, context: int):
     return build_model(args, device=DEVICE, dtype=dtype)
 
 
-def filled_decode_batch(model, B: int, context: int, steps: int):
+def filled_decode_batch(model, B: int, context: int, steps: int, graphs: bool | None = None):
     """A decode batch of B sequences at `context` tokens, its packed state synthesised instead of prefilled: random
     FP8 ring entries holding the last W positions, random packed FP4 main-KV / indexer-K entries (room for `steps`
-    more), random Engram look-back ids. Decode reads exactly these tensors; their values only shape the scores."""
+    more), random Engram look-back ids. Decode reads exactly these tensors; their values only shape the scores.
+    `graphs`: as `DecodeBatch`'s (None: CUDA graphs on a GPU)."""
     a = model.args
-    batch = model.new_decode_batch(B)
+    batch = DecodeBatch(model, B, graphs=graphs)
     cache = batch.cache
     for _ in range(B):
         cache.add_row()
@@ -877,11 +878,10 @@ def dense_decode_step(model, tokens: torch.Tensor, position: int, history: torch
 
 def ours_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
     """`model.serving.decode_step` over a synthesised decode batch at `context` tokens."""
-    from model import serving
 
     batch = filled_decode_batch(model, B, context, steps)
     tokens = torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE)
-    return lambda: serving.decode_step(model, batch, tokens)
+    return lambda: batch.decode_step(tokens)
 
 
 def dense_step(model, B: int, context: int, steps: int) -> Callable[[], object]:

@@ -42,7 +42,7 @@ import torch
 # A --decode-step child of --baseline imports another revision's model.
 sys.path.insert(0, os.environ.get("MODEL_BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
 
-from model import Transformer, build_model, preset, serving
+from model import DecodeBatch, Transformer, build_model, encode_prefill, preset, serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def decode_rate(model: Transformer, out: serving.PrefillOutput, batch: int, steps: int, device, repeat: int) -> float:
     """Tokens/s of `steps` decode steps over `batch` sequences continuing one prompt."""
-    b = model.new_decode_batch(capacity=batch)
+    b = DecodeBatch(model, capacity=batch)
     seq, _ = b.join(out.blocks, out.encoder_state)
     for _ in range(batch - 1):
         b.fork(seq)
@@ -92,7 +92,7 @@ def decode_rate(model: Transformer, out: serving.PrefillOutput, batch: int, step
 
     def run() -> None:
         for t in range(steps):
-            model.decode_step(b, ids[t])
+            b.decode_step(ids[t])
 
     return batch * steps / timed(run, device, repeat)
 
@@ -101,17 +101,17 @@ def bench(name: str, prompt: int, chunk: int, steps: int, device: torch.device, 
     args = preset(name)
     model = build_model(args, seed=0, device=device, dtype=dtype)
     tokens = torch.randint(0, args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).to(device)
-    ours = timed(lambda: model.encode_prefill(tokens, chunk_tokens=chunk), device, repeat)
+    ours = timed(lambda: encode_prefill(model, tokens, chunk_tokens=chunk), device, repeat)
     peer = timed(lambda: full_depth_prefill(model, tokens, chunk), device, repeat)
-    out = model.encode_prefill(tokens, chunk_tokens=chunk)
-    replay = timed(lambda: model.new_decode_batch().join(out.blocks, out.encoder_state), device, repeat)
+    out = encode_prefill(model, tokens, chunk_tokens=chunk)
+    replay = timed(lambda: DecodeBatch(model).join(out.blocks, out.encoder_state), device, repeat)
     # What the approximations cost (random weights: indicative only): the decoder bounded replay against the exact
     # full-depth logits, and an encoder replay after a half-prompt cache hit without its SWA record.
     exact = full_depth_prefill(model, tokens, chunk)
-    _, replayed = model.new_decode_batch().join(out.blocks, out.encoder_state)
+    _, replayed = DecodeBatch(model).join(out.blocks, out.encoder_state)
     hit = out.blocks[: len(out.blocks) // 2]
-    warmless = model.encode_prefill(tokens, serving.Past(hit), chunk_tokens=chunk)
-    _, hit_logits = model.new_decode_batch().join(hit + warmless.blocks, warmless.encoder_state)
+    warmless = encode_prefill(model, tokens, serving.Past(hit), chunk_tokens=chunk)
+    _, hit_logits = DecodeBatch(model).join(hit + warmless.blocks, warmless.encoder_state)
     row = {
         "preset": name,
         "params": sum(p.numel() for p in model.parameters()),
@@ -160,16 +160,16 @@ def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.dev
 
     model = build_model(preset(name), seed=0, device=device, dtype=dtype)
     tokens = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
-    out = model.encode_prefill(tokens.to(device), chunk_tokens=256)
-    b = model.new_decode_batch(capacity=batch)
+    out = encode_prefill(model, tokens.to(device), chunk_tokens=256)
+    b = DecodeBatch(model, capacity=batch)
     seq, _ = b.join(out.blocks, out.encoder_state)
     for _ in range(batch - 1):
         b.fork(seq)
     ids, sampling = [1] * batch, SamplingParams.uniform(batch)
-    lane = model.new_decode_batch(capacity=batch)
+    lane = DecodeBatch(model, capacity=batch)
 
     def speculate() -> None:
-        model.verify(b, ids, model.dspark_draft(b, ids, sampling), sampling)
+        b.verify(ids, b.dspark_draft(ids, sampling), sampling)
 
     def join() -> None:
         lane.join_many([(out.blocks, out.encoder_state)] * batch)
@@ -179,7 +179,7 @@ def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.dev
             lane.leave(s)
 
     row = {"preset": name, "batch": batch, "prompt_tokens": prompt}
-    calls = (("decode_step", lambda: model.decode_step(b, ids)), ("draft_verify", speculate), ("join", join))
+    calls = (("decode_step", lambda: b.decode_step(ids)), ("draft_verify", speculate), ("join", join))
     for key, fn in calls:
         times = []
         for _ in range(steps + 1):  # the first call warms up

@@ -219,11 +219,11 @@ def bench_steps(ns: argparse.Namespace) -> list[dict]:
 
 
 def step_row(name: str, model, B: int, context: int, repeat: int, build_s: float) -> dict:
-    batch = filled_decode_batch(model, B, context, steps=2 * repeat + 8)
+    batch = filled_decode_batch(model, B, context, steps=2 * repeat + 8, graphs=False)
     tokens = torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE)
     with torch.no_grad():
-        eager = wall_ms(lambda: serving.decode_step(model, batch, tokens), repeat + 2)[2:]
-        weights = touched_bytes(model, lambda: serving.decode_step(model, batch, tokens))
+        eager = wall_ms(lambda: batch.decode_step(tokens), repeat + 2)[2:]
+        weights = touched_bytes(model, lambda: batch.decode_step(tokens))  # module hooks: an eager step
         step = batch.cache.step(tokens)
 
         def forward() -> None:

@@ -79,7 +79,7 @@ class Engine:
         self.metrics = metrics
         self.log = log
         self.write_back = write_back
-        self.batches: dict[Lane, DecodeBatch] = {lane: model.new_decode_batch() for lane in Lane}
+        self.batches: dict[Lane, DecodeBatch] = {lane: self._new_batch() for lane in Lane}
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
         self.prefilling: dict[Sequence, LocalPrefill] = {}  # PREFILLING sequences, in arrival order
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
@@ -334,11 +334,15 @@ class Engine:
         except Exception as exc:  # a bug or out of memory: this lane's sequences fail, the engine goes on
             self.log.exception("step_failed", lane=lane.value, batch=len(rows))
             self._fail(rows, f"the decode engine failed: {exc}")
-            self.batches[lane], self.rows[lane] = self.model.new_decode_batch(), {}
+            self.batches[lane], self.rows[lane] = self._new_batch(), {}
+
+    def _new_batch(self) -> DecodeBatch:
+        """A lane's batch, holding max_batch rows from the start (its step graphs are never reallocated by a join)."""
+        return DecodeBatch(self.model, capacity=self.settings.max_batch)
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):
-            logits = self.model.decode_step(batch, pending)
+            logits = batch.decode_step(pending)
             tokens = sample_rows(batch_sampling(rows).probs(logits), rows)  # on the host: the forward has run
         return [[t] for t in tokens], logits.unsqueeze(1)
 
@@ -353,7 +357,7 @@ class Engine:
         generators = [seq.generator for seq in rows]
         with self.times.timed(Forward.DRAFT, len(rows)):
             sampling = batch_sampling(rows)
-            draft = self.model.dspark_draft(batch, pending, sampling, generators)
+            draft = batch.dspark_draft(pending, sampling, generators)
             chain = sampling.masks.close() if sampling.masks is not None else None  # the guides back at the step
             confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
         caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
@@ -370,8 +374,8 @@ class Engine:
         lengths = [min(width, cap) for cap in caps]
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
             verify = batch_sampling(rows, chain.trim(width) if chain is not None else None)
-            result = self.model.verify(
-                batch, pending, trim(draft, width), verify, torch.tensor(lengths), generators
+            result = batch.verify(
+                pending, trim(draft, width), verify, torch.tensor(lengths), generators
             )  # its acceptance is read on the host inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from decode_svc.speculation import trim
-from model import SamplingParams, Transformer
+from model import DecodeBatch, SamplingParams, Transformer, encode_prefill
 
 WINDOW = 15
 PROFILE_ROWS = (1, 2)
@@ -95,18 +95,18 @@ def profile(model: Transformer, times: StepTimes, max_draft: int) -> None:
     """Seed `times`: plain, draft and verify forwards (the narrowest and the widest verify) of a short prompt at 1 and
     2 rows, PROFILE_REPEATS times each, on a scratch batch the engine then drops. Each timing ends when the host has
     read the result (on a GPU the kernels are queued: only then have they run)."""
-    prompt = model.encode_prefill(PROFILE_PROMPT)
-    batch = model.new_decode_batch(max(PROFILE_ROWS))
+    prompt = encode_prefill(model, PROFILE_PROMPT)
+    batch = DecodeBatch(model, max(PROFILE_ROWS))
     for rows in PROFILE_ROWS:
         while len(batch) < rows:
             batch.join(prompt.blocks, prompt.encoder_state)
         pending, greedy = [0] * rows, SamplingParams.uniform(rows)
         for _ in range(PROFILE_REPEATS):
             with times.timed(Forward.PLAIN, rows):
-                model.decode_step(batch, pending).argmax(-1).tolist()
+                batch.decode_step(pending).argmax(-1).tolist()
             with times.timed(Forward.DRAFT, rows):
-                draft = model.dspark_draft(batch, pending, greedy)
+                draft = batch.dspark_draft(pending, greedy)
                 draft.confidence.tolist()
             for width in sorted({1, max_draft}):
                 with times.timed(Forward.VERIFY, rows * (1 + width)):
-                    model.verify(batch, pending, trim(draft, width), greedy)  # reads its acceptance on the host
+                    batch.verify(pending, trim(draft, width), greedy)  # reads its acceptance on the host

@@ -5,10 +5,11 @@ Imports only torch, numpy, safetensors, tqdm, tokenizers and the standard librar
 
 from model.checkpoint import checkpoint_fingerprint, load_checkpoint, load_weights, save_checkpoint
 from model.config import PRESETS, ModelArgs, preset
+from model.decode import DecodeBatch, SequenceExport, VerifyResult
 from model.dspark import Draft, draft_logits
 from model.kv import LAYOUT_VERSION, EncoderState, GlobalKVBlock, PackedEntries, global_kv_bytes_per_token
 from model.sampling import SamplingParams, sample, speculative_accept
-from model.serving import DecodeBatch, Past, PrefillOutput, PrefillRun, SequenceExport, VerifyResult
+from model.serving import Past, PrefillOutput, PrefillRun, bounded_replay, encode_prefill
 from model.transformer import Transformer
 from model.weights import build_model, init_weights, model_fingerprint
 
@@ -28,9 +29,11 @@ __all__ = [
     "SequenceExport",
     "Transformer",
     "VerifyResult",
+    "bounded_replay",
     "build_model",
     "checkpoint_fingerprint",
     "draft_logits",
+    "encode_prefill",
     "global_kv_bytes_per_token",
     "init_weights",
     "load_checkpoint",

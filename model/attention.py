@@ -207,8 +207,7 @@ class Attention(nn.Module):
             if role.owns_kv and not step.replay:
                 self.write_entries(x, step)
             n_visible = step.n_visible(role.ratio)
-            entries = step.cache.entries[role.kv_source]
-            kv_data, kv_scale, k_data, k_scale = entries.view(step.rows, step.max_visible(role.ratio))
+            kv_data, kv_scale, k_data, k_scale = step.entries(role.kv_source, role.ratio)
             if role.owns_index_query:
                 q_data, q_scale, w = self.index_queries(x, qr, positions)
                 scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)

@@ -209,12 +209,15 @@ class KVCache:
             owners += [(pending, "kv"), (pending, "score")]
         return owners
 
+    def _reserve_rows(self, rows: int) -> None:
+        if rows > self.capacity:  # by doubling
+            for owner, name in self._row_tensors():
+                setattr(owner, name, _grow(getattr(owner, name), 0, rows))
+
     def add_row(self) -> int:
         """A fresh empty row (position 0); grows the capacity by doubling when full."""
         row = self.n_rows
-        if row == self.capacity:
-            for owner, name in self._row_tensors():
-                setattr(owner, name, _grow(getattr(owner, name), 0, row + 1))
+        self._reserve_rows(row + 1)
         for owner, name in self._row_tensors():
             t = getattr(owner, name)
             t[row].fill_(-1 if t.dtype == torch.int64 else 0)  # fill_: no scalar tensor made per tensor and row
@@ -255,6 +258,7 @@ class KVCache:
         replay: bool = False,
         history: Tensor | None = None,
         replayed: int = 0,
+        static: bool = False,
     ) -> Step:
         """A forward over tokens [B, T] of cache rows `rows` (all active rows by default) at their next positions.
 
@@ -265,11 +269,12 @@ class KVCache:
         is the Engram look-back before the first replayed token (the decoder replay has no tokens at all: it
         starts from H^{L/2}). `replayed` > 0 makes only the step's first `replayed` positions such a replay: one
         forward rebuilds the windows of a cached prefix and encodes the tokens after it, whose entries are written
-        and past which positions and history advance.
+        and past which positions and history advance. A `static` step's shapes do not depend on its positions
+        (model.graphs): it may run rows past n_rows (padding, at position 0) and views every entry reserved.
         """
         rows = slice(0, self.n_rows) if rows is None else rows
         if positions is None:
-            start = self.pos[rows]
+            start = self.pos[rows] + [0] * (rows.stop - max(rows.start, self.n_rows))  # rows past n_rows: padding
             positions = self.next_positions(rows).unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device)
         else:
             start = positions[:, 0].tolist()
@@ -280,15 +285,38 @@ class KVCache:
         tokens = None if tokens is None else tokens.to(self.device)
         history = self.history[rows] if history is None else history.to(self.device)
         replayed = positions.shape[1] if replay else replayed
-        return Step(self, rows, tokens, positions, start, replayed, history, host=host)
+        return Step(self, rows, tokens, positions, start, replayed, history, host=host, static=static)
 
     def next_positions(self, rows: slice) -> Tensor:
         """int64 [B]: the next position of each row (its committed length), on the device."""
         if self._next_of != self.pos:  # rows joined, left or forked, or `pos` was set directly
-            self._next = _grow(self._next, 0, self.capacity)
-            self._next[: self.n_rows] = torch.tensor(self.pos, dtype=torch.int64)
+            pos = torch.zeros(self.capacity, dtype=torch.int64)  # rows without a sequence: position 0
+            pos[: self.n_rows] = torch.tensor(self.pos, dtype=torch.int64)
+            if self._next.shape[0] != self.capacity:
+                self._next = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+            self._next.copy_(pos)
             self._next_of = list(self.pos)
         return self._next[rows]
+
+    def advance_device(self, rows: slice, by: Tensor) -> None:
+        """Rows' device positions move by `by` [B] (a captured step: the host follows with `advanced`)."""
+        self._next[rows] += by
+
+    def advanced(self, n: int) -> None:
+        """The first n rows moved one position on the device (a replayed step): the host follows."""
+        for r in range(n):
+            self.pos[r] += 1
+        self._next_of = list(self.pos)
+
+    def reserve(self, rows: int, positions: int) -> None:
+        """Room for `rows` rows and, in every row, the entries of `positions` positions plus a step's write-ahead."""
+        self._reserve_rows(rows)
+        for layer, entries in self.entries.items():
+            entries.reserve(positions // self.args.compress_ratios[layer] + 1)
+
+    def layout(self) -> tuple[int, ...]:
+        """Changes whenever a buffer a step reads is reallocated (every growth changes a shape)."""
+        return (self.capacity, *(e.kv_data.shape[1] for e in self.entries.values()))
 
     def advance(self, rows: slice, start: list[int], keep: list[int], keep_t: Tensor | None) -> None:
         """Rows' positions move past their kept tokens, on the host and (in place) on the device."""
@@ -316,6 +344,7 @@ class Step:
     rings: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer → staged (data, scale) [B, T, ·]
     groups: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer → (kv, score, n_open)
     hidden: tuple[Tensor, Tensor] | None = None  # staged H^{L/2} rows (X [B, T, n, C], pre [B, T, n])
+    static: bool = False  # shapes independent of positions (a captured step, model.graphs)
 
     @property
     def batch(self) -> int:
@@ -353,6 +382,12 @@ class Step:
         """The largest n_visible(ratio), from the host positions."""
         return (max(self.start) + self.length) // ratio
 
+    def entries(self, source: int, ratio: int) -> tuple[Tensor, ...]:
+        """A KV source's packed entries (kv data, kv scale, K data, K scale) [B, N, ·] as the step's queries may see
+        them: N = the host bound on the visible ones, or every entry reserved in a static step."""
+        entries = self.cache.entries[source]
+        return entries.view(self.rows, entries.kv_data.shape[1] if self.static else self.max_visible(ratio))
+
     def window(self, layer: int, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Stage this step's ring entries of a layer; return its attention keys and window mask."""
         self.rings[layer] = (data, scale)
@@ -362,24 +397,27 @@ class Step:
         """Keep the first keep[b] positions of row b (all by default) and advance the rows' positions."""
         cache, B, T = self.cache, self.batch, self.length
         keep_t = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=cache.device)
+        self.write(keep_t)
+        if not self.replay:
+            if self.host is not None and cache.host_history is not None:
+                host_keep = None if keep is None else torch.tensor(keep, dtype=torch.int64)
+                _keep_last(cache.host_history, self.rows, self.host[1], self.host[0], host_keep)
+            cache.advance(self.rows, self.start, [T] * B if keep is None else keep, keep_t)
+
+    def write(self, keep: Tensor | None = None) -> None:
+        """The device half of a commit: rings, open groups, H^{L/2} rows and look-back keep the first keep[b]
+        positions of row b (all: None); positions do not move."""
+        cache = self.cache
         for layer, (data, scale) in self.rings.items():
-            cache.rings[layer].commit(self.rows, data, scale, self.positions, keep_t)
+            cache.rings[layer].commit(self.rows, data, scale, self.positions, keep)
         for layer, (kv, score, n_open) in self.groups.items():
-            self._commit_group(layer, kv, score, n_open, keep_t)
+            self._commit_group(layer, kv, score, n_open, keep)
         if self.hidden is not None:
             X, pre = self.hidden
             pairs = ((cache.hidden, X), (cache.hidden_pre, pre))
-            _write_kept(pairs, self.rows, self.positions, keep_t, cache.args.sliding_window)
-        if not self.replay:
-            self._commit_history(keep_t, keep)
-            cache.advance(self.rows, self.start, [T] * B if keep is None else keep, keep_t)
-
-    def _commit_history(self, keep_t: Tensor | None, keep: list[int] | None) -> None:
-        """Each row's look-back ends with its kept tokens (on the host too, where the cache mirrors it)."""
-        _keep_last(self.cache.history, self.rows, self.history, self.tokens, keep_t)
-        if self.host is not None and self.cache.host_history is not None:
-            host_keep = None if keep is None else torch.tensor(keep, dtype=torch.int64)
-            _keep_last(self.cache.host_history, self.rows, self.host[1], self.host[0], host_keep)
+            _write_kept(pairs, self.rows, self.positions, keep, cache.args.sliding_window)
+        if not self.replay:  # each row's look-back ends with its kept tokens
+            _keep_last(cache.history, self.rows, self.history, self.tokens, keep)
 
     def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: Tensor, keep: Tensor | None) -> None:
         """New open group = the kept tokens after the last complete group (kv/score are group-aligned [B, L, D])."""

@@ -9,9 +9,9 @@ layer L/2's attn_norm + compressor + indexer keys (the decoder's global KV is pr
 adds the decoder, the head and the DSpark blocks. `parallel` says which routed experts the model holds: all of them,
 or one rank's share in an expert-parallel group whose ranks run every forward together (`model.parallel`).
 
-`forward` is the dense, differentiable form over whole sequences (training, and the oracle of the tests). The
-serving split — `encode_prefill`, `bounded_replay`, `decode_step`, `dspark_draft`, `verify` — runs the same modules
-over packed caches (model.serving).
+`forward` is the dense, differentiable form over whole sequences (training, and the oracle of the tests).
+`new_cache` and `step_layers` run the same modules over a packed cache: the serving split — prefill and bounded
+replay (model.serving), decoding with DSpark (model.decode) — is built from them.
 """
 
 from __future__ import annotations
@@ -22,19 +22,16 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from model import serving
 from model.attention import SharedEntries
 from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
-from model.dspark import Draft, DSparkBlock
+from model.dspark import DSparkBlock
 from model.engram import NgramHash
 from model.engram_store import DeviceMemory, EngramFetch, Memory
 from model.linear import Embedding, Linear, RMSNorm
 from model.mhc import hc_collapse, identity_pre
 from model.parallel import SINGLE, Parallel
-from model.sampling import Generators, SamplingParams
-from model.serving import DecodeBatch, Past, PrefillOutput, VerifyResult
 
 Part = Literal["full", "encoder"]
 
@@ -187,44 +184,3 @@ class Transformer(nn.Module):
         layers = list(layers)
         memory = self.engram_memory(step) if any(self.args.role(i).engram for i in layers) else None
         return self.run_layers(layers, X, pre, lambda block, x: block.attn.forward_step(x, step), memory, taps)
-
-    # ------------------------------------------------------------------------------------ the serving split
-    def encode_prefill(
-        self,
-        tokens: Tensor | Sequence[int],
-        past: Past | None = None,
-        *,
-        chunk_tokens: int = 512,
-        progress: bool = False,
-    ) -> PrefillOutput:
-        """Encoder half over a sequence: new global KV blocks + the handoff encoder state (model.serving)."""
-        return serving.encode_prefill(self, tokens, past, chunk_tokens=chunk_tokens, progress=progress)
-
-    def bounded_replay(self, cache: KVCache, row: int, side: str, tokens: Tensor | None = None) -> Tensor | None:
-        """Rebuild a row's SWA rings from its last W positions (model.serving)."""
-        return serving.bounded_replay(self, cache, row, side, tokens)
-
-    def new_decode_batch(self, capacity: int = 8) -> DecodeBatch:
-        return serving.DecodeBatch(self, capacity)
-
-    def decode_step(self, batch: DecodeBatch, tokens: Tensor | Sequence[int]) -> Tensor:
-        """One token per sequence of the batch → next-token logits [B, V] (model.serving)."""
-        return serving.decode_step(self, batch, tokens)
-
-    def dspark_draft(
-        self, batch: DecodeBatch, tokens: Tensor | Sequence[int], sampling: SamplingParams, generator: Generators = None
-    ) -> Draft:
-        """γ drafts per sequence after the pending tokens (model.serving)."""
-        return serving.dspark_draft(self, batch, tokens, sampling, generator)
-
-    def verify(
-        self,
-        batch: DecodeBatch,
-        tokens: Tensor | Sequence[int],
-        draft: Draft,
-        sampling: SamplingParams,
-        lengths: Tensor | None = None,
-        generator: Generators = None,
-    ) -> VerifyResult:
-        """Lossless verification of the drafts; commits the accepted tokens (model.serving)."""
-        return serving.verify(self, batch, tokens, draft, sampling, lengths, generator)

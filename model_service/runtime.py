@@ -23,7 +23,16 @@ from cache_svc.client import AsyncCacheClient
 from mesh.grpc_server import GrpcServer, Registrar
 from mesh.logging import get_logger
 from mesh.metrics import new_registry, serve_metrics
-from model import LAYOUT_VERSION, SamplingParams, Transformer, build_model, load_checkpoint, preset
+from model import (
+    LAYOUT_VERSION,
+    DecodeBatch,
+    SamplingParams,
+    Transformer,
+    build_model,
+    encode_prefill,
+    load_checkpoint,
+    preset,
+)
 from model.checkpoint import Checkpoint
 from model.engram_store import choose_placement, table_bytes
 from model.transformer import Part
@@ -70,14 +79,14 @@ def load_model(
 def warm_up(model: Transformer) -> None:
     """One tiny pass through every path a request takes, before the replica reports SERVING: first calls build lazy
     state (the Engram hash tables, kernel and allocator caches), and the first user should not pay for it."""
-    out = model.encode_prefill([0])
+    out = encode_prefill(model, [0])
     if model.part != "full":
         return
-    batch = model.new_decode_batch()
+    batch = DecodeBatch(model)
     batch.join(out.blocks, out.encoder_state)
     greedy = SamplingParams.uniform(1)
-    model.verify(batch, [0], model.dspark_draft(batch, [0], greedy), greedy)
-    model.decode_step(batch, [0])
+    batch.verify([0], batch.dspark_draft([0], greedy), greedy)
+    batch.decode_step([0])
 
 
 def prompt_error(token_ids: Sequence[int], model: Transformer, *, room: int = 1) -> str | None:

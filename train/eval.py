@@ -35,7 +35,7 @@ from rich.table import Table
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from model import SamplingParams, Transformer, draft_logits, load_checkpoint, sample
+from model import DecodeBatch, SamplingParams, Transformer, draft_logits, encode_prefill, load_checkpoint, sample
 from recipe import Assistant, Conversation, ToolCall, render, render_history
 from train import batches as batching
 from train import calibrate, data, tools
@@ -141,12 +141,12 @@ def generate(
         raise ValueError(f"max_new must be at least 1, got {max_new}")
     eos = model.args.eos_token_id
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    batch = model.new_decode_batch(capacity=len(prompts))
+    batch = DecodeBatch(model, capacity=len(prompts))
     seqs: dict[int, Generation] = {}
     prompt_of: dict[int, int] = {}
     with torch.no_grad():
         for index, prompt in enumerate(prompts):
-            prefill = model.encode_prefill(prompt)
+            prefill = encode_prefill(model, prompt)
             seq_id, logits = batch.join(prefill.blocks, prefill.encoder_state)
             prompt_of[seq_id] = index
             first = sample(SamplingParams.uniform(1, temperature).probs(logits[None]), generator)
@@ -159,13 +159,13 @@ def generate(
             pending = [seqs[s].tokens[-1] for s in batch.seq_ids]
             params = SamplingParams.uniform(len(batch), temperature)
             if speculative:
-                draft = model.dspark_draft(batch, pending, params, generator)
-                result = model.verify(batch, pending, draft, params, generator=generator)
+                draft = batch.dspark_draft(pending, params, generator)
+                result = batch.verify(pending, draft, params, generator=generator)
                 emitted = result.tokens
                 stats.accepted += result.accepted.tolist()
                 stats.confidences += draft.confidence.float().cpu().tolist()
             else:
-                logits = model.decode_step(batch, pending)
+                logits = batch.decode_step(pending)
                 emitted = [[int(t)] for t in sample(params.probs(logits), generator)]
             stats.steps += 1
             for seq_id, new in zip(list(batch.seq_ids), emitted, strict=True):

@@ -11,7 +11,7 @@ import pytest
 from driven import GREEDY, Driven, driven_engine
 
 from decode_svc.sequence import Failure, Sampling, Sequence, State
-from model import PrefillOutput, Transformer
+from model import PrefillOutput, Transformer, encode_prefill
 
 SEEDED = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=5)
 
@@ -52,7 +52,7 @@ def test_arrivals_of_one_iteration_join_in_one_forward_per_lane_and_decode_as_ea
     encoder, model = models
     assert min(r.length for r in REQUESTS) < model.args.sliding_window < max(r.length for r in REQUESTS)
     ids = [prompt(r.length) for r in REQUESTS]
-    handoffs = [encoder.encode_prefill(x) for x in ids]
+    handoffs = [encode_prefill(encoder, x) for x in ids]
     settings = {"max_batch": 8, "max_queue": 8, "speculation": speculation, "max_draft": 2, "draft_policy": "full"}
 
     alone = []
@@ -84,7 +84,7 @@ def test_a_prompt_that_cannot_be_restored_fails_alone(
 ) -> None:
     encoder, model = models
     ids = [prompt(n) for n in (20, 37, 21)]
-    handoffs = [encoder.encode_prefill(x) for x in ids]
+    handoffs = [encode_prefill(encoder, x) for x in ids]
     with driven_engine(model, max_batch=4) as driven:
         alone = []
         for handoff, x in zip(handoffs, ids, strict=True):

@@ -22,7 +22,7 @@ from service_mesh import Mesh, metric_value, token_ids
 from decode_svc.local_prefill import LocalPrefill
 from decode_svc.sequence import End, Failure, State
 from mesh.block_keys import block_keys, sequence_key
-from model import EncoderState, Past, Transformer
+from model import DecodeBatch, EncoderState, Past, Transformer, encode_prefill
 from model_service.kvstore import encode_with_past
 from proto.decode.v1 import decode_pb2
 
@@ -39,7 +39,7 @@ def chunked(model: Transformer, ids: list[int], past: Past | None, chunk: int) -
 
 def first_logits(model: Transformer, past: Past | None, blocks: list, state: EncoderState) -> torch.Tensor:
     cached = past.blocks if past is not None else []
-    return model.new_decode_batch().join(cached + blocks, state)[1]
+    return DecodeBatch(model).join(cached + blocks, state)[1]
 
 
 @pytest.mark.parametrize("past_kind", ["none", "record", "blocks"])
@@ -47,7 +47,7 @@ def test_chunks_equal_one_encode_over_the_whole_prompt(models, prompt: Callable,
     model = models[1]
     Bt, chunk = model.args.kv_block_tokens, 12  # chunk boundaries fall inside blocks too
     ids = prompt(5 * Bt + 7)
-    turn1 = model.encode_prefill(ids[: 2 * Bt + 5], chunk_tokens=chunk)  # a previous turn that ended mid-block
+    turn1 = encode_prefill(model, ids[: 2 * Bt + 5], chunk_tokens=chunk)  # a previous turn that ended mid-block
     past = {
         "none": None,
         "record": Past(turn1.blocks, turn1.encoder_state),
@@ -115,12 +115,12 @@ def driven(models) -> Iterator[Driven]:
 
 
 def greedy_alone(model: Transformer, ids: list[int], n: int) -> list[int]:
-    out = model.encode_prefill(ids, chunk_tokens=len(ids))
-    batch = model.new_decode_batch()
+    out = encode_prefill(model, ids, chunk_tokens=len(ids))
+    batch = DecodeBatch(model)
     _, logits = batch.join(out.blocks, out.encoder_state)
     tokens = [int(logits.argmax())]
     while len(tokens) < n:
-        tokens.append(int(model.decode_step(batch, tokens[-1:])[0].argmax()))
+        tokens.append(int(batch.decode_step(tokens[-1:])[0].argmax()))
     return tokens
 
 
@@ -189,7 +189,7 @@ def test_a_chunk_that_fails_fails_its_sequence_only(driven: Driven, models, prom
     engine.iterate()
     Bt = engine.model.args.kv_block_tokens
     ids = prompt(3 * Bt)
-    unfit = models[1].encode_prefill(ids[: 2 * Bt]).blocks[1:]  # a prefix that does not start at block 0
+    unfit = encode_prefill(models[1], ids[: 2 * Bt]).blocks[1:]  # a prefix that does not start at block 0
     broken = driven.submit(ids, limit=4, past=Past(unfit))
     engine.iterate()
     assert broken.state is State.FAILED

@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from model import Transformer
+from model import DecodeBatch, Transformer, encode_prefill, serving
 from model.cache import _kept, _write_kept
 from model.linear import quantize_input
 from model.mhc import hc_split_sinkhorn
@@ -38,7 +38,7 @@ def test_moe_sums_each_tokens_chosen_experts(tiny: Transformer, tiny_float: Tran
 
 def test_device_positions_follow_joins_forks_leaves_and_direct_sets(tiny: Transformer, tokens):
     """`next_positions` (what steps read) always equals the host `pos`, however it changed."""
-    batch = tiny.new_decode_batch(capacity=2)
+    batch = DecodeBatch(tiny, capacity=2)
     cache = batch.cache
 
     def check() -> None:
@@ -47,12 +47,12 @@ def test_device_positions_follow_joins_forks_leaves_and_direct_sets(tiny: Transf
     a, _ = batch.join(*_prefill(tiny, tokens(21)))
     check()
     b = batch.fork(a)
-    tiny.decode_step(batch, [3, 4])
+    batch.decode_step([3, 4])
     check()
     batch.join(*_prefill(tiny, tokens(9)))  # grows the capacity
     check()
     batch.leave(b)
-    tiny.decode_step(batch, [5, 6])
+    batch.decode_step([5, 6])
     check()
     cache.pos[0] += 4  # a caller (a benchmark, a restore) may set positions directly
     check()
@@ -61,7 +61,7 @@ def test_device_positions_follow_joins_forks_leaves_and_direct_sets(tiny: Transf
 
 
 def _prefill(model: Transformer, ids: torch.Tensor):
-    out = model.encode_prefill(ids, chunk_tokens=8)
+    out = encode_prefill(model, ids, chunk_tokens=8)
     return out.blocks, out.encoder_state
 
 
@@ -129,3 +129,35 @@ def test_query_window_equals_query_and_window_kv(tiny: Transformer, gen):
     assert torch.equal(qr, qr_alone)
     assert torch.equal(q, q_alone)
     assert torch.equal(kv, attn.window_kv(x, positions))
+
+
+def test_a_static_step_over_padded_rows_equals_a_plain_step(tiny: Transformer, tokens):
+    """The step a CUDA graph captures (model.graphs), run eagerly: rows padded to a bucket, every reserved entry in
+    view, the device half of the commit and the positions advanced on the device for the real rows only. The real
+    rows' logits and the state they leave equal a plain step's, step after step, to fp64 rounding (a matmul over 4
+    rows may round a row's last bit unlike one over 3)."""
+    prompts = [_prefill(tiny, tokens(n)) for n in (23, 9, 40)]
+    plain, static = DecodeBatch(tiny, capacity=8), DecodeBatch(tiny, capacity=8)
+    for batch in (plain, static):
+        for prompt in prompts:
+            batch.join(*prompt)
+    cache, n, bucket = static.cache, 3, 4
+    for _ in range(6):
+        pending = torch.tensor([[t] for t in tokens(n).tolist()])
+        expected = plain.decode_step(pending)
+        cache.reserve(bucket, 4096)
+        cache.next_positions(slice(0, bucket))  # in sync with the host; padding rows at position 0
+        padded = torch.cat((pending, torch.zeros(bucket - n, 1, dtype=torch.int64)))
+        step = cache.step(padded, slice(0, bucket), static=True)
+        logits = serving.forward_full(tiny, step, last_only=True)[:n, -1]
+        step.write()
+        cache.advance_device(slice(0, bucket), torch.arange(bucket) < n)
+        cache.advanced(n)
+        torch.testing.assert_close(logits, expected, rtol=1e-12, atol=1e-12)
+        assert cache.next_positions(slice(0, bucket)).tolist() == cache.pos + [0] * (bucket - n)
+    assert static.positions() == plain.positions()
+    for a, b in zip(plain.cache._row_tensors(), static.cache._row_tensors(), strict=True):
+        x, y = getattr(*a)[:n], getattr(*b)[:n]
+        if x.dim() > 1 and x.shape[1] != y.shape[1]:  # entries: the static cache reserved more
+            y = y[:, : x.shape[1]]
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=a[1])

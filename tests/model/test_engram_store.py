@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import ModelArgs, SamplingParams, Transformer, build_model
+from model import DecodeBatch, ModelArgs, SamplingParams, Transformer, build_model, encode_prefill
 from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
 from model.engram_store import EngramFetch, HostMemory, choose_placement, engram_tables
 from model.serving import Past
@@ -30,17 +30,17 @@ def checkpoint_dir(tiny_args: ModelArgs, tmp_path_factory: pytest.TempPathFactor
 def run(model: Transformer, prompt: list[int], cut: int) -> dict[str, object]:
     """Everything a request does that reads Engram rows: a prefill in chunks, a second prefill continuing the first's
     prefix, a decode batch (join, steps, a fork) and one DSpark draft + verify; the results, for bitwise checks."""
-    first = model.encode_prefill(prompt[:cut], chunk_tokens=5)
-    whole = model.encode_prefill(prompt, Past(first.blocks, first.encoder_state), chunk_tokens=4)
-    batch = model.new_decode_batch()
+    first = encode_prefill(model, prompt[:cut], chunk_tokens=5)
+    whole = encode_prefill(model, prompt, Past(first.blocks, first.encoder_state), chunk_tokens=4)
+    batch = DecodeBatch(model)
     seq, logits = batch.join(whole.blocks, whole.encoder_state)
     out = {"blocks": whole.blocks, "state": whole.encoder_state, "join": logits}
-    steps = [model.decode_step(batch, [t]) for t in (5, 17)]
+    steps = [batch.decode_step([t]) for t in (5, 17)]
     batch.fork(seq)
-    steps.append(model.decode_step(batch, [3, 4]))
+    steps.append(batch.decode_step([3, 4]))
     greedy = SamplingParams.uniform(2)
-    draft = model.dspark_draft(batch, [8, 9], greedy)
-    result = model.verify(batch, [8, 9], draft, greedy)
+    draft = batch.dspark_draft([8, 9], greedy)
+    result = batch.verify([8, 9], draft, greedy)
     return out | {"steps": steps, "verify": (result.tokens, result.logits), "history": batch.cache.history.clone()}
 
 
@@ -71,8 +71,8 @@ def test_host_tables_give_the_device_tables_outputs_bit_for_bit(tiny: Transforme
 
 
 def test_a_host_step_fetches_its_rows_on_the_host_and_mirrors_the_look_back(on_host: Transformer, tokens) -> None:
-    batch = on_host.new_decode_batch()
-    out = on_host.encode_prefill(tokens(9).tolist())
+    batch = DecodeBatch(on_host)
+    out = encode_prefill(on_host, tokens(9).tolist())
     batch.join(out.blocks, out.encoder_state)
     step = batch.cache.step(torch.tensor([[7]]))
     memory = on_host.engram_memory(step)

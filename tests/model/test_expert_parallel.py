@@ -17,7 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import ModelArgs, SamplingParams, Transformer, build_model, load_checkpoint, preset
+from model import (
+    DecodeBatch,
+    ModelArgs,
+    SamplingParams,
+    Transformer,
+    build_model,
+    encode_prefill,
+    load_checkpoint,
+    preset,
+)
 from model.moe import MoE
 from model.parallel import Parallel
 from model.weights import expected_names, weight_bytes
@@ -44,20 +53,20 @@ def serve(model: Transformer, steps: int = 2) -> dict[str, list]:
     greedy = SamplingParams.uniform(len(prompts))
     out: dict[str, list] = {"prefill": [], "decode": [], "draft": [], "verify": [], "tokens": []}
     with torch.no_grad():
-        prefilled = [model.encode_prefill(p) for p in prompts]
+        prefilled = [encode_prefill(model, p) for p in prompts]
         for p in prefilled:
             out["prefill"] += [b.to_bytes() for b in p.blocks] + [p.encoder_state.to_bytes()]
-        batch = model.new_decode_batch(len(prompts))
+        batch = DecodeBatch(model, len(prompts))
         logits = torch.stack([row for _, row in batch.join_many([(p.blocks, p.encoder_state) for p in prefilled])])
         for _ in range(steps):
             out["decode"].append(logits)
             pending = logits.argmax(-1).tolist()
             out["tokens"].append(pending)
-            logits = model.decode_step(batch, pending)
+            logits = batch.decode_step(pending)
         pending = logits.argmax(-1).tolist()
         for _ in range(steps):
-            draft = model.dspark_draft(batch, pending, greedy)
-            result = model.verify(batch, pending, draft, greedy)
+            draft = batch.dspark_draft(pending, greedy)
+            result = batch.verify(pending, draft, greedy)
             out["draft"] += [draft.tokens, draft.probs, draft.confidence]
             out["verify"].append(result.logits)
             out["tokens"] += result.tokens

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import SamplingParams, build_model, preset
+from model import DecodeBatch, SamplingParams, build_model, encode_prefill, preset
 from model.engram_store import engram_tables
 from model.weights import weight_bytes
 
@@ -18,16 +18,16 @@ pytestmark = [
 
 
 def outputs(model, prompt: list[int]) -> list[torch.Tensor]:
-    out = model.encode_prefill(prompt, chunk_tokens=16)
-    batch = model.new_decode_batch()
+    out = encode_prefill(model, prompt, chunk_tokens=16)
+    batch = DecodeBatch(model)
     seq, first = batch.join(out.blocks, out.encoder_state)
     batch.fork(seq)
     results = [first, out.encoder_state.hidden]
     for tokens in ([5, 6], [7, 8], [9, 10]):
-        results.append(model.decode_step(batch, tokens))
+        results.append(batch.decode_step(tokens))
     greedy = SamplingParams.uniform(2)
-    draft = model.dspark_draft(batch, [11, 12], greedy)
-    results.append(model.verify(batch, [11, 12], draft, greedy).logits)
+    draft = batch.dspark_draft([11, 12], greedy)
+    results.append(batch.verify([11, 12], draft, greedy).logits)
     return [r.float().cpu() for r in results]
 
 

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from model import LAYOUT_VERSION, EncoderState, GlobalKVBlock, global_kv_bytes_per_token
+from model import LAYOUT_VERSION, EncoderState, GlobalKVBlock, encode_prefill, global_kv_bytes_per_token
 from model.accounting import account
 from model.quant import fp4_dequant_e4m3, fp4_quant_e4m3
 
@@ -15,8 +15,8 @@ from model.quant import fp4_dequant_e4m3, fp4_quant_e4m3
 @pytest.fixture(scope="module")
 def prefill(tiny):
     gen = torch.Generator().manual_seed(1234)
-    return tiny.encode_prefill(
-        torch.randint(0, tiny.args.vocab_size, (2 * tiny.args.kv_block_tokens + 7,), generator=gen)
+    return encode_prefill(
+        tiny, torch.randint(0, tiny.args.vocab_size, (2 * tiny.args.kv_block_tokens + 7,), generator=gen)
     )
 
 
@@ -100,7 +100,7 @@ def test_state_at_every_position_round_trips(tiny, tiny_args, gen):
     """Open groups (position mod 2) and tail sizes (position mod block) vary with the position."""
     ids = torch.randint(0, tiny_args.vocab_size, (tiny_args.kv_block_tokens + 3,), generator=gen)
     for n in (1, 2, 3, tiny_args.kv_block_tokens, tiny_args.kv_block_tokens + 3):
-        state = tiny.encode_prefill(ids[:n]).encoder_state
+        state = encode_prefill(tiny, ids[:n]).encoder_state
         assert state.position == n
         assert state.hidden.shape[0] == min(n, tiny_args.sliding_window)
         assert {k: v[0].shape[0] for k, v in state.pending.items()} == {2: n % 2}

@@ -13,7 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import EncoderState, Past, SamplingParams, Transformer, build_model, draft_logits
+from model import (
+    DecodeBatch,
+    EncoderState,
+    Past,
+    SamplingParams,
+    Transformer,
+    build_model,
+    draft_logits,
+    encode_prefill,
+)
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -31,15 +40,15 @@ def test_serving_path_runs_at_low_precision(low, tiny, tokens, seed):
     prompt = Bt + W + 1  # a complete block, a partial one, and more than a window to replay
     ids = tokens(prompt + 1)
 
-    out = low.encode_prefill(ids[:prompt], chunk_tokens=W)
+    out = encode_prefill(low, ids[:prompt], chunk_tokens=W)
     # The handoff record crosses processes as bytes: hidden rows at the model's precision, the pre-mix in fp32.
     state = EncoderState.from_bytes(out.encoder_state.to_bytes(), a, low.fingerprint)
     assert (state.hidden.dtype, state.hidden_pre.dtype, state.position) == (dtype, torch.float32, prompt)
     assert state.to_bytes() == out.encoder_state.to_bytes()
 
-    batch = low.new_decode_batch()
+    batch = DecodeBatch(low)
     seq, first = batch.join(out.blocks, state)
-    second = low.decode_step(batch, ids[prompt:])
+    second = batch.decode_step(ids[prompt:])
     assert (first.dtype, second.dtype, second.shape) == (torch.float32, torch.float32, (1, a.vocab_size))
     with torch.no_grad():
         oracle = tiny(ids[None], replay_start=prompt - W)[0, prompt - 1 :]
@@ -54,11 +63,11 @@ def test_serving_path_runs_at_low_precision(low, tiny, tokens, seed):
     sampling = SamplingParams.uniform(2, temperature=1.0)
     generators = [torch.Generator().manual_seed(seed), None]
     pending = [int(second[0].argmax())] * 2
-    draft = low.dspark_draft(batch, pending, sampling, generators)
+    draft = batch.dspark_draft(pending, sampling, generators)
     assert (draft.tokens.shape, draft.probs.dtype, draft.confidence.dtype) == ((2, g), torch.float32, torch.float32)
     torch.testing.assert_close(draft.probs.sum(-1), torch.ones(2, g), rtol=0, atol=1e-4)
     assert bool(((draft.confidence > 0) & (draft.confidence < 1)).all())
-    result = low.verify(batch, pending, draft, sampling, torch.tensor([g, 1]), generators)
+    result = batch.verify(pending, draft, sampling, torch.tensor([g, 1]), generators)
     assert result.logits.dtype == torch.float32
     assert bool(result.logits.isfinite().all())
     assert batch.positions() == [prompt + 2 + int(n) for n in result.accepted]
@@ -67,7 +76,7 @@ def test_serving_path_runs_at_low_precision(low, tiny, tokens, seed):
     export, _ = batch.leave(seq), batch.leave(other)
     emitted = torch.tensor(pending[:1] + result.tokens[0][:-1])
     sequence = torch.cat((ids, emitted, tokens(3)))
-    warm = low.encode_prefill(sequence, Past(out.blocks + export.blocks, export.encoder_state))
+    warm = encode_prefill(low, sequence, Past(out.blocks + export.blocks, export.encoder_state))
     assert warm.swa_restored
     assert warm.resumed_at == export.encoder_state.position
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model import DecodeBatch, Past, PrefillOutput, Transformer
+from model import DecodeBatch, Past, PrefillOutput, Transformer, encode_prefill
 from model.attention import Attention
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
 from model.serving import bounded_replay, encode_chunk
@@ -43,20 +43,20 @@ def assert_same_blocks(a: list[GlobalKVBlock], b: list[GlobalKVBlock]) -> None:
 
 def greedy(model: Transformer, out: PrefillOutput, blocks: list[GlobalKVBlock], steps: int):
     """Greedy continuation after a prefill → (tokens, per-step logits, the finished sequence's export)."""
-    batch = model.new_decode_batch()
+    batch = DecodeBatch(model)
     seq, logits = batch.join(blocks, out.encoder_state)
     tokens, all_logits = [], [logits]
     for _ in range(steps):
         tokens.append(int(all_logits[-1].argmax()))
-        all_logits.append(model.decode_step(batch, [tokens[-1]])[0])
+        all_logits.append(batch.decode_step([tokens[-1]])[0])
     return tokens, torch.stack(all_logits), batch.leave(seq)
 
 
 def test_chunked_prefill_equals_one_shot(tiny, tokens, gen):
     ids = tokens(53)
-    one_shot = tiny.encode_prefill(ids, chunk_tokens=1000)
+    one_shot = encode_prefill(tiny, ids, chunk_tokens=1000)
     chunk = int(torch.randint(1, 20, (1,), generator=gen))
-    chunked = tiny.encode_prefill(ids, chunk_tokens=chunk)
+    chunked = encode_prefill(tiny, ids, chunk_tokens=chunk)
     assert_same_blocks(one_shot.blocks, chunked.blocks)
     assert_same_state(one_shot.encoder_state, chunked.encoder_state)
     assert [b.index for b in one_shot.blocks] == list(range(53 // tiny.args.kv_block_tokens))
@@ -66,17 +66,17 @@ def test_encoder_part_equals_full_model(tiny, tiny_encoder, tokens):
     assert not any(name.startswith(("head", "mtp", "norm")) for name, _ in tiny_encoder.named_parameters())
     assert tiny_encoder.fingerprint == tiny.fingerprint
     ids = tokens(37)
-    a, b = tiny.encode_prefill(ids, chunk_tokens=16), tiny_encoder.encode_prefill(ids, chunk_tokens=16)
+    a, b = encode_prefill(tiny, ids, chunk_tokens=16), encode_prefill(tiny_encoder, ids, chunk_tokens=16)
     assert_same_blocks(a.blocks, b.blocks)
     assert a.encoder_state.to_bytes() == b.encoder_state.to_bytes()
 
 
 def serve(model: Transformer, ids: torch.Tensor, prompt: int, chunk: int = 16) -> torch.Tensor:
     """Prefill ids[:prompt] in chunks, join (bounded replay), decode ids[prompt:-1] → logits [len − prompt, V]."""
-    out = model.encode_prefill(ids[:prompt], chunk_tokens=chunk)
-    batch = model.new_decode_batch()
+    out = encode_prefill(model, ids[:prompt], chunk_tokens=chunk)
+    batch = DecodeBatch(model)
     _, first = batch.join(out.blocks, out.encoder_state)
-    steps = [model.decode_step(batch, ids[i : i + 1])[0] for i in range(prompt, len(ids) - 1)]
+    steps = [batch.decode_step(ids[i : i + 1])[0] for i in range(prompt, len(ids) - 1)]
     return torch.stack([first, *steps])
 
 
@@ -148,13 +148,13 @@ def attention_outputs(patch: pytest.MonkeyPatch) -> list[tuple[int, torch.Tensor
 
 def test_second_turn_with_record_equals_cold_run(tiny, tokens):
     ids = tokens(45)
-    turn1 = tiny.encode_prefill(ids[:29], chunk_tokens=16)
+    turn1 = encode_prefill(tiny, ids[:29], chunk_tokens=16)
     generated, _, export = greedy(tiny, turn1, turn1.blocks, 6)
     sequence = torch.cat((ids[:29], torch.tensor(generated), ids[29:]))
     past = Past(turn1.blocks + export.blocks, export.encoder_state)
     assert export.encoder_state.position == 35
-    warm = tiny.encode_prefill(sequence, past)
-    cold = tiny.encode_prefill(sequence)
+    warm = encode_prefill(tiny, sequence, past)
+    cold = encode_prefill(tiny, sequence)
     assert warm.swa_restored
     assert not warm.bounded_replay
     assert warm.resumed_at == 35
@@ -170,9 +170,9 @@ def test_second_turn_with_record_equals_cold_run(tiny, tokens):
 def test_missing_record_is_repaired_by_encoder_replay(tiny, tokens):
     Bt, W = tiny.args.kv_block_tokens, tiny.args.sliding_window
     ids = tokens(3 * Bt + 5)
-    cold = tiny.encode_prefill(ids)
+    cold = encode_prefill(tiny, ids)
     hit = cold.blocks[:2]
-    replayed = tiny.encode_prefill(ids, Past(hit))
+    replayed = encode_prefill(tiny, ids, Past(hit))
     assert replayed.bounded_replay
     assert not replayed.swa_restored
     assert replayed.cached_tokens == replayed.resumed_at == 2 * Bt
@@ -183,7 +183,7 @@ def test_missing_record_is_repaired_by_encoder_replay(tiny, tokens):
     assert not torch.equal(a.ring_data[1:], b.ring_data[1:])
     logits = []
     for out, blocks in ((cold, cold.blocks), (replayed, hit + replayed.blocks)):
-        _, first = tiny.new_decode_batch().join(blocks, out.encoder_state)
+        _, first = DecodeBatch(tiny).join(blocks, out.encoder_state)
         logits.append(first.log_softmax(-1))
     kl = float((logits[0].exp() * (logits[0] - logits[1])).sum())
     print(f"encoder bounded replay at a {2 * Bt}-token hit (W={W}): KL(cold || replayed) = {kl:.3e}")
@@ -196,8 +196,8 @@ def test_the_replay_in_the_first_chunk_equals_a_replay_forward_of_its_own(tiny, 
     the same blocks and encoder state as the replay run alone, then the chunks (the path before the merge)."""
     Bt = tiny.args.kv_block_tokens
     ids = tokens(3 * Bt + 5)
-    hit = tiny.encode_prefill(ids).blocks[:2]
-    merged = tiny.encode_prefill(ids, Past(hit), chunk_tokens=chunk)
+    hit = encode_prefill(tiny, ids).blocks[:2]
+    merged = encode_prefill(tiny, ids, Past(hit), chunk_tokens=chunk)
     cache = tiny.new_cache(encoder_only=True)
     row = cache.add_row()
     restore(cache, row, hit, None)
@@ -216,16 +216,16 @@ def test_the_replay_in_the_first_chunk_equals_a_replay_forward_of_its_own(tiny, 
 def test_batch_of_different_lengths_equals_each_alone(tiny, tokens, gen):
     lengths = [int(n) for n in torch.randint(3, 40, (3,), generator=gen)]
     prompts = [tokens(n) for n in lengths]
-    outs = [tiny.encode_prefill(p, chunk_tokens=16) for p in prompts]
+    outs = [encode_prefill(tiny, p, chunk_tokens=16) for p in prompts]
     steps = 4
     feeds = [tokens(steps) for _ in prompts]
 
     def alone(i: int) -> torch.Tensor:
-        batch = tiny.new_decode_batch()
+        batch = DecodeBatch(tiny)
         _, first = batch.join(outs[i].blocks, outs[i].encoder_state)
-        return torch.stack([first] + [tiny.decode_step(batch, feeds[i][t : t + 1])[0] for t in range(steps)])
+        return torch.stack([first] + [batch.decode_step(feeds[i][t : t + 1])[0] for t in range(steps)])
 
-    batch = tiny.new_decode_batch(capacity=1)  # grows as sequences join
+    batch = DecodeBatch(tiny, capacity=1)  # grows as sequences join
     owner: dict[int, int] = {}  # sequence id → prompt index
     got: dict[int, list[torch.Tensor]] = {i: [] for i in range(3)}
 
@@ -240,7 +240,7 @@ def test_batch_of_different_lengths_equals_each_alone(tiny, tokens, gen):
         if t == 1:
             join(2)  # a sequence joins between steps
         rows = [owner[s] for s in batch.seq_ids]
-        logits = tiny.decode_step(batch, [int(feeds[i][len(got[i]) - 1]) for i in rows])
+        logits = batch.decode_step([int(feeds[i][len(got[i]) - 1]) for i in rows])
         for row, i in enumerate(rows):
             got[i].append(logits[row])
         for s in list(batch.seq_ids):
@@ -260,7 +260,7 @@ def test_joining_together_equals_joining_each_alone(tiny, tokens):
     steps and export equal those of its join alone, and the results come back in prompt order."""
     W = tiny.args.sliding_window
     lengths = [3 * W + 5, 3, W // 2, 3, W, 5 * W + 1]
-    outs = [tiny.encode_prefill(tokens(n), chunk_tokens=16) for n in lengths]
+    outs = [encode_prefill(tiny, tokens(n), chunk_tokens=16) for n in lengths]
     feeds = [tokens(3) for _ in lengths]
 
     def decode(batch: DecodeBatch, seqs: list[int], firsts: list[torch.Tensor], fed_to: list[torch.Tensor]):
@@ -270,19 +270,19 @@ def test_joining_together_equals_joining_each_alone(tiny, tokens):
         for t in range(3):
             fed = torch.zeros(len(batch), dtype=torch.int64)
             fed[rows] = torch.stack([f[t] for f in fed_to])
-            logits = tiny.decode_step(batch, fed)
+            logits = batch.decode_step(fed)
             for i, row in enumerate(rows):
                 got[i].append(logits[row])
         return [torch.stack(g) for g in got], [batch.leave(s) for s in seqs]
 
     alone = []
     for out, feed in zip(outs, feeds, strict=True):
-        batch = tiny.new_decode_batch()
+        batch = DecodeBatch(tiny)
         seq, first = batch.join(out.blocks, out.encoder_state)
         (logits,), (export,) = decode(batch, [seq], [first], [feed])
         alone.append((logits, export))
 
-    batch = tiny.new_decode_batch(capacity=1)
+    batch = DecodeBatch(tiny, capacity=1)
     batch.join(outs[0].blocks, outs[0].encoder_state)  # already running
     joined = batch.join_many([(out.blocks, out.encoder_state) for out in outs])
     assert len(batch) == 1 + len(outs)
@@ -298,37 +298,37 @@ def test_joining_together_equals_joining_each_alone(tiny, tokens):
 def test_a_join_of_several_is_all_or_none(tiny, tokens):
     """A prompt that cannot be restored fails the whole call; the batch is left as it was (its running row decodes as
     one that saw no failed join)."""
-    outs = [tiny.encode_prefill(tokens(n)) for n in (20, 37, 5)]
-    batch, witness = tiny.new_decode_batch(), tiny.new_decode_batch()
+    outs = [encode_prefill(tiny, tokens(n)) for n in (20, 37, 5)]
+    batch, witness = DecodeBatch(tiny), DecodeBatch(tiny)
     for b in (batch, witness):
         seq, _ = b.join(outs[0].blocks, outs[0].encoder_state)
-        tiny.decode_step(b, [7])
+        b.decode_step([7])
     good = [(o.blocks, o.encoder_state) for o in outs]
     unfit = [(outs[1].blocks[1:], outs[1].encoder_state), (outs[1].blocks, outs[2].encoder_state)]
     for bad, message in zip(unfit, ["must be blocks 0..0", "needs 0 preceding blocks"], strict=True):
         with pytest.raises(ValueError, match=message):
             batch.join_many([good[0], bad, good[2]])
         assert (batch.seq_ids, batch.positions()) == ([seq], witness.positions())
-    assert torch.equal(tiny.decode_step(batch, [3]), tiny.decode_step(witness, [3]))
+    assert torch.equal(batch.decode_step([3]), witness.decode_step([3]))
 
 
 def test_bad_requests_are_value_errors(tiny, tokens):
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        tiny.encode_prefill([1, 2, tiny.args.vocab_size])
+        encode_prefill(tiny, [1, 2, tiny.args.vocab_size])
     with pytest.raises(ValueError, match="at least one token"):
-        tiny.encode_prefill([])
+        encode_prefill(tiny, [])
     ids = tokens(20)
-    out = tiny.encode_prefill(ids)
+    out = encode_prefill(tiny, ids)
     with pytest.raises(ValueError, match="does not belong to this token sequence"):
-        tiny.encode_prefill(torch.cat((tokens(20), tokens(3))), Past(out.blocks, out.encoder_state))
+        encode_prefill(tiny, torch.cat((tokens(20), tokens(3))), Past(out.blocks, out.encoder_state))
     with pytest.raises(ValueError, match="needs 1 preceding blocks"):
-        tiny.encode_prefill(ids, Past([], out.encoder_state))
+        encode_prefill(tiny, ids, Past([], out.encoder_state))
     with pytest.raises(ValueError, match="covers 16 tokens"):
-        tiny.encode_prefill(ids[:10], Past(out.blocks))
-    batch = tiny.new_decode_batch()
+        encode_prefill(tiny, ids[:10], Past(out.blocks))
+    batch = DecodeBatch(tiny)
     batch.join(out.blocks, out.encoder_state)
     with pytest.raises(ValueError, match="for each of the 1 sequences"):
-        tiny.decode_step(batch, [1, 2])
+        batch.decode_step([1, 2])
     with pytest.raises(KeyError):
         batch.leave(99)
     assert isinstance(batch, DecodeBatch)

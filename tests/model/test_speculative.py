@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model import Draft, SamplingParams, sample, speculative_accept
+from model import DecodeBatch, Draft, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
 
 
@@ -81,21 +81,21 @@ def test_sampling_params_filters(gen):
 
 
 def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
-    out = tiny.encode_prefill(tokens(23))
+    out = encode_prefill(tiny, tokens(23))
     greedy = SamplingParams.uniform(1)
     V, steps = tiny.args.vocab_size, 10
 
-    plain_batch = tiny.new_decode_batch()
+    plain_batch = DecodeBatch(tiny)
     _plain_seq, logits = plain_batch.join(out.blocks, out.encoder_state)
     plain = [int(logits.argmax())]
     while len(plain) < steps + tiny.args.dspark_block_size:  # the last verify may run up to γ tokens past `steps`
-        plain.append(int(tiny.decode_step(plain_batch, plain[-1:])[0].argmax()))
+        plain.append(int(plain_batch.decode_step(plain[-1:])[0].argmax()))
 
-    batch = tiny.new_decode_batch()
+    batch = DecodeBatch(tiny)
     seq, logits = batch.join(out.blocks, out.encoder_state)
     emitted, pending, accepted = [], int(logits.argmax()), 0
     while len(emitted) + 1 < steps - 4:
-        draft = tiny.dspark_draft(batch, [pending], greedy)
+        draft = batch.dspark_draft([pending], greedy)
         assert draft.tokens.shape == (1, tiny.args.dspark_block_size)
         assert bool(((draft.confidence > 0) & (draft.confidence < 1)).all())
         # Adaptive length from the confidence head: cut where the running product falls below 1/2 (≥ 1 draft).
@@ -108,9 +108,7 @@ def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
         done = len(emitted) + 1
         forced[0, :right] = torch.tensor(plain[done : done + right])
         one_hot = torch.nn.functional.one_hot(forced, V).float()  # greedy drafts: q is one-hot
-        result = tiny.verify(
-            batch, [pending], type(draft)(forced, one_hot, draft.confidence), greedy, torch.tensor([length])
-        )
+        result = batch.verify([pending], type(draft)(forced, one_hot, draft.confidence), greedy, torch.tensor([length]))
         assert int(result.accepted[0]) >= right
         accepted += int(result.accepted[0])
         emitted += [pending, *result.tokens[0][:-1]]
@@ -119,11 +117,11 @@ def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
     assert accepted > 0
 
     # Verification committed exactly the emitted tokens: same state as plain decoding of them, same next draft.
-    check = tiny.new_decode_batch()
+    check = DecodeBatch(tiny)
     check_seq, _ = check.join(out.blocks, out.encoder_state)
     for t in emitted:
-        tiny.decode_step(check, [t])
-    again, expected = tiny.dspark_draft(batch, [pending], greedy), tiny.dspark_draft(check, [pending], greedy)
+        check.decode_step([t])
+    again, expected = batch.dspark_draft([pending], greedy), check.dspark_draft([pending], greedy)
     assert torch.equal(again.tokens, expected.tokens)
     torch.testing.assert_close(again.confidence, expected.confidence, rtol=1e-9, atol=1e-9)
     a, b = batch.leave(seq), check.leave(check_seq)
@@ -135,16 +133,16 @@ def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
 def test_confidence_temperatures_scale_the_confidence_logits(tiny, tokens, gen):
     """Sequential Temperature Scaling: draft k's confidence is σ(zₖ / Tₖ) with the head's temperature of position k;
     the drafts and their distributions do not change."""
-    out = tiny.encode_prefill(tokens(17))
-    batch = tiny.new_decode_batch()
+    out = encode_prefill(tiny, tokens(17))
+    batch = DecodeBatch(tiny)
     _, logits = batch.join(out.blocks, out.encoder_state)
     greedy, y = SamplingParams.uniform(1), [int(logits.argmax())]
-    raw = tiny.dspark_draft(batch, y, greedy)  # T = 1 (the seeded model's default)
+    raw = batch.dspark_draft(y, greedy)  # T = 1 (the seeded model's default)
     head = tiny.mtp[-1].confidence_head
     temperature = 0.25 + 3.75 * torch.rand(tiny.args.dspark_block_size, generator=gen, dtype=torch.float64)
     head.temperature.copy_(temperature)
     try:
-        scaled = tiny.dspark_draft(batch, y, greedy)
+        scaled = batch.dspark_draft(y, greedy)
     finally:
         head.temperature.fill_(1.0)  # the shared model's default again
     assert torch.equal(scaled.tokens, raw.tokens)
@@ -158,21 +156,21 @@ def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     """Forks of one sequence each verify one draft: the first emitted token follows the target distribution (from
     decode_step), whether the draft was accepted or rejected and resampled. top_k = 4 keeps the target on four tokens
     (a random tiny model's raw distribution is nearly uniform over the whole vocabulary)."""
-    out = tiny.encode_prefill(tokens(19))
+    out = encode_prefill(tiny, tokens(19))
     B = 96
-    batch = tiny.new_decode_batch(capacity=B)
+    batch = DecodeBatch(tiny, capacity=B)
     seq, logits = batch.join(out.blocks, out.encoder_state)
     pending = int(logits.argmax())
     for _ in range(B - 1):
         batch.fork(seq)
-    probe = tiny.new_decode_batch()
+    probe = DecodeBatch(tiny)
     probe.join(out.blocks, out.encoder_state)
-    raw = tiny.decode_step(probe, [pending])[0]
+    raw = probe.decode_step([pending])[0]
     warm = SamplingParams.uniform(B, temperature=1.0, top_k=4)
     target = warm.probs(raw.expand(B, -1))[0]
     assert int((target > 0).sum()) == 4
     # DSpark's own drafts (sampled from its distribution) must be proper samples of it …
-    drafts = tiny.dspark_draft(probe, [pending], SamplingParams.uniform(1, temperature=0.5), gen)
+    drafts = probe.dspark_draft([pending], SamplingParams.uniform(1, temperature=0.5), gen)
     # (fp32 probabilities over 129,280 tokens: their sum is 1 to ~1e-5)
     torch.testing.assert_close(drafts.probs.sum(-1), torch.ones(1, tiny.args.dspark_block_size), rtol=0, atol=1e-4)
     assert bool((drafts.probs.gather(-1, drafts.tokens.unsqueeze(-1)) > 0).all())
@@ -181,7 +179,7 @@ def test_sampled_speculation_emits_the_target_distribution(tiny, tokens, gen):
     q = 0.5 * target + 0.5 * torch.softmax(torch.randn(target.shape, generator=gen) * 8, -1)
     proposal = torch.multinomial(q, B, replacement=True, generator=gen).view(B, 1)
     draft = type(drafts)(proposal, q.expand(B, 1, -1), drafts.confidence[:, :1].expand(B, 1))
-    result = tiny.verify(batch, [pending] * B, draft, warm, generator=gen)
+    result = batch.verify([pending] * B, draft, warm, generator=gen)
     first = torch.tensor([row[0] for row in result.tokens])
     stat, dof = chi2(torch.bincount(first, minlength=target.shape[0]).double(), target.double())
     print(f"accepted {int(result.accepted.sum())}/{B}; chi2 {stat:.1f} on {dof} dof")
@@ -195,13 +193,13 @@ def test_dense_draft_forward_matches_the_packed_draft(tiny, tokens):
     on those drafts, with target features from the dense forward under the same bounded-replay truncation."""
     W, prompt = tiny.args.sliding_window, 13
     ids = tokens(prompt + 3)
-    out = tiny.encode_prefill(ids[:prompt])
-    batch = tiny.new_decode_batch()
+    out = encode_prefill(tiny, ids[:prompt])
+    batch = DecodeBatch(tiny)
     batch.join(out.blocks, out.encoder_state)
     for t in ids[prompt : prompt + 2].tolist():
-        tiny.decode_step(batch, [t])
+        batch.decode_step([t])
     y = int(ids[prompt + 2])
-    draft = tiny.dspark_draft(batch, [y], SamplingParams.uniform(1))
+    draft = batch.dspark_draft([y], SamplingParams.uniform(1))
     sequence = torch.cat((ids, draft.tokens[0, :-1]))[None]  # committed ‖ y ‖ drafts as the Markov predecessors
     with torch.no_grad():
         _, taps = tiny(sequence, replay_start=prompt - W, return_taps=True)
@@ -238,12 +236,12 @@ def test_per_row_generators_draw_the_same_whatever_the_neighbours(gen, seed):
 def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, tokens, seed):
     """Sampled decoding, plain and speculative: a row seeded alone emits exactly what it emits between two other rows
     (one greedy, one on the default generator) that verify more drafts than it does."""
-    outs = [tiny.encode_prefill(tokens(n)) for n in (13, 20, 9)]
+    outs = [encode_prefill(tiny, tokens(n)) for n in (13, 20, 9)]
     g, mine = tiny.args.dspark_block_size, 2
 
     def decode(rows: list[int], temperatures: list[float], lengths: list[int], speculative: bool) -> list[int]:
         """Tokens of the seeded row (prompt 0) decoded in a batch of `rows` (prompt indices)."""
-        batch = tiny.new_decode_batch()
+        batch = DecodeBatch(tiny)
         firsts = [batch.join(outs[i].blocks, outs[i].encoder_state)[1] for i in rows]
         gens = [torch.Generator().manual_seed(seed) if i == 0 else None for i in rows]
         sampling = SamplingParams(torch.tensor(temperatures), torch.zeros(len(rows)), torch.ones(len(rows)))
@@ -251,12 +249,12 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, toke
         out = [pending[rows.index(0)]]
         for _ in range(3):
             if speculative:
-                draft = tiny.dspark_draft(batch, pending, sampling, gens)
+                draft = batch.dspark_draft(pending, sampling, gens)
                 width = max(lengths)  # the engine verifies the longest row's drafts
                 draft = Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width])
-                emitted = tiny.verify(batch, pending, draft, sampling, torch.tensor(lengths), gens).tokens
+                emitted = batch.verify(pending, draft, sampling, torch.tensor(lengths), gens).tokens
             else:
-                emitted = [[t] for t in sample(sampling.probs(tiny.decode_step(batch, pending)), gens).tolist()]
+                emitted = [[t] for t in sample(sampling.probs(batch.decode_step(pending)), gens).tolist()]
             out += emitted[rows.index(0)]
             pending = [row[-1] for row in emitted]
         return out

@@ -13,7 +13,7 @@ from service_mesh import Loop, Mesh
 from cache_svc.client import CacheClient
 from cache_svc.config import CacheConfig, resolve_defaults
 from cache_svc.server import CacheServer
-from model import Transformer
+from model import Transformer, encode_prefill
 from proto.prefill.v1 import prefill_pb2
 
 N = 16  # the prefill's --max-handoffs
@@ -43,7 +43,7 @@ def replicas(loop: Loop, tmp_path: Path) -> Iterator[Callable[..., str]]:
 
 
 def _handoff_bytes(models: tuple[Transformer, Transformer], ids: list[int], salt: bytes) -> int:
-    state = models[0].encode_prefill(ids, chunk_tokens=16).encoder_state.to_bytes()
+    state = encode_prefill(models[0], ids, chunk_tokens=16).encoder_state.to_bytes()
     return prefill_pb2.Handoff(token_ids=ids, cache_salt=salt, encoder_state=state).ByteSize()
 
 

@@ -15,7 +15,7 @@ import pytest
 from service_mesh import WAIT_S, Mesh, free_port, metric_value, new_id, wait_until
 
 from mesh.block_keys import block_keys
-from model import EncoderState, GlobalKVBlock, Transformer
+from model import EncoderState, GlobalKVBlock, Transformer, encode_prefill
 from proto.decode.v1 import decode_pb2
 from proto.mesh.v1 import model_info_pb2
 from proto.prefill.v1 import prefill_pb2
@@ -40,7 +40,7 @@ def test_blocks_and_the_handoff_land_in_the_cache(
     assert list(handoff.token_ids) == ids
     assert handoff.cache_salt == salt
     state = EncoderState.from_bytes(handoff.encoder_state, encoder.args, encoder.fingerprint)
-    expected = encoder.encode_prefill(ids, chunk_tokens=16)  # the encoder over the same prompt, in the test
+    expected = encode_prefill(encoder, ids, chunk_tokens=16)  # the encoder over the same prompt, in the test
     assert state.position == len(ids)
     assert state.to_bytes() == expected.encoder_state.to_bytes()
     assert [b.to_bytes() for b in blocks] == [b.to_bytes() for b in expected.blocks]

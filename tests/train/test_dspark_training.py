@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model import SamplingParams, Transformer, draft_logits
+from model import DecodeBatch, SamplingParams, Transformer, draft_logits, encode_prefill
 from train import calibrate, dspark
 
 
@@ -19,10 +19,10 @@ def test_dense_draft_equals_the_serving_draft(tiny: Transformer) -> None:
     targets = torch.ones(1, T, dtype=torch.bool)
     out = dspark.draft_forward(tiny, tokens, targets, torch.tensor([p]))
     with torch.no_grad():
-        prefill = tiny.encode_prefill(tokens[0, : p + 1])
-        batch = tiny.new_decode_batch(1)
+        prefill = encode_prefill(tiny, tokens[0, : p + 1])
+        batch = DecodeBatch(tiny, 1)
         batch.join(prefill.blocks, prefill.encoder_state)
-        draft = tiny.dspark_draft(batch, [int(tokens[0, p + 1])], SamplingParams.uniform(1, temperature=1.0))
+        draft = batch.dspark_draft([int(tokens[0, p + 1])], SamplingParams.uniform(1, temperature=1.0))
     dense = out.logits[0, 0, 0].softmax(-1)
     torch.testing.assert_close(dense.float(), draft.probs[0, 0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(

@@ -1,0 +1,163 @@
+"""The whole decode step as served against its peers, side by side in one process: the `small` preset's step replayed
+from its CUDA graph (`DecodeBatch.decode_step` on a GPU), the same step run eagerly, and a dense-attention model of
+the same size (bench/kernels.py `dense_decode_step`) captured as a CUDA graph the same way; and the bytes floor.
+
+    python bench/step_bench.py [--batches 1,64,256] [--contexts 4096,131072,1048576] [--rounds 5] [--steps 10]
+        [--profile-steps 5] [--out bench/out/step_bench.json]
+
+Caches are synthesised at the context (bench/kernels.py `filled_decode_batch`). Per (batch, context), every round
+times `steps` consecutive steps of each side (synchronised before and after; sides in a rotating order); the table
+gives the median ms per step over the rounds and the spread (min–max). The floor is the bytes a step must read
+(weights touched, window and selected entries, scored keys: bench/native_bench.py) ÷ 4.28 TB/s. The profile rows
+count the CUDA kernels of one step and the share of its wall time the GPU spent in kernels (torch.profiler over
+`profile-steps` steps) for the graph and the eager step at the first context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kernels import decode_model, dense_decode_step, filled_decode_batch
+from bench.native_bench import HBM_BYTES_PER_S, kv_bytes, touched_bytes
+
+Step = Callable[[], object]
+
+
+def captured(fn: Step) -> Step:
+    """fn captured once as a CUDA graph (after a warm-up call on a side stream) → its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    held = (graph, fn)  # the replay reads the tensors fn holds: they live as long as it
+    return lambda: held[0].replay()
+
+
+def sides(model, B: int, context: int, steps: int) -> tuple[dict[str, Step], int]:
+    """The three steps at batch B and `context` tokens (each call of a side runs one step), and the weight bytes a
+    step reads (counted on an eager step: module hooks do not run in a graph's replay)."""
+    vocab = model.args.vocab_size
+    tokens = torch.randint(0, vocab, (B, 1), device="cuda")
+    graph = filled_decode_batch(model, B, context, steps, graphs=True)
+    eager = filled_decode_batch(model, B, context, steps, graphs=False)
+    history = torch.randint(0, vocab, (B, model.ngram.history_len), device="cuda")
+    kv = torch.randn(B, context, model.args.head_dim, device="cuda", dtype=model.dtype)
+    return {
+        "graph": lambda: graph.decode_step(tokens),
+        "eager": lambda: eager.decode_step(tokens),
+        "dense graph": captured(lambda: dense_decode_step(model, tokens, context, history, kv)),
+    }, touched_bytes(model, lambda: eager.decode_step(tokens))
+
+
+def ms_per_step(fn: Step, steps: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def kernel_profile(fn: Step, steps: int) -> dict[str, float]:
+    """CUDA kernels per step and the GPU's busy share of the wall time, over `steps` steps."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name]
+    busy_us = sum(e.device_time for e in kernels)
+    names = Counter(e.name[:80] for e in kernels).most_common(30)
+    return {
+        "kernels_per_step": len(kernels) / steps, "gpu_busy": busy_us / wall_us, "wall_ms": wall_us / 1e3 / steps,
+        "top_kernels": [(name, count / steps) for name, count in names],
+    }  # fmt: skip
+
+
+def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool) -> dict:
+    room = ns.rounds * ns.steps + 3 * ns.profile_steps + 8
+    steps, weights = sides(model, B, context, room)
+    for fn in steps.values():  # warm: captures, compiles
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(ns.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(ms_per_step(steps[name], ns.steps))
+    floor_ms = (weights + kv_bytes(model.args, B, context)) / HBM_BYTES_PER_S * 1e3
+    row: dict = {"batch": B, "context": context, "floor_ms": round(floor_ms, 3)}
+    for name, ms in times.items():
+        row[name] = {"median_ms": round(statistics.median(ms), 3), "spread_ms": [round(min(ms), 3), round(max(ms), 3)]}
+    if profiled:
+        for name in ("graph", "eager"):
+            row[name] |= kernel_profile(steps[name], ns.profile_steps)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| B | context | graph ms | eager ms | dense graph ms | floor ms | graph × floor | graph vs dense"
+        " | kernels / step (graph, eager) | GPU busy (graph, eager) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        g, e, d = r["graph"], r["eager"], r["dense graph"]
+        cell = lambda s: f"{s['median_ms']:.2f} ({s['spread_ms'][0]:.2f}–{s['spread_ms'][1]:.2f})"  # noqa: E731
+        kernels = f"{g['kernels_per_step']:.0f}, {e['kernels_per_step']:.0f}" if "kernels_per_step" in g else ""
+        busy = f"{g['gpu_busy']:.0%}, {e['gpu_busy']:.0%}" if "gpu_busy" in g else ""
+        lines.append(
+            f"| {r['batch']} | {r['context']:,} | {cell(g)} | {cell(e)} | {cell(d)} | {r['floor_ms']:.3f} | "
+            f"{g['median_ms'] / r['floor_ms']:.1f} | {d['median_ms'] / g['median_ms']:.2f}× | {kernels} | {busy} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--contexts", default="4096,131072,1048576")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
+    ns = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("step_bench needs a CUDA device (it compares CUDA graphs)")
+    contexts = [int(c) for c in ns.contexts.split(",")]
+    model = decode_model(False, max(contexts))
+    rows = []
+    for B in (int(b) for b in ns.batches.split(",")):
+        for context in contexts:
+            try:
+                with torch.no_grad():
+                    rows.append(measure(model, B, context, ns, profiled=context == contexts[0]))
+            except torch.OutOfMemoryError as error:
+                print(f"B={B} ctx={context}: out of memory ({error})"[:300], flush=True)
+            finally:
+                torch.cuda.empty_cache()
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps({"rows": rows, "torch": torch.__version__}, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Decoding: `DecodeBatch` owns the sequences decoded together, their packed cache and the step over them.
+
+Sequences join from a prefill record (the decoder bounded replay of model.serving gives their first logits) and
+leave with their new complete blocks and end-of-sequence encoder state; between, every step advances each of them:
+
+    decode_step   one pending token per sequence → next-token logits            (a CUDA graph per batch bucket)
+    dspark_draft  γ drafts per sequence after its pending token (the DSpark blocks, one forward)
+    verify        target forward over [pending, drafts], lossless acceptance, commit of what was accepted
+
+On a GPU the decode step replays a graph captured once per batch bucket (model.graphs), so the host launches one
+graph instead of a few thousand kernels; elsewhere, and where a graph cannot serve the step (host-side Engram
+tables, an expert-parallel group), it runs eagerly. Both run the same modules in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import groupby
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from model.dspark import Draft
+from model.graphs import StepGraphs
+from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
+from model.mhc import hc_collapse
+from model.sampling import Generators, SamplingParams, sample, speculative_accept
+from model.serving import decoder_replay, forward_full, replay_length
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from model.transformer import Transformer
+
+
+@dataclass
+class SequenceExport:
+    """What a finished sequence writes back: new complete blocks and its end-of-sequence encoder state."""
+
+    blocks: list[GlobalKVBlock]
+    encoder_state: EncoderState
+
+
+@dataclass
+class VerifyResult:
+    accepted: Tensor  # int64 [B] drafts accepted per sequence
+    tokens: list[list[int]]  # per sequence: the accepted drafts + one corrected or bonus token (the next input)
+    logits: Tensor  # fp32 [B, 1+γ, V] target logits; emitted token j of a row was drawn from logits[:, j]
+
+
+class DecodeBatch:
+    """Sequences decoded together by the full model (continuous batching: they join and leave between steps).
+
+    Rows of `seq_ids` order every batched argument and result; a leave moves the last row into the freed one.
+    `capacity`: rows held without growing (a growth reallocates the cache, and captured graphs with it); `graphs`:
+    replay the decode step as CUDA graphs (default: on a GPU, when the step can be captured).
+    """
+
+    def __init__(self, model: Transformer, capacity: int = 8, graphs: bool | None = None) -> None:
+        if model.part != "full":
+            raise ValueError("decoding needs the full model (part='full')")
+        self.model, self.cache = model, model.new_cache(capacity)
+        self.seq_ids: list[int] = []
+        self._written: list[int] = []  # per row: complete blocks the cache service already holds
+        self._next = 0
+        capturable = StepGraphs.supported(model)
+        if graphs and not capturable:
+            raise ValueError(
+                "this model's decode step cannot be captured (a CUDA device, device-side Engram tables "
+                "and a single expert-parallel rank are needed)"
+            )
+        self.graphs = StepGraphs(model, self.cache) if (capturable if graphs is None else graphs) else None
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def positions(self) -> list[int]:
+        return list(self.cache.pos)
+
+    # ------------------------------------------------------------------------------------------ membership
+    def join(self, blocks: list[GlobalKVBlock], state: EncoderState) -> tuple[int, Tensor]:
+        """Restore a prefilled sequence, replay the decoder over its last W positions → (seq id, next logits [V])."""
+        (joined,) = self.join_many([(blocks, state)])
+        return joined
+
+    def join_many(self, prompts: Sequence[tuple[list[GlobalKVBlock], EncoderState]]) -> list[tuple[int, Tensor]]:
+        """`join` for several prefilled sequences at once, in one decoder replay forward → (seq id, next logits [V])
+        per prompt, in order. The forward's fixed cost (most of a replay's, on a small batch) is paid once, not per
+        sequence; prompts of fewer than W tokens replay all of theirs, one forward per such length.
+
+        All or none: if any prompt cannot be restored, none joins and the error is raised."""
+        if any(state.position == 0 for _, state in prompts):
+            raise ValueError("cannot decode after an empty prompt")
+        # Rows in order of replay length, so each length's rows form the slice one forward runs.
+        length = [replay_length(self.model, state.position) for _, state in prompts]
+        order = sorted(range(len(prompts)), key=length.__getitem__)
+        first = self.cache.n_rows
+        logits: list[Tensor] = []
+        try:
+            for i in order:
+                restore(self.cache, self.cache.add_row(), *prompts[i])
+            for _, run in groupby(range(len(order)), key=lambda r: length[order[r]]):
+                rows = list(run)
+                logits += decoder_replay(self.model, self.cache, slice(first + rows[0], first + rows[-1] + 1))
+        except Exception:
+            while self.cache.n_rows > first:
+                self.cache.remove_row(self.cache.n_rows - 1)
+            raise
+        seq_ids = list(range(self._next, self._next + len(order)))  # in row order
+        self._next += len(order)
+        self.seq_ids += seq_ids
+        self._written += [len(prompts[i][0]) for i in order]
+        return [(seq_id, row) for _, seq_id, row in sorted(zip(order, seq_ids, logits, strict=True))]
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence continuing from a copy of `seq_id`'s state (e.g. n samples of one prompt)."""
+        row = self.row(seq_id)
+        self.cache.copy_row(row)
+        new, self._next = self._next, self._next + 1
+        self.seq_ids.append(new)
+        self._written.append(self._written[row])
+        return new
+
+    def leave(self, seq_id: int) -> SequenceExport:
+        """Remove a sequence; return its new complete blocks and its end-of-sequence encoder state."""
+        row = self.row(seq_id)
+        fp, Bt = self.model.fingerprint, self.model.args.kv_block_tokens
+        export = SequenceExport(
+            export_blocks(self.cache, row, self._written[row], self.cache.pos[row] // Bt, fp),
+            export_state(self.cache, row, fp),
+        )
+        self.cache.remove_row(row)
+        for lst in (self.seq_ids, self._written):
+            lst[row] = lst[-1]
+            lst.pop()
+        return export
+
+    def row(self, seq_id: int) -> int:
+        try:
+            return self.seq_ids.index(seq_id)
+        except ValueError:
+            raise KeyError(f"sequence {seq_id} is not in this batch") from None
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def tokens(self, tokens: Tensor | Sequence[int], T: int | None = None, host: bool = False) -> Tensor:
+        """tokens as [B, T] for the batch; `host`: ids given on the host stay there where the cache mirrors the Engram
+        look-back (its step then hashes them without waiting for the device)."""
+        tokens = self.model.check_tokens(tokens, host=host and self.cache.host_history is not None)
+        tokens = tokens.view(len(self), -1) if tokens.numel() else tokens
+        if len(self) == 0 or tokens.shape[0] != len(self) or (T is not None and tokens.shape[1] != T):
+            raise ValueError(
+                f"expected {T or 1} token(s) for each of the {len(self)} sequences, got {tuple(tokens.shape)}"
+            )
+        return tokens
+
+    @torch.no_grad()
+    def decode_step(self, tokens: Tensor | Sequence[int]) -> Tensor:
+        """Process one pending token per sequence → the next-token logits [B, V] (sampling is the caller's).
+
+        Replayed from a graph, the logits are the graph's output buffer: read them before the next step."""
+        tokens = self.tokens(tokens, 1, host=True)
+        if self.graphs is not None and self.graphs.covers(len(self)):
+            return self.graphs.decode(tokens)
+        step = self.cache.step(tokens)
+        logits = forward_full(self.model, step, last_only=True)
+        step.commit()
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def dspark_draft(
+        self, tokens: Tensor | Sequence[int], sampling: SamplingParams, generator: Generators = None
+    ) -> Draft:
+        """γ drafts per sequence after its pending token y (not yet committed): one forward of the DSpark blocks over
+        [y, noise…] at positions p+1…, then the Markov chain left to right: each link's distribution is
+        `sampling.probs` of its logits, and `sampling.sampled` sees each link's draws before the next link (a grammar
+        masks each link by the drafts before it). Confidences are calibrated by the head's per-position temperatures;
+        `generator`: one for the batch or one per row (model.sampling)."""
+        model, a = self.model, self.model.args
+        y = self.tokens(tokens, 1)[:, 0]
+        B, g = y.shape[0], a.dspark_block_size
+        ids = torch.cat((y.unsqueeze(1), torch.full((B, g - 1), a.dspark_noise_token_id, device=y.device)), dim=1)
+        positions = self.cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(g, device=y.device)
+        X, pre = model.embed_stream(ids)
+        for block in model.mtp:
+            X, pre = block(X, pre, lambda x, block=block: block.block_attention(x, self.cache, positions))
+        last = model.mtp[-1]
+        x = hc_collapse(X, pre)
+        base = model.head(last.norm(x)).float()
+        head = last.confidence_head
+        tokens_out, probs, confidence, prev = [], [], [], y
+        for k in range(g):
+            e = last.markov_head.embed(prev)
+            q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
+            confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
+            prev = sample(q, generator)
+            sampling.sampled(prev)
+            tokens_out.append(prev)
+            probs.append(q)
+        return Draft(torch.stack(tokens_out, 1), torch.stack(probs, 1), torch.cat(confidence, -1))
+
+    @torch.no_grad()
+    def verify(
+        self,
+        tokens: Tensor | Sequence[int],
+        draft: Draft,
+        sampling: SamplingParams,
+        lengths: Tensor | None = None,
+        generator: Generators = None,
+    ) -> VerifyResult:
+        """Target forward over [y, drafts] of every sequence, lossless acceptance, commit of y + accepted drafts.
+
+        `lengths` [B] (≤ γ, default γ) lets the engine verify fewer drafts per row, e.g. cut where the running product
+        of confidences drops. The returned tokens of a row are its accepted drafts plus the next pending token. With
+        one generator per row, a row's draws depend on its own lengths[b] only, not on the batch's draft width.
+        """
+        y = self.tokens(tokens, 1, host=True)
+        B, g = draft.tokens.shape
+        lengths = torch.full((B,), g, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).cpu()
+        if len(self) != B or bool(((lengths < 0) | (lengths > g)).any()):
+            raise ValueError(
+                f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(self)}"
+            )
+        step = self.cache.step(torch.cat((y, draft.tokens.to(y.device)), dim=1))
+        logits = forward_full(self.model, step)
+        device = logits.device
+        target, proposal = sampling.probs(logits), draft.probs.to(device)
+        accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths.to(device), generator)
+        n = accepted.tolist()  # the one wait for the device: the host needs the accepted tokens
+        step.commit([k + 1 for k in n])
+        emitted = [[*row[:k], t] for row, k, t in zip(draft.tokens.tolist(), n, nxt.tolist(), strict=True)]
+        return VerifyResult(accepted.cpu(), emitted, logits)
