@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 OVERLAYS = ("dev", "gpu", "released", "released-mmap")
 GPU_OVERLAYS = ("gpu", "released", "released-mmap")  # the production shapes: `gpu` and the released checkpoint on it
+RANK_GROUP_OVERLAYS = ("released", "released-mmap")  # the released checkpoint: rank groups of 8 / 4
+# GPUs (and rank processes) a pod of those groups: decode holds the whole model, prefill the encoder half's experts.
+RANKS = {"decode": 8, "prefill": 4}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ROLES = ("gateway", "prefill", "decode", "cache")
 COMPONENT = "app.kubernetes.io/component"

@@ -10,6 +10,8 @@ import pytest
 from k8s_helpers import (
     COMPONENT,
     GPU_OVERLAYS,
+    RANK_GROUP_OVERLAYS,
+    RANKS,
     ROLES,
     container_ports,
     containers,
@@ -132,16 +134,22 @@ def test_every_container_has_requests_and_limits_with_guaranteed_memory(objects:
         assert quantity(requests["memory"]) == quantity(limits["memory"]), f"{role_of(w)} memory"
 
 
-def test_gpus_are_requested_only_by_prefill_and_decode_with_requests_equal_to_limits(
+def test_gpus_are_requested_only_by_prefill_and_decode_with_requests_equal_to_limits_and_ranks(
     overlay: str, objects: list[dict[str, Any]]
 ) -> None:
+    """One GPU a pod for `small` (gpu); rank groups of 8 (decode) and 4 (prefill) for the released checkpoint, each
+    rank process on a GPU of its own: `--ranks` equals the GPUs requested."""
     for w, c in containers(objects):
         requests, limits = c["resources"]["requests"], c["resources"]["limits"]
         wants_gpu = overlay in GPU_OVERLAYS and role_of(w) in GPU_ROLES
         assert (GPU in limits) == wants_gpu, role_of(w)
         assert (GPU in requests) == wants_gpu, role_of(w)
         if wants_gpu:
-            assert requests[GPU] == limits[GPU] == 1
+            gpus = RANKS[role_of(w)] if overlay in RANK_GROUP_OVERLAYS else 1
+            assert requests[GPU] == limits[GPU] == gpus
+            assert int(flag(c["args"], "--ranks") or 1) == gpus
+        else:
+            assert flag(c["args"], "--ranks") is None
 
 
 def test_gpu_scheduling_fields_only_where_gpus_are(overlay: str, objects: list[dict[str, Any]]) -> None:
@@ -153,7 +161,8 @@ def test_gpu_scheduling_fields_only_where_gpus_are(overlay: str, objects: list[d
         assert (spec.get("nodeSelector", {}).get(f"{GPU}.present") == "true") == on_gpu, role
         if on_gpu:
             terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-            products = terms["nodeSelectorTerms"][0]["matchExpressions"][0]
+            (term,) = terms["nodeSelectorTerms"]
+            products = term["matchExpressions"][0]
             assert products["key"] == f"{GPU}.product"
             assert {"NVIDIA-H100-80GB-HBM3", "NVIDIA-H200"} <= set(products["values"])
         else:
