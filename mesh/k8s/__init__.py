@@ -1,7 +1,8 @@
 """Kubernetes tooling for the mesh: `python -m mesh k8s render|apply|status`.
 
 - `kustomize`: renders the Kustomize overlays under k8s/ with `kubectl kustomize`.
-- `validation`: strict offline validation against Kubernetes 1.33 (kubernetes-validate) and the monitor CRDs.
+- `validation`: strict offline validation against Kubernetes 1.33 (kubernetes-validate) and the custom resources
+  the overlays use (PodMonitor, ServiceMonitor, LeaderWorkerSet).
 - `apply`: server-side apply of the rendered objects through the `kubernetes` client.
 - `status`: a rollout and readiness summary of a deployed mesh.
 """

@@ -121,7 +121,8 @@ def apply(
     if missing:
         raise ClusterError(
             f"the cluster does not serve {', '.join(missing)}: install the CRDs they come from (PodMonitor and "
-            "ServiceMonitor: the Prometheus Operator) or use an overlay without them (dev)"
+            "ServiceMonitor: the Prometheus Operator; LeaderWorkerSet: the LWS controller) or use an overlay "
+            "without them (dev; released for one node a group)"
         )
     failures = []
     for call in calls:

@@ -1,7 +1,7 @@
 """`python -m mesh k8s render|apply|status`: render an overlay, apply it server-side, summarise the rollout.
 
-TARGET is an overlay name under k8s/overlays (dev, gpu, released, released-mmap) or a directory holding a
-kustomization.yaml.
+TARGET is an overlay name under k8s/overlays (dev, gpu, released, released-mmap, multinode) or a directory
+holding a kustomization.yaml.
 
   python -m mesh k8s render gpu -o gpu.yaml        # kubectl kustomize k8s/overlays/gpu, validated offline
   python -m mesh k8s apply dev --wait 600          # server-side apply, then wait until every role is ready

@@ -12,11 +12,15 @@ from mesh.k8s.kustomize import build
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-OVERLAYS = ("dev", "gpu", "released", "released-mmap")
-GPU_OVERLAYS = ("gpu", "released", "released-mmap")  # the production shapes: `gpu` and the released checkpoint on it
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+OVERLAYS = ("dev", "gpu", "released", "released-mmap", "multinode")
+GPU_OVERLAYS = ("gpu", "released", "released-mmap", "multinode")  # the production shapes: `gpu` and those on it
+RANK_GROUP_OVERLAYS = ("released", "released-mmap", "multinode")  # the released checkpoint: rank groups of 8 / 4
+# GPUs (and rank processes) a pod of those groups: decode holds the whole model, prefill the encoder half's experts.
+RANKS = {"decode": 8, "prefill": 4}
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 ROLES = ("gateway", "prefill", "decode", "cache")
 COMPONENT = "app.kubernetes.io/component"
+GROUP_ROLE = "v41mesh/group-role"  # leader or worker, on the pod templates of a LeaderWorkerSet
 
 _RENDERED: dict[str, list[dict[str, Any]]] = {}
 
@@ -37,16 +41,40 @@ def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]
     return obj
 
 
+def group_parts(lws: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A LeaderWorkerSet as two workloads of one pod template each, its leader's and its workers' (`part` says
+    which): shaped like a Deployment (`spec.template`) so that every check of a pod template applies to both. The
+    LWS controller makes the selectors; these views have none."""
+    group = lws["spec"]["leaderWorkerTemplate"]
+    return [
+        {"kind": lws["kind"], "metadata": lws["metadata"], "part": part, "spec": {"template": group[f"{part}Template"]}}
+        for part in ("leader", "worker")
+    ]
+
+
 def workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
+    """Every pod template's owner: Deployments and StatefulSets as rendered, a LeaderWorkerSet as its two parts."""
+    found: list[dict[str, Any]] = []
+    for o in objects:
+        if o["kind"] == "LeaderWorkerSet":
+            found.extend(group_parts(o))
+        elif o["kind"] in WORKLOAD_KINDS:
+            found.append(o)
+    return found
 
 
 def role_of(workload: Mapping[str, Any]) -> str:
     return workload["spec"]["template"]["metadata"]["labels"][COMPONENT]
 
 
+def is_group_worker(workload: Mapping[str, Any]) -> bool:
+    """A LeaderWorkerSet's worker part: pods of node rank > 0, which serve only their metrics port."""
+    return workload.get("part") == "worker"
+
+
 def workload(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    (found,) = [w for w in workloads(objects) if role_of(w) == role]
+    """The workload of the pods that serve `role`'s gRPC: for a LeaderWorkerSet, its leader part."""
+    (found,) = [w for w in workloads(objects) if role_of(w) == role and not is_group_worker(w)]
     return found
 
 

@@ -10,11 +10,14 @@ import pytest
 from k8s_helpers import (
     COMPONENT,
     GPU_OVERLAYS,
+    RANK_GROUP_OVERLAYS,
+    RANKS,
     ROLES,
     container_ports,
     containers,
     env_value,
     flag,
+    is_group_worker,
     named,
     of_kind,
     pod_spec,
@@ -49,8 +52,8 @@ def test_every_object_validates_against_kubernetes_1_33(objects: list[dict[str, 
 
 def test_the_monitor_schemas_cover_the_crds_and_refuse_typos(objects: list[dict[str, Any]]) -> None:
     crds = [o for o in objects if (o["apiVersion"], o["kind"]) in CRD_SCHEMAS]
-    assert {o["kind"] for o in crds} <= {"PodMonitor", "ServiceMonitor"}
-    for obj in crds:
+    assert {o["kind"] for o in crds} <= {"PodMonitor", "ServiceMonitor", "LeaderWorkerSet"}
+    for obj in (o for o in crds if o["kind"] != "LeaderWorkerSet"):  # LWS: test_k8s_rank_groups.py
         broken = copy.deepcopy(obj)
         broken["spec"]["podMetricEndpoints" if obj["kind"] == "PodMonitor" else "endpoint"] = []
         with pytest.raises(ManifestError, match="Additional properties"):
@@ -90,6 +93,10 @@ def test_grpc_readiness_asks_for_the_roles_own_service_and_the_gateway_for_healt
             # Liveness must not restart a gateway whose backends are down: /live answers while the process runs.
             assert c["livenessProbe"]["httpGet"]["path"] == "/live"
             assert c["startupProbe"]["httpGet"]["path"] == "/live"
+        elif is_group_worker(w):
+            # Workers of a rank group serve no gRPC: every probe checks the metrics port they do serve.
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[kind]["tcpSocket"] == {"port": "metrics"}, kind
         else:
             assert c["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICES[role]
             # Liveness must not kill a replica that reports NOT_SERVING while it drains.
@@ -97,9 +104,10 @@ def test_grpc_readiness_asks_for_the_roles_own_service_and_the_gateway_for_healt
 
 
 def test_gpu_roles_have_a_long_startup_budget_for_weight_loading(objects: list[dict[str, Any]]) -> None:
-    for role in GPU_ROLES:
-        probe = pod_spec(workload(objects, role))["containers"][0]["startupProbe"]
-        assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
+    for w in workloads(objects):
+        if role_of(w) in GPU_ROLES:
+            probe = pod_spec(w)["containers"][0]["startupProbe"]
+            assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60
 
 
 def test_port_flags_match_declared_container_ports(objects: list[dict[str, Any]]) -> None:
@@ -132,16 +140,22 @@ def test_every_container_has_requests_and_limits_with_guaranteed_memory(objects:
         assert quantity(requests["memory"]) == quantity(limits["memory"]), f"{role_of(w)} memory"
 
 
-def test_gpus_are_requested_only_by_prefill_and_decode_with_requests_equal_to_limits(
+def test_gpus_are_requested_only_by_prefill_and_decode_with_requests_equal_to_limits_and_ranks(
     overlay: str, objects: list[dict[str, Any]]
 ) -> None:
+    """One GPU a pod for `small` (gpu); rank groups of 8 (decode) and 4 (prefill) for the released checkpoint, each
+    rank process on a GPU of its own: `--ranks` equals the GPUs requested."""
     for w, c in containers(objects):
         requests, limits = c["resources"]["requests"], c["resources"]["limits"]
         wants_gpu = overlay in GPU_OVERLAYS and role_of(w) in GPU_ROLES
         assert (GPU in limits) == wants_gpu, role_of(w)
         assert (GPU in requests) == wants_gpu, role_of(w)
         if wants_gpu:
-            assert requests[GPU] == limits[GPU] == 1
+            gpus = RANKS[role_of(w)] if overlay in RANK_GROUP_OVERLAYS else 1
+            assert requests[GPU] == limits[GPU] == gpus
+            assert int(flag(c["args"], "--ranks") or 1) == gpus
+        else:
+            assert flag(c["args"], "--ranks") is None
 
 
 def test_gpu_scheduling_fields_only_where_gpus_are(overlay: str, objects: list[dict[str, Any]]) -> None:
@@ -153,7 +167,8 @@ def test_gpu_scheduling_fields_only_where_gpus_are(overlay: str, objects: list[d
         assert (spec.get("nodeSelector", {}).get(f"{GPU}.present") == "true") == on_gpu, role
         if on_gpu:
             terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-            products = terms["nodeSelectorTerms"][0]["matchExpressions"][0]
+            (term,) = terms["nodeSelectorTerms"]
+            products = term["matchExpressions"][0]
             assert products["key"] == f"{GPU}.product"
             assert {"NVIDIA-H100-80GB-HBM3", "NVIDIA-H200"} <= set(products["values"])
         else:
@@ -161,8 +176,10 @@ def test_gpu_scheduling_fields_only_where_gpus_are(overlay: str, objects: list[d
 
 
 def test_gpu_roles_get_a_memory_backed_dev_shm_within_their_memory_limit(objects: list[dict[str, Any]]) -> None:
-    for role in GPU_ROLES:
-        spec = pod_spec(workload(objects, role))
+    for w in workloads(objects):
+        if role_of(w) not in GPU_ROLES:
+            continue
+        spec = pod_spec(w)
         (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
         assert volume["emptyDir"]["medium"] == "Memory"
@@ -293,7 +310,10 @@ def test_config_and_secret_references_resolve(overlay: str, objects: list[dict[s
     assert secret.get("optional", False) is (overlay == "dev")
 
 
-@pytest.mark.parametrize(("overlay", "store", "least_gi"), [("released", "host", 256), ("released-mmap", "mmap", 64)])
+@pytest.mark.parametrize(
+    ("overlay", "store", "least_gi"),
+    [("released", "host", 256), ("released-mmap", "mmap", 64), ("multinode", "host", 256)],
+)
 def test_released_overlays_size_host_memory_for_where_the_engram_tables_live(
     overlay: str, store: str, least_gi: int
 ) -> None:
@@ -325,7 +345,8 @@ def test_model_comes_from_the_model_config_map(overlay: str, objects: list[dict[
 
 def test_workload_selectors_match_their_own_pods_and_no_other_workloads(objects: list[dict[str, Any]]) -> None:
     for w in workloads(objects):
-        assert selected_workloads(objects, w["spec"]["selector"]) == [w]
+        if "selector" in w["spec"]:  # a LeaderWorkerSet's controller makes its own
+            assert selected_workloads(objects, w["spec"]["selector"]) == [w]
         for constraint in pod_spec(w).get("topologySpreadConstraints", []):
             assert selected_workloads(objects, constraint["labelSelector"]) == [w]
 
@@ -342,11 +363,15 @@ def test_services_select_one_workload_and_target_its_ports(objects: list[dict[st
 
 
 def test_disruption_budgets_cover_every_role_one_pod_at_a_time(objects: list[dict[str, Any]]) -> None:
+    """One budget a role, covering all its pods (a rank group's leaders and workers alike: evicting either ends the
+    group, so one pod at a time is one group at a time)."""
     covered = []
     for pdb in of_kind(objects, "PodDisruptionBudget"):
-        (w,) = selected_workloads(objects, pdb["spec"]["selector"])
+        selected = selected_workloads(objects, pdb["spec"]["selector"])
+        (role,) = {role_of(w) for w in selected}
+        assert selected == [w for w in workloads(objects) if role_of(w) == role]
         assert pdb["spec"]["maxUnavailable"] == 1
-        covered.append(role_of(w))
+        covered.append(role)
     assert sorted(covered) == sorted(ROLES)
 
 
@@ -402,13 +427,24 @@ def test_every_pod_is_behind_a_default_deny_ingress_policy(objects: list[dict[st
 def test_only_the_gateway_is_reachable_from_outside_and_only_mesh_members_reach_the_cache(
     objects: list[dict[str, Any]],
 ) -> None:
-    mesh_pods = {role_of(w): w["spec"]["template"]["metadata"]["labels"] for w in workloads(objects)}
+    """Ports by name, peers by role. The one rule without ports: the pods of a multi-node rank group reach each
+    other (NCCL listens on ephemeral ports), and only the pods of that role, only where its pods form such groups."""
+    mesh_pods = [(role_of(w), w["spec"]["template"]["metadata"]["labels"]) for w in workloads(objects)]
+    grouped = {role_of(w) for w in workloads(objects) if is_group_worker(w)}
     for w in workloads(objects):
-        role, ports = role_of(w), container_ports(w)
+        role = role_of(w)
+        ports = {name for v in workloads(objects) if role_of(v) == role for name in container_ports(v)}
         for policy in _ingress_policies(objects, w["spec"]["template"]["metadata"]["labels"]):
             for rule in policy["spec"].get("ingress", []):
-                rule_ports = [p["port"] for p in rule["ports"]]
-                assert rule_ports, f"{role}: {policy['metadata']['name']} opens every port"
+                rule_ports = [p["port"] for p in rule.get("ports", [])]
+                if not rule_ports:
+                    assert role in grouped, f"{role}: {policy['metadata']['name']} opens every port"
+                    assert all(set(peer) == {"podSelector"} for peer in rule["from"]), "pods of this namespace only"
+                    peers = {
+                        r for r, labels in mesh_pods for peer in rule["from"] if selects(peer["podSelector"], labels)
+                    }
+                    assert peers == {role}, f"{role}: every port open to {peers}"
+                    continue
                 assert all(p in ports for p in rule_ports), f"{role}: {policy['metadata']['name']}: {rule_ports}"
                 if not rule.get("from"):
                     assert role == "gateway", f"{role} is open to everyone through {policy['metadata']['name']}"
@@ -418,7 +454,7 @@ def test_only_the_gateway_is_reachable_from_outside_and_only_mesh_members_reach_
                         assert rule_ports == ["metrics"]
                         assert peer["namespaceSelector"]["matchLabels"]
                         continue
-                    allowed = {r for r, labels in mesh_pods.items() if selects(peer["podSelector"], labels)}
+                    allowed = {r for r, labels in mesh_pods if selects(peer["podSelector"], labels)}
                     expected = {"cache": {"gateway", "prefill", "decode"}}.get(role, {"gateway"})
                     assert allowed == expected, f"{role} reachable from {allowed}"
 

@@ -63,7 +63,10 @@ def test_cli_renders_validated_yaml_to_a_file(tmp_path: Path, capsys: pytest.Cap
     assert main(["render", "dev", "-o", str(out)]) == 0
     assert out.read_text() == render(K8S / "overlays" / "dev")
     assert main(["render", "nope"]) == 1
-    assert "no overlay or directory 'nope' (overlays: dev, gpu, released, released-mmap)" in capsys.readouterr().err
+    assert (
+        "no overlay or directory 'nope' (overlays: dev, gpu, multinode, released, released-mmap)"
+        in capsys.readouterr().err
+    )
 
 
 def test_cli_refuses_to_render_an_invalid_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
