@@ -156,9 +156,7 @@ class DecodeBatch:
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor | Sequence[int]) -> Tensor:
-        """Process one pending token per sequence → the next-token logits [B, V] (sampling is the caller's).
-
-        Replayed from a graph, the logits are the graph's output buffer: read them before the next step."""
+        """Process one pending token per sequence → the next-token logits [B, V] (sampling is the caller's)."""
         tokens = self.tokens(tokens, 1, host=True)
         if self.graphs is not None and self.graphs.covers(len(self)):
             return self.graphs.decode(tokens)

@@ -9,7 +9,7 @@ A graph launches them all at once. What a captured step needs, and how it is giv
 - buffers that do not move: the cache is reserved ahead (rows and entries grow by doubling), and a growth —
   rare, logarithmic in the context — drops the graphs, which are captured again on their next use;
 - inputs and outputs in fixed places: the pending tokens are copied into one buffer, the positions are the cache's
-  device copy, and the logits are the graph's own output;
+  device copy, and the logits are written to the graph's own output (the caller gets a copy);
 - no host work inside: the step's device writes (rings, open groups, H^{L/2} rows, look-back) are captured with
   it, and the positions of the real rows (a device mask, not the padding) advance inside it; the host then follows.
 
@@ -71,7 +71,7 @@ class StepGraphs:
         self.active.fill_(n)
         captured.graph.replay()
         cache.advanced(n)
-        return captured.logits[:n]
+        return captured.logits[:n].clone()  # the caller's: the next replay rewrites the graph's own
 
     def prepare(self, b: int) -> None:
         """Reserve the cache for this step (rows up to the bucket, entries past every row's next position) and drop

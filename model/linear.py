@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import kernels, quant
+from model.fused import fused
 
 WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
 FP8_BLOCK = 32  # FP8 weights: 32×32 blocks (quantization_config.weight_block_size); activations: 32 channels
@@ -173,7 +174,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype or torch.get_default_dtype()))
 
     def forward(self, x: Tensor) -> Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(compute)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(compute) * y).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+@fused
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.to(compute) * y).to(x.dtype)

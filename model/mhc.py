@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from model.fused import fused
 
+
+@fused
 def hc_mixes(X: Tensor, fn: Tensor, eps: float) -> Tensor:
     """X [..., n, C] → mixes [..., (2+n)n]: the flattened stream projected by fn, scaled by 1/rms (fp32 or wider)."""
     compute = torch.promote_types(fn.dtype, torch.float32)
@@ -49,12 +52,14 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     return comb
 
 
+@fused
 def hc_collapse(X: Tensor, pre: Tensor) -> Tensor:
     """Σₖ preₖ Xₖ: [..., n, C] × [..., n] → [..., C] in X's dtype."""
     compute = torch.promote_types(X.dtype, torch.float32)
     return (pre.to(compute).unsqueeze(-1) * X.to(compute)).sum(-2).to(X.dtype)
 
 
+@fused
 def hc_expand(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Copy k ← postₖ·out + Σⱼ comb[j, k]·Xⱼ: out [..., C], X [..., n, C] → [..., n, C]."""
     compute = torch.promote_types(X.dtype, torch.float32)

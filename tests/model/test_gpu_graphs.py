@@ -1,5 +1,6 @@
 """On a GPU (skipped without one): the decode step replayed from CUDA graphs, one per batch bucket, gives the eager
-step's logits while sequences join and leave, waits for the device nowhere, and captures each bucket once."""
+step's logits while sequences join and leave, waits for the device nowhere, and neither captures nor compiles
+anything after its warm-up."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from model import DecodeBatch, build_model, encode_prefill, preset
 
@@ -92,20 +94,29 @@ def test_a_replayed_step_never_waits_for_the_device(small):
     assert bool(logits.isfinite().all())
 
 
-def test_two_hundred_steps_of_changing_batches_capture_each_bucket_once(small):
-    """Joins and leaves move the batch over buckets 1 … 8 across 200 steps: one capture per bucket, none after."""
+def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile_nothing(small):
+    """Warm-up: the batch grows from 1 to 8 sequences, one step at each size (buckets 1, 2, 4, 8 captured, the fused
+    functions compiled). Then 200 steps while sequences join and leave at random: no capture, no compilation."""
     prompts = _prompts(small, 3, 2)
     batch = DecodeBatch(small, 8, graphs=True)
     rng = random.Random(3)
     seqs: list[int] = []
-    seen: set[int] = set()
-    for i in range(200):
-        if not seqs or (len(seqs) < 8 and rng.random() < 0.3):
+
+    def step() -> None:
+        logits = batch.decode_step(torch.randint(0, small.args.vocab_size, (len(seqs), 1), device="cuda"))
+        assert logits.shape == (len(seqs), small.args.vocab_size)
+
+    for _ in range(8):
+        out = prompts[rng.randrange(len(prompts))]
+        seqs.append(batch.join(out.blocks, out.encoder_state)[0])
+        step()
+    captures, compiled = batch.graphs.captures, counters["stats"]["unique_graphs"]
+    assert captures == 4
+    for _ in range(200):
+        if len(seqs) < 8 and rng.random() < 0.3:
             out = prompts[rng.randrange(len(prompts))]
             seqs.append(batch.join(out.blocks, out.encoder_state)[0])
-        elif len(seqs) > 1 and rng.random() < 0.2:
+        elif len(seqs) > 1 and rng.random() < 0.3:
             batch.leave(seqs.pop(rng.randrange(len(seqs))))
-        seen.add(next(b for b in batch.graphs.buckets if b >= len(seqs)))
-        logits = batch.decode_step(torch.randint(0, small.args.vocab_size, (len(seqs), 1), device="cuda"))
-        assert logits.shape == (len(seqs), small.args.vocab_size), i
-    assert batch.graphs.captures == len(seen)
+        step()
+    assert (batch.graphs.captures, counters["stats"]["unique_graphs"]) == (captures, compiled)

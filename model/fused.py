@@ -1,0 +1,36 @@
+"""Elementwise chains fused by torch.compile on a GPU.
+
+Most kernels of a decode step are the glue of a few pure functions — RMSNorm, the mHC mixes, collapse and
+expand —, each a chain of casts, products and one reduction per row, one kernel per torch op. On CUDA tensors
+outside autograd, `fused(fn)` runs fn compiled by torch.compile (inductor writes one or two Triton kernels for the
+chain); elsewhere fn itself runs, so the CPU path and training keep the plain torch ops they are tested as.
+
+Shapes compile as they come (a dimension turns dynamic once it is seen to change). A CUDA-graph capture follows a
+warm-up call of the same shapes (model.graphs), so nothing compiles while capturing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def fused(fn: F) -> F:
+    compiled: list[Callable[..., object]] = []  # made on the first CUDA call: a CPU process never loads the compiler
+
+    @functools.wraps(fn)
+    def run(*args: object) -> object:
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if not tensors[0].is_cuda or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return fn(*args)
+        if not compiled:
+            compiled.append(torch.compile(fn, dynamic=None))
+        return compiled[0](*args)
+
+    return run  # type: ignore[return-value]
