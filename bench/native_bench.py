@@ -140,28 +140,35 @@ def wall_ms(fn: Callable[[], object], repeat: int) -> list[float]:
     return times
 
 
+def captured(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured once as a CUDA graph (after a warm-up call on a side stream) → its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    held = (graph, fn)  # the replay reads the tensors fn holds: they live as long as it
+    return lambda: held[0].replay()
+
+
 def graph_ms(fn: Callable[[], object], repeat: int) -> list[float] | str:
     """Replay times of `fn` captured once as a CUDA graph (the error, if it cannot be captured)."""
     if DEVICE != "cuda":
         return "no GPU"
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        replay = captured(fn)
     except Exception as error:  # a host sync or pageable copy inside: report it, keep the eager figures
         return f"{type(error).__name__}: {error}"[:300]
-    graph.replay()
+    replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeat):
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

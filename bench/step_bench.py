@@ -30,23 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import decode_model, dense_decode_step, filled_decode_batch
-from bench.native_bench import HBM_BYTES_PER_S, kv_bytes, touched_bytes
+from bench.native_bench import HBM_BYTES_PER_S, captured, kv_bytes, touched_bytes
 
 Step = Callable[[], object]
-
-
-def captured(fn: Step) -> Step:
-    """fn captured once as a CUDA graph (after a warm-up call on a side stream) → its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    held = (graph, fn)  # the replay reads the tensors fn holds: they live as long as it
-    return lambda: held[0].replay()
 
 
 def sides(model, B: int, context: int, steps: int) -> tuple[dict[str, Step], int]:
