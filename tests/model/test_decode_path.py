@@ -153,7 +153,7 @@ def test_a_static_step_over_padded_rows_equals_a_plain_step(tiny: Transformer, t
         step.write()
         cache.advance_device(slice(0, bucket), torch.arange(bucket) < n)
         cache.advanced(n)
-        torch.testing.assert_close(logits, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-7)  # fp32 logits: an ulp may flip
         assert cache.next_positions(slice(0, bucket)).tolist() == cache.pos + [0] * (bucket - n)
     assert static.positions() == plain.positions()
     for a, b in zip(plain.cache._row_tensors(), static.cache._row_tensors(), strict=True):
