@@ -8,10 +8,11 @@ sparse files memory-mapped like the checkpoint shards (`--engram-store mmap`); t
 (zero pages), so the figure is the fetch path's cost with the page cache warm, not a disk's. Token ids come from a
 real agent trace (`../shared/data/agent-traces`, tokenised; random ids where the trace or tokenizer is missing).
 
-Each decode row: ms per eager step (`serving.decode_step`, as served) at batch B and 4 K context, sides alternated
-`--rounds` times, median and spread; "added" is against the device side. The prefill row: one 16 K-token chunk
-(`encode_prefill`). `--trace DIR` writes a torch.profiler trace of one host step at batch 64 and reports how much of
-the host-to-device copies overlapped kernels on the compute stream.
+Each decode row: ms per eager step (`DecodeBatch.decode_step` with `graphs=False` on both sides: host tables run
+the eager step) at batch B and 4 K context, sides alternated `--rounds` times, median and spread; "added" is
+against the device side. The prefill row: one 16 K-token chunk (`encode_prefill`). `--trace DIR` writes a
+torch.profiler trace of one host step at batch 64 and reports how much of the host-to-device copies overlapped
+kernels on the compute stream.
 
     python bench/engram_bench.py [--batches 1,64,256] [--rounds 5] [--steps 10] [--trace OUT] [--out JSON]
 """
@@ -92,7 +93,8 @@ def step_ms(model, batch, ids: torch.Tensor, steps: int) -> float:
 
 def bench_decode(models: dict, B: int, rounds: int, steps: int) -> dict:
     ids = trace_ids(B * steps, 129280).view(steps, B)
-    batches = {name: filled_decode_batch(model, B, 4096, steps * (rounds + 2)) for name, model in models.items()}
+    room = steps * (rounds + 2)
+    batches = {name: filled_decode_batch(model, B, 4096, room, graphs=False) for name, model in models.items()}
     for name, model in models.items():  # warm: first calls compile and allocate
         step_ms(model, batches[name], ids, 2)
     times: dict[str, list[float]] = {name: [] for name in models}
@@ -137,7 +139,7 @@ def bench_prefill(models: dict, tokens: int, rounds: int) -> dict:
 def overlap(model, out: Path) -> list[dict]:
     """Under the profiler, one host decode step at batch 64 and one 4 K-token prefill chunk: the share of the
     host-to-device copy time that ran while a kernel ran (the copies have their own stream), traces in `out`."""
-    batch = filled_decode_batch(model, 64, 4096, 8)
+    batch = filled_decode_batch(model, 64, 4096, 8, graphs=False)
     ids = trace_ids(64 * 4, 129280).view(4, 64)
     prompt = trace_ids(4096, 129280).tolist()
     step_ms(model, batch, ids, 2)

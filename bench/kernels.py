@@ -877,9 +877,10 @@ def dense_decode_step(model, tokens: torch.Tensor, position: int, history: torch
 
 
 def ours_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
-    """`model.serving.decode_step` over a synthesised decode batch at `context` tokens."""
+    """The eager `DecodeBatch.decode_step` over a synthesised decode batch at `context` tokens (like the dense side;
+    bench/step_bench.py compares the served graph with a graph of the dense model)."""
 
-    batch = filled_decode_batch(model, B, context, steps)
+    batch = filled_decode_batch(model, B, context, steps, graphs=False)
     tokens = torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE)
     return lambda: batch.decode_step(tokens)
 
@@ -893,9 +894,8 @@ def dense_step(model, B: int, context: int, steps: int) -> Callable[[], object]:
 
 
 def decode_step_bench(name: str, make_step: Callable[..., Callable[[], object]], tiny: bool) -> Iterator[Row]:
-    """Median wall time of one whole decode step (one token per sequence, synchronised: the serving path has host
-    syncs, so no CUDA graph) at batch 1 and 64 and each context; a configuration that fails is reported and
-    skipped."""
+    """Median wall time of one whole eager decode step (one token per sequence, synchronised) at batch 1 and 64 and
+    each context; a configuration that fails is reported and skipped."""
     contexts = [64, 256] if tiny else [4096, 131_072, 1_048_576]
     repeat = 2 if tiny else 5
     model = decode_model(tiny, contexts[-1])

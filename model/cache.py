@@ -298,7 +298,7 @@ class KVCache:
             self._next_of = list(self.pos)
         return self._next[rows]
 
-    def advance_device(self, rows: slice, by: Tensor) -> None:
+    def advance_device(self, rows: slice, by: Tensor | int) -> None:
         """Rows' device positions move by `by` [B] (a captured step: the host follows with `advanced`)."""
         self._next[rows] += by
 
@@ -324,7 +324,7 @@ class KVCache:
         for b, k in enumerate(keep):
             self.pos[rows.start + b] = start[b] + k
         if in_sync:
-            self._next[rows] += keep_t if keep_t is not None else keep[0]
+            self.advance_device(rows, keep_t if keep_t is not None else keep[0])
             self._next_of = list(self.pos)
 
 

@@ -12,7 +12,7 @@ Three SWA-only blocks (`mtp.0..2`, mHC + attention + MoE) draft γ = dspark_bloc
               is; Tₖ: Sequential Temperature Scaling, fitted after training (train.calibrate), 1 = identity
 
 The decode engine may truncate a row's drafts where the running product of confidences falls (adaptive length);
-`Transformer.verify` checks them losslessly (model.sampling).
+`DecodeBatch.verify` checks them losslessly (model.sampling).
 """
 
 from __future__ import annotations
