@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from model.config import ModelArgs
+from model.fused import fused
 from model.indexer import Selection
 from model.mhc import mix_dtype
 
@@ -54,16 +55,20 @@ class Ring:
 
     def window(self, rows: slice, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
         """Keys = [committed ring ‖ this step's T entries] with mask[b, t, k]: key k lies in query t's window."""
-        W = self.data.shape[1]
-        kpos = torch.cat((self.pos[rows], new_pos), dim=1)
-        data = torch.cat((self.data[rows], new_data), dim=1)
-        scale = torch.cat((self.scale[rows], new_scale), dim=1)
-        k, q = kpos.unsqueeze(1), new_pos.unsqueeze(2)
-        return data, scale, (k >= 0) & (k <= q) & (k > q - W)
+        return _window(self.data[rows], self.scale[rows], self.pos[rows], new_data, new_scale, new_pos)
 
     def commit(self, rows: slice, data: Tensor, scale: Tensor, pos: Tensor, keep: Tensor | None) -> None:
         """Write the last ≤ W kept positions of each row (keep: None = all) into their slots (pos mod W)."""
         _write_kept(((self.data, data), (self.scale, scale), (self.pos, pos)), rows, pos, keep, self.data.shape[1])
+
+
+@fused
+def _window(data: Tensor, scale: Tensor, pos: Tensor, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
+    W = data.shape[1]
+    kpos = torch.cat((pos, new_pos), dim=1)
+    k, q = kpos.unsqueeze(1), new_pos.unsqueeze(2)
+    mask = (k >= 0) & (k <= q) & (k > q - W)
+    return torch.cat((data, new_data), dim=1), torch.cat((scale, new_scale), dim=1), mask
 
 
 def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) -> None:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import ModelArgs
+from model.fused import fused
 from model.linear import Embedding, Linear
 
 _PRIME_SEED = 10007
@@ -224,15 +225,20 @@ class Engram(nn.Module):
     def forward(self, X: Tensor, memory: Tensor) -> Tensor:
         """X [B, T, n, C], memory [B, T, R, head_dim] (the table rows of the step's n-grams, `model.engram_store`)
         → X with the gated memory value added to every copy."""
-        a = self.args
         kv = self.wkv(memory.flatten(-2))
-        key = kv[..., : a.hc_mult * a.hidden_size].unflatten(-1, (a.hc_mult, a.hidden_size))
-        value = kv[..., a.hc_mult * a.hidden_size :]
-        compute = torch.promote_types(X.dtype, torch.float32)
-        Xf, key = X.to(compute), key.to(compute)
-        eps = a.rms_norm_eps
-        inv_rms = torch.rsqrt(Xf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-        w = (self.q_weight * self.k_weight).to(compute)
-        dot = (Xf * w * key).sum(-1) * inv_rms / math.sqrt(a.hidden_size)
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        return (Xf + gate.unsqueeze(-1) * value.to(compute).unsqueeze(-2)).to(X.dtype)
+        return gated_add(X, kv, self.q_weight, self.k_weight, self.args.rms_norm_eps)
+
+
+@fused
+def gated_add(X: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+    """X [B, T, n, C] + gate · value, kv [B, T, n·C + C] = (a key per copy ‖ the value): the gate of copy k is
+    σ(signed √|⟨X_k, key_k⟩_w| / √C) over rms-normalised X_k and key_k."""
+    n, C = X.shape[-2], X.shape[-1]
+    key, value = kv[..., : n * C].unflatten(-1, (n, C)), kv[..., n * C :]
+    compute = torch.promote_types(X.dtype, torch.float32)
+    Xf, key = X.to(compute), key.to(compute)
+    inv_rms = torch.rsqrt(Xf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    w = (q_weight * k_weight).to(compute)
+    dot = (Xf * w * key).sum(-1) * inv_rms / math.sqrt(C)
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return (Xf + gate.unsqueeze(-1) * value.to(compute).unsqueeze(-2)).to(X.dtype)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from model import kernels
 from model.config import ModelArgs
+from model.fused import fused
 from model.linear import Fp8Act, Linear, WeightFormat, fp8_act, packed_param, param_dtype
 from model.parallel import SINGLE, Parallel, expert_parallel
 
@@ -43,15 +44,22 @@ class Gate(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, C] → (weights [N, k] fp32, expert ids [N, k]) with each row's slots in ascending expert id; the
         choice keeps the k best scores, ties to the lower expert id."""
-        scores = F.softplus(F.linear(x.to(self.weight.dtype), self.weight)).sqrt()
-        ids = torch.sort(scores + self.bias, dim=-1, descending=True, stable=True).indices[:, : self.topk]
-        ids = ids.sort(-1).values
-        weights = scores.gather(-1, ids)
-        if self.norm and self.topk > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
+        return route(x, self.weight, self.bias, self.topk, self.norm and self.topk > 1, self.scale)
 
 
+@fused
+def route(x: Tensor, weight: Tensor, bias: Tensor, topk: int, norm: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """The gate's choice: sqrt(softplus) scores, the k best (biased) kept in ascending id, their weights."""
+    scores = F.softplus(F.linear(x.to(weight.dtype), weight)).sqrt()
+    ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :topk]
+    ids = ids.sort(-1).values
+    weights = scores.gather(-1, ids)
+    if norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+@fused
 def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     """silu(min(gate, limit)) · clamp(up, ±limit): the released clamps."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
@@ -205,9 +213,15 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         xq = self.shared_experts.w1.cast(x)  # one FP8 cast for every expert
-        compute = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation over experts
-        y = self.shared_experts(xq).to(compute)
-        routed = self.routed(xq, weights, ids).to(compute)
-        for r in range(routed.shape[1]):  # each token's experts added one at a time, in ascending id
-            y = y + routed[:, r]
-        return y.to(x.dtype).view(shape)
+        return combine(self.shared_experts(xq), self.routed(xq, weights, ids)).view(shape)
+
+
+@fused
+def combine(shared: Tensor, routed: Tensor) -> Tensor:
+    """shared [N, C] + routed [N, k, C], accumulated in fp32: each token's experts added one at a time, in ascending
+    id (the slot order), whatever the number of ranks that computed them."""
+    compute = torch.promote_types(shared.dtype, torch.float32)
+    y = shared.to(compute)
+    for r in range(routed.shape[1]):
+        y = y + routed[:, r].to(compute)
+    return y.to(shared.dtype)

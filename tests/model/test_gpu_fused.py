@@ -1,0 +1,63 @@
+"""On a GPU (skipped without one): every function `model.fused.fused` compiles gives its plain torch form's values
+on CUDA inputs of a `small` step's shapes — integer results exactly, floats to the rounding of a reordered sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import preset
+from model.cache import _window
+from model.engram import gated_add
+from model.linear import rms_norm
+from model.mhc import hc_collapse, hc_expand, hc_mixes
+from model.moe import combine, route, swiglu
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+A = preset("small")
+N, n, C = 24, A.hc_mult, A.hidden_size
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator("cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
+def cases():
+    X, mix = rand(N, n, C), rand(N, n, seed=1, dtype=torch.float32).softmax(-1)
+    comb = rand(N, n, n, seed=2, dtype=torch.float32).softmax(-1)
+    ring = torch.randint(-1, 300, (N, A.sliding_window), device="cuda")
+    yield "rms_norm", rms_norm, (rand(N, C), rand(C, seed=3), A.rms_norm_eps)
+    yield "hc_mixes", hc_mixes, (X, rand((2 + n) * n, n * C, seed=4, dtype=torch.float32), A.rms_norm_eps)
+    yield "hc_collapse", hc_collapse, (X, mix)
+    yield "hc_expand", hc_expand, (rand(N, C, seed=5), X, mix, comb)
+    f32 = torch.float32
+    gate = rand(64, C, seed=7, dtype=f32), rand(64, seed=8, dtype=f32)
+    yield "route", route, (rand(N, C, seed=6), *gate, 6, True, 2.5)
+    yield "swiglu", swiglu, (rand(N, 256, seed=9) * 8, rand(N, 256, seed=10) * 8, A.swiglu_limit)
+    yield "combine", combine, (rand(N, C, seed=11), rand(N, 6, C, seed=12))
+    yield "gated_add", gated_add, (X, rand(N, (n + 1) * C, seed=13), rand(n, C, seed=14), rand(n, C, seed=15), 1e-6)
+    new_pos = torch.arange(300, 300 + N, device="cuda").unsqueeze(1)
+
+    def u8(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 255, shape, device="cuda", dtype=torch.uint8)
+
+    W = A.sliding_window
+    yield "_window", _window, (u8(N, W, 16), u8(N, W, 1), ring, u8(N, 1, 16), u8(N, 1, 1), new_pos)
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "route", "swiglu", "combine",
+                                  "gated_add", "_window"])  # fmt: skip
+def test_compiled_equals_plain(name: str) -> None:
+    _, fn, args = next(case for case in cases() if case[0] == name)
+    with torch.no_grad():
+        got, want = fn(*args), fn.__wrapped__(*args)
+    for g, w in zip(*(r if isinstance(r, tuple) else (r,) for r in (got, want)), strict=True):
+        if g.dtype.is_floating_point:
+            torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * float(w.float().abs().max()))
+        else:
+            assert torch.equal(g, w), name
