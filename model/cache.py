@@ -400,9 +400,14 @@ class Step:
 
     def commit(self, keep: list[int] | None = None) -> None:
         """Keep the first keep[b] positions of row b (all by default) and advance the rows' positions."""
-        cache, B, T = self.cache, self.batch, self.length
-        keep_t = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=cache.device)
+        keep_t = None if keep is None else torch.tensor(keep, dtype=torch.int64, device=self.cache.device)
         self.write(keep_t)
+        self.advance(keep, keep_t)
+
+    def advance(self, keep: list[int] | None, keep_t: Tensor | None) -> None:
+        """The host half of a commit: the rows' positions (and the host's look-back) move past their kept tokens;
+        keep_t is `keep` on the device, as `write` had it."""
+        cache, B, T = self.cache, self.batch, self.length
         if not self.replay:
             if self.host is not None and cache.host_history is not None:
                 host_keep = None if keep is None else torch.tensor(keep, dtype=torch.int64)

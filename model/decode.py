@@ -224,7 +224,9 @@ class DecodeBatch:
         device = logits.device
         target, proposal = sampling.probs(logits), draft.probs.to(device)
         accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths.to(device), generator)
-        n = accepted.tolist()  # the one wait for the device: the host needs the accepted tokens
-        step.commit([k + 1 for k in n])
+        keep = accepted + 1  # the pending token and the accepted drafts
+        step.write(keep)
+        n = accepted.tolist()  # the one wait for the device, at the end of the step: the host needs the tokens
+        step.advance([k + 1 for k in n], keep)
         emitted = [[*row[:k], t] for row, k, t in zip(draft.tokens.tolist(), n, nxt.tolist(), strict=True)]
         return VerifyResult(accepted.cpu(), emitted, logits)
