@@ -306,12 +306,12 @@ class RankGroup:
             try:
                 dist.broadcast_object_list([(dropped, _marshal(plan))], src=0, group=self.plans)
             except Exception as exc:
-                raise self.fail(f"a plan did not reach the ranks: {exc}") from exc
+                raise self.fail(self._dead_child() or f"a plan did not reach the ranks: {exc}") from exc
             try:
                 return local()
             except Exception as exc:
                 if self.failure is not None or isinstance(exc, dist.DistError):
-                    raise self.fail(f"a collective failed: {exc}") from exc
+                    raise self.fail(self._dead_child() or f"a collective failed: {exc}") from exc
                 raise
 
     def fail(self, reason: str) -> RankGroupError:
@@ -327,17 +327,28 @@ class RankGroup:
                 callback(reason)
         return RankGroupError(self.failure or reason)
 
+    def _dead_child(self, wait_s: float = 1.0) -> str | None:
+        """Why a collective failed, when a local rank died (a dead peer breaks the collective before its exit is
+        seen): waits up to `wait_s` for one to be reaped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for local, child in enumerate(self.children, 1):
+                if child.poll() is not None:
+                    rank = self.layout.rank + local
+                    return f"rank {rank} (pid {child.pid}) exited with status {child.returncode}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+
     def _watch(self) -> None:
         assert self.store is not None
         store = self._client()
         followers = range(1, self.layout.world_size)
         beats = {r: (-1, time.monotonic()) for r in followers}
         while not self._closed.wait(WATCH_INTERVAL_S) and self.failure is None:
-            for local, child in enumerate(self.children, 1):
-                if child.poll() is not None:
-                    rank = self.layout.rank + local
-                    self.fail(f"rank {rank} (pid {child.pid}) exited with status {child.returncode}")
-                    return
+            if dead := self._dead_child(0):
+                self.fail(dead)
+                return
             now = time.monotonic()
             for r in followers:
                 try:
