@@ -46,8 +46,13 @@ from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
 from decode_svc.step_times import Forward, StepTimes, profile
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
+from model_service.ranks import LocalCalls, ModelCalls
 from model_service.runtime import RequestError
 from proto.decode.v1 import decode_pb2
+
+# What every rank of a group runs of a DecodeBatch (model_service.ranks): the calls that change its state or run the
+# model. Its other attributes (seq_ids, len) are read on rank 0 alone.
+BATCH_CALLS = ("join", "join_many", "fork", "leave", "decode_step", "dspark_draft", "verify")
 
 # (sequence, the token ids its blocks and state cover, new complete blocks, end-of-sequence state or None)
 WriteBack = Callable[[Sequence, list[int], list[GlobalKVBlock], EncoderState | None], None]
@@ -72,8 +77,11 @@ class Engine:
         log: Any,
         write_back: WriteBack,
         times: StepTimes | None = None,
+        calls: ModelCalls | None = None,
     ) -> None:
+        """`calls`: how the model is called (a rank group's rank 0 replicates every call; default: here only)."""
         self.model = model
+        self.calls = calls if calls is not None else LocalCalls(model)
         self.settings = settings
         self.max_draft = min(settings.max_draft, model.args.dspark_block_size)
         self.metrics = metrics
@@ -93,6 +101,7 @@ class Engine:
         self._aborts: list[Sequence] = []
         self._running = 0  # sequences holding a batch slot: PREFILLING or RUNNING
         self._stopping = False
+        self._broken: RequestError | None = None  # the replica failed: every request is refused with it
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
 
     # ---------------------------------------------------------------------------------------- the RPC side
@@ -107,6 +116,8 @@ class Engine:
     def register(self, seq: Sequence) -> None:
         """Take a slot in the queue (RESOURCE_EXHAUSTED when full) before the prompt is restored."""
         with self._cond:
+            if self._broken is not None:
+                raise self._broken
             if seq.request_id in self._registry:
                 raise RequestError(
                     grpc.StatusCode.ALREADY_EXISTS,
@@ -150,16 +161,26 @@ class Engine:
             self._cond.notify()
             return True
 
+    def fail_all(self, error: RequestError) -> None:
+        """The replica failed (its rank group lost a rank): every live sequence ends with `error` now, whatever the
+        engine thread is doing, and every later request is refused with it."""
+        with self._cond:
+            self._broken = error
+            live = list(self._registry.values())
+            self._cond.notify()
+        for seq in live:
+            seq.outbox.put(Failure(error.message, error.code))
+
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """End every sequence still here (FINISH_REASON_ABORT) and stop the thread."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """End every sequence still here (FINISH_REASON_ABORT) and stop the thread (waiting at most `timeout_s`)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
@@ -211,7 +232,7 @@ class Engine:
             return
         started = time.monotonic()
         try:
-            profile(self.model, self.times, self.max_draft)
+            self.calls.run(profile, self.times, self.max_draft)
         except Exception:  # a bug: the scheduler measures as it goes instead
             self.log.exception("profile_failed")
             return
@@ -227,7 +248,9 @@ class Engine:
         assert prompt is not None
         if prompt.restorable is not None:
             return True
-        self.prefilling[seq] = LocalPrefill(self.model, prompt.token_ids, prompt.past, self.settings.chunk_size)
+        self.prefilling[seq] = self.calls.new(
+            LocalPrefill, prompt.token_ids, prompt.past, self.settings.chunk_size, methods=("advance",)
+        )
         self._enter(seq, State.PREFILLING)
         return False
 
@@ -239,7 +262,7 @@ class Engine:
         except Exception as exc:  # a cached prefix that does not fit, or out of memory: this sequence only
             self.log.exception("local_prefill_failed", request_id=seq.request_id, position=prefill.position)
             del self.prefilling[seq]
-            self._fail([seq], f"decode could not prefill the prompt: {exc}")
+            self._fail([seq], f"decode could not prefill the prompt: {exc}", exc)
             return
         self.metrics.local_prefill_chunks.inc()
         if not done:
@@ -282,7 +305,7 @@ class Engine:
                         self._join([seq])
                     continue
                 self.log.exception("restore_failed", request_id=joining[0].request_id)
-                self._fail(joining, f"decode could not restore the prompt: {exc}")
+                self._fail(joining, f"decode could not restore the prompt: {exc}", exc)
                 continue
             self.metrics.join.labels(lane.value).observe(time.monotonic() - started)
             self.metrics.join_size.labels(lane.value).observe(len(joining))
@@ -333,12 +356,12 @@ class Engine:
                 self._deliver(seq, emitted[b], logits[b])
         except Exception as exc:  # a bug or out of memory: this lane's sequences fail, the engine goes on
             self.log.exception("step_failed", lane=lane.value, batch=len(rows))
-            self._fail(rows, f"the decode engine failed: {exc}")
+            self._fail(rows, f"the decode engine failed: {exc}", exc)
             self.batches[lane], self.rows[lane] = self._new_batch(), {}
 
     def _new_batch(self) -> DecodeBatch:
         """A lane's batch, holding max_batch rows from the start (its step graphs are never reallocated by a join)."""
-        return DecodeBatch(self.model, capacity=self.settings.max_batch)
+        return self.calls.new(DecodeBatch, capacity=self.settings.max_batch, methods=BATCH_CALLS)
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):
@@ -436,11 +459,16 @@ class Engine:
         self.log.info("aborted", request_id=seq.request_id, reason=seq.abort_reason, tokens=len(seq.output))
         seq.outbox.put(End(decode_pb2.FINISH_REASON_ABORT, seq.usage()))
 
-    def _fail(self, rows: list[Sequence], message: str) -> None:
+    def _fail(self, rows: list[Sequence], message: str, cause: Exception | None = None) -> None:
+        """End `rows` with an error: INTERNAL, or the status of a `RequestError` cause (UNAVAILABLE: the replica's
+        rank group failed, so another replica may serve them)."""
+        code = cause.code if isinstance(cause, RequestError) else grpc.StatusCode.INTERNAL
+        if isinstance(cause, RequestError):
+            message = cause.message
         for seq in rows:
             if seq.live or seq.state is State.FAILED:
                 self._unregister(seq, State.FAILED)
-                seq.outbox.put(Failure(message))
+                seq.outbox.put(Failure(message, code))
 
     def _leave(self, seq: Sequence, state: State):
         assert seq.lane is not None

@@ -21,6 +21,7 @@ import contextlib
 import enum
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from decode_svc.guide import Guide
@@ -122,6 +123,7 @@ class End:
 @dataclass
 class Failure:
     message: str
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL  # UNAVAILABLE: the replica failed, another one may serve it
 
 
 class Outbox:

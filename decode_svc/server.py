@@ -17,9 +17,12 @@ from decode_svc.step_times import StepTimes
 from decode_svc.writeback import WriteBack
 from mesh.grpc_server import Registrar
 from model import Transformer
+from model_service.errors import RequestError
 from model_service.kvstore import KVStore
 from model_service.runtime import ModelServer, model_info
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
+
+FAILED_STOP_S = 5.0
 
 
 class DecodeServer(ModelServer):
@@ -50,7 +53,7 @@ class DecodeServer(ModelServer):
             draft_policy=cfg.draft_policy,
             chunk_size=cfg.chunk_size,
         )
-        self.engine = Engine(model, settings, metrics, self.log, self.writeback, self.times)
+        self.engine = Engine(model, settings, metrics, self.log, self.writeback, self.times, self.calls)
         self.engine.start()
         tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else default_tokenizer()
         grammars = Grammars(vocabulary(tokenizer, model.args.vocab_size), metrics.grammar_compile, cfg.grammar_cache)
@@ -58,8 +61,12 @@ class DecodeServer(ModelServer):
         servicer = DecodeService(model, info, store, self.engine, grammars, metrics, self.log)
         return servicer, decode_pb2_grpc.add_DecodeServicer_to_server
 
-    async def release(self) -> None:
+    def fail_all(self, error: RequestError) -> None:
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+            self.engine.fail_all(error)
+
+    async def release(self) -> None:
+        if self.engine is not None:  # a failed group's engine may be stuck in a collective: not waited for long
+            await asyncio.to_thread(self.engine.stop, FAILED_STOP_S if self.exit_status else None)
         if self.writeback is not None:
             await self.writeback.drain()

@@ -76,6 +76,12 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 params = self._params(request, request_id)
                 if self.draining:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, "this decode replica is draining", "draining")
+                if request.HasField("constraint") and self.engine.calls.world_size > 1:
+                    raise RequestError(
+                        grpc.StatusCode.UNIMPLEMENTED,
+                        "output constraints are not served by a rank group (--ranks > 1) yet",
+                        "unsupported",
+                    )
                 guide = await self._guide(request, params) if request.HasField("constraint") else None
                 seq = Sequence(params, Outbox(asyncio.get_running_loop()), guide=guide)
                 self.engine.register(seq)
@@ -243,7 +249,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             message = decode_pb2.GenerateResponse()
             for item in await seq.outbox.get():
                 if isinstance(item, Failure):
-                    raise RequestError(grpc.StatusCode.INTERNAL, item.message, "failed")
+                    raise RequestError(item.code, item.message, "failed")
                 if isinstance(item, Delta):
                     message.token_ids.extend(item.tokens)
                     message.logprobs.extend(_logprobs(item))

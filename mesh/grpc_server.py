@@ -41,6 +41,8 @@ PEER_CHANNEL_OPTIONS = (
     ("grpc.use_local_subchannel_pool", 1),
 )
 
+FAILED_GRACE_S = 2.0  # a failed server's in-flight RPCs have been ended: this only lets their last messages out
+
 Registrar = Callable[[Any, grpc.aio.Server], None]
 
 
@@ -90,19 +92,31 @@ class Servable(Protocol):
     async def stop(self, grace_s: float) -> None: ...
 
 
-async def run_until_signal(server: Servable, *, grace_s: float, on_stop: Callable[[], Any] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain for up to `grace_s` seconds and run `on_stop`."""
+async def run_until_signal(server: Servable, *, grace_s: float, on_stop: Callable[[], Any] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain for up to `grace_s` seconds and run `on_stop`; 0.
+
+    A server that can fail as a whole (a model service whose rank group lost a rank) has a `failed` event and an
+    `exit_status`: once it is set the server stops at once (its in-flight work has already been ended) and its status
+    is returned, non-zero, for the supervisor to restart it."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    await stop.wait()
-    await server.stop(grace_s)
+    failed: asyncio.Event | None = getattr(server, "failed", None)
+    waits = [asyncio.ensure_future(stop.wait())]
+    if failed is not None:
+        waits.append(asyncio.ensure_future(failed.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    status = int(getattr(server, "exit_status", 0) or 0) if failed is not None and failed.is_set() else 0
+    await server.stop(FAILED_GRACE_S if status else grace_s)
     if on_stop is not None:
         result = on_stop()
         if asyncio.iscoroutine(result):
             await result
+    return status
 
 
 C = TypeVar("C", bound=msgspec.Struct)
@@ -122,7 +136,7 @@ def serve_main(
     Builds the typed configuration from flags and `<env_prefix>_*` variables (`resolve` may fill in automatic
     values), logs it, serves until SIGTERM/SIGINT and drains for `cfg.grace_s`. Exit status: 0 after a
     graceful stop, 2 for a usage or configuration error, 1 when the server cannot start (address in use, data
-    directory locked, a bad value found only at start)."""
+    directory locked, a bad value found only at start) or when it failed as a whole while serving."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "serve":
         print(f"usage: python -m {service} serve [options]   (serve --help lists them)", file=sys.stderr)
@@ -133,8 +147,8 @@ def serve_main(
     logger = configure_logging(service, level=getattr(cfg, "log_level", "info"))
     logger.info("config", **config_dict(cfg))
     try:
-        asyncio.run(run_until_signal(make_server(cfg), grace_s=getattr(cfg, "grace_s", 30.0)))
+        status = asyncio.run(run_until_signal(make_server(cfg), grace_s=getattr(cfg, "grace_s", 30.0)))
     except (OSError, ValueError) as exc:
         logger.error("cannot_start", error=str(exc))
         return 1
-    return 0
+    return status

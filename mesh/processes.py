@@ -49,6 +49,9 @@ class MeshSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Gateways in front of the same replicas, as a load balancer would spread clients over them; the first keeps
     # `port` (when given), the others get free ports.
     gateway_replicas: int = 1
+    # Rank processes of each prefill / decode replica (their --ranks; each group meets on a free port of its own).
+    prefill_ranks: int = 1
+    decode_ranks: int = 1
     api_key: str = ""
     cache_args: Sequence[str] = ()
     prefill_args: Sequence[str] = ()
@@ -239,16 +242,18 @@ class Mesh:
             )
         ]  # fmt: skip
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for role, count, extra in (
-            ("prefill", spec.prefill_replicas, spec.prefill_args),
-            ("decode", spec.decode_replicas, spec.decode_args),
+        for role, count, ranks, extra in (
+            ("prefill", spec.prefill_replicas, spec.prefill_ranks, spec.prefill_args),
+            ("decode", spec.decode_replicas, spec.decode_ranks, spec.decode_args),
         ):
             for index in range(count):
                 address = f"{host}:{free_port(host)}"
                 workers[role].append(address)
                 metrics_args, metrics = _metrics_endpoint(host)
+                group = ["--ranks", str(ranks), "--master-addr", host, "--master-port", str(free_port(host))]
                 argv = [*_PYTHON_M, f"{role}_svc", "serve", "--host", host, "--port", address.rsplit(":", 1)[1],
-                        *metrics_args, "--model", spec.model, "--cache", cache_address, *extra]  # fmt: skip
+                        *metrics_args, "--model", spec.model, "--cache", cache_address,
+                        *(group if ranks > 1 else []), *extra]  # fmt: skip
                 name = f"{role}-{index}"
                 healthy = functools.partial(grpc_serving, address)
                 self.children.append(Child(name, argv, address, healthy, self.logs / f"{name}.log", metrics))

@@ -42,6 +42,8 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_replicas: prefill processes
     decode_replicas: decode processes
     gateway_replicas: gateway processes in front of the same replicas (the first on --port, the others on free ports)
+    prefill_ranks: rank processes of each prefill replica (its --ranks: a group splitting the encoder's experts)
+    decode_ranks: rank processes of each decode replica (its --ranks: a group splitting the model's experts)
     api_key: require this key from API clients
     cache_args: extra flags for the cache, as one shell-quoted string
     prefill_args: extra flags for every prefill replica
@@ -60,6 +62,8 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_replicas: Count = 1
     decode_replicas: Count = 1
     gateway_replicas: Count = 1
+    prefill_ranks: Count = 1
+    decode_ranks: Count = 1
     api_key: str = ""
     cache_args: str = ""
     prefill_args: str = ""
@@ -79,6 +83,8 @@ def spec_of(cfg: UpConfig) -> MeshSpec:
         prefill_replicas=cfg.prefill_replicas,
         decode_replicas=cfg.decode_replicas,
         gateway_replicas=cfg.gateway_replicas,
+        prefill_ranks=cfg.prefill_ranks,
+        decode_ranks=cfg.decode_ranks,
         api_key=cfg.api_key,
         cache_args=shlex.split(cfg.cache_args),
         prefill_args=["--engram-store", cfg.engram_store, *shlex.split(cfg.prefill_args)],

@@ -33,6 +33,13 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     chunk_size: prompt tokens per encoder forward (bounds activation memory on long prompts)
     grace_s: seconds in-flight work gets to finish after SIGTERM
     log_level: debug, info, warning or error
+    ranks: rank processes this replica starts on this node, one GPU each (W = ranks·nodes; 1: one process, no group)
+    nodes: nodes the replica's rank group spans (each starts --ranks of them)
+    node_rank: this node's index in the group (0 serves gRPC and runs the scheduler; the others follow its plans)
+    master_addr: address of node rank 0, where the group meets (torch.distributed's store)
+    master_port: port of that store on node rank 0
+    rank_timeout_s: a rank silent this long fails the group (NOT_SERVING, streams UNAVAILABLE, exit non-zero)
+    collective_timeout_s: longest wait of one collective (a dispatch, a plan) before the group fails
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +57,22 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     chunk_size: Positive = 512
     grace_s: NonNegativeFloat = 60.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    ranks: Positive = 1
+    nodes: Positive = 1
+    node_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Port = 29500
+    rank_timeout_s: PositiveFloat = 5.0
+    collective_timeout_s: PositiveFloat = 300.0
+
+    def __post_init__(self) -> None:
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"node_rank {self.node_rank} is outside a group of {self.nodes} nodes")
+
+    @property
+    def world_size(self) -> int:
+        """W: the ranks of this replica's group, over all its nodes."""
+        return self.ranks * self.nodes
 
 
 def with_shared_settings(cls: S) -> S:

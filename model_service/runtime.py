@@ -35,9 +35,12 @@ from model import (
 )
 from model.checkpoint import Checkpoint
 from model.engram_store import choose_placement, table_bytes
+from model.parallel import SINGLE, Parallel
 from model.transformer import Part
 from model.weights import weight_bytes
 from model_service.config import ModelServiceConfig
+from model_service.errors import RequestError
+from model_service.ranks import LocalCalls, ModelCalls, RankGroup, RankGroupError, follower_main, start_group
 from proto.mesh.v1 import model_info_pb2
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,10 +61,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    spec: str, part: Part, *, device: str = "auto", dtype: str = "auto", seed: int = 0, engram: str = "auto"
+    spec: str,
+    part: Part,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    seed: int = 0,
+    engram: str = "auto",
+    parallel: Parallel = SINGLE,
 ) -> Transformer:
     """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode; its Engram
-    tables placed by `engram` (`model.engram_store.choose_placement`)."""
+    tables placed by `engram` (`model.engram_store.choose_placement`); of the routed experts, `parallel`'s share."""
     where = resolve_device(device)
     precision = resolve_dtype(dtype, where)
     progress = sys.stderr.isatty()  # a bar on a terminal; JSON log lines stay clean in a container
@@ -69,9 +79,11 @@ def load_model(
     args = Checkpoint(spec).args if checkpoint else preset(spec)
     placement = choose_placement(engram, table_bytes(args, precision), where, checkpoint)
     if checkpoint:
-        model = load_checkpoint(spec, part, device=where, dtype=precision, progress=progress, engram=placement)
+        model = load_checkpoint(
+            spec, part, device=where, dtype=precision, progress=progress, engram=placement, parallel=parallel
+        )
     else:
-        model = build_model(args, part, seed=seed, device=where, dtype=precision, engram=placement)
+        model = build_model(args, part, seed=seed, device=where, dtype=precision, engram=placement, parallel=parallel)
     model.engram_placement = placement
     return model.eval()
 
@@ -128,16 +140,6 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_SALT_BYTES = 1024
 
 
-class RequestError(Exception):
-    """A request the service will not serve: the gRPC status, a message naming what is wrong, a metrics label."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, outcome: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.outcome = outcome
-
-
 def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, "invalid")
 
@@ -188,6 +190,11 @@ class ModelServer:
     SERVING only when the replica is ready; `build()` (the service's own) makes the servicer. `stop()` is graceful:
     the servicer reports draining, health turns NOT_SERVING, in-flight RPCs get the grace period, then `release()`
     (the service's own) frees what the service holds, and the cache client closes.
+
+    With `--ranks`/`--nodes` making W > 1 the replica is a rank group (model_service.ranks): on node 0 this process
+    is rank 0 and makes its model calls through `self.calls` (every rank runs them); on another node it only follows
+    rank 0's plans, serving its metrics port. When the group fails, `fail_all()` (the service's own) ends the work in
+    flight with UNAVAILABLE, `failed` is set and the process exits with `exit_status` 1.
     """
 
     package: str  # the service's package: its logger's name
@@ -204,6 +211,13 @@ class ModelServer:
         self.cache: AsyncCacheClient | None = None
         self.servicer: Any = None
         self._grpc: GrpcServer | None = None
+        self.group: RankGroup | None = None
+        self.calls: ModelCalls = LocalCalls(model) if model is not None else ModelCalls()
+        self.failed = asyncio.Event()
+        self.exit_status = 0
+
+    def fail_all(self, error: RequestError) -> None:
+        """End every request in flight with `error` (the rank group failed; the process exits next)."""
 
     def build(self) -> tuple[Any, Registrar]:
         """The servicer and the function that adds it to a grpc server (called with model and cache client ready)."""
@@ -214,8 +228,13 @@ class ModelServer:
 
     async def start(self) -> None:
         cfg = self.cfg
+        if cfg.world_size > 1:
+            await self._start_group()
+            if cfg.node_rank > 0:
+                return
         if self.model is None:
             self.model = await asyncio.to_thread(self._load)
+            self.calls = LocalCalls(self.model)
         self.cache = AsyncCacheClient(cfg.cache, timeout_s=cfg.cache_timeout_s) if cfg.cache else None
         self.servicer, register = self.build()
         self._grpc = GrpcServer([(register, self.servicer, self.service)], cfg.host, cfg.port)
@@ -232,7 +251,35 @@ class ModelServer:
         await self.release()
         if self.cache is not None:
             await self.cache.close()
+        if self.group is not None and self.cfg.node_rank == 0:
+            await asyncio.to_thread(self.group.close)
         self.log.info("stopped")
+
+    async def _start_group(self) -> None:
+        """Spawn and meet this node's ranks and load this rank's share; node rank > 0 then follows plans."""
+        loop = asyncio.get_running_loop()
+        self.group, model = await asyncio.to_thread(start_group, self.cfg, self.part, self.log)
+        self.group.on_failure.append(lambda reason: loop.call_soon_threadsafe(self._group_failed, reason))
+        self.log.info("model_loaded", rank=self.group.layout.rank, **model_summary(model))
+        if self.cfg.node_rank == 0:
+            self.model, self.calls = model, self.group.calls(model)
+            return
+        self.metrics_port = serve_metrics(self.registry, self.cfg.metrics_host, self.cfg.metrics_port)
+        follower = asyncio.to_thread(follower_main, self.group, model)
+        asyncio.ensure_future(follower).add_done_callback(lambda done: self._followed(done.result()))
+
+    def _followed(self, status: int) -> None:
+        """A follower node's plans ended: rank 0 stopped the group (0) or the group failed (1)."""
+        self.exit_status = status
+        self.failed.set()
+
+    def _group_failed(self, reason: str) -> None:
+        """On the event loop: the rank group failed; end what is in flight and make the process exit non-zero."""
+        if self.servicer is not None:
+            self.servicer.draining = True
+        self.fail_all(RankGroupError(reason))
+        self.exit_status = 1
+        self.failed.set()
 
     def _load(self) -> Transformer:
         cfg = self.cfg

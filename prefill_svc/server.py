@@ -23,7 +23,9 @@ class PrefillServer(ModelServer):
         assert self.model is not None
         assert self.cache is not None  # the configuration requires one
         store = KVStore(self.cache, self.model)
-        servicer = PrefillService(self.cfg, self.model, store, PrefillMetrics(self.registry), self.log)
+        servicer = PrefillService(
+            self.cfg, self.model, store, PrefillMetrics(self.registry), self.log, calls=self.calls
+        )
         return servicer, prefill_pb2_grpc.add_PrefillServicer_to_server
 
     async def release(self) -> None:

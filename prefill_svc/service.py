@@ -29,6 +29,7 @@ from cache_svc.client import DOWN, CacheError
 from mesh.logging import bind_request
 from model import Past, PrefillOutput, Transformer
 from model_service.kvstore import KVStore, encode_with_past
+from model_service.ranks import LocalCalls, ModelCalls
 from model_service.runtime import RequestError, check_common, invalid, model_info, prompt_error, request_id_of
 from prefill_svc.config import PrefillConfig
 from prefill_svc.encoder_queue import EncoderQueue
@@ -41,10 +42,18 @@ SEND_TOKENS = "send the prompt's token ids to decode instead"
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(
-        self, cfg: PrefillConfig, model: Transformer, store: KVStore, metrics: PrefillMetrics, logger: Any
+        self,
+        cfg: PrefillConfig,
+        model: Transformer,
+        store: KVStore,
+        metrics: PrefillMetrics,
+        logger: Any,
+        calls: ModelCalls | None = None,
     ) -> None:
+        """`calls`: how the encoder is run (a rank group's rank 0 has every rank run it; default: here only)."""
         self.cfg = cfg
         self.model = model
+        self.calls = calls if calls is not None else LocalCalls(model)
         self.store = store
         self.metrics = metrics
         self.log = logger
@@ -155,7 +164,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def _encode(self, tokens: list[int], past: Past | None) -> PrefillOutput:
         """On the encoder thread."""
         started = time.monotonic()
-        out = encode_with_past(self.model, tokens, past, self.cfg.chunk_size)
+        out = self.calls.run(encode_with_past, tokens, past, self.cfg.chunk_size)
         # An SWA record resumes the encoder past the cached blocks: at the record's position.
         resumed = past.encoder_state.position if out.swa_restored and past and past.encoder_state else out.cached_tokens
         computed = len(tokens) - resumed

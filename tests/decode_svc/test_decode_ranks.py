@@ -1,0 +1,117 @@
+"""`python -m decode_svc serve --ranks 2`: a replica as a group of two rank processes (gloo on loopback), each holding
+half of every MoE layer's routed experts, serves the greedy tokens one process serves — through local prefill, the
+plain lane and DSpark's draft and verify; a rank killed mid-stream ends the stream with UNAVAILABLE within seconds
+and the whole group exits non-zero; a group the model cannot be split over is refused at start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from service_mesh import WAIT_S, Served, free_port, run_cli, token_ids
+
+from proto.decode.v1 import decode_pb2, decode_pb2_grpc
+
+FAILURE_S = 10.0  # the group must fail within this of a rank's death
+
+
+def ranked(serve: Callable[..., Served], ranks: int, *flags: str) -> Served:
+    """A decode replica of `ranks` rank processes on `tiny` in float64, every speculative step drafting."""
+    group = ["--ranks", str(ranks), "--master-port", str(free_port())]
+    return serve("decode_svc", "--dtype", "float64", "--draft-policy", "full", "--metrics-port", "0", *group, *flags)
+
+
+def generate(child: Served, prompt: list[int], max_tokens: int, speculate: bool, seed: int | None) -> list[int]:
+    """Greedy tokens, or (seed) tokens sampled at temperature 0.8, reproducibly."""
+    sampling = decode_pb2.SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed)
+    with grpc.insecure_channel(child.address) as channel:
+        request = decode_pb2.GenerateRequest(
+            token_ids=token_ids(prompt), max_tokens=max_tokens, sampling=sampling, disable_speculation=not speculate
+        )
+        return [t for m in decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S) for t in m.token_ids]
+
+
+def test_two_ranks_generate_the_tokens_of_one(serve: Callable[..., Served], prompt: Callable) -> None:
+    one, two = ranked(serve, 1), ranked(serve, 2)
+    assert "ranks_spawned" not in one.seen
+    assert len(two.seen["ranks_spawned"]["pids"]) == 1  # rank 0 is the service process itself
+    for p, seed in ((prompt(40), None), (prompt(23), 5)):
+        for speculate in (True, False):
+            tokens = generate(one, p, 12, speculate, seed)
+            assert len(tokens) == 12
+            assert generate(two, p, 12, speculate, seed) == tokens, (speculate, seed)
+
+
+def test_a_killed_rank_ends_the_stream_unavailable_and_the_group_exits(
+    serve: Callable[..., Served], prompt: Callable
+) -> None:
+    child = ranked(serve, 2)
+    (follower,) = child.seen["ranks_spawned"]["pids"]
+    with grpc.insecure_channel(child.address) as channel:
+        request = decode_pb2.GenerateRequest(token_ids=token_ids(prompt(30)), max_tokens=4000)
+        stream = decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S)
+        next(stream)  # the stream runs
+        os.kill(follower, 9)
+        killed = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in stream:
+                pass
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    assert time.monotonic() - killed < FAILURE_S
+    assert "rank 1" in error.value.details()
+    assert child.proc.wait(timeout=FAILURE_S) == 1
+    assert child.wait_for("rank_group_failed")["reason"].startswith(f"rank 1 (pid {follower}) exited")
+
+
+def test_a_group_the_experts_do_not_split_over_is_refused_at_start() -> None:
+    done = run_cli("decode_svc", "serve", "--model", "tiny", "--port", "0", "--metrics-port", "0", "--ranks", "3")
+    assert done.returncode == 1
+    assert "3 ranks do not divide the model's 4 routed experts" in done.stderr
+
+
+def test_a_node_rank_outside_the_group_is_a_usage_error() -> None:
+    done = run_cli("decode_svc", "serve", "--nodes", "2", "--node-rank", "2")
+    assert done.returncode == 2
+    assert "node_rank 2 is outside a group of 2 nodes" in done.stderr
+
+
+def test_a_silent_rank_fails_the_group_within_its_timeout(serve: Callable[..., Served], prompt: Callable) -> None:
+    child = ranked(serve, 2, "--rank-timeout-s", "2")
+    (follower,) = child.seen["ranks_spawned"]["pids"]
+    with grpc.insecure_channel(child.address) as channel:
+        request = decode_pb2.GenerateRequest(token_ids=token_ids(prompt(30)), max_tokens=4000)
+        stream = decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S)
+        next(stream)
+        os.kill(follower, signal.SIGSTOP)  # alive, but answers nothing: the heartbeat stops
+        stopped = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in stream:
+                pass
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    assert time.monotonic() - stopped < FAILURE_S
+    assert child.proc.wait(timeout=FAILURE_S) == 1
+    assert "rank 1 has not answered for 2 s" in child.wait_for("rank_group_failed")["reason"]
+    assert not alive(follower)  # killed by rank 0 even while stopped
+
+
+def test_the_ranks_exit_when_the_service_process_dies(serve: Callable[..., Served]) -> None:
+    child = ranked(serve, 2)
+    (follower,) = child.seen["ranks_spawned"]["pids"]
+    child.proc.kill()
+    deadline = time.monotonic() + FAILURE_S
+    while alive(follower):
+        assert time.monotonic() < deadline, "the rank outlived its group's rank 0"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
