@@ -371,6 +371,11 @@ class RankGroup:
                     dist.broadcast_object_list([None], src=0, group=self.plans)
                 except Exception as exc:
                     self.log.warning("ranks_not_stopped", error=str(exc))
+        self.reap_children()
+        self.kill_children()
+
+    def reap_children(self) -> None:
+        """Wait up to STOP_WAIT_S in all for the local ranks to exit; kill those that do not."""
         deadline = time.monotonic() + STOP_WAIT_S
         for child in self.children:
             try:
@@ -378,7 +383,6 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        self.kill_children()
 
     def kill_children(self) -> None:
         for child in self.children:
@@ -485,12 +489,7 @@ def follower_main(group: RankGroup, model: Transformer) -> int:
         group.kill_children()
         return 1
     group._closed.set()
-    deadline = time.monotonic() + STOP_WAIT_S
-    for child in group.children:
-        try:
-            child.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
+    group.reap_children()
     return 0
 
 
