@@ -318,7 +318,12 @@ class Engine:
         return seq.prompt.restorable
 
     def _lane(self, seq: Sequence) -> Lane:
-        return Lane.SPECULATIVE if self.settings.speculation and seq.params.speculate else Lane.PLAIN
+        """Plain for a request that turns speculation off, and in a rank group for a constrained one: its masks live
+        in rank 0's grammar matcher, and only a plain step leaves every sampling decision to rank 0 (the other ranks
+        run the tokens it chose)."""
+        grouped_guide = seq.guide is not None and self.calls.world_size > 1
+        speculate = self.settings.speculation and seq.params.speculate and not grouped_guide
+        return Lane.SPECULATIVE if speculate else Lane.PLAIN
 
     def _start(self, lane: Lane, seqs: list[Sequence], joined: list[tuple[int, Tensor]]) -> None:
         """Joined sequences become RUNNING rows of their lane and get their first tokens."""

@@ -76,12 +76,6 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 params = self._params(request, request_id)
                 if self.draining:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, "this decode replica is draining", "draining")
-                if request.HasField("constraint") and self.engine.calls.world_size > 1:
-                    raise RequestError(
-                        grpc.StatusCode.UNIMPLEMENTED,
-                        "output constraints are not served by a rank group (--ranks > 1) yet",
-                        "unsupported",
-                    )
                 guide = await self._guide(request, params) if request.HasField("constraint") else None
                 seq = Sequence(params, Outbox(asyncio.get_running_loop()), guide=guide)
                 self.engine.register(seq)
