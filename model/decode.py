@@ -224,6 +224,8 @@ class DecodeBatch:
         device = logits.device
         target, proposal = sampling.probs(logits), draft.probs.to(device)
         accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths.to(device), generator)
+        if self.model.parallel.world_size > 1:  # an expert-parallel group commits rank 0's acceptance on every rank
+            self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts
         step.write(keep)
         n = accepted.tolist()  # the one wait for the device, at the end of the step: the host needs the tokens

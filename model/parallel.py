@@ -58,6 +58,13 @@ class Parallel:
         held = n_experts // self.world_size
         return range(self.rank * held, (self.rank + 1) * held)
 
+    def broadcast(self, *tensors: Tensor) -> None:
+        """Rank 0's values of `tensors` on every rank, in place: a decision every rank must commit alike (a sampled
+        acceptance draws from each rank's own generator; kernels may round apart on different devices)."""
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        for t in tensors:
+            dist.broadcast(t, src, group=self.group)
+
     def share(self, n_tokens: int) -> slice:
         """This rank's contiguous share of `n_tokens` replicated tokens: ⌈N/W⌉ of them (fewer, or none, at the end)."""
         size = math.ceil(n_tokens / self.world_size)

@@ -439,8 +439,8 @@ class RankGroup:
                     _resolve(fn)(model, *args, **kwargs)
             except dist.DistError:
                 raise
-            except Exception:  # the same error rank 0 meets with the same inputs: it answers for it
-                self.log.debug("plan_failed", plan=kind, exc_info=True)
+            except Exception:  # rank 0 meets the same error with the same inputs and answers for it; if it did not,
+                self.log.error("plan_failed", plan=kind, exc_info=True)  # this rank now differs: say so loudly
 
 
 def layout_of(cfg: ModelServiceConfig) -> Layout:
@@ -509,5 +509,7 @@ def main() -> int:
     return follower_main(group, model)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # run as model_service.ranks, not __main__: the plans unpickle to that module's classes
+    from model_service import ranks
+
+    raise SystemExit(ranks.main())

@@ -149,3 +149,37 @@ def check_case(case: str, expected: dict, ranks: list[dict], args: ModelArgs) ->
         routed = expected["held"]["routed_bytes"]
         others = expected["held"]["read_bytes"] - routed
         assert [r["held"]["read_bytes"] for r in ranks] == [others + routed // world] * world, case
+
+
+def sampled_rank_main(rank: int, world: int, directory: str) -> None:
+    """One rank verifying DSpark drafts at T = 1 with a generator seeded by its rank: what it emitted and where its
+    sequences stand after each round."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world)
+    try:
+        model = build("tiny", Parallel(world, rank))
+        g = torch.Generator().manual_seed(7)
+        prompts = [encode_prefill(model, torch.randint(0, model.args.vocab_size, (n,), generator=g)) for n in PROMPTS]
+        batch = DecodeBatch(model, len(prompts))
+        joined = batch.join_many([(p.blocks, p.encoder_state) for p in prompts])
+        pending = [int(logits.argmax()) for _, logits in joined]
+        greedy, sampled = SamplingParams.uniform(len(prompts)), SamplingParams.uniform(len(prompts), temperature=1.0)
+        mine = torch.Generator().manual_seed(100 + rank)
+        rounds = []
+        with torch.no_grad():
+            for _ in range(4):
+                draft = batch.dspark_draft(pending, greedy)  # greedy: the same drafts on every rank
+                result = batch.verify(pending, draft, sampled, generator=mine)
+                rounds.append((result.tokens, batch.positions()))
+                pending = [row[-1] for row in result.tokens]
+        torch.save(rounds, f"{directory}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_commits_rank_0s_sampled_acceptance(tmp_path):
+    """Each rank draws its acceptances from a generator of its own; the group still emits, and commits, rank 0's:
+    the same tokens and positions on every rank, round after round."""
+    mp.spawn(sampled_rank_main, args=(2, str(tmp_path)), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert first == second
