@@ -307,10 +307,10 @@ class KVCache:
         """Rows' device positions move by `by` [B] (a captured step: the host follows with `advanced`)."""
         self._next[rows] += by
 
-    def advanced(self, n: int) -> None:
-        """The first n rows moved one position on the device (a replayed step): the host follows."""
-        for r in range(n):
-            self.pos[r] += 1
+    def advanced(self, by: list[int]) -> None:
+        """Rows 0 … len(by) − 1 moved by[r] positions on the device (a replayed forward): the host follows."""
+        for r, k in enumerate(by):
+            self.pos[r] += k
         self._next_of = list(self.pos)
 
     def reserve(self, rows: int, positions: int) -> None:

@@ -7,9 +7,10 @@ leave with their new complete blocks and end-of-sequence encoder state; between,
     dspark_draft  γ drafts per sequence after its pending token (the DSpark blocks, one forward)
     verify        target forward over [pending, drafts], lossless acceptance, commit of what was accepted
 
-On a GPU the decode step replays a graph captured once per batch bucket (model.graphs), so the host launches one
-graph instead of a few thousand kernels; elsewhere, and where a graph cannot serve the step (host-side Engram
-tables, an expert-parallel group), it runs eagerly. Both run the same modules in the same order.
+On a GPU the three forwards replay graphs captured once per batch bucket (model.graphs), so the host launches a
+graph instead of a few thousand kernels; elsewhere, and where a graph cannot serve them (host-side Engram tables, an
+expert-parallel group), they run eagerly. Both run the same modules in the same order. A step waits for the device
+at most once, at its end: verify reads its acceptance back then (the host needs the tokens).
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from model.dspark import Draft
+from model.dspark import Draft, draft_features
 from model.graphs import StepGraphs
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
-from model.mhc import hc_collapse
 from model.sampling import Generators, SamplingParams, sample, speculative_accept
 from model.serving import decoder_replay, forward_full, replay_length
 
@@ -54,7 +54,7 @@ class DecodeBatch:
 
     Rows of `seq_ids` order every batched argument and result; a leave moves the last row into the freed one.
     `capacity`: rows held without growing (a growth reallocates the cache, and captured graphs with it); `graphs`:
-    replay the decode step as CUDA graphs (default: on a GPU, when the step can be captured).
+    replay the forwards as CUDA graphs (default: on a GPU, when they can be captured).
     """
 
     def __init__(self, model: Transformer, capacity: int = 8, graphs: bool | None = None) -> None:
@@ -67,7 +67,7 @@ class DecodeBatch:
         capturable = StepGraphs.supported(model)
         if graphs and not capturable:
             raise ValueError(
-                "this model's decode step cannot be captured (a CUDA device, device-side Engram tables "
+                "this model's forwards cannot be captured (a CUDA device, device-side Engram tables "
                 "and a single expert-parallel rank are needed)"
             )
         self.graphs = StepGraphs(model, self.cache) if (capturable if graphs is None else graphs) else None
@@ -158,7 +158,7 @@ class DecodeBatch:
     def decode_step(self, tokens: Tensor | Sequence[int]) -> Tensor:
         """Process one pending token per sequence → the next-token logits [B, V] (sampling is the caller's)."""
         tokens = self.tokens(tokens, 1, host=True)
-        if self.graphs is not None and self.graphs.covers(len(self)):
+        if self._graphed():
             return self.graphs.decode(tokens)
         step = self.cache.step(tokens)
         logits = forward_full(self.model, step, last_only=True)
@@ -174,20 +174,12 @@ class DecodeBatch:
         `sampling.probs` of its logits, and `sampling.sampled` sees each link's draws before the next link (a grammar
         masks each link by the drafts before it). Confidences are calibrated by the head's per-position temperatures;
         `generator`: one for the batch or one per row (model.sampling)."""
-        model, a = self.model, self.model.args
         y = self.tokens(tokens, 1)[:, 0]
-        B, g = y.shape[0], a.dspark_block_size
-        ids = torch.cat((y.unsqueeze(1), torch.full((B, g - 1), a.dspark_noise_token_id, device=y.device)), dim=1)
-        positions = self.cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(g, device=y.device)
-        X, pre = model.embed_stream(ids)
-        for block in model.mtp:
-            X, pre = block(X, pre, lambda x, block=block: block.block_attention(x, self.cache, positions))
-        last = model.mtp[-1]
-        x = hc_collapse(X, pre)
-        base = model.head(last.norm(x)).float()
+        x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
+        last = self.model.mtp[-1]
         head = last.confidence_head
         tokens_out, probs, confidence, prev = [], [], [], y
-        for k in range(g):
+        for k in range(x.shape[1]):
             e = last.markov_head.embed(prev)
             q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
             confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
@@ -219,16 +211,42 @@ class DecodeBatch:
             raise ValueError(
                 f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(self)}"
             )
-        step = self.cache.step(torch.cat((y, draft.tokens.to(y.device)), dim=1))
-        logits = forward_full(self.model, step)
+        tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=True)), dim=1)
+        step = None if self._graphed() else self.cache.step(tokens)
+        logits = self.graphs.verify(tokens) if step is None else forward_full(self.model, step)
         device = logits.device
         target, proposal = sampling.probs(logits), draft.probs.to(device)
-        accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths.to(device), generator)
+        accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths, generator)
         if self.model.parallel.world_size > 1:  # an expert-parallel group commits rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts
-        step.write(keep)
-        n = accepted.tolist()  # the one wait for the device, at the end of the step: the host needs the tokens
-        step.advance([k + 1 for k in n], keep)
-        emitted = [[*row[:k], t] for row, k, t in zip(draft.tokens.tolist(), n, nxt.tolist(), strict=True)]
-        return VerifyResult(accepted.cpu(), emitted, logits)
+        if step is None:
+            self.graphs.commit(keep)
+        else:
+            step.write(keep)
+        n, next_tokens, drafted = _read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
+        by = [k + 1 for k in n]
+        if step is None:
+            self.cache.advanced(by)
+        else:
+            step.advance(by, keep)
+        emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
+        return VerifyResult(torch.tensor(n), emitted, logits)
+
+    def _graphed(self) -> bool:
+        """Whether this batch's forwards replay captured graphs."""
+        return self.graphs is not None and self.graphs.covers(len(self))
+
+
+def _read_back(*tensors: Tensor) -> list[list]:
+    """Device tensors → Python lists, waiting for the device once: non-blocking copies into pinned host memory, then
+    one event, instead of a stream synchronisation per tensor."""
+    if not tensors[0].is_cuda:
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors, strict=True):
+        h.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return [h.tolist() for h in host]

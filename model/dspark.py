@@ -134,6 +134,22 @@ def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
         step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(kv))
 
 
+def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tensor, Tensor]:
+    """The DSpark blocks over [y, noise × (γ−1)] (y [B]: the pending tokens, at each cache row's next position)
+    → (collapse(X) [B, γ, C], the head's logits Uₖ [B, γ, V] in fp32): the part of a draft that does not depend on
+    the drafted tokens, so one forward (or one captured graph) serves every link of the Markov chain."""
+    a, B = model.args, y.shape[0]
+    noise = torch.full((B, a.dspark_block_size - 1), a.dspark_noise_token_id, device=y.device)
+    ids = torch.cat((y.unsqueeze(1), noise), dim=1)
+    positions = cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(ids.shape[1], device=y.device)
+    X, pre = model.embed_stream(ids)
+    for block in model.mtp:
+        X, pre = block(X, pre, lambda x, block=block: block.block_attention(x, cache, positions))
+    last = model.mtp[-1]
+    x = hc_collapse(X, pre)
+    return x, model.head(last.norm(x)).float()
+
+
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
     """Dense, differentiable DSpark forward for training, teacher-forced.
 

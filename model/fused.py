@@ -5,8 +5,11 @@ expand —, each a chain of casts, products and one reduction per row, one kerne
 outside autograd, `fused(fn)` runs fn compiled by torch.compile (inductor writes one or two Triton kernels for the
 chain); elsewhere fn itself runs, so the CPU path and training keep the plain torch ops they are tested as.
 
-Shapes compile as they come (a dimension turns dynamic once it is seen to change). A CUDA-graph capture follows a
-warm-up call of the same shapes (model.graphs), so nothing compiles while capturing.
+Shapes compile as they come (a dimension turns dynamic once it is seen to change; a size of 1 is always its own
+case). A fused function meets a few of them — one token per row (decode), 1 + w (verify widths), γ (drafts), prefill
+chunks, contiguous or not — so the recompile limit is raised from dynamo's 8, past which it would run the function
+uncompiled. A CUDA-graph capture follows a warm-up call of the same shapes (model.graphs), so nothing compiles
+while capturing.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import Tensor
 
 F = TypeVar("F", bound=Callable[..., object])
+RECOMPILE_LIMIT = 64  # compiled variants per fused function
 
 
 def fused(fn: F) -> F:
@@ -30,6 +34,8 @@ def fused(fn: F) -> F:
         if not tensors[0].is_cuda or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return fn(*args)
         if not compiled:
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
             compiled.append(torch.compile(fn, dynamic=None))
         return compiled[0](*args)
 

@@ -1,107 +1,188 @@
-"""The decode step as CUDA graphs: one captured per batch bucket, replayed with the batch padded to its bucket.
+"""A batch's forwards as CUDA graphs: each captured per batch bucket (and width), replayed with the rows padded.
 
 An eager step launches a few thousand small kernels and the host cannot keep up (the GPU idles most of the step).
-A graph launches them all at once. What a captured step needs, and how it is given:
+A graph launches them all at once. Three forwards are captured, each per bucket b (1, 2, 4 … 256):
 
-- shapes that do not depend on positions: the rows run padded to their bucket (1, 2, 4 … 256), and every
-  compressed-entry view spans the entries the cache has reserved, not the host's bound on the visible ones (a
-  *static* `Step`: the kernels mask each query's entries by its visibility count, a device tensor);
-- buffers that do not move: the cache is reserved ahead (rows and entries grow by doubling), and a growth —
-  rare, logarithmic in the context — drops the graphs, which are captured again on their next use;
-- inputs and outputs in fixed places: the pending tokens are copied into one buffer, the positions are the cache's
-  device copy, and the logits are written to the graph's own output (the caller gets a copy);
-- no host work inside: the step's device writes (rings, open groups, H^{L/2} rows, look-back) are captured with
-  it, and the positions of the real rows (a device mask, not the padding) advance inside it; the host then follows.
+    decode   one token per row → next-token logits, the step's writes committed, every real row advanced by one
+    draft    the DSpark blocks over [y, noise…] → their features and head logits (model.dspark.draft_features);
+             the Markov chain over them stays eager: its links sample, and a grammar may mask each on the host
+    verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then `commit(keep)` replays a second
+             graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
+
+What a captured forward needs, and how it is given:
+
+- shapes that do not depend on positions: the rows run padded to their bucket, and every compressed-entry view
+  spans the entries the cache has reserved, not the host's bound on the visible ones (a *static* `Step`: the kernels
+  mask each query's entries by its visibility count, a device tensor);
+- buffers that do not move: the cache is reserved ahead (rows and entries grow by doubling), and a growth — rare,
+  logarithmic in the context — drops the graphs, which are captured again on their next use;
+- inputs and outputs in fixed places: the tokens are copied into one buffer, the positions are the cache's device
+  copy, and the outputs are the graph's own tensors (the caller gets copies: the next replay rewrites them);
+- no host work inside: a step's device writes (rings, open groups, H^{L/2} rows, look-back) are captured with it,
+  and the positions of the real rows (a device mask, not the padding) advance inside it; the host then follows
+  (`KVCache.advanced`).
 
 Padding rows beyond the batch are rows of the cache no sequence holds: they run at position 0 and never advance,
-their writes land in rows a joining sequence overwrites, and their logits are not returned.
+their writes land in rows a joining sequence overwrites, and their outputs are not returned.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from model.cache import KVCache
+from model.cache import KVCache, Step
+from model.dspark import draft_features
 from model.serving import forward_full
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+Forward = Callable[[int, int, bool], tuple[tuple[Tensor, ...], Step | None]]  # (bucket, T, capturing) → outputs
 MIN_CONTEXT = 4096  # positions every row's entries are reserved for at least: short sequences never recapture
 
 
 @dataclass
 class Captured:
     graph: torch.cuda.CUDAGraph
-    logits: Tensor  # fp32 [bucket, V], written by every replay
+    outputs: tuple[Tensor, ...]  # written by every replay
+    step: Step | None = None  # a verify's staged writes, which its commit graph reads
 
 
 class StepGraphs:
-    """The decode step of one `DecodeBatch`'s cache, captured per batch bucket on first use and replayed."""
+    """The decode, draft and verify forwards of one `DecodeBatch`'s cache, captured per bucket on first use."""
 
     def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS) -> None:
         self.model, self.cache, self.buckets = model, cache, buckets
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, Captured] = {}
+        self.graphs: dict[tuple[str, int, int], Captured] = {}  # (forward, bucket, tokens per row) → its graph
         self.layout: tuple[int, ...] = ()  # the cache layout the graphs read
-        self.tokens = torch.zeros(buckets[-1], 1, dtype=torch.int64, device=cache.device)
+        widest = 1 + model.args.dspark_block_size
+        self.tokens = torch.zeros(buckets[-1], widest, dtype=torch.int64, device=cache.device)
+        self.keep = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)
         self.active = torch.zeros((), dtype=torch.int64, device=cache.device)  # rows that hold a sequence
         self.captures = 0
+        self._verified: tuple[str, int, int] | None = None  # the verify whose commit is due
 
     @staticmethod
     def supported(model: Transformer) -> bool:
-        """A CUDA model whose step needs no host work: Engram tables on the device, one expert-parallel rank."""
+        """A CUDA model whose forwards need no host work: Engram tables on the device, one expert-parallel rank."""
         return model.device.type == "cuda" and model.engram_fetch is None and model.parallel.world_size == 1
 
     def covers(self, n: int) -> bool:
         return n <= self.buckets[-1]
 
+    # ------------------------------------------------------------------------------------------------ forwards
     def decode(self, tokens: Tensor) -> Tensor:
-        """One decode step of every row (tokens [n, 1], n ≤ the largest bucket) → logits [n, V]."""
-        cache, n = self.cache, tokens.shape[0]
-        b = next(b for b in self.buckets if b >= n)
+        """One decode step of every row (tokens [n, 1]) → logits [n, V]; the rows advance by one."""
+        n = tokens.shape[0]
+        (logits,) = self._replay("decode", tokens, self._decode)
+        self.cache.advanced([1] * n)
+        return logits[:n].clone()
+
+    def draft(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        """The DSpark blocks after each row's pending token (y [n]) → (features [n, γ, C], logits [n, γ, V])."""
+        n = y.shape[0]
+        x, base = self._replay("draft", y.unsqueeze(1), self._draft)
+        return x[:n].clone(), base[:n].clone()
+
+    def verify(self, tokens: Tensor) -> Tensor:
+        """The target forward over tokens [n, T] (a pending token and T − 1 drafts per row) → logits [n, T, V];
+        nothing is kept until `commit`, which must follow before any other forward of this batch."""
+        key = self._key("verify", tokens)
+        (logits,) = self._replay("verify", tokens, self._verify)
+        self._verified = key
+        return logits[: tokens.shape[0]].clone()
+
+    def commit(self, keep: Tensor) -> None:
+        """Keep the first keep[r] positions of the last verify's row r (keep [n] on the device, 1 … T) and move
+        its device position past them; the host follows with `KVCache.advanced`."""
+        if self._verified is None:
+            raise RuntimeError("commit without a verify")
+        key, self._verified = self._verified, None
+        n, b = keep.shape[0], key[1]
+        self.keep[:n].copy_(keep, non_blocking=True)
+        commit_key = ("commit", b, key[2])
+        captured = self.graphs.get(commit_key) or self._capture_commit(commit_key, self.graphs[key].step)
+        captured.graph.replay()
+
+    # ------------------------------------------------------------------------------------------------ capture
+    def _key(self, forward: str, tokens: Tensor) -> tuple[str, int, int]:
+        return forward, next(b for b in self.buckets if b >= tokens.shape[0]), tokens.shape[1]
+
+    def _replay(self, forward: str, tokens: Tensor, run: Forward) -> tuple[Tensor, ...]:
+        key = self._key(forward, tokens)
+        _, b, T = key
         self.prepare(b)
-        captured = self.graphs.get(b) or self.capture(b)
-        self.tokens[:n].copy_(tokens, non_blocking=True)
+        captured = self.graphs.get(key) or self._capture(key, run)
+        n = tokens.shape[0]
+        self.tokens[:n, :T].copy_(tokens, non_blocking=True)
         self.active.fill_(n)
         captured.graph.replay()
-        cache.advanced(n)
-        return captured.logits[:n].clone()  # the caller's: the next replay rewrites the graph's own
+        return captured.outputs
 
     def prepare(self, b: int) -> None:
-        """Reserve the cache for this step (rows up to the bucket, entries past every row's next position) and drop
-        the graphs if that moved a buffer; the device positions match the host's, zero for rows without a sequence."""
+        """Reserve the cache for any forward (rows up to the bucket, entries past every row's positions plus the
+        widest verify's) and drop the graphs if that moved a buffer; the device positions match the host's, zero for
+        rows without a sequence."""
         cache = self.cache
-        cache.reserve(b, max(MIN_CONTEXT, *cache.pos) + 1)
+        cache.reserve(b, max(MIN_CONTEXT, *cache.pos) + self.tokens.shape[1])
         if cache.layout() != self.layout:
             self.graphs.clear()
             self.layout = cache.layout()
         cache.next_positions(slice(0, b))
 
-    def capture(self, b: int) -> Captured:
-        """Warm up the step at bucket b (kernels compile; nothing is committed), then capture it."""
+    def _capture(self, key: tuple[str, int, int], run: Forward) -> Captured:
+        """Warm up `run` at the key's bucket (kernels compile; nothing is committed), then capture it."""
+        _, b, T = key
         side = torch.cuda.Stream(self.cache.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(b)
+            run(b, T, False)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(b, commit=True)
-        self.graphs[b] = Captured(graph, logits)
-        self.captures += 1
-        return self.graphs[b]
+            outputs, step = run(b, T, True)
+        return self._keep(key, Captured(graph, outputs, step))
 
-    def _forward(self, b: int, commit: bool = False) -> Tensor:
-        cache = self.cache
-        step = cache.step(self.tokens[:b], slice(0, b), static=True)
+    def _capture_commit(self, key: tuple[str, int, int], step: Step | None) -> Captured:
+        assert step is not None, "a verify graph holds its step"
+        b = key[1]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            keep = torch.where(self._real(b), self.keep[:b], 0)  # padding rows keep nothing, whatever the buffer holds
+            step.write(keep)
+            self.cache.advance_device(slice(0, b), keep)
+        return self._keep(key, Captured(graph, ()))
+
+    def _keep(self, key: tuple[str, int, int], captured: Captured) -> Captured:
+        self.graphs[key] = captured
+        self.captures += 1
+        return captured
+
+    def _real(self, b: int) -> Tensor:
+        return torch.arange(b, device=self.cache.device) < self.active
+
+    # ---------------------------------------------------------------------------------------- what is captured
+    def _static_step(self, b: int, T: int) -> Step:
+        return self.cache.step(self.tokens[:b, :T], slice(0, b), static=True)
+
+    def _decode(self, b: int, T: int, capturing: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+        step = self._static_step(b, T)
         logits = forward_full(self.model, step, last_only=True)[:, -1]
-        if commit:
+        if capturing:
             step.write()
-            cache.advance_device(slice(0, b), torch.arange(b, device=cache.device) < self.active)
-        return logits
+            self.cache.advance_device(slice(0, b), self._real(b).long())
+        return (logits,), None
+
+    def _draft(self, b: int, T: int, capturing: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+        return draft_features(self.model, self.cache, self.tokens[:b, 0]), None
+
+    def _verify(self, b: int, T: int, capturing: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+        step = self._static_step(b, T)
+        return (forward_full(self.model, step),), step

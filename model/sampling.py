@@ -41,16 +41,16 @@ class SamplingParams:
         """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
         logits = logits.float()
         shape = (-1,) + (1,) * (logits.dim() - 1)
-        t = self.temperature.to(logits.device).view(shape)
+        t = self.temperature.to(logits.device, non_blocking=True).view(shape)
         greedy = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         scaled = logits / t.clamp_min(1e-6)
-        k = self.top_k.to(logits.device).view(shape)
+        k = self.top_k.to(logits.device, non_blocking=True).view(shape)
         if bool((self.top_k > 0).any()):  # asked of the parameters where they live (the host), not of the device
             k = k.clamp(0, logits.shape[-1]).expand(*scaled.shape[:-1], 1)
             kth = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp_min(0))
             scaled = torch.where((k > 0) & (scaled < kth), -torch.inf, scaled)
         probs = scaled.softmax(-1)
-        p = self.top_p.to(logits.device).view(shape)
+        p = self.top_p.to(logits.device, non_blocking=True).view(shape)
         if bool((self.top_p < 1).any()):
             sorted_probs, order = probs.sort(-1, descending=True)
             outside = sorted_probs.cumsum(-1) - sorted_probs >= p  # keep the smallest prefix reaching top_p
@@ -84,10 +84,10 @@ def sample(probs: Tensor, generator: Generators = None) -> Tensor:
     return (probs.float() / race).argmax(-1)
 
 
-def _uniforms(lengths: Tensor, K: int, generator: Generators) -> Tensor:
-    """u [B, K] for the acceptance tests; per row, only its first lengths[b] are drawn (the others are never used),
-    so what a row consumes does not depend on how many drafts its neighbours verify."""
-    B, device = lengths.shape[0], lengths.device
+def _uniforms(lengths: Tensor, K: int, generator: Generators, device: torch.device) -> Tensor:
+    """u [B, K] on `device` for the acceptance tests; per row, only its first lengths[b] are drawn (the others are
+    never used), so what a row consumes does not depend on how many drafts its neighbours verify."""
+    B = lengths.shape[0]
     rows = _per_row(generator, B)
     if rows is None:
         return torch.rand(B, K, generator=generator, device=device)
@@ -104,11 +104,13 @@ def speculative_accept(
 
     target [B, K+1, V]: target distribution of the position after the anchor and after each draft; draft [B, K, V]:
     the distribution each draft was sampled from. Returns (accepted count [B], the token emitted after them [B]).
+    `lengths` is best given on the host: with one generator per row, each row's draws are sized from it there.
     """
     B, K = drafts.shape
     p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     q_d = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    u = _uniforms(lengths.to(target.device), K, generator)
+    u = _uniforms(lengths, K, generator, target.device)
+    lengths = lengths.to(target.device, non_blocking=True)
     ok = (u * q_d < p_d) & (torch.arange(K, device=target.device) < lengths.unsqueeze(1))
     n = ok.long().cumprod(-1).sum(-1)  # leading accepted drafts
     rows = torch.arange(B, device=target.device)

@@ -1,6 +1,6 @@
-"""On a GPU (skipped without one): the decode step replayed from CUDA graphs, one per batch bucket, gives the eager
-step's logits while sequences join and leave, waits for the device nowhere, and neither captures nor compiles
-anything after its warm-up."""
+"""On a GPU (skipped without one): the decode step and DSpark's draft and verify replayed from CUDA graphs, one per
+batch bucket (and verify width), give the eager forwards' results while sequences join and leave, wait for the device
+nowhere but at the end of a verify, and neither capture nor compile anything after their warm-up."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import random
 
 import pytest
 import torch
+from torch import Tensor
 from torch._dynamo.utils import counters
 
 from model import DecodeBatch, build_model, encode_prefill, preset
+from model.dspark import Draft
+from model.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,46 +80,89 @@ def test_graph_steps_give_the_eager_steps_logits_as_sequences_join_and_leave(sma
     assert graphed.graphs.captures == 2
 
 
-def test_a_replayed_step_never_waits_for_the_device(small):
+def test_replayed_steps_wait_for_the_device_only_to_read_a_verify_back(small):
     (out,) = _prompts(small, 1, 1)
     batch = DecodeBatch(small, 4, graphs=True)
     for _ in range(3):
         batch.join(out.blocks, out.encoder_state)
     tokens = torch.randint(0, small.args.vocab_size, (3, 1), device="cuda")
-    batch.decode_step(tokens)  # captures bucket 4
+    greedy, lengths = SamplingParams.uniform(3), torch.tensor([5, 2, 0])
+
+    def steps() -> Tensor:
+        batch.decode_step(tokens)
+        draft = batch.dspark_draft(tokens, greedy)
+        return batch.verify(tokens, draft, greedy, lengths).logits  # reads its acceptance back by an event
+
+    steps()  # captures bucket 4
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(5):
-            logits = batch.decode_step(tokens)
+            logits = steps()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert bool(logits.isfinite().all())
 
 
+def test_graph_drafts_and_verifies_give_the_eager_ones(small):
+    """Draft features and verify logits from graphs equal the eager forwards' (bf16 rounding of padded GEMMs aside),
+    and both batches accept the same drafts and stay at the same positions, verify widths changing."""
+    prompts = _prompts(small, 3, 4)
+    graphed, eager = DecodeBatch(small, 4, graphs=True), DecodeBatch(small, 4, graphs=False)
+    for batch in (graphed, eager):
+        for out in prompts:
+            batch.join(out.blocks, out.encoder_state)
+    greedy, V = SamplingParams.uniform(3), small.args.vocab_size
+    pending = torch.randint(0, V, (3, 1), device="cuda")
+    worst = 0.0
+    for width in (5, 2, 5, 1, 3):
+        g, e = graphed.dspark_draft(pending, greedy), eager.dspark_draft(pending, greedy)
+        worst = max(worst, float((g.probs - e.probs).abs().max()))
+        draft = Draft(e.tokens[:, :width], e.probs[:, :width], e.confidence[:, :width])
+        rg, re = graphed.verify(pending, draft, greedy), eager.verify(pending, draft, greedy)
+        worst = max(worst, float((rg.logits - re.logits).abs().max() / re.logits.abs().max()))
+        assert rg.tokens == re.tokens
+        pending = torch.tensor([[row[-1]] for row in re.tokens], device="cuda")
+    assert graphed.positions() == eager.positions()
+    assert worst < 2e-2, worst
+
+
 def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile_nothing(small):
-    """Warm-up: the batch grows from 1 to 8 sequences, one step at each size (buckets 1, 2, 4, 8 captured, the fused
-    functions compiled). Then 200 steps while sequences join and leave at random: no capture, no compilation."""
+    """Warm-up: the batch grows from 1 to 8 sequences; at each size a decode step and a draft verified at widths 1,
+    3 and 5 (buckets 1, 2, 4, 8: their decode, draft, verify and commit graphs captured, the fused functions
+    compiled). Then 200 steps, plain or speculative at one of those widths, while sequences join and leave at random:
+    no capture, no compilation."""
     prompts = _prompts(small, 3, 2)
     batch = DecodeBatch(small, 8, graphs=True)
     rng = random.Random(3)
     seqs: list[int] = []
 
-    def step() -> None:
-        logits = batch.decode_step(torch.randint(0, small.args.vocab_size, (len(seqs), 1), device="cuda"))
-        assert logits.shape == (len(seqs), small.args.vocab_size)
+    def pending() -> Tensor:
+        return torch.randint(0, small.args.vocab_size, (len(seqs), 1), device="cuda")
+
+    def step(width: int) -> None:
+        if width == 0:
+            logits = batch.decode_step(pending())
+            assert logits.shape == (len(seqs), small.args.vocab_size)
+            return
+        greedy, tokens = SamplingParams.uniform(len(seqs)), pending()
+        draft = batch.dspark_draft(tokens, greedy)
+        draft = Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width])
+        result = batch.verify(tokens, draft, greedy)
+        assert result.logits.shape == (len(seqs), 1 + width, small.args.vocab_size)
 
     for _ in range(8):
         out = prompts[rng.randrange(len(prompts))]
         seqs.append(batch.join(out.blocks, out.encoder_state)[0])
-        step()
+        for width in (0, 1, 3, 5):
+            step(width)
     captures, compiled = batch.graphs.captures, counters["stats"]["unique_graphs"]
-    assert captures == 4
+    assert captures == 4 * (2 + 2 * 3)
     for _ in range(200):
         if len(seqs) < 8 and rng.random() < 0.3:
             out = prompts[rng.randrange(len(prompts))]
             seqs.append(batch.join(out.blocks, out.encoder_state)[0])
         elif len(seqs) > 1 and rng.random() < 0.3:
             batch.leave(seqs.pop(rng.randrange(len(seqs))))
-        step()
+        step(rng.choice((0, 1, 3, 5)))
     assert (batch.graphs.captures, counters["stats"]["unique_graphs"]) == (captures, compiled)
