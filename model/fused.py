@@ -9,12 +9,14 @@ Shapes compile as they come (a dimension turns dynamic once it is seen to change
 case). A fused function meets a few of them — one token per row (decode), 1 + w (verify widths), γ (drafts), prefill
 chunks, contiguous or not — so the recompile limit is raised from dynamo's 8, past which it would run the function
 uncompiled. A CUDA-graph capture follows a warm-up call of the same shapes (model.graphs), so nothing compiles
-while capturing.
+while capturing. Compiled calls hold one process-wide lock: dynamo's FX-tracing flag is global, so a compilation in
+one thread (a decode step) makes a compiled call in another (a local prefill chunk) fail.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -23,6 +25,7 @@ from torch import Tensor
 
 F = TypeVar("F", bound=Callable[..., object])
 RECOMPILE_LIMIT = 64  # compiled variants per fused function
+_COMPILED_CALLS = threading.RLock()
 
 
 def fused(fn: F) -> F:
@@ -33,10 +36,11 @@ def fused(fn: F) -> F:
         tensors = [a for a in args if isinstance(a, Tensor)]
         if not tensors[0].is_cuda or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return fn(*args)
-        if not compiled:
-            limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-            compiled.append(torch.compile(fn, dynamic=None))
-        return compiled[0](*args)
+        with _COMPILED_CALLS:
+            if not compiled:
+                limit = torch._dynamo.config.recompile_limit
+                torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+                compiled.append(torch.compile(fn, dynamic=None))
+            return compiled[0](*args)
 
     return run  # type: ignore[return-value]
