@@ -8,13 +8,13 @@ sparse files memory-mapped like the checkpoint shards (`--engram-store mmap`); t
 (zero pages), so the figure is the fetch path's cost with the page cache warm, not a disk's. Token ids come from a
 real agent trace (`../shared/data/agent-traces`, tokenised; random ids where the trace or tokenizer is missing).
 
-Each decode row: ms per eager step (`DecodeBatch.decode_step` with `graphs=False` on both sides: host tables run
-the eager step) at batch B and 4 K context, sides alternated `--rounds` times, median and spread; "added" is
-against the device side. The prefill row: one 16 K-token chunk (`encode_prefill`). `--trace DIR` writes a
-torch.profiler trace of one host step at batch 64 and reports how much of the host-to-device copies overlapped
-kernels on the compute stream.
+Each decode row: ms per step (`DecodeBatch.decode_step`, eager on both sides, or with `--graphs` replayed from CUDA
+graphs on both sides: the host stages the rows before each replay, the graph copies them beside block 0) at batch B
+and 4 K context, sides alternated `--rounds` times, median and spread; "added" is against the device side. The
+prefill row: one 16 K-token chunk (`encode_prefill`). `--trace DIR` writes a torch.profiler trace of one host step
+at batch 64 and reports how much of the host-to-device copies overlapped kernels on the compute stream.
 
-    python bench/engram_bench.py [--batches 1,64,256] [--rounds 5] [--steps 10] [--trace OUT] [--out JSON]
+    python bench/engram_bench.py [--batches 1,64,256] [--rounds 5] [--steps 10] [--graphs] [--trace OUT] [--out JSON]
 """
 
 from __future__ import annotations
@@ -91,17 +91,17 @@ def step_ms(model, batch, ids: torch.Tensor, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def bench_decode(models: dict, B: int, rounds: int, steps: int) -> dict:
+def bench_decode(models: dict, B: int, rounds: int, steps: int, graphs: bool) -> dict:
     ids = trace_ids(B * steps, 129280).view(steps, B)
     room = steps * (rounds + 2)
-    batches = {name: filled_decode_batch(model, B, 4096, room, graphs=False) for name, model in models.items()}
+    batches = {name: filled_decode_batch(model, B, 4096, room, graphs=graphs) for name, model in models.items()}
     for name, model in models.items():  # warm: first calls compile and allocate
         step_ms(model, batches[name], ids, 2)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
             times[name].append(step_ms(model, batches[name], ids, steps))
-    row = {"batch": B, "context": 4096, **summary(times, 3)}
+    row = {"batch": B, "context": 4096, "graphs": graphs, **summary(times, 3)}
     print(json.dumps(row), flush=True)
     return row
 
@@ -136,10 +136,10 @@ def bench_prefill(models: dict, tokens: int, rounds: int) -> dict:
     return row
 
 
-def overlap(model, out: Path) -> list[dict]:
+def overlap(model, out: Path, graphs: bool) -> list[dict]:
     """Under the profiler, one host decode step at batch 64 and one 4 K-token prefill chunk: the share of the
     host-to-device copy time that ran while a kernel ran (the copies have their own stream), traces in `out`."""
-    batch = filled_decode_batch(model, 64, 4096, 8, graphs=False)
+    batch = filled_decode_batch(model, 64, 4096, 8, graphs=graphs)
     ids = trace_ids(64 * 4, 129280).view(4, 64)
     prompt = trace_ids(4096, 129280).tolist()
     step_ms(model, batch, ids, 2)
@@ -188,6 +188,7 @@ def main() -> int:
     )
     parser.add_argument("--prefill-tokens", type=int, default=16384)
     parser.add_argument("--no-mmap", action="store_true", help="skip the full-size memory-mapped tables")
+    parser.add_argument("--graphs", action="store_true", help="decode steps replayed from CUDA graphs (a GPU)")
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench/out/engram.json"))
     ns = parser.parse_args()
@@ -214,11 +215,11 @@ def main() -> int:
     }
     with torch.no_grad():
         for B in map(int, ns.batches.split(",")):
-            results["decode"].append(bench_decode(models, B, ns.rounds, ns.steps))
+            results["decode"].append(bench_decode(models, B, ns.rounds, ns.steps, ns.graphs))
         prefill_models = {k: models[k] for k in ("device", "host")}
         results["prefill"] = bench_prefill(prefill_models, ns.prefill_tokens, 3)
         if ns.trace is not None and DEVICE == "cuda":
-            results["overlap"] = overlap(models["host"], ns.trace)
+            results["overlap"] = overlap(models["host"], ns.trace, ns.graphs)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(results, indent=2))
     return 0

@@ -184,6 +184,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
+        self._capture()
         self._profile()
         while self.iterate():
             pass
@@ -225,6 +226,22 @@ class Engine:
         if stepping:  # the calibration forgets per batch step, not per chunk of a prefill running alone
             self.calibration.tick()
         return True
+
+    def _capture(self) -> None:
+        """Capture every lane's step graphs before the first request (requests that arrive meanwhile wait in the
+        queue): a lane's batch sizes up to max_batch, and the speculative lane's drafts and verify widths."""
+        for lane, batch in self.batches.items():
+            widths = range(1, self.max_draft + 1) if lane is Lane.SPECULATIVE and self.settings.speculation else ()
+            started = time.monotonic()
+
+            def progress(done: int, total: int, lane: Lane = lane, started: float = started) -> None:
+                seconds = round(time.monotonic() - started, 1)
+                self.log.info("graphs_captured", lane=lane.value, buckets=f"{done}/{total}", seconds=seconds)
+
+            try:
+                batch.capture(widths, progress)
+            except Exception:  # a bug: the graphs are captured on first use instead
+                self.log.exception("capture_failed", lane=lane.value)
 
     def _profile(self) -> None:
         """Seed the step times DSpark's scheduler reads (requests that arrive meanwhile wait in the queue)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -31,6 +32,9 @@ from model.config import ModelArgs
 from model.fused import fused
 from model.indexer import Selection
 from model.mhc import mix_dtype
+
+if TYPE_CHECKING:
+    from model.engram_store import Memory
 
 
 def _grow(t: Tensor, dim: int, size: int) -> Tensor:
@@ -284,7 +288,7 @@ class KVCache:
         else:
             start = positions[:, 0].tolist()
         host = None
-        if self.host_history is not None:
+        if self.host_history is not None and not static:  # a static step's rows are staged by its graph
             host_tokens = None if tokens is None else tokens.cpu()  # a no-op for host tokens
             host = (host_tokens, self.host_history[rows].clone() if history is None else history.cpu())
         tokens = None if tokens is None else tokens.to(self.device)
@@ -307,11 +311,16 @@ class KVCache:
         """Rows' device positions move by `by` [B] (a captured step: the host follows with `advanced`)."""
         self._next[rows] += by
 
-    def advanced(self, by: list[int]) -> None:
-        """Rows 0 … len(by) − 1 moved by[r] positions on the device (a replayed forward): the host follows."""
+    def advanced(self, by: list[int], tokens: Tensor | None = None) -> None:
+        """Rows 0 … len(by) − 1 moved by[r] positions on the device (a replayed forward): the host follows, and so
+        does the look-back it mirrors (tokens [n, T] on the host: the forward's, of which row r kept by[r])."""
         for r, k in enumerate(by):
             self.pos[r] += k
         self._next_of = list(self.pos)
+        if self.host_history is not None:
+            rows = slice(0, len(by))
+            keep = torch.tensor(by, dtype=torch.int64)
+            _keep_last(self.host_history, rows, self.host_history[rows].clone(), tokens, keep)
 
     def reserve(self, rows: int, positions: int) -> None:
         """Room for `rows` rows and, in every row, the entries of `positions` positions plus a step's write-ahead."""
@@ -350,6 +359,7 @@ class Step:
     groups: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer → (kv, score, n_open)
     hidden: tuple[Tensor, Tensor] | None = None  # staged H^{L/2} rows (X [B, T, n, C], pre [B, T, n])
     static: bool = False  # shapes independent of positions (a captured step, model.graphs)
+    memory: Memory | None = None  # its Engram rows, where a graph stages them (else the model looks them up)
 
     @property
     def batch(self) -> int:

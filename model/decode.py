@@ -3,14 +3,15 @@
 Sequences join from a prefill record (the decoder bounded replay of model.serving gives their first logits) and
 leave with their new complete blocks and end-of-sequence encoder state; between, every step advances each of them:
 
-    decode_step   one pending token per sequence → next-token logits            (a CUDA graph per batch bucket)
+    decode_step   one pending token per sequence → next-token logits
     dspark_draft  γ drafts per sequence after its pending token (the DSpark blocks, one forward)
     verify        target forward over [pending, drafts], lossless acceptance, commit of what was accepted
 
 On a GPU the three forwards replay graphs captured once per batch bucket (model.graphs), so the host launches a
-graph instead of a few thousand kernels; elsewhere, and where a graph cannot serve them (host-side Engram tables, an
-expert-parallel group), they run eagerly. Both run the same modules in the same order. A step waits for the device
-at most once, at its end: verify reads its acceptance back then (the host needs the tokens).
+graph instead of a few thousand kernels (Engram tables in host memory too: their rows are staged for each replay);
+elsewhere, and where a graph cannot serve them (an expert-parallel group), they run eagerly. Both run the same
+modules in the same order. A step waits for the device at most once, at its end: verify reads its acceptance back
+then (the host needs the tokens).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from model.sampling import Generators, SamplingParams, sample, speculative_accep
 from model.serving import decoder_replay, forward_full, replay_length
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from model.transformer import Transformer
 
@@ -67,8 +68,7 @@ class DecodeBatch:
         capturable = StepGraphs.supported(model)
         if graphs and not capturable:
             raise ValueError(
-                "this model's forwards cannot be captured (a CUDA device, device-side Engram tables "
-                "and a single expert-parallel rank are needed)"
+                "this model's forwards cannot be captured (a CUDA device and a single expert-parallel rank are needed)"
             )
         self.graphs = StepGraphs(model, self.cache) if (capturable if graphs is None else graphs) else None
 
@@ -227,11 +227,18 @@ class DecodeBatch:
         n, next_tokens, drafted = _read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
         by = [k + 1 for k in n]
         if step is None:
-            self.cache.advanced(by)
+            self.cache.advanced(by, tokens)
         else:
             step.advance(by, keep)
         emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
         return VerifyResult(torch.tensor(n), emitted, logits)
+
+    def capture(self, widths: Sequence[int] = (), progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture the graphs of every batch size up to the capacity now (decode; with verify `widths`, draft, verify
+        and commit too), not on first use; nothing when the forwards run eagerly. `progress(done, total)` per
+        bucket (model.graphs.StepGraphs.capture_all)."""
+        if self.graphs is not None:
+            self.graphs.capture_all(self.cache.capacity, widths, progress)
 
     def _graphed(self) -> bool:
         """Whether this batch's forwards replay captured graphs."""

@@ -150,12 +150,12 @@ class EngramFetch:
     def start(self, tokens: Tensor, history: Tensor) -> HostMemory:
         """The rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — to fetch from every layer's
         table (and copy to the device) when the first Engram layer is reached."""
-        return HostMemory(lambda: {layer: self._fetch(layer, tokens, history) for layer in self.tables}, self._decode)
+        return HostMemory(lambda: {layer: self._fetch(layer, tokens, history) for layer in self.tables}, self.decode)
 
     def close(self) -> None:
         self.gatherers.shutdown(wait=True)
 
-    def _decode(self, layer: int, rows: tuple[Tensor, ...]) -> Tensor:
+    def decode(self, layer: int, rows: tuple[Tensor, ...]) -> Tensor:
         table = self.tables[layer]
         return Fp8Rows.decode(*rows, table.dtype) if isinstance(table, Fp8Rows) else rows[0]
 
@@ -163,7 +163,7 @@ class EngramFetch:
         ids = self.hash.rows(layer, tokens, history)
         flat = ids.flatten()
         sources, staged = _stored(self.tables[layer]), self._staged(layer, flat.numel())
-        self._gather(sources, flat, staged)
+        self.gather(sources, flat, staged)
         if self.stream is None:  # a CPU model: the gathered rows are its input
             return Fetched(staged, None, ids.shape)
         with torch.cuda.stream(self.stream):
@@ -173,7 +173,7 @@ class EngramFetch:
         self.last_copy[layer] = copied
         return Fetched(moved, copied, ids.shape)
 
-    def _gather(self, sources: tuple[Tensor, ...], ids: Tensor, out: tuple[Tensor, ...]) -> None:
+    def gather(self, sources: tuple[Tensor, ...], ids: Tensor, out: tuple[Tensor, ...]) -> None:
         """out[i] = source[ids[i]] for each stored tensor: inline, or in pieces on the gather threads."""
         step = self.gather_rows
         if ids.numel() <= step:
@@ -202,6 +202,66 @@ class EngramFetch:
             have = tuple(torch.empty((size, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in sources)
             self.staging[layer] = have
         return tuple(t[:n] for t in have)
+
+
+class StagedMemory:
+    """The Engram rows of a forward captured as a CUDA graph (model.graphs) over [B, T] tokens: fixed pinned buffers
+    the host gathers a step's rows into before the graph replays (`stage`), and fixed device buffers the graph copies
+    them into, on a side stream, as its first work (`start`, captured with the forward), so that the copy runs beside
+    the layers before the first Engram layer, which waits for it on the device (`values`). On a CPU model the
+    gathered rows are the layer's input."""
+
+    def __init__(self, fetch: EngramFetch, batch: int, length: int) -> None:
+        self.fetch, self.cuda = fetch, fetch.stream is not None
+        h = fetch.hash.args.engram_max_ngram_size - 1
+        probe = torch.zeros(batch, length, dtype=torch.int64), torch.full((batch, h), -1, dtype=torch.int64)
+        self.shape = {layer: fetch.hash.rows(layer, *probe).shape for layer in fetch.tables}  # [B, T, R]
+        self.host = {
+            layer: tuple(
+                torch.empty((self.shape[layer].numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
+                for t in _stored(table)
+            )
+            for layer, table in fetch.tables.items()
+        }
+        self.rows = {
+            layer: tuple(torch.empty_like(t, device=fetch.device) for t in pinned) if self.cuda else pinned
+            for layer, pinned in self.host.items()
+        }
+        self.copied = torch.cuda.Event() if self.cuda else None
+        self.read: torch.cuda.Event | None = None  # the end of the last forward that copied the pinned buffers
+
+    def stage(self, tokens: Tensor, history: Tensor) -> None:
+        """Gather the rows of tokens [B, T] after the look-back history [B, n−1] (int64, host) into the pinned
+        buffers, once the last forward has copied the previous ones out."""
+        if self.read is not None:
+            self.read.synchronize()
+        for layer, table in self.fetch.tables.items():
+            ids = self.fetch.hash.rows(layer, tokens, history).flatten()
+            self.fetch.gather(_stored(table), ids, self.host[layer])
+
+    def staged(self) -> None:
+        """The forward that copies the staged rows has been launched: the next `stage` waits for its end."""
+        if self.cuda:
+            self.read = torch.cuda.Event()
+            self.read.record()
+
+    def start(self) -> StagedMemory:
+        """Copy every layer's rows to the device on the side stream, forked from the current one (inside the
+        captured forward, before its first layer)."""
+        if self.copied is not None:
+            side = self.fetch.stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for layer, pinned in self.host.items():
+                    for dst, src in zip(self.rows[layer], pinned, strict=True):
+                        dst.copy_(src, non_blocking=True)
+                self.copied.record(side)
+        return self
+
+    def values(self, layer: int) -> Tensor:
+        if self.copied is not None:
+            torch.cuda.current_stream().wait_event(self.copied)
+        return self.fetch.decode(layer, self.rows[layer]).view(*self.shape[layer], -1)
 
 
 def _stored(table: Embedding | Fp8Rows) -> tuple[Tensor, ...]:

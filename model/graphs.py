@@ -24,11 +24,17 @@ What a captured forward needs, and how it is given:
 
 Padding rows beyond the batch are rows of the cache no sequence holds: they run at position 0 and never advance,
 their writes land in rows a joining sequence overwrites, and their outputs are not returned.
+
+Engram tables in host memory (model.engram_store) take part through fixed buffers: before a replay the host hashes
+the step's rows and gathers them into pinned staging; the graph's first work copies them to the device on a side
+stream, beside the layers before the first Engram layer, which waits for the copy on the device (`StagedMemory`).
+
+Without `capture` (a CPU model, tests) every forward runs the same static steps eagerly: what a replay would compute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,19 +43,20 @@ from torch import Tensor
 
 from model.cache import KVCache, Step
 from model.dspark import draft_features
+from model.engram_store import StagedMemory
 from model.serving import forward_full
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-Forward = Callable[[int, int, bool], tuple[tuple[Tensor, ...], Step | None]]  # (bucket, T, capturing) → outputs
+Forward = Callable[[int, int, bool], tuple[tuple[Tensor, ...], Step | None]]  # (bucket, T, commit) → outputs, step
 MIN_CONTEXT = 4096  # positions every row's entries are reserved for at least: short sequences never recapture
 
 
 @dataclass
 class Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: not captured, the outputs of the last eager run
     outputs: tuple[Tensor, ...]  # written by every replay
     step: Step | None = None  # a verify's staged writes, which its commit graph reads
 
@@ -57,10 +64,13 @@ class Captured:
 class StepGraphs:
     """The decode, draft and verify forwards of one `DecodeBatch`'s cache, captured per bucket on first use."""
 
-    def __init__(self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS) -> None:
-        self.model, self.cache, self.buckets = model, cache, buckets
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(
+        self, model: Transformer, cache: KVCache, buckets: tuple[int, ...] = BUCKETS, capture: bool = True
+    ) -> None:
+        self.model, self.cache, self.buckets, self.capture = model, cache, buckets, capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[tuple[str, int, int], Captured] = {}  # (forward, bucket, tokens per row) → its graph
+        self.staged: dict[tuple[int, int], StagedMemory] = {}  # (bucket, tokens per row) → its Engram rows
         self.layout: tuple[int, ...] = ()  # the cache layout the graphs read
         widest = 1 + model.args.dspark_block_size
         self.tokens = torch.zeros(buckets[-1], widest, dtype=torch.int64, device=cache.device)
@@ -71,8 +81,8 @@ class StepGraphs:
 
     @staticmethod
     def supported(model: Transformer) -> bool:
-        """A CUDA model whose forwards need no host work: Engram tables on the device, one expert-parallel rank."""
-        return model.device.type == "cuda" and model.engram_fetch is None and model.parallel.world_size == 1
+        """A CUDA model whose forwards need no collectives: one expert-parallel rank."""
+        return model.device.type == "cuda" and model.parallel.world_size == 1
 
     def covers(self, n: int) -> bool:
         return n <= self.buckets[-1]
@@ -82,7 +92,7 @@ class StepGraphs:
         """One decode step of every row (tokens [n, 1]) → logits [n, V]; the rows advance by one."""
         n = tokens.shape[0]
         (logits,) = self._replay("decode", tokens, self._decode)
-        self.cache.advanced([1] * n)
+        self.cache.advanced([1] * n, tokens)
         return logits[:n].clone()
 
     def draft(self, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -105,11 +115,44 @@ class StepGraphs:
         if self._verified is None:
             raise RuntimeError("commit without a verify")
         key, self._verified = self._verified, None
-        n, b = keep.shape[0], key[1]
+        n, b, step = keep.shape[0], key[1], self.graphs[key].step
         self.keep[:n].copy_(keep, non_blocking=True)
+        if not self.capture:
+            self._commit(b, step)
+            return
         commit_key = ("commit", b, key[2])
-        captured = self.graphs.get(commit_key) or self._capture_commit(commit_key, self.graphs[key].step)
+        captured = self.graphs.get(commit_key) or self._capture_commit(commit_key, step)
         captured.graph.replay()
+
+    def capture_all(
+        self, rows: int, widths: Sequence[int] = (), progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Capture ahead of use every bucket a batch of up to `rows` rows takes: its decode graph and, for each verify
+        width w in `widths`, its draft, verify and commit graphs — at start-up, so that no request waits for a
+        capture (nothing is committed: a capture runs its forward once, uncommitted, then records it). Without
+        `capture`, those warm-up forwards run. `progress(done, total)` after each bucket."""
+        last = next(b for b in self.buckets if b >= rows)
+        buckets = [b for b in self.buckets if b <= last]
+        self.active.fill_(0)
+        for done, b in enumerate(buckets, 1):
+            self.prepare(b)
+            self._ready(("decode", b, 1), self._decode)
+            if widths:
+                self._ready(("draft", b, 1), self._draft)
+            for w in widths:
+                verify = self._ready(("verify", b, 1 + w), self._verify)
+                if self.capture and ("commit", b, 1 + w) not in self.graphs:
+                    self._capture_commit(("commit", b, 1 + w), verify.step)
+            if progress is not None:
+                progress(done, len(buckets))
+
+    def _ready(self, key: tuple[str, int, int], run: Forward) -> Captured:
+        """The key's graph, captured now if it is not yet (without `capture`: its warm-up forward, run)."""
+        forward, b, T = key
+        self._stage(forward, b, torch.zeros(0, T, dtype=torch.int64))
+        if not self.capture:
+            return Captured(None, *run(b, T, False))
+        return self.graphs.get(key) or self._capture(key, run)
 
     # ------------------------------------------------------------------------------------------------ capture
     def _key(self, forward: str, tokens: Tensor) -> tuple[str, int, int]:
@@ -119,26 +162,44 @@ class StepGraphs:
         key = self._key(forward, tokens)
         _, b, T = key
         self.prepare(b)
-        captured = self.graphs.get(key) or self._capture(key, run)
         n = tokens.shape[0]
         self.tokens[:n, :T].copy_(tokens, non_blocking=True)
         self.active.fill_(n)
-        captured.graph.replay()
+        staged = self._stage(forward, b, tokens)
+        if self.capture:
+            captured = self.graphs.get(key) or self._capture(key, run)
+            captured.graph.replay()
+        else:
+            captured = self.graphs[key] = Captured(None, *run(b, T, True))
+        if staged is not None:
+            staged.staged()
         return captured.outputs
+
+    def _stage(self, forward: str, b: int, tokens: Tensor) -> StagedMemory | None:
+        """Where the Engram tables are on the host: the rows of this forward's tokens (padded to the bucket, on the
+        host) gathered into its staging. The draft runs no Engram layer."""
+        fetch, T = self.model.engram_fetch, tokens.shape[1]
+        if fetch is None or forward == "draft":
+            return None
+        staged = self.staged.get((b, T)) or self.staged.setdefault((b, T), StagedMemory(fetch, b, T))
+        padded = torch.zeros(b, T, dtype=torch.int64)
+        padded[: tokens.shape[0]] = tokens
+        staged.stage(padded, self.cache.host_history[:b])
+        return staged
 
     def prepare(self, b: int) -> None:
         """Reserve the cache for any forward (rows up to the bucket, entries past every row's positions plus the
         widest verify's) and drop the graphs if that moved a buffer; the device positions match the host's, zero for
         rows without a sequence."""
         cache = self.cache
-        cache.reserve(b, max(MIN_CONTEXT, *cache.pos) + self.tokens.shape[1])
+        cache.reserve(b, max([MIN_CONTEXT, *cache.pos]) + self.tokens.shape[1])
         if cache.layout() != self.layout:
             self.graphs.clear()
             self.layout = cache.layout()
         cache.next_positions(slice(0, b))
 
     def _capture(self, key: tuple[str, int, int], run: Forward) -> Captured:
-        """Warm up `run` at the key's bucket (kernels compile; nothing is committed), then capture it."""
+        """Warm up `run` at the key's bucket (kernels compile; nothing is committed), then capture it, committing."""
         _, b, T = key
         side = torch.cuda.Stream(self.cache.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -152,13 +213,15 @@ class StepGraphs:
 
     def _capture_commit(self, key: tuple[str, int, int], step: Step | None) -> Captured:
         assert step is not None, "a verify graph holds its step"
-        b = key[1]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            keep = torch.where(self._real(b), self.keep[:b], 0)  # padding rows keep nothing, whatever the buffer holds
-            step.write(keep)
-            self.cache.advance_device(slice(0, b), keep)
+            self._commit(key[1], step)
         return self._keep(key, Captured(graph, ()))
+
+    def _commit(self, b: int, step: Step) -> None:
+        keep = torch.where(self._real(b), self.keep[:b], 0)  # padding rows keep nothing, whatever the buffer holds
+        step.write(keep)
+        self.cache.advance_device(slice(0, b), keep)
 
     def _keep(self, key: tuple[str, int, int], captured: Captured) -> Captured:
         self.graphs[key] = captured
@@ -170,19 +233,22 @@ class StepGraphs:
 
     # ---------------------------------------------------------------------------------------- what is captured
     def _static_step(self, b: int, T: int) -> Step:
-        return self.cache.step(self.tokens[:b, :T], slice(0, b), static=True)
+        step = self.cache.step(self.tokens[:b, :T], slice(0, b), static=True)
+        if self.model.engram_fetch is not None:
+            step.memory = self.staged[(b, T)].start()
+        return step
 
-    def _decode(self, b: int, T: int, capturing: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+    def _decode(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         step = self._static_step(b, T)
         logits = forward_full(self.model, step, last_only=True)[:, -1]
-        if capturing:
+        if commit:
             step.write()
             self.cache.advance_device(slice(0, b), self._real(b).long())
         return (logits,), None
 
-    def _draft(self, b: int, T: int, capturing: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+    def _draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         return draft_features(self.model, self.cache, self.tokens[:b, 0]), None
 
-    def _verify(self, b: int, T: int, capturing: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+    def _verify(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         step = self._static_step(b, T)
         return (forward_full(self.model, step),), step

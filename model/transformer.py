@@ -105,8 +105,10 @@ class Transformer(nn.Module):
         return {layer: self.ngram.rows(layer, tokens, history) for layer in self.args.engram_layer_ids}
 
     def engram_memory(self, step: Step) -> Memory:
-        """The Engram rows of a step: fetched from the host tables (started now, waited for by each Engram layer), or
-        looked up on the device."""
+        """The Engram rows of a step: staged for it (a captured forward, model.graphs), fetched from the host tables
+        (started now, waited for by each Engram layer), or looked up on the device."""
+        if step.memory is not None:
+            return step.memory
         if self.engram_fetch is None:
             return DeviceMemory(self, step.tokens, step.history)
         return self.engram_fetch.start(*step.host_ids())

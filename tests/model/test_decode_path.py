@@ -14,6 +14,7 @@ import torch
 from model import DecodeBatch, Transformer, encode_prefill, serving
 from model.cache import _kept, _write_kept
 from model.dspark import Draft
+from model.graphs import StepGraphs
 from model.linear import quantize_input
 from model.mhc import hc_split_sinkhorn
 from model.sampling import SamplingParams
@@ -133,29 +134,33 @@ def test_query_window_equals_query_and_window_kv(tiny: Transformer, gen):
     assert torch.equal(kv, attn.window_kv(x, positions))
 
 
-def _static_forward(batch: DecodeBatch, tokens: torch.Tensor, bucket: int, last_only: bool):
-    """A graph's forward (model.graphs) run eagerly over `batch`: rows padded to `bucket`, every reserved entry in
-    view → (the real rows' logits, the step)."""
-    cache, n = batch.cache, tokens.shape[0]
-    cache.reserve(bucket, 4096)
-    cache.next_positions(slice(0, bucket))  # in sync with the host; padding rows at position 0
-    padded = torch.cat((tokens, torch.zeros(bucket - n, tokens.shape[1], dtype=torch.int64)))
-    step = cache.step(padded, slice(0, bucket), static=True)
-    return serving.forward_full(batch.model, step, last_only=last_only)[:n], step
+def _commit_free_drafts(batch: DecodeBatch, pending: list[int]) -> torch.Tensor:
+    """γ drafts per row that the target accepts greedily, all of them: its own greedy continuation, found by γ
+    uncommitted forwards (their write-ahead entries are rewritten by the verify at the same positions)."""
+    drafts = torch.zeros(len(pending), batch.model.args.dspark_block_size, dtype=torch.int64)
+    for k in range(drafts.shape[1]):
+        step = batch.cache.step(torch.cat((torch.tensor(pending).unsqueeze(1), drafts), dim=1))
+        drafts[:, k] = serving.forward_full(batch.model, step)[:, k].argmax(-1)
+    return drafts
 
 
-def _commit_static(batch: DecodeBatch, step, keep: list[int]) -> None:
-    """A graph's commit: the device half for every padded row (padding rows keep nothing), then the host follows."""
-    bucket, n = step.batch, len(keep)
-    kept = torch.tensor(keep + [0] * (bucket - n))
-    step.write(kept)
-    batch.cache.advance_device(slice(0, bucket), kept)
-    batch.cache.advanced(keep)
-    assert batch.cache.next_positions(slice(0, bucket)).tolist() == batch.cache.pos + [0] * (bucket - n)
+def _twin_batches(model: Transformer, tokens) -> tuple[DecodeBatch, DecodeBatch]:
+    """Two batches of the same three prompts: one plain, one running the static forwards the graphs capture
+    (model.graphs, uncaptured: rows padded to a bucket of 4, every reserved entry in view, the commit's device half
+    and the positions advanced on the device for the real rows only, the host following)."""
+    prompts = [_prefill(model, tokens(n)) for n in (23, 9, 40)]
+    plain, static = DecodeBatch(model, capacity=8), DecodeBatch(model, capacity=8)
+    static.graphs = StepGraphs(model, static.cache, buckets=(4, 8), capture=False)
+    for batch in (plain, static):
+        for prompt in prompts:
+            batch.join(*prompt)
+    return plain, static
 
 
-def _assert_same_state(plain: DecodeBatch, static: DecodeBatch, n: int) -> None:
+def _assert_same_state(plain: DecodeBatch, static: DecodeBatch) -> None:
+    n = len(plain)
     assert static.positions() == plain.positions()
+    assert static.cache.next_positions(slice(0, 4)).tolist() == static.cache.pos + [0] * (4 - n)
     for a, b in zip(plain.cache._row_tensors(), static.cache._row_tensors(), strict=True):
         x, y = getattr(*a)[:n], getattr(*b)[:n]
         if x.dim() > 1 and x.shape[1] != y.shape[1]:  # entries: the static cache reserved more
@@ -163,58 +168,51 @@ def _assert_same_state(plain: DecodeBatch, static: DecodeBatch, n: int) -> None:
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=a[1])
 
 
-def _twin_batches(model: Transformer, tokens) -> tuple[DecodeBatch, DecodeBatch]:
-    prompts = [_prefill(model, tokens(n)) for n in (23, 9, 40)]
-    plain, static = DecodeBatch(model, capacity=8), DecodeBatch(model, capacity=8)
-    for batch in (plain, static):
-        for prompt in prompts:
-            batch.join(*prompt)
-    return plain, static
-
-
-def test_a_static_step_over_padded_rows_equals_a_plain_step(tiny: Transformer, tokens):
-    """The step a CUDA graph captures (model.graphs), run eagerly: rows padded to a bucket, every reserved entry in
-    view, the device half of the commit and the positions advanced on the device for the real rows only. The real
-    rows' logits and the state they leave equal a plain step's, step after step, to fp64 rounding (a matmul over 4
-    rows may round a row's last bit unlike one over 3)."""
+def test_static_steps_over_padded_rows_equal_plain_steps(tiny: Transformer, tokens):
+    """The real rows' logits and the state they leave equal a plain step's, step after step, to fp64 rounding (a
+    matmul over 4 rows may round a row's last bit unlike one over 3)."""
     plain, static = _twin_batches(tiny, tokens)
-    n = 3
     for _ in range(6):
-        pending = torch.tensor([[t] for t in tokens(n).tolist()])
+        pending = torch.tensor([[t] for t in tokens(3).tolist()])
         expected = plain.decode_step(pending)
-        logits, step = _static_forward(static, pending, 4, last_only=True)
-        _commit_static(static, step, [1] * n)
-        torch.testing.assert_close(logits[:, -1], expected, rtol=1e-6, atol=1e-7)  # fp32 logits: an ulp may flip
-    _assert_same_state(plain, static, n)
+        torch.testing.assert_close(static.decode_step(pending), expected, rtol=1e-6, atol=1e-7)  # an ulp may flip
+    _assert_same_state(plain, static)
 
 
-def _target_drafts(batch: DecodeBatch, pending: list[int], bucket: int) -> torch.Tensor:
-    """γ drafts per row that the target accepts greedily, all of them: its own greedy continuation, found by γ
-    static forwards (their write-ahead entries are rewritten by the next forward at the same positions)."""
-    drafts = torch.zeros(len(pending), batch.model.args.dspark_block_size, dtype=torch.int64)
-    for k in range(drafts.shape[1]):
-        both = torch.cat((torch.tensor(pending).unsqueeze(1), drafts), dim=1)
-        drafts[:, k] = _static_forward(batch, both, bucket, last_only=False)[0][:, k].argmax(-1)
-    return drafts
-
-
-def test_a_static_verify_over_padded_rows_equals_a_plain_verify(tiny: Transformer, tokens):
-    """The verify a CUDA graph captures, run eagerly the same way, then its commit graph's work: the padded rows'
-    keep counts forced to 0, the real rows' device positions moved by their kept tokens. With drafts the target
-    accepts none of, one of and all of, the logits and the state left equal a plain verify's, verify after verify."""
+def test_static_verifies_over_padded_rows_equal_plain_verifies(tiny: Transformer, tokens):
+    """With drafts the target accepts none of, one of and all of, a static verify's logits, its commit (padding rows
+    keep nothing) and the state left equal a plain verify's, verify after verify; so do the drafts before them."""
     plain, static = _twin_batches(tiny, tokens)
     n, V, greedy = 3, tiny.args.vocab_size, SamplingParams.uniform(3)
     pending = tokens(n).tolist()
     for _ in range(3):
-        drafts = _target_drafts(static, pending, 4)
+        expected = plain.dspark_draft(pending, greedy)
+        torch.testing.assert_close(static.dspark_draft(pending, greedy).probs, expected.probs, rtol=1e-6, atol=1e-7)
+        drafts = _commit_free_drafts(plain, pending)
         g = drafts.shape[1]
         drafts[0, 0], drafts[1, 1] = (drafts[0, 0] + 1) % V, (drafts[1, 1] + 1) % V  # rejected there
         draft = Draft(drafts, torch.nn.functional.one_hot(drafts, V).float(), torch.zeros(n, g))
-        result = plain.verify(pending, draft, greedy)
+        result, mirrored = plain.verify(pending, draft, greedy), static.verify(pending, draft, greedy)
         assert result.accepted.tolist() == [0, 1, g]
-        both = torch.cat((torch.tensor(pending).unsqueeze(1), drafts), dim=1)
-        logits, step = _static_forward(static, both, 4, last_only=False)
-        _commit_static(static, step, [k + 1 for k in result.accepted.tolist()])
-        torch.testing.assert_close(logits, result.logits, rtol=1e-6, atol=1e-7)
+        assert mirrored.tokens == result.tokens
+        torch.testing.assert_close(mirrored.logits, result.logits, rtol=1e-6, atol=1e-7)
         pending = [row[-1] for row in result.tokens]
-    _assert_same_state(plain, static, n)
+    _assert_same_state(plain, static)
+
+
+def test_capturing_every_bucket_ahead_commits_nothing(tiny: Transformer, tokens):
+    """A start-up capture (`DecodeBatch.capture`; uncaptured here: the warm-up forwards a capture runs) reports each
+    bucket, moves no position, and the steps after it give the plain twin's logits."""
+    plain, static = _twin_batches(tiny, tokens)
+    reported: list[tuple[int, int]] = []
+    static.capture((1, 3), lambda done, total: reported.append((done, total)))
+    assert reported == [(1, 2), (2, 2)]  # buckets 4 and 8: the capacity
+    assert static.positions() == plain.positions()
+    greedy, pending = SamplingParams.uniform(3), tokens(3).tolist()
+    for batch_logits in zip(plain.decode_step(pending), static.decode_step(pending), strict=True):
+        torch.testing.assert_close(*batch_logits, rtol=1e-6, atol=1e-7)
+    draft = plain.dspark_draft(pending, greedy)
+    result, mirrored = plain.verify(pending, draft, greedy), static.verify(pending, draft, greedy)
+    assert mirrored.tokens == result.tokens
+    torch.testing.assert_close(mirrored.logits, result.logits, rtol=1e-6, atol=1e-7)
+    assert static.positions() == plain.positions()

@@ -12,6 +12,7 @@ import torch
 from model import DecodeBatch, ModelArgs, SamplingParams, Transformer, build_model, encode_prefill
 from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
 from model.engram_store import EngramFetch, HostMemory, choose_placement, engram_tables
+from model.graphs import StepGraphs
 from model.serving import Past
 
 
@@ -27,12 +28,16 @@ def checkpoint_dir(tiny_args: ModelArgs, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def run(model: Transformer, prompt: list[int], cut: int) -> dict[str, object]:
+def run(model: Transformer, prompt: list[int], cut: int, static: bool = False) -> dict[str, object]:
     """Everything a request does that reads Engram rows: a prefill in chunks, a second prefill continuing the first's
-    prefix, a decode batch (join, steps, a fork) and one DSpark draft + verify; the results, for bitwise checks."""
+    prefix, a decode batch (join, steps, a fork) and one DSpark draft + verify; the results, for bitwise checks.
+    `static`: the batch runs the forwards its CUDA graphs would capture (model.graphs; uncaptured, rows padded to 4),
+    host tables through the staged rows of each."""
     first = encode_prefill(model, prompt[:cut], chunk_tokens=5)
     whole = encode_prefill(model, prompt, Past(first.blocks, first.encoder_state), chunk_tokens=4)
     batch = DecodeBatch(model)
+    if static:
+        batch.graphs = StepGraphs(model, batch.cache, buckets=(4,), capture=False)
     seq, logits = batch.join(whole.blocks, whole.encoder_state)
     out = {"blocks": whole.blocks, "state": whole.encoder_state, "join": logits}
     steps = [batch.decode_step([t]) for t in (5, 17)]
@@ -41,6 +46,11 @@ def run(model: Transformer, prompt: list[int], cut: int) -> dict[str, object]:
     greedy = SamplingParams.uniform(2)
     draft = batch.dspark_draft([8, 9], greedy)
     result = batch.verify([8, 9], draft, greedy)
+    if static:  # host tables: every forward but the draft read staged rows
+        widths = [(4, 1), (4, 1 + model.args.dspark_block_size)]
+        assert sorted(batch.graphs.staged) == (widths if model.engram_fetch else [])
+    if batch.cache.host_history is not None:  # the host's mirror of the look-back followed every step
+        assert torch.equal(batch.cache.host_history[:2], batch.cache.history[:2])
     return out | {"steps": steps, "verify": (result.tokens, result.logits), "history": batch.cache.history.clone()}
 
 
@@ -68,6 +78,15 @@ def test_host_tables_give_the_device_tables_outputs_bit_for_bit(tiny: Transforme
     assert on_host.engram_fetch is not None
     assert tiny.engram_fetch is None
     assert_same(run(on_host, prompt, cut=13), run(tiny, prompt, cut=13))
+
+
+def test_staged_host_rows_of_static_forwards_give_the_device_tables_outputs_bit_for_bit(
+    tiny: Transformer, on_host: Transformer, tokens
+):
+    """What a captured forward does with host tables — the host stages the padded rows' ids in fixed buffers before
+    the forward, the forward reads them there — gives the device tables' outputs, bit for bit."""
+    prompt = tokens(19).tolist()
+    assert_same(run(on_host, prompt, cut=7, static=True), run(tiny, prompt, cut=7, static=True))
 
 
 def test_a_host_step_fetches_its_rows_on_the_host_and_mirrors_the_look_back(on_host: Transformer, tokens) -> None:

@@ -166,3 +166,22 @@ def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile
             batch.leave(seqs.pop(rng.randrange(len(seqs))))
         step(rng.choice((0, 1, 3, 5)))
     assert (batch.graphs.captures, counters["stats"]["unique_graphs"]) == (captures, compiled)
+
+
+def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
+    """`DecodeBatch.capture` before any sequence: every bucket up to the capacity (1, 2, 4, 8) gets its decode, draft,
+    verify and commit graphs; steps of every batch size and width then capture nothing."""
+    batch = DecodeBatch(small, 8, graphs=True)
+    batch.capture((1, 3, 5))
+    assert batch.graphs.captures == 4 * (2 + 2 * 3)
+    for out in _prompts(small, 5, 5):
+        batch.join(out.blocks, out.encoder_state)
+        tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
+        batch.decode_step(tokens)
+        greedy = SamplingParams.uniform(len(batch))
+        draft = batch.dspark_draft(tokens, greedy)
+        for width in (1, 3, 5):
+            batch.verify(tokens, Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width]),
+                         greedy)  # fmt: skip
+            tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
+    assert batch.graphs.captures == 4 * (2 + 2 * 3)
