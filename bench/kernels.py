@@ -14,7 +14,9 @@ and merges them with `--report`; a section rewrites its JSON after every row, so
 For each kernel: median time (CUDA-graph replay), effective bandwidth = bytes it must move / time, that as a % of
 the device-to-device copy bandwidth (section `copy`), and the speed-up over the torch peer measured in the same
 process. The `step-*` sections time a whole `small`-preset decode step against a dense-attention model of the same
-size (`decode_step_bench`); the `tune-*` sections compare launch shapes, each checked against the default's output.
+size (`decode_step_bench`); `topk-model` times the top-k on the scores such a step really produces (ties, −inf
+outside the candidate pool, padded rows); the `tune-*` sections compare launch shapes, each checked against the
+default's output.
 
 Imports only torch, triton, numpy, matplotlib and the standard library besides the model (the GPU image has
 nothing else).
@@ -46,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton
 
-from model import DecodeBatch, kernels, quant
+from model import DecodeBatch, build_model, kernels, preset, quant
 from model.engram_store import DeviceMemory
+from model.graphs import StepGraphs
 from model.kernels import fp8_gemm, indexer, kv_quant, sparse_attn, topk
 
 GiB = 1 << 30
@@ -549,6 +552,52 @@ def bench_topk(tiny: bool) -> Iterator[Row]:
                       {"R": R, "L": L})  # fmt: skip
 
 
+def step_topk_inputs(model, B: int, context: int, graphs: bool) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """The inputs of every top-k one decode step of `model` runs at batch B and `context` (caches synthesised by
+    `filled_decode_batch`): the indexer's and the candidate pool's scores as the model produces them — ties, −inf
+    outside the pool, rows masked by their lengths; with `graphs`, the static step a graph captures (rows padded to
+    a bucket, views over every reserved entry), run eagerly."""
+    batch = filled_decode_batch(model, B, context, 2, graphs=False)
+    if graphs:
+        batch.graphs = StepGraphs(model, batch.cache, capture=False)
+    captured, select = [], kernels.topk_indices
+
+    def keep(scores, k, lengths=None, backend="torch"):
+        captured.append((scores.clone(), k, lengths.clone()))
+        return select(scores, k, lengths, backend)
+
+    kernels.topk_indices = keep
+    try:
+        with torch.no_grad():
+            batch.decode_step(torch.randint(0, model.args.vocab_size, (B, 1), device=DEVICE))
+    finally:
+        kernels.topk_indices = select
+    return captured
+
+
+def bench_topk_model(tiny: bool) -> Iterator[Row]:
+    """Top-k on the scores a `small` decode step produces (`step_topk_inputs`, the static step's), one row per
+    distinct input shape: ours against torch.topk of the same rows."""
+    model = build_model(preset("tiny" if tiny else "small"), seed=0, device=DEVICE, dtype=torch.bfloat16)
+    for B, context in [(2, 4096)] if tiny else [(1, 1_048_576), (64, 131_072), (64, 1_048_576)]:
+        try:
+            inputs = step_topk_inputs(model, B, context, graphs=True)
+        except torch.OutOfMemoryError as error:
+            print(f"  topk-model B={B} ctx={context}: {error}"[:300], flush=True)
+            continue
+        shapes = {}
+        for scores, k, lengths in inputs:
+            shapes.setdefault((tuple(scores.shape), k), (scores, lengths))
+        for ((R, L), k), (scores, lengths) in shapes.items():
+            ours = median_ms(lambda s=scores, n=lengths, k=k: kernels.topk_indices(s, k, n, backend="triton"))
+            peer = median_ms(lambda s=scores, k=k: torch.topk(s, min(k, s.shape[-1]), dim=-1))
+            yield Row("topk_indices (model scores)", f"B={B} ctx={context} R={R} L={L} k={k}", ours, "torch.topk",
+                      peer, scores.numel() * scores.element_size() + R * k * 4, {"R": R, "L": L})  # fmt: skip
+        del inputs, shapes
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def bench_attention(B: int, tiny: bool) -> Iterator[Row]:
     """Sparse decode attention at batch B against dense SDPA decode over the same context (64 heads × 128, bf16
     K/V), where the dense K/V fits in memory; ours is timed first, so a fault in a peer leaves its figure."""
@@ -819,8 +868,6 @@ def tune_moe_gemm(tiny: bool) -> Iterator[Row]:
 
 def decode_model(tiny: bool, context: int):
     """The `small` preset (`tiny` on CPU) in bf16 (fp32 on CPU), random weights, its context limit raised."""
-    from model import build_model, preset
-
     args = preset("tiny" if tiny else "small")
     args = dataclasses.replace(args, max_position_embeddings=max(args.max_position_embeddings, 2 * context))
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -921,6 +968,7 @@ SECTIONS: dict[str, Callable[[bool], Iterator[Row]]] = {
     "indexer": bench_indexer,
     "candidates": bench_candidates,
     "topk": bench_topk,
+    "topk-model": bench_topk_model,
     "attention-1": lambda tiny: bench_attention(1, tiny),
     "attention-64": lambda tiny: bench_attention(64 if not tiny else 2, tiny),
     "attention-256": lambda tiny: bench_attention(256 if not tiny else 3, tiny),

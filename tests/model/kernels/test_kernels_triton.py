@@ -21,7 +21,8 @@ from kernel_cases import (
     topk_case,
 )
 
-from model import kernels, quant
+from model import DecodeBatch, Transformer, encode_prefill, kernels, quant
+from model.graphs import StepGraphs
 from model.kernels.formats import dense_rows
 from model.kernels.sparse_attn import sparse_attention_triton
 from model.kernels.topk import TopKTuning, topk_indices_triton
@@ -268,3 +269,33 @@ def test_kernels_read_the_cache_views_in_place() -> None:
     index[3:5] = [torch.cat((t, torch.ones_like(t[:, :5])), dim=1)[:, :30] for t in index[3:5]]
     got = kernels.indexer_scores(*index, backend="triton")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_topk_of_the_scores_decode_steps_produce(tiny: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inputs of every top-k that real decode steps run — a plain step, and the static one a CUDA graph captures
+    (rows padded to a bucket at position 0, views over every reserved entry, masked by their lengths) — selected by
+    every path of the Triton kernel exactly as by the reference."""
+    captured: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+    select = kernels.topk_indices
+
+    def keep(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, backend: str = "torch"):
+        captured.append((scores.clone(), k, None if lengths is None else lengths.clone()))
+        return select(scores, k, lengths, backend)
+
+    monkeypatch.setattr(kernels, "topk_indices", keep)
+    gen = generator(7)
+    prompts = [encode_prefill(tiny, torch.randint(0, tiny.args.vocab_size, (n,), generator=gen)) for n in (70, 33)]
+    plain, static = DecodeBatch(tiny, 4), DecodeBatch(tiny, 4)
+    static.graphs = StepGraphs(tiny, static.cache, buckets=(4,), capture=False)
+    inputs = []
+    for batch in (plain, static):
+        for out in prompts:
+            batch.join(out.blocks, out.encoder_state)
+        captured.clear()  # (the joins' replays)
+        batch.decode_step(torch.randint(0, tiny.args.vocab_size, (2, 1), generator=gen))
+        inputs += [captured[0], captured[-1]]  # the first and last index layers' (the interpreter is slow)
+    assert [scores.shape[0] for scores, _, _ in inputs] == [2, 2, 4, 4]  # the static step: 2 padding rows
+    for scores, k, lengths in inputs:
+        want = select(scores, k, lengths)
+        for paths in PATHS:
+            assert torch.equal(topk_indices_triton(scores, k, lengths, paths), want)
