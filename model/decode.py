@@ -211,7 +211,7 @@ class DecodeBatch:
             raise ValueError(
                 f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(self)}"
             )
-        tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=True)), dim=1)
+        tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=y.is_cuda)), dim=1)  # y on the host: waits
         step = None if self._graphed() else self.cache.step(tokens)
         logits = self.graphs.verify(tokens) if step is None else forward_full(self.model, step)
         device = logits.device
