@@ -1,5 +1,5 @@
 """A model-service replica as a rank group: W = ranks·nodes processes over torch.distributed, routed experts split
-over them (`model.parallel`), every rank running the same model calls on its own replica of the batch.
+over them (`model.parallel`), every rank running its part of each model call rank 0 makes.
 
     node 0, service process = global rank 0   gRPC, scheduler/engine; every model call it makes is a *plan*
       ├─ local ranks 1..ranks-1               spawned here (`python -m model_service.ranks`, torchrun's environment)

@@ -3,7 +3,8 @@ layer's routed experts, DSpark's included, and serve exactly what one process ho
 outputs, decode logits, DSpark drafts and verification, greedy tokens — bit for bit, on `tiny` (seeded, fp64,
 packed and float forms) and on the trained `demo` checkpoint (fp32, each rank reading its own experts only).
 
-Every rank runs the same batch (replicated attention, `model.parallel`), so every rank's outputs are compared.
+With replicated attention every rank runs the same batch (`model.parallel`), so every rank's outputs are compared;
+with data-parallel attention each rank decodes its own sequences, and their tokens together are compared.
 """
 
 from __future__ import annotations
