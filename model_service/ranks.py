@@ -28,6 +28,7 @@ Plans are pickles between the processes of one group (trusted peers on a private
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import itertools
@@ -143,13 +144,7 @@ def _marshal(value: Any) -> Any:
         return _Generator(str(value.device), value.get_state())
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         return _Device(value.cpu())
-    if isinstance(value, list):
-        return [_marshal(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_marshal(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _marshal(v) for k, v in value.items()}
-    return value
+    return _inside(value, _marshal)
 
 
 def _unmarshal(value: Any, device: torch.device) -> Any:
@@ -159,12 +154,22 @@ def _unmarshal(value: Any, device: torch.device) -> Any:
         return generator
     if isinstance(value, _Device):
         return value.tensor.to(device)
+    return _inside(value, lambda v: _unmarshal(v, device))
+
+
+def _inside(value: Any, f: Callable[[Any], Any]) -> Any:
+    """`value` with `f` applied to what it holds: the items of a list, plain tuple or dict, the fields of a dataclass
+    (a block, an encoder state, a prefill's output); any other value as it is."""
     if isinstance(value, list):
-        return [_unmarshal(v, device) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_unmarshal(v, device) for v in value)
+        return [f(v) for v in value]
+    if type(value) is tuple:
+        return tuple(f(v) for v in value)
     if isinstance(value, dict):
-        return {k: _unmarshal(v, device) for k, v in value.items()}
+        return {k: f(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        if all(field.init for field in fields):
+            return type(value)(**{field.name: f(getattr(value, field.name)) for field in fields})
     return value
 
 
@@ -308,9 +313,9 @@ class RankGroup:
         self.plans = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
     def parallel(self) -> Parallel:
-        """This rank's place in the expert-parallel group: a decode group (the full model) attends data-parallel,
-        each rank its own sequences (decode_svc.spread); a prefill group runs each prompt on every rank."""
-        return Parallel(self.layout.world_size, self.layout.rank, data_parallel=self.part == "full")
+        """This rank's place in the expert-parallel group, which attends data-parallel: each rank its own sequences
+        (decode_svc.spread) or prompts (prefill_svc.passes)."""
+        return Parallel(self.layout.world_size, self.layout.rank, data_parallel=True)
 
     def start_watching(self) -> None:
         """Rank 0: watch every rank until the group closes; followers: beat, and exit when rank 0 is gone."""
