@@ -33,9 +33,7 @@ from model.dspark import Draft
 from model.sampling import Generators
 from model_service.ranks import GroupCalls, ModelCalls, Outcome
 
-Prompt = tuple[list[GlobalKVBlock], EncoderState]
-
-
+Restorable = tuple[list[GlobalKVBlock], EncoderState]  # a prefilled prompt, as it joins a batch
 Lanes = Callable[[], Iterable[Any]]  # every lane's batch of the engine
 
 
@@ -54,7 +52,7 @@ class RankRows:
         self.model, self.batch = model, DecodeBatch(model, capacity)
         self.draft: Draft | None = None  # the last draft of these rows, for their verify
 
-    def join_many(self, prompts: list[Prompt]) -> tuple[list[tuple[int, Tensor]], list[int]]:
+    def join_many(self, prompts: list[Restorable]) -> tuple[list[tuple[int, Tensor]], list[int]]:
         return self._forward(lambda: self.batch.join_many(prompts), bool(prompts))
 
     def leave(self, seq_ids: list[int]) -> tuple[list[SequenceExport], list[int]]:
@@ -63,7 +61,9 @@ class RankRows:
     def decode_step(self, tokens: list[int]) -> tuple[Tensor | None, list[int]]:
         return self._forward(lambda: self.batch.decode_step(tokens), bool(tokens))
 
-    def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators):
+    def dspark_draft(
+        self, tokens: list[int], sampling: SamplingParams, generators: Generators
+    ) -> tuple[tuple[Tensor, Tensor, list[Tensor]] | None, list[int]]:
         """→ ((draft tokens, confidences, the generators' states after the draws), row order)."""
 
         def draft() -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -116,7 +116,7 @@ class SpreadBatch:
         return [len(held) for held in self.held]
 
     # ---------------------------------------------------------------------------------------------- membership
-    def join_many(self, prompts: list[Prompt]) -> list[tuple[int, Tensor]]:
+    def join_many(self, prompts: list[Restorable]) -> list[tuple[int, Tensor]]:
         """Each prompt joins the least loaded rank → (group seq id, next logits [V]) per prompt, in order. All or
         none: if a rank cannot restore its prompts, those that joined other ranks leave again and the error is
         raised."""

@@ -39,12 +39,23 @@ def load(child: Served) -> decode_pb2.Load:
         return decode_pb2_grpc.DecodeStub(channel).GetLoad(decode_pb2.GetLoadRequest(), timeout=WAIT_S)
 
 
-def generate(child: Served, prompt: list[int], max_tokens: int, speculate: bool, seed: int | None) -> list[int]:
-    """Greedy tokens, or (seed) tokens sampled at temperature 0.8, reproducibly."""
+def generate(
+    child: Served,
+    prompt: list[int],
+    max_tokens: int,
+    speculate: bool,
+    seed: int | None,
+    constraint: decode_pb2.OutputConstraint | None = None,
+) -> list[int]:
+    """Greedy tokens, or (seed) tokens sampled at temperature 0.8, reproducibly; under `constraint` if given."""
     sampling = decode_pb2.SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed)
     with grpc.insecure_channel(child.address) as channel:
         request = decode_pb2.GenerateRequest(
-            token_ids=token_ids(prompt), max_tokens=max_tokens, sampling=sampling, disable_speculation=not speculate
+            token_ids=token_ids(prompt),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            disable_speculation=not speculate,
+            constraint=constraint,
         )
         return [t for m in decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S) for t in m.token_ids]
 
@@ -63,7 +74,7 @@ def test_two_ranks_generate_the_tokens_of_one(serve: Callable[..., Served], prom
 def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Served], prompt: Callable) -> None:
     """With --max-batch 1 a rank holds one sequence: a group of two runs two streams at once, one on each rank (the
     rank_rows gauge), where one rank runs one and queues the other. Beside a stream on rank 0, rank 1 decodes the
-    greedy tokens one process decodes, DSpark on and off."""
+    greedy tokens one process decodes, DSpark on and off, and under an output constraint."""
     metrics = free_port()
     one = ranked(serve, 1, "--max-batch", "1")
     two = ranked(serve, 2, "--max-batch", "1", "--metrics-port", str(metrics))
@@ -80,6 +91,9 @@ def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Serve
     wait_until(lambda: rows(1) == 0, "rank 1 to let its sequence go")
     for p, speculate in ((prompt(40), True), (prompt(23), False)):
         assert generate(two, p, 12, speculate, None) == generate(one, p, 12, speculate, None), speculate
+    json = decode_pb2.OutputConstraint(json_object=True)  # rank 0 masks what rank 1 decodes
+    p = prompt(33)
+    assert generate(two, p, 12, False, None, json) == generate(one, p, 12, False, None, json)
     first.cancel()
 
     alone = [stream(one, prompt(30), speculate=True), stream(one, prompt(31), speculate=False)]
