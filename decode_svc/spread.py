@@ -4,8 +4,8 @@ W times the rows of one.
     rank 0   engine ─▶ SpreadBatch (a lane's rows, the engine's DecodeBatch)
                          │ one `spread` plan per call: each rank its own rows' arguments (model_service.ranks)
     rank r   RankRows: its own DecodeBatch; runs its rows' part of the call (none when it holds none), then answers
-             the other ranks' MoE rounds until every rank is done (`Transformer.serve_idle`), and reports its result
-             back to rank 0 (`gather_object`)
+             the other ranks' MoE rounds until every rank is done (`Transformer.serve_idle`); its logits reach rank 0
+             by one gather on the device, the rest of its result with its report on the plan (`gather_object`)
 
 A joining sequence goes to the rank holding the fewest rows over the engine's lanes (the lowest rank on a tie). Rows
 are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order, so
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from prometheus_client import Gauge
 from torch import Tensor
 
@@ -34,6 +35,7 @@ from model.sampling import Generators
 from model_service.ranks import GroupCalls, ModelCalls, Outcome
 
 Restorable = tuple[list[GlobalKVBlock], EncoderState]  # a prefilled prompt, as it joins a batch
+Part = tuple[Any, list[Tensor] | None, list[int]]  # a rank's part of a call: small results, gathered logits, row order
 Lanes = Callable[[], Iterable[Any]]  # every lane's batch of the engine
 
 
@@ -46,51 +48,81 @@ def new_batch(calls: ModelCalls, capacity: int, lanes: Lanes, rows: Gauge) -> De
 
 
 class RankRows:
-    """One rank's rows of a lane. Each call runs this rank's part and returns it with the rank's row order."""
+    """One rank's rows of a lane. Each call runs this rank's part; its small results go back to rank 0 with the plan's
+    report (`Part`), its logits by one gather on the device (rank 0 gets every rank's, padded to `rows`)."""
 
     def __init__(self, model: Transformer, capacity: int) -> None:
         self.model, self.batch = model, DecodeBatch(model, capacity)
         self.draft: Draft | None = None  # the last draft of these rows, for their verify
 
-    def join_many(self, prompts: list[Restorable]) -> tuple[list[tuple[int, Tensor]], list[int]]:
-        return self._forward(lambda: self.batch.join_many(prompts), bool(prompts))
+    def join_many(self, prompts: list[Restorable], rows: int) -> Part:
+        """→ (the joined seq ids, in prompt order; their first logits gathered)."""
 
-    def leave(self, seq_ids: list[int]) -> tuple[list[SequenceExport], list[int]]:
-        return [self.batch.leave(s) for s in seq_ids], self.batch.seq_ids
+        def join() -> tuple[list[int], Tensor]:
+            joined = self.batch.join_many(prompts)
+            return [s for s, _ in joined], torch.stack([logits for _, logits in joined])
 
-    def decode_step(self, tokens: list[int]) -> tuple[Tensor | None, list[int]]:
-        return self._forward(lambda: self.batch.decode_step(tokens), bool(tokens))
+        return self._forward(join, bool(prompts), rows, ())
 
-    def dspark_draft(
-        self, tokens: list[int], sampling: SamplingParams, generators: Generators
-    ) -> tuple[tuple[Tensor, Tensor, list[Tensor]] | None, list[int]]:
-        """→ ((draft tokens, confidences, the generators' states after the draws), row order)."""
+    def leave(self, seq_ids: list[int]) -> Part:
+        return [self.batch.leave(s) for s in seq_ids], None, self.batch.seq_ids
 
-        def draft() -> tuple[Tensor, Tensor, list[Tensor]]:
+    def decode_step(self, tokens: list[int], rows: int) -> Part:
+        return self._forward(lambda: (None, self.batch.decode_step(tokens)), bool(tokens), rows, ())
+
+    def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators) -> Part:
+        """→ ((draft tokens, confidences, the generators' states after the draws), nothing gathered)."""
+
+        def draft() -> tuple[tuple[Tensor, Tensor, list[Tensor]], None]:
             self.draft = self.batch.dspark_draft(tokens, sampling, generators)
-            return self.draft.tokens, self.draft.confidence, _states(generators)
+            return (self.draft.tokens, self.draft.confidence, _states(generators)), None
 
         return self._forward(draft, bool(tokens))
 
     def verify(
-        self, tokens: list[int], width: int, sampling: SamplingParams, lengths: Tensor, generators: Generators
-    ) -> tuple[tuple[Tensor, list[list[int]], Tensor, list[Tensor]] | None, list[int]]:
-        """Verify the first `width` drafts of this rank's last draft → ((accepted, tokens, logits, the generators'
-        states), row order)."""
+        self,
+        tokens: list[int],
+        width: int,
+        sampling: SamplingParams,
+        lengths: Tensor,
+        generators: Generators,
+        rows: int,
+    ) -> Part:
+        """Verify the first `width` drafts of this rank's last draft → ((accepted, tokens, the generators' states),
+        the target logits gathered)."""
 
-        def verify() -> tuple[Tensor, list[list[int]], Tensor, list[Tensor]]:
+        def verify() -> tuple[tuple[Tensor, list[list[int]], list[Tensor]], Tensor]:
             assert self.draft is not None
             result = self.batch.verify(tokens, trim(self.draft, width), sampling, lengths, generators)
-            return result.accepted, result.tokens, result.logits, _states(generators)
+            return (result.accepted, result.tokens, _states(generators)), result.logits
 
-        return self._forward(verify, bool(tokens))
+        return self._forward(verify, bool(tokens), rows, (1 + width,))
 
-    def _forward(self, part: Callable[[], Any], mine: bool) -> tuple[Any, list[int]]:
-        """This rank's forwards (if it has rows in the call), then the others' MoE rounds until all are done."""
+    def _forward(
+        self, part: Callable[[], tuple[Any, Tensor | None]], mine: bool, rows: int = 0, shape: tuple[int, ...] = ()
+    ) -> Part:
+        """This rank's forwards (if it has rows in the call), the others' MoE rounds until all are done, then (`rows`)
+        every rank's logits [n, *shape, V] gathered on rank 0 — a rank that failed sends zeros, then raises."""
+        small, logits, error = None, None, None
         try:
-            return (part() if mine else None), self.batch.seq_ids
-        finally:
-            self.model.serve_idle()
+            if mine:
+                small, logits = part()
+        except Exception as exc:
+            error = exc
+        self.model.serve_idle()
+        gathered = self._gather(logits, rows, (*shape, self.model.args.vocab_size)) if rows else None
+        if error is not None:
+            raise error
+        return small, gathered, self.batch.seq_ids
+
+    def _gather(self, logits: Tensor | None, rows: int, shape: tuple[int, ...]) -> list[Tensor] | None:
+        parallel = self.model.parallel
+        padded = torch.zeros(rows, *shape, dtype=torch.float32, device=self.model.device)
+        if logits is not None:
+            padded[: logits.shape[0]] = logits
+        every = [torch.empty_like(padded) for _ in range(parallel.world_size)] if parallel.rank == 0 else None
+        dist.gather(padded, every, dst=0, group=parallel.group)
+        return every
 
 
 class SpreadBatch:
@@ -121,27 +153,29 @@ class SpreadBatch:
         none: if a rank cannot restore its prompts, those that joined other ranks leave again and the error is
         raised."""
         ranks = self._assign(len(prompts))
-        by_rank = [([p for p, r in zip(prompts, ranks, strict=True) if r == rank],) for rank in range(self.world)]
-        outcomes = self.calls.spread(self.ranks, "join_many", by_rank)
+        mine = [[p for p, r in zip(prompts, ranks, strict=True) if r == rank] for rank in range(self.world)]
+        rows = max(len(m) for m in mine)
+        outcomes = self.calls.spread(self.ranks, "join_many", [(m, rows) for m in mine])
         failed = next((o.error for o in outcomes if o.error is not None), None)
         joined = [(o.value[0] or []) if o.error is None else [] for o in outcomes]
         for rank, outcome in enumerate(outcomes):
             if outcome.error is None:
-                self._order(rank, outcome.value[1], [s for s, _ in joined[rank]])
+                self._order(rank, outcome.value[2], joined[rank])
         if failed is not None:
-            for rank, rows in enumerate(joined):
-                for local, _ in rows:
+            for rank, seq_ids in enumerate(joined):
+                for local in seq_ids:
                     self.leave(self.group_id[rank, local])
             raise failed
-        taken = [iter(rows) for rows in joined]
+        gathered = outcomes[0].value[1]
+        rows_of = [zip(ids, logits[: len(ids)], strict=True) for ids, logits in zip(joined, gathered, strict=True)]
+        taken = [iter(rows) for rows in rows_of]
         return [self._group_row(r, next(taken[r])) for r in ranks]
 
     def leave(self, seq_id: int) -> SequenceExport:
         rank, local = self.local.pop(seq_id)
         del self.group_id[rank, local]
         by_rank = [([local] if r == rank else [],) for r in range(self.world)]
-        exports, order = _values(self.calls.spread(self.ranks, "leave", by_rank))[rank]
-        self._order(rank, order)
+        exports = self._each("leave", by_rank)[0][rank]
         return exports[0]
 
     def group_rows(self) -> list[int]:
@@ -173,13 +207,14 @@ class SpreadBatch:
     # --------------------------------------------------------------------------------------------------- steps
     def decode_step(self, tokens: list[int]) -> Tensor:
         """One pending token per row → next-token logits [B, V], every rank its own rows."""
-        results = self._each("decode_step", self._by_rank(list(tokens)))
-        return torch.cat([logits for logits in results if logits is not None])
+        counts = self.rows_by_rank
+        _, gathered = self._each("decode_step", [(t, max(counts)) for (t,) in self._by_rank(list(tokens))])
+        return _cat(gathered, counts)
 
     def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators = None) -> Draft:
         """Each rank drafts for its rows; the distributions stay there (the returned draft's are empty)."""
         args = self._by_rank(list(tokens), sampling, generators)
-        results = [r for r in self._each("dspark_draft", args) if r is not None]
+        results = [r for r in self._each("dspark_draft", args)[0] if r is not None]
         self._restore([states for *_, states in results], generators)
         drafts, confidence = torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
         return Draft(drafts, drafts.new_empty(*drafts.shape, 0, dtype=torch.float32), confidence)
@@ -195,19 +230,21 @@ class SpreadBatch:
         """Each rank verifies the first `draft`-width drafts of its own last draft (`draft` is this batch's)."""
         B, width = draft.tokens.shape
         lengths = torch.full((B,), width, dtype=torch.int64) if lengths is None else lengths
-        args = [(t, width, s, n, g) for t, s, n, g in self._by_rank(list(tokens), sampling, lengths, generators)]
-        results = [r for r in self._each("verify", args) if r is not None]
+        counts = self.rows_by_rank
+        parts = self._by_rank(list(tokens), sampling, lengths, generators)
+        small, gathered = self._each("verify", [(t, width, s, n, g, max(counts)) for t, s, n, g in parts])
+        results = [r for r in small if r is not None]
         self._restore([states for *_, states in results], generators)
         emitted = [row for r in results for row in r[1]]
-        return VerifyResult(torch.cat([r[0] for r in results]), emitted, torch.cat([r[2] for r in results]))
+        return VerifyResult(torch.cat([r[0] for r in results]), emitted, _cat(gathered, counts))
 
-    def _each(self, method: str, by_rank: list[tuple[Any, ...]]) -> list[Any]:
-        """A spread call of the rows' method → each rank's part of the result (None: it held no rows)."""
-        results = []
-        for rank, (value, order) in enumerate(_values(self.calls.spread(self.ranks, method, by_rank))):
+    def _each(self, method: str, by_rank: list[tuple[Any, ...]]) -> tuple[list[Any], list[Tensor] | None]:
+        """A spread call of the rows' method → (each rank's small results, None where it held no rows; the logits
+        gathered on rank 0)."""
+        parts = _values(self.calls.spread(self.ranks, method, by_rank))
+        for rank, (_, _, order) in enumerate(parts):
             self._order(rank, order)
-            results.append(value)
-        return results
+        return [small for small, _, _ in parts], parts[0][1]
 
     def _by_rank(self, *batched: Any) -> list[tuple[Any, ...]]:
         """Batched arguments (rows in this batch's order) → each rank's rows of them."""
@@ -236,6 +273,12 @@ def _rows(batched: Any, rows: slice) -> Any:
     if isinstance(batched, torch.Generator):
         raise TypeError("a spread batch draws from one generator per row")
     return batched[rows]
+
+
+def _cat(gathered: list[Tensor] | None, counts: list[int]) -> Tensor:
+    """Every rank's gathered rows (padded) → the batch's, rank by rank."""
+    assert gathered is not None
+    return torch.cat([rows[:n] for rows, n in zip(gathered, counts, strict=True)])
 
 
 def _states(generators: Generators) -> list[Tensor]:

@@ -8,7 +8,7 @@ over them (`model.parallel`), every rank running its part of each model call ran
 Rank 0 drives the group by broadcasting each call it makes on the model as a pickled *plan* over a gloo group
 (`broadcast_object_list`); the followers execute it, in the same order, so their MoE collectives meet rank 0's; then
 every rank reports how its part went (`gather_object`: an `Outcome`). The engine makes its calls through a
-`ModelCalls` (`LocalCalls` at W = 1: today's single-process path; `GroupCalls` at W > 1). A plan is one of:
+`ModelCalls` (`LocalCalls` at W = 1: the single-process path; `GroupCalls` at W > 1). A plan is one of:
 
     new / call / run   the same call on every rank's replica (replicated: a local prefill's chunk, a whole
                        `encode_with_past`, the step-time profile); a follower that fails where rank 0 did not has

@@ -46,7 +46,7 @@ def spread_batch(calls: GroupCalls) -> SpreadBatch:
 def test_a_followers_failure_comes_back_to_rank_0(calls: GroupCalls) -> None:
     batch = spread_batch(calls)
     fine, failed = calls.spread(batch.ranks, "leave", [([],), ([7],)])  # rank 1 holds no sequence 7
-    assert fine == Outcome(([], []))
+    assert fine == Outcome(([], None, []))
     assert isinstance(failed.error, RuntimeError)
     assert str(failed.error) == "rank 1: KeyError: 'sequence 7 is not in this batch'"
 
