@@ -15,7 +15,7 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
 
     cache: cache_svc addresses, host:port[,host:port...] (empty: no reuse and no write-back; token_ids prompts only)
     chunk_size: prompt tokens decode prefills itself per engine iteration (a running stream waits one chunk at most)
-    max_batch: sequences decoded together; more wait in the queue
+    max_batch: sequences decoded together by each rank (a group of W ranks runs W × max_batch); more wait in the queue
     max_queue: sequences waiting for a batch slot; more are refused with RESOURCE_EXHAUSTED
     speculation: DSpark speculative decoding (a request may still turn it off)
     max_draft: most drafts verified per sequence and step (at most the model's DSpark block size)

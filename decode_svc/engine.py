@@ -1,6 +1,6 @@
 """The decode engine: continuous batching on one thread that owns the model.
 
-    loop:  take aborts ─▶ admit waiting sequences (≤ max_batch running) ─▶ one chunk of local prefill
+    loop:  take aborts ─▶ admit waiting sequences (≤ max_batch a rank running) ─▶ one chunk of local prefill
            ─▶ one step of each lane ─▶ deliver tokens
 
 - **Admit**: a handoff's blocks + encoder state join their lane's `DecodeBatch` at once (the decoder's bounded replay
@@ -44,15 +44,12 @@ from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
+from decode_svc.spread import SpreadBatch, new_batch
 from decode_svc.step_times import Forward, StepTimes, profile
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
 from model_service.ranks import LocalCalls, ModelCalls
 from model_service.runtime import RequestError
 from proto.decode.v1 import decode_pb2
-
-# What every rank of a group runs of a DecodeBatch (model_service.ranks): the calls that change its state or run the
-# model. Its other attributes (seq_ids, len) are read on rank 0 alone.
-BATCH_CALLS = ("join", "join_many", "fork", "leave", "decode_step", "dspark_draft", "verify")
 
 # (sequence, the token ids its blocks and state cover, new complete blocks, end-of-sequence state or None)
 WriteBack = Callable[[Sequence, list[int], list[GlobalKVBlock], EncoderState | None], None]
@@ -84,6 +81,7 @@ class Engine:
         self.calls = calls if calls is not None else LocalCalls(model)
         self.settings = settings
         self.max_draft = min(settings.max_draft, model.args.dspark_block_size)
+        self.capacity = settings.max_batch * self.calls.world_size  # rows running at once: max_batch per rank
         self.metrics = metrics
         self.log = log
         self.write_back = write_back
@@ -206,7 +204,7 @@ class Engine:
                 return False
             aborts, self._aborts = self._aborts, []
             arrivals = []
-            while self._inbox and self._running + len(arrivals) < self.settings.max_batch:
+            while self._inbox and self._running + len(arrivals) < self.capacity:
                 arrivals.append(self._inbox.popleft())
         admitted = time.monotonic()
         for seq in aborts:
@@ -229,7 +227,10 @@ class Engine:
 
     def _capture(self) -> None:
         """Capture every lane's step graphs before the first request (requests that arrive meanwhile wait in the
-        queue): a lane's batch sizes up to max_batch, and the speculative lane's drafts and verify widths."""
+        queue): a lane's batch sizes up to max_batch, and the speculative lane's drafts and verify widths. A rank
+        group's forwards run eagerly (their all-to-all sizes reach the host): nothing to capture."""
+        if self.calls.world_size > 1:
+            return
         for lane, batch in self.batches.items():
             widths = range(1, self.max_draft + 1) if lane is Lane.SPECULATIVE and self.settings.speculation else ()
             started = time.monotonic()
@@ -381,9 +382,10 @@ class Engine:
             self._fail(rows, f"the decode engine failed: {exc}", exc)
             self.batches[lane], self.rows[lane] = self._new_batch(), {}
 
-    def _new_batch(self) -> DecodeBatch:
-        """A lane's batch, holding max_batch rows from the start (its step graphs are never reallocated by a join)."""
-        return self.calls.new(DecodeBatch, capacity=self.settings.max_batch, methods=BATCH_CALLS)
+    def _new_batch(self) -> DecodeBatch | SpreadBatch:
+        """A lane's batch, holding max_batch rows (per rank of a group) from the start (its step graphs are never
+        reallocated by a join)."""
+        return new_batch(self.calls, self.settings.max_batch, lambda: self.batches.values(), self.metrics.rank_rows)
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):

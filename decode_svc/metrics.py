@@ -28,6 +28,9 @@ class DecodeMetrics:
 
         self.queue_depth = Gauge(p + "queue_depth", "Sequences waiting for a batch slot", registry=registry)
         self.running = Gauge(p + "running", "Sequences in the running batch", registry=registry)
+        self.rank_rows = Gauge(
+            p + "rank_rows", "Sequences each rank of a rank group holds (every lane)", ("rank",), registry=registry
+        )
         self.requests = counter("requests", "Generate RPCs by outcome", ("outcome",))
         self.tokens = counter("tokens", "Tokens generated (decode tokens/s = its rate)")
         self.ttft = histogram("ttft_seconds", "Generate arrival → first token sent", LATENCY_BUCKETS)

@@ -101,7 +101,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.Load(
             queue_depth=self.engine.waiting,
             running=self.engine.running,
-            max_batch=self.engine.settings.max_batch,
+            max_batch=self.engine.capacity,
             draining=self.draining,
         )
 

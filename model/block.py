@@ -42,7 +42,7 @@ class Block(nn.Module):
         if projection_only:
             return
         self.ffn_norm = RMSNorm(C, args.rms_norm_eps, dtype)
-        self.ffn = MoE(args, dspark=layer >= args.num_hidden_layers, dtype=dtype, parallel=parallel)
+        self.ffn = MoE(args, layer, dspark=layer >= args.num_hidden_layers, dtype=dtype, parallel=parallel)
         fp32 = param_dtype("fp32", dtype or torch.get_default_dtype())
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty((2 + n) * n, n * C, dtype=fp32)))

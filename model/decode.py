@@ -217,7 +217,7 @@ class DecodeBatch:
         device = logits.device
         target, proposal = sampling.probs(logits), draft.probs.to(device)
         accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths, generator)
-        if self.model.parallel.world_size > 1:  # an expert-parallel group commits rank 0's acceptance on every rank
+        if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts
         if step is None:

@@ -28,7 +28,7 @@ from model import kernels
 from model.config import ModelArgs
 from model.fused import fused
 from model.linear import Fp8Act, Linear, WeightFormat, fp8_act, packed_param, param_dtype
-from model.parallel import SINGLE, Parallel, expert_parallel
+from model.parallel import SINGLE, Parallel, answer_round, expert_parallel
 
 
 class Gate(nn.Module):
@@ -183,12 +183,18 @@ def _unsort(out: Tensor, order: Tensor, shape: torch.Size) -> Tensor:
 
 
 class MoE(nn.Module):
-    """Gate, routed experts (this rank's share of them: `model.parallel`) and the shared expert."""
+    """Gate, routed experts (this rank's share of them: `model.parallel`) and the shared expert of block `layer`."""
 
     def __init__(
-        self, args: ModelArgs, dspark: bool = False, dtype: torch.dtype | None = None, parallel: Parallel = SINGLE
+        self,
+        args: ModelArgs,
+        layer: int,
+        dspark: bool = False,
+        dtype: torch.dtype | None = None,
+        parallel: Parallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.layer = layer
         self.n_experts = args.dspark_n_routed_experts if dspark else args.n_routed_experts
         topk = args.dspark_num_experts_per_tok if dspark else args.num_experts_per_tok
         q = args.quantization_config
@@ -206,7 +212,15 @@ class MoE(nn.Module):
         """Weighted routed-expert outputs [N, k, C]: this process's experts, or the expert-parallel group's."""
         if self.parallel.world_size == 1:
             return self.experts(xq, weights, ids)
-        return expert_parallel(self.experts, self.n_experts, xq, weights, ids, self.parallel)
+        return expert_parallel(self.experts, self.n_experts, xq, weights, ids, self.parallel, self.layer)
+
+    def answer(self, received: list[int], dtype: torch.dtype) -> None:
+        """This rank's part of an MoE round of this layer that other ranks run while this one has no tokens
+        (data-parallel attention, `model.parallel.serve_idle`); `dtype`: the activations' (the payload's form)."""
+        x = torch.empty(0, self.gate.weight.shape[1], dtype=dtype, device=self.gate.weight.device)
+        weights, ids = self.gate(x)
+        xq = self.shared_experts.w1.cast(x)
+        answer_round(self.experts, self.n_experts, xq, weights, ids, self.parallel, received)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

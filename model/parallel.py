@@ -1,23 +1,29 @@
 """Expert parallelism: a replica as W ranks, routed experts split over them, tokens reaching experts by all-to-all.
 
 Rank r of W holds routed experts [r·E/W, (r+1)·E/W) of every MoE layer (the DSpark blocks' own experts too); the
-rest of the model — attention, shared expert, mHC, embedding, head — is replicated. Every rank runs the same batch
-(replicated attention) and computes the routing of every token; then, per MoE layer:
+rest of the model — attention, shared expert, mHC, embedding, head — is on every rank. Attention runs one of two ways:
 
-    share      rank r dispatches only its contiguous share of the tokens, [r·⌈N/W⌉, (r+1)·⌈N/W⌉)
-    dispatch   its (token, slot) pairs, sorted by expert (hence by owning rank), go to their experts' ranks by one
-               `all_to_all_single` (activation rows, routing weight and local expert id packed as one byte row a
-               pair), after the per-rank pair counts are exchanged on the device by another
+- **replicated**: every rank runs the same batch and computes the routing of every token; per MoE layer rank r
+  dispatches only its contiguous share of the tokens, [r·⌈N/W⌉, (r+1)·⌈N/W⌉), and after the exchange every rank
+  gathers all shares' outputs (`all_gather`). This keeps EP = W bit-identical to EP = 1 on a CPU (fp32 or fp64): a
+  matmul's row may change in its last bits with the number of rows beside it, so every dense layer sees the batch of
+  the single-rank run, and expert e receives the shares' pairs in rank order, each share's in token order — exactly
+  the rows, in the order, that expert e computes at W = 1.
+- **data-parallel** (`data_parallel`): each rank runs its own sequences and dispatches all of its tokens; a group of
+  W serves W times the sequences of one rank. Ranks may run different forwards, or none: each MoE round starts with
+  a header naming the layer the sender runs (IDLE: none), and a rank with no work left answers the rounds of those
+  still running, with no tokens of its own (`serve_idle`), until a round finds every rank idle.
+
+Per MoE layer (the exchange):
+
+    header     per-rank pair counts and the sender's layer, by one `all_to_all_single` on the device
+    dispatch   the (token, slot) pairs, sorted by expert (hence by owning rank), go to their experts' ranks by one
+               `all_to_all_single` (activation rows, routing weight and local expert id packed as one byte row a pair)
     compute    the owner runs its local experts over the pairs it received, in the order received
     return     the outputs come back by the reverse all-to-all and are put back in (token, slot) order
-    gather     every rank gathers all shares' outputs (`all_gather`), and `model.moe.MoE` adds each
-               token's slots one at a time, in ascending expert id — the same code as with one rank
 
-Replicated attention is chosen because it keeps EP = W bit-identical to EP = 1 on a CPU (fp32 or fp64): a matmul's
-row may change in its last bits with the number of rows beside it, so every dense layer must see the batch of the
-single-rank run; and expert e receives the shares' pairs in rank order, each share's in token order — exactly the
-rows, in the order, that expert e computes at W = 1. Data-parallel attention (each rank its own sequences) uses the
-same exchange without the share and the gather. W = 1 takes the single-process path: no process group, no exchange.
+`model.moe.MoE` then adds each token's slots one at a time, in ascending expert id — the same code as with one rank.
+W = 1 takes the single-process path: no process group, no exchange.
 """
 
 from __future__ import annotations
@@ -36,20 +42,28 @@ from model import kernels
 from model.linear import Fp8Act
 
 RoutedExperts = Callable[[Tensor | Fp8Act, Tensor, Tensor], Tensor]  # (xq, weights, ids) → [N, k, C], local ids
+IDLE = -1  # the layer a rank names in an MoE round's header when it runs no forward (data-parallel attention)
 
 
 @dataclass(frozen=True)
 class Parallel:
     """Where a model runs: rank `rank` of an expert-parallel group of `world_size` ranks (`group`: its process
-    group; None is torch.distributed's default group)."""
+    group; None is torch.distributed's default group); `data_parallel`: each rank attends to its own sequences (else
+    every rank runs the same batch)."""
 
     world_size: int = 1
     rank: int = 0
     group: ProcessGroup | None = None
+    data_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a group of {self.world_size}")
+
+    @property
+    def replicated(self) -> bool:
+        """Several ranks run the same batch: what one rank draws alone must be rank 0's everywhere (`broadcast`)."""
+        return self.world_size > 1 and not self.data_parallel
 
     def experts(self, n_experts: int) -> range:
         """The routed experts this rank holds, [r·E/W, (r+1)·E/W) of E (ValueError unless W divides E)."""
@@ -75,36 +89,99 @@ SINGLE = Parallel()  # one process holding every expert
 
 
 def expert_parallel(
-    experts: RoutedExperts, n_experts: int, xq: Tensor | Fp8Act, weights: Tensor, ids: Tensor, parallel: Parallel
+    experts: RoutedExperts,
+    n_experts: int,
+    xq: Tensor | Fp8Act,
+    weights: Tensor,
+    ids: Tensor,
+    parallel: Parallel,
+    layer: int,
 ) -> Tensor:
-    """Weighted routed-expert outputs [N, k, C] of every token, as the single-rank experts give them: this rank's
-    share dispatched to the experts' ranks, computed there by `experts` (this rank's), returned and gathered."""
+    """Weighted routed-expert outputs [N, k, C] of this rank's tokens, as the single-rank experts give them: dispatched
+    to the experts' ranks, computed there by `experts` (this rank's), returned — with replicated attention only this
+    rank's share of the tokens, the others' gathered from their ranks. `layer`: the MoE's block, for the header."""
+    if parallel.data_parallel:
+        return _exchange(experts, n_experts, xq, weights, ids, parallel, layer)
     share = parallel.share(ids.shape[0])
-    mine = _exchange(experts, n_experts, _rows(xq, share), weights[share], ids[share], parallel)
+    mine = _exchange(experts, n_experts, _rows(xq, share), weights[share], ids[share], parallel, layer)
     return _gather(mine, ids.shape[0], parallel)
 
 
+def serve_idle(parallel: Parallel, device: torch.device, answer: Callable[[int, list[int]], None]) -> None:
+    """A data-parallel rank done with its forwards, or with none to run: answer the MoE rounds of the ranks still
+    running, with no tokens of its own, until a round finds every rank idle. `answer(layer, received)` runs this
+    rank's part of a round of `layer` whose header it took (`answer_round`)."""
+    nothing = torch.zeros(parallel.world_size, dtype=torch.int64, device=device)
+    while True:
+        received, layers = _header(nothing, IDLE, parallel)
+        layer = _running(layers)
+        if layer == IDLE:
+            return
+        answer(layer, received)
+
+
+def answer_round(
+    experts: RoutedExperts,
+    n_experts: int,
+    xq: Tensor | Fp8Act,
+    weights: Tensor,
+    ids: Tensor,
+    parallel: Parallel,
+    received: list[int],
+) -> None:
+    """An idle rank's part of one MoE round (`serve_idle`): xq, weights and ids hold no tokens (their form tells the
+    payload's); the pairs `received` from each rank are computed here and sent back."""
+    _exchange(experts, n_experts, xq, weights, ids, parallel, IDLE, received)
+
+
 def _exchange(
-    experts: RoutedExperts, n_experts: int, xq: Tensor | Fp8Act, weights: Tensor, ids: Tensor, parallel: Parallel
+    experts: RoutedExperts,
+    n_experts: int,
+    xq: Tensor | Fp8Act,
+    weights: Tensor,
+    ids: Tensor,
+    parallel: Parallel,
+    layer: int,
+    received: list[int] | None = None,
 ) -> Tensor:
-    """Dispatch → compute → return for this rank's tokens: [n, k, C] in (token, slot) order."""
+    """Header → dispatch → compute → return for this rank's tokens: [n, k, C] in (token, slot) order. `received`:
+    the pairs each rank sends, when this rank took the round's header already (it idles)."""
     held, group = n_experts // parallel.world_size, parallel.group
     order, rows, offsets = kernels.moe_pairs(ids, n_experts)
     sent = (offsets[held::held] - offsets[:-1:held]).long()  # pairs for each rank (experts are contiguous per rank)
-    counts = torch.empty_like(sent)
-    dist.all_to_all_single(counts, sent, group=group)
-    sent_sizes, received_sizes = sent.tolist(), counts.tolist()  # the split sizes: the host waits once per layer
+    if received is None:
+        received, layers = _header(sent, layer, parallel)
+        _running(layers)
+    sent_sizes = sent.tolist()  # the split sizes: the host waits once per layer
     columns = [*_fields(xq, rows.long()), weights.flatten()[order], ids.flatten()[order] % held]
     payload = _pack(columns)
-    received = payload.new_empty(sum(received_sizes), payload.shape[1])
-    dist.all_to_all_single(received, payload, received_sizes, sent_sizes, group=group)
-    *x, weight, local = _unpack(received, columns)
+    arrived = payload.new_empty(sum(received), payload.shape[1])
+    dist.all_to_all_single(arrived, payload, received, sent_sizes, group=group)
+    *x, weight, local = _unpack(arrived, columns)
     out = experts(_like(xq, x), weight.unsqueeze(1), local.unsqueeze(1)).squeeze(1).contiguous()
     back = out.new_empty(order.shape[0], out.shape[-1])
-    dist.all_to_all_single(back, out, sent_sizes, received_sizes, group=group)
+    dist.all_to_all_single(back, out, sent_sizes, received, group=group)
     pairs = back.new_empty(back.shape)
     pairs[order] = back
     return pairs.view(*ids.shape, back.shape[-1])
+
+
+def _header(sent: Tensor, layer: int, parallel: Parallel) -> tuple[list[int], list[int]]:
+    """An MoE round's header: the pairs this rank sends each rank and the layer it runs, for every rank's → (pairs
+    each rank sends this one, the layer each runs)."""
+    header = torch.stack((sent, torch.full_like(sent, layer)), 1)
+    got = torch.empty_like(header)
+    dist.all_to_all_single(got, header, group=parallel.group)
+    received, layers = got.T.tolist()
+    return received, layers
+
+
+def _running(layers: list[int]) -> int:
+    """The layer the running ranks of a round are in (IDLE: none runs); their forwards must line up."""
+    running = set(layers) - {IDLE}
+    if len(running) > 1:
+        raise RuntimeError(f"the ranks of one MoE round run different layers {sorted(running)}: their plans differ")
+    return running.pop() if running else IDLE
 
 
 def _gather(mine: Tensor, n_tokens: int, parallel: Parallel) -> Tensor:

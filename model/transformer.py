@@ -7,7 +7,7 @@
 `part="encoder"` builds only what a prefill machine holds: the embedding, layers 0..L/2−1 (with their Engram) and
 layer L/2's attn_norm + compressor + indexer keys (the decoder's global KV is projected from H^{L/2}). `part="full"`
 adds the decoder, the head and the DSpark blocks. `parallel` says which routed experts the model holds: all of them,
-or one rank's share in an expert-parallel group whose ranks run every forward together (`model.parallel`).
+or one rank's share in an expert-parallel group whose ranks meet in every MoE layer of a forward (`model.parallel`).
 
 `forward` is the dense, differentiable form over whole sequences (training, and the oracle of the tests).
 `new_cache` and `step_layers` run the same modules over a packed cache: the serving split — prefill and bounded
@@ -31,7 +31,8 @@ from model.engram import NgramHash
 from model.engram_store import DeviceMemory, EngramFetch, Memory
 from model.linear import Embedding, Linear, RMSNorm
 from model.mhc import hc_collapse, identity_pre
-from model.parallel import SINGLE, Parallel
+from model.moe import MoE
+from model.parallel import SINGLE, Parallel, serve_idle
 
 Part = Literal["full", "encoder"]
 
@@ -135,6 +136,13 @@ class Transformer(nn.Module):
                 taps.append(X.mean(-2))  # hc-mean of the stream entering the target layer
             X, pre = block(X, pre, lambda x, block=block: attend(block, x))
         return X, pre
+
+    def serve_idle(self) -> None:
+        """Data-parallel attention: once this rank has run its forwards of a group call (or had none to run), answer
+        the MoE rounds of the ranks still running until all are done, so that every rank leaves the call together
+        (`model.parallel`)."""
+        moes = {m.layer: m for m in self.modules() if isinstance(m, MoE)}
+        serve_idle(self.parallel, self.device, lambda layer, received: moes[layer].answer(received, self.dtype))
 
     # ------------------------------------------------------------------------------------------ dense path
     def features(self, tokens: Tensor, replay_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:

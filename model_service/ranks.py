@@ -1,16 +1,20 @@
 """A model-service replica as a rank group: W = ranks·nodes processes over torch.distributed, routed experts split
-over them (`model.parallel`), every rank running the same model calls on its own replica of the batch.
+over them (`model.parallel`), every rank running its part of each model call rank 0 makes.
 
     node 0, service process = global rank 0   gRPC, scheduler/engine; every model call it makes is a *plan*
       ├─ local ranks 1..ranks-1               spawned here (`python -m model_service.ranks`, torchrun's environment)
     node k > 0, service process = rank k·ranks   follows plans; spawns its own local ranks likewise
 
-Replicated attention (the only layout so far): every rank holds the same sequences, so rank 0 drives the group by
-broadcasting each call it makes on the model — `DecodeBatch.join_many/decode_step/dspark_draft/verify/leave`, a
-local prefill's chunk, a whole `encode_with_past` — as a pickled plan over a gloo group (`broadcast_object_list`);
-the followers execute it on their replicas, in the same order, so their MoE collectives meet rank 0's. The engine
-code does not change: it makes its calls through a `ModelCalls` (`LocalCalls` at W = 1: today's single-process
-path; `GroupCalls` at W > 1), whose objects run locally and forward each replicated method call.
+Rank 0 drives the group by broadcasting each call it makes on the model as a pickled *plan* over a gloo group
+(`broadcast_object_list`); the followers execute it, in the same order, so their MoE collectives meet rank 0's; then
+every rank reports how its part went (`gather_object`: an `Outcome`). The engine makes its calls through a
+`ModelCalls` (`LocalCalls` at W = 1: the single-process path; `GroupCalls` at W > 1). A plan is one of:
+
+    new / call / run   the same call on every rank's replica (replicated: a local prefill's chunk, a whole
+                       `encode_with_past`, the step-time profile); a follower that fails where rank 0 did not has
+                       drifted from it, and fails the group
+    spread             each rank its own arguments and its own result (data-parallel attention: every rank decodes
+                       its own sequences, decode_svc.spread); rank 0 gets every rank's `Outcome`, failures included
 
 Failure: every follower bumps a heartbeat counter in the group's store each `rank_timeout_s / 5`; rank 0's watcher
 polls its local children (dead → failed at once) and the counters (one unchanged for `rank_timeout_s` → failed).
@@ -24,6 +28,7 @@ Plans are pickles between the processes of one group (trusted peers on a private
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import itertools
@@ -139,13 +144,7 @@ def _marshal(value: Any) -> Any:
         return _Generator(str(value.device), value.get_state())
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         return _Device(value.cpu())
-    if isinstance(value, list):
-        return [_marshal(v) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_marshal(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _marshal(v) for k, v in value.items()}
-    return value
+    return _inside(value, _marshal)
 
 
 def _unmarshal(value: Any, device: torch.device) -> Any:
@@ -155,12 +154,22 @@ def _unmarshal(value: Any, device: torch.device) -> Any:
         return generator
     if isinstance(value, _Device):
         return value.tensor.to(device)
+    return _inside(value, lambda v: _unmarshal(v, device))
+
+
+def _inside(value: Any, f: Callable[[Any], Any]) -> Any:
+    """`value` with `f` applied to what it holds: the items of a list, plain tuple or dict, the fields of a dataclass
+    (a block, an encoder state, a prefill's output); any other value as it is."""
     if isinstance(value, list):
-        return [_unmarshal(v, device) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_unmarshal(v, device) for v in value)
+        return [f(v) for v in value]
+    if type(value) is tuple:
+        return tuple(f(v) for v in value)
     if isinstance(value, dict):
-        return {k: _unmarshal(v, device) for k, v in value.items()}
+        return {k: f(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        if all(field.init for field in fields):
+            return type(value)(**{field.name: f(getattr(value, field.name)) for field in fields})
     return value
 
 
@@ -174,6 +183,15 @@ def _resolve(name: str) -> Callable[..., Any]:
     for part in qualname.split("."):
         target = getattr(target, part)
     return target
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a rank's part of a plan went: its value (a spread call's), or the error it raised (a follower's as a
+    RuntimeError naming the rank: the exception itself may not pickle)."""
+
+    value: Any = None
+    error: BaseException | None = None
 
 
 # ------------------------------------------------------------------------------------------ model calls
@@ -216,13 +234,22 @@ class GroupCalls(ModelCalls):
     def new(self, factory: Callable[..., Any], *args: Any, methods: Iterable[str] = (), **kwargs: Any) -> Any:
         oid = next(self._ids)
         plan = ("new", oid, _name(factory), args, kwargs)
-        local = self.group.execute(plan, lambda: factory(self.model, *args, **kwargs))
+        local = self.group.replicate(plan, lambda: factory(self.model, *args, **kwargs))
         replica = Replicated(self.group, oid, local, frozenset(methods))
         weakref.finalize(replica, self.group.dropped.append, oid)  # the followers drop theirs with the next plan
         return replica
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.group.execute(("run", _name(fn), args, kwargs), lambda: fn(self.model, *args, **kwargs))
+        return self.group.replicate(("run", _name(fn), args, kwargs), lambda: fn(self.model, *args, **kwargs))
+
+    def spread(self, replica: Replicated, method: str, by_rank: list[tuple[Any, ...]]) -> list[Outcome]:
+        """`method(*by_rank[r])` of rank r's object of `replica`, on every rank r → every rank's outcome, in rank
+        order (values on this rank's device)."""
+        if len(by_rank) != self.world_size:
+            raise ValueError(f"{len(by_rank)} ranks' arguments for a group of {self.world_size}")
+        local = getattr(replica._local, method)
+        outcomes = self.group.execute(("spread", replica._oid, method, by_rank), lambda: local(*by_rank[0]))
+        return [Outcome(_unmarshal(o.value, self.model.device), o.error) for o in outcomes]
 
 
 class Replicated:
@@ -237,7 +264,7 @@ class Replicated:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return self._group.execute(("call", self._oid, name, args, kwargs), lambda: attr(*args, **kwargs))
+            return self._group.replicate(("call", self._oid, name, args, kwargs), lambda: attr(*args, **kwargs))
 
         return call
 
@@ -286,7 +313,9 @@ class RankGroup:
         self.plans = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
     def parallel(self) -> Parallel:
-        return Parallel(self.layout.world_size, self.layout.rank)
+        """This rank's place in the expert-parallel group, which attends data-parallel: each rank its own sequences
+        (decode_svc.spread) or prompts (prefill_svc.passes)."""
+        return Parallel(self.layout.world_size, self.layout.rank, data_parallel=True)
 
     def start_watching(self) -> None:
         """Rank 0: watch every rank until the group closes; followers: beat, and exit when rank 0 is gone."""
@@ -297,8 +326,9 @@ class RankGroup:
     def calls(self, model: Transformer) -> GroupCalls:
         return GroupCalls(model, self)
 
-    def execute(self, plan: tuple[Any, ...], local: Callable[[], Any]) -> Any:
-        """Broadcast `plan` to the followers, then run it here (`local`); a collective that fails fails the group."""
+    def execute(self, plan: tuple[Any, ...], local: Callable[[], Any]) -> list[Outcome]:
+        """Broadcast `plan` to the followers, run it here (`local`), take every rank's report → the outcomes in rank
+        order; a collective that fails fails the group."""
         with self._lock:
             if self.failure is not None:
                 raise RankGroupError(self.failure)
@@ -308,11 +338,28 @@ class RankGroup:
             except Exception as exc:
                 raise self.fail(self._dead_child() or f"a plan did not reach the ranks: {exc}") from exc
             try:
-                return local()
+                mine = Outcome(local())
             except Exception as exc:
                 if self.failure is not None or isinstance(exc, dist.DistError):
                     raise self.fail(self._dead_child() or f"a collective failed: {exc}") from exc
-                raise
+                mine = Outcome(error=exc)
+            reports: list[Any] = [None] * self.layout.world_size
+            try:
+                dist.gather_object(None, reports, dst=0, group=self.plans)
+            except Exception as exc:
+                raise self.fail(self._dead_child() or f"a rank did not report on a plan: {exc}") from exc
+            return [mine, *reports[1:]]
+
+    def replicate(self, plan: tuple[Any, ...], local: Callable[[], Any]) -> Any:
+        """`execute` a call every rank runs alike → rank 0's value, or its error raised; a follower that failed where
+        rank 0 did not holds other state than rank 0 from now on: the group fails."""
+        mine, *followers = self.execute(plan, local)
+        if mine.error is not None:
+            raise mine.error
+        for outcome in followers:
+            if outcome.error is not None:
+                raise self.fail(f"{outcome.error} (rank 0 ran the same call without error)")
+        return mine.value
 
     def fail(self, reason: str) -> RankGroupError:
         """Mark the group failed (once): kill the local ranks, tell the service; the error for the caller."""
@@ -426,21 +473,30 @@ class RankGroup:
             dropped, plan = received[0]
             for oid in dropped:
                 objects.pop(oid, None)
-            kind, *rest = _unmarshal(plan, model.device)
-            try:
-                if kind == "new":
-                    oid, factory, args, kwargs = rest
-                    objects[oid] = _resolve(factory)(model, *args, **kwargs)
-                elif kind == "call":
-                    oid, method, args, kwargs = rest
-                    getattr(objects[oid], method)(*args, **kwargs)
-                else:
-                    fn, args, kwargs = rest
-                    _resolve(fn)(model, *args, **kwargs)
-            except dist.DistError:
-                raise
-            except Exception:  # rank 0 meets the same error with the same inputs and answers for it; if it did not,
-                self.log.error("plan_failed", plan=kind, exc_info=True)  # this rank now differs: say so loudly
+            outcome = self._run(model, objects, *_unmarshal(plan, model.device))
+            dist.gather_object(outcome, None, dst=0, group=self.plans)
+
+    def _run(self, model: Transformer, objects: dict[int, Any], kind: str, *rest: Any) -> Outcome:
+        """A follower's part of a plan; what it raised (but a failed collective) goes back to rank 0 as text."""
+        try:
+            if kind == "new":
+                oid, factory, args, kwargs = rest
+                objects[oid] = _resolve(factory)(model, *args, **kwargs)
+            elif kind == "call":
+                oid, method, args, kwargs = rest
+                getattr(objects[oid], method)(*args, **kwargs)
+            elif kind == "spread":
+                oid, method, by_rank = rest
+                return Outcome(_marshal(getattr(objects[oid], method)(*by_rank[self.layout.rank])))
+            else:
+                fn, args, kwargs = rest
+                _resolve(fn)(model, *args, **kwargs)
+        except dist.DistError:
+            raise
+        except Exception as exc:
+            self.log.error("plan_failed", plan=kind, exc_info=True)
+            return Outcome(error=RuntimeError(f"rank {self.layout.rank}: {type(exc).__name__}: {exc}"))
+        return Outcome()
 
 
 def layout_of(cfg: ModelServiceConfig) -> Layout:

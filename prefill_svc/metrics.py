@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from mesh.metrics import LATENCY_BUCKETS
 
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class PrefillMetrics:
@@ -25,6 +26,10 @@ class PrefillMetrics:
         self.batch_tokens = Histogram(
             p + "batch_tokens", "Tokens run through the encoder per prompt", buckets=TOKEN_BUCKETS, registry=registry
         )
+        self.pass_prompts = Histogram(
+            p + "pass_prompts", "Prompts one encoder pass ran (a rank group: one a rank)", buckets=PASS_BUCKETS,
+            registry=registry,
+        )  # fmt: skip
         self.swa_restored = Counter(p + "swa_restored", "Prefixes resumed from an SWA record", registry=registry)
         self.bounded_replays = Counter(
             p + "bounded_replays", "Prefixes whose encoder rings were rebuilt by bounded replay", registry=registry

@@ -28,12 +28,13 @@ import grpc
 from cache_svc.client import DOWN, CacheError
 from mesh.logging import bind_request
 from model import Past, PrefillOutput, Transformer
-from model_service.kvstore import KVStore, encode_with_past
+from model_service.kvstore import KVStore
 from model_service.ranks import LocalCalls, ModelCalls
 from model_service.runtime import RequestError, check_common, invalid, model_info, prompt_error, request_id_of
 from prefill_svc.config import PrefillConfig
 from prefill_svc.encoder_queue import EncoderQueue
 from prefill_svc.metrics import PrefillMetrics
+from prefill_svc.passes import encoder_pass
 from proto.mesh.v1 import model_info_pb2
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -57,7 +58,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.store = store
         self.metrics = metrics
         self.log = logger
-        self.queue = EncoderQueue(cfg.max_queue, metrics)
+        self.queue = EncoderQueue(cfg.max_queue, metrics, *encoder_pass(self.calls, cfg.chunk_size))
         self.info = model_info(model, cfg.model)
         self.draining = False
         self._cache_down_until = 0.0
@@ -107,7 +108,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         with self.queue.place(len(tokens)) as place:
             keys = self.store.keys(tokens, salt)
             past = await self.store.find_past(tokens, salt, keys)
-            out = await place.run(lambda: self._encode(tokens, past))
+            out = await place.run((tokens, past))
+        self._count(tokens, past, out, place.seconds)
         first = len(past.blocks) if past is not None else 0
         handoff = prefill_pb2.Handoff(
             token_ids=tokens,
@@ -161,15 +163,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             )
         return lease or self.cfg.handoff_lease_s
 
-    def _encode(self, tokens: list[int], past: Past | None) -> PrefillOutput:
-        """On the encoder thread."""
-        started = time.monotonic()
-        out = self.calls.run(encode_with_past, tokens, past, self.cfg.chunk_size)
+    def _count(self, tokens: list[int], past: Past | None, out: PrefillOutput, seconds: float) -> None:
+        """A prompt's encoder pass in the metrics."""
         # An SWA record resumes the encoder past the cached blocks: at the record's position.
         resumed = past.encoder_state.position if out.swa_restored and past and past.encoder_state else out.cached_tokens
         computed = len(tokens) - resumed
         m = self.metrics
-        m.seconds.observe(time.monotonic() - started)
+        m.seconds.observe(seconds)
         m.prompt_tokens.inc(len(tokens))
         m.tokens.inc(computed)
         m.batch_tokens.observe(computed)
@@ -178,7 +178,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             m.swa_restored.inc()
         if out.bounded_replay:
             m.bounded_replays.inc()
-        return out
 
     async def _write_blocks(self, keys: list[bytes], out: PrefillOutput) -> None:
         try:

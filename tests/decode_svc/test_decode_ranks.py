@@ -1,7 +1,8 @@
 """`python -m decode_svc serve --ranks 2`: a replica as a group of two rank processes (gloo on loopback), each holding
-half of every MoE layer's routed experts, serves the greedy tokens one process serves — through local prefill, the
-plain lane and DSpark's draft and verify; a rank killed mid-stream ends the stream with UNAVAILABLE within seconds
-and the whole group exits non-zero; a group the model cannot be split over is refused at start."""
+half of every MoE layer's routed experts and decoding its own sequences, serves the greedy tokens one process serves —
+through local prefill, the plain lane and DSpark's draft and verify — and twice the sequences of one; a rank killed
+mid-stream ends the stream with UNAVAILABLE within seconds and the whole group exits non-zero; a group the model
+cannot be split over is refused at start."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import time
 from collections.abc import Callable
 
 import grpc
+import httpx
 import pytest
-from service_mesh import WAIT_S, Served, free_port, run_cli, token_ids
+from service_mesh import WAIT_S, Served, free_port, metric_value, run_cli, token_ids, wait_until
 
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
@@ -25,12 +27,35 @@ def ranked(serve: Callable[..., Served], ranks: int, *flags: str) -> Served:
     return serve("decode_svc", "--dtype", "float64", "--draft-policy", "full", "--metrics-port", "0", *group, *flags)
 
 
-def generate(child: Served, prompt: list[int], max_tokens: int, speculate: bool, seed: int | None) -> list[int]:
-    """Greedy tokens, or (seed) tokens sampled at temperature 0.8, reproducibly."""
+def stream(child: Served, prompt: list[int], speculate: bool) -> grpc.Future:
+    """A greedy generation that runs until cancelled (max_tokens 0: as long as the context allows)."""
+    channel = grpc.insecure_channel(child.address)
+    request = decode_pb2.GenerateRequest(token_ids=token_ids(prompt), disable_speculation=not speculate)
+    return decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S)
+
+
+def load(child: Served) -> decode_pb2.Load:
+    with grpc.insecure_channel(child.address) as channel:
+        return decode_pb2_grpc.DecodeStub(channel).GetLoad(decode_pb2.GetLoadRequest(), timeout=WAIT_S)
+
+
+def generate(
+    child: Served,
+    prompt: list[int],
+    max_tokens: int,
+    speculate: bool,
+    seed: int | None,
+    constraint: decode_pb2.OutputConstraint | None = None,
+) -> list[int]:
+    """Greedy tokens, or (seed) tokens sampled at temperature 0.8, reproducibly; under `constraint` if given."""
     sampling = decode_pb2.SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed)
     with grpc.insecure_channel(child.address) as channel:
         request = decode_pb2.GenerateRequest(
-            token_ids=token_ids(prompt), max_tokens=max_tokens, sampling=sampling, disable_speculation=not speculate
+            token_ids=token_ids(prompt),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            disable_speculation=not speculate,
+            constraint=constraint,
         )
         return [t for m in decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S) for t in m.token_ids]
 
@@ -44,6 +69,39 @@ def test_two_ranks_generate_the_tokens_of_one(serve: Callable[..., Served], prom
             tokens = generate(one, p, 12, speculate, seed)
             assert len(tokens) == 12
             assert generate(two, p, 12, speculate, seed) == tokens, (speculate, seed)
+
+
+def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Served], prompt: Callable) -> None:
+    """With --max-batch 1 a rank holds one sequence: a group of two runs two streams at once, one on each rank (the
+    rank_rows gauge), where one rank runs one and queues the other. Beside a stream on rank 0, rank 1 decodes the
+    greedy tokens one process decodes, DSpark on and off, and under an output constraint."""
+    metrics = free_port()
+    one = ranked(serve, 1, "--max-batch", "1")
+    two = ranked(serve, 2, "--max-batch", "1", "--metrics-port", str(metrics))
+
+    def rows(rank: int) -> float:
+        text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=WAIT_S).text
+        return metric_value(text, "v41mesh_decode_rank_rows", f'rank="{rank}"')
+
+    first, second = stream(two, prompt(30), speculate=True), stream(two, prompt(31), speculate=False)
+    next(first), next(second)  # both decode: the speculative lane's row on rank 0, the plain lane's on rank 1
+    assert (load(two).running, load(two).queue_depth, load(two).max_batch) == (2, 0, 2)
+    assert (rows(0), rows(1)) == (1, 1)
+    second.cancel()
+    wait_until(lambda: rows(1) == 0, "rank 1 to let its sequence go")
+    for p, speculate in ((prompt(40), True), (prompt(23), False)):
+        assert generate(two, p, 12, speculate, None) == generate(one, p, 12, speculate, None), speculate
+    words = decode_pb2.OutputConstraint(regex="[a-z ]+")  # rank 0 masks what rank 1 decodes
+    p = prompt(33)
+    assert generate(two, p, 12, False, None, words) == generate(one, p, 12, False, None, words)
+    first.cancel()
+
+    alone = [stream(one, prompt(30), speculate=True), stream(one, prompt(31), speculate=False)]
+    next(alone[0])
+    wait_until(lambda: load(one).queue_depth == 1, "the second stream to wait for the only rank")
+    assert (load(one).running, load(one).max_batch) == (1, 1)
+    for s in alone:
+        s.cancel()
 
 
 def test_a_killed_rank_ends_the_stream_unavailable_and_the_group_exits(

@@ -3,7 +3,8 @@ layer's routed experts, DSpark's included, and serve exactly what one process ho
 outputs, decode logits, DSpark drafts and verification, greedy tokens — bit for bit, on `tiny` (seeded, fp64,
 packed and float forms) and on the trained `demo` checkpoint (fp32, each rank reading its own experts only).
 
-Every rank runs the same batch (replicated attention, `model.parallel`), so every rank's outputs are compared.
+With replicated attention every rank runs the same batch (`model.parallel`), so every rank's outputs are compared;
+with data-parallel attention each rank decodes its own sequences, and their tokens together are compared.
 """
 
 from __future__ import annotations
@@ -183,3 +184,67 @@ def test_every_rank_commits_rank_0s_sampled_acceptance(tmp_path):
     mp.spawn(sampled_rank_main, args=(2, str(tmp_path)), nprocs=2)
     first, second = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert first == second
+
+
+def spread(model: Transformer, mine: dict[int, torch.Tensor], left: int, steps: int = 2) -> dict[int, list[int]]:
+    """Data-parallel attention: prefill the prompts this rank holds (by index), join them, then twice: decode
+    greedily, speculate with DSpark (greedy); sequence `left` leaves after the first round. A rank with no sequence
+    runs no forward; every rank answers the others' MoE rounds after each call (`serve_idle`), so a rank whose
+    sequences all left, or that never had any, still serves its experts. Each sequence's tokens by prompt index."""
+    idle = model.serve_idle if model.parallel.data_parallel else lambda: None
+    with torch.no_grad():
+        prefilled = {i: encode_prefill(model, p) for i, p in mine.items()}
+        idle()
+        batch = DecodeBatch(model, len(PROMPTS))
+        joined = batch.join_many([(p.blocks, p.encoder_state) for p in prefilled.values()]) if mine else []
+        idle()
+        index = {seq_id: i for (seq_id, _), i in zip(joined, mine, strict=True)}
+        out = {i: [int(logits.argmax())] for (_, logits), i in zip(joined, mine, strict=True)}
+        for round_ in range(2):
+            for _ in range(steps):
+                if len(batch):
+                    logits = batch.decode_step([out[index[s]][-1] for s in batch.seq_ids])
+                    for s, row in zip(batch.seq_ids, logits, strict=True):
+                        out[index[s]].append(int(row.argmax()))
+                idle()
+            for _ in range(steps):
+                if len(batch):
+                    pending, greedy = [out[index[s]][-1] for s in batch.seq_ids], SamplingParams.uniform(len(batch))
+                    result = batch.verify(pending, batch.dspark_draft(pending, greedy), greedy)
+                    for s, tokens in zip(batch.seq_ids, result.tokens, strict=True):
+                        out[index[s]] += tokens
+                idle()
+            if round_ == 0 and left in mine:
+                batch.leave(next(s for s, i in index.items() if i == left))
+    return out
+
+
+def spread_prompts(model: Transformer) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, model.args.vocab_size, (n,), generator=g) for n in PROMPTS]
+
+
+def spread_rank_main(rank: int, world: int, directory: str) -> None:
+    """One rank of a data-parallel group on `tiny`: prompt i is rank i mod W's; prompt 1 leaves after a round."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world)
+    try:
+        model = build("tiny", Parallel(world, rank, data_parallel=True))
+        mine = {i: p for i, p in enumerate(spread_prompts(model)) if i % world == rank}
+        torch.save(spread(model, mine, left=1), f"{directory}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_ranks_decode_the_tokens_of_one_batch(tmp_path, world):
+    """Each rank decodes its own sequences (at W = 4 one rank never holds any; at both sizes rank 1 holds none after
+    its sequence left): together they emit the greedy tokens one process emits for the whole batch."""
+    model = build("tiny", Parallel())
+    expected = spread(model, dict(enumerate(spread_prompts(model))), left=1)
+    mp.spawn(spread_rank_main, args=(world, str(tmp_path)), nprocs=world)
+    got: dict[int, list[int]] = {}
+    for r in range(world):
+        got |= torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+    assert got == expected
+    assert len(expected[1]) < len(expected[0])  # the sequence that left stopped early

@@ -1,15 +1,17 @@
 """`python -m prefill_svc serve --ranks 2`: the encoder half as two rank processes (gloo on loopback), each holding half
-of the encoder's routed experts, writes the global KV blocks and the handoff state one process writes, byte for
-byte."""
+of the encoder's routed experts and prefilling prompts of its own, writes the global KV blocks and the handoff state
+one process writes, byte for byte; prompts that wait together run in one pass, one on each rank."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
-from service_mesh import WAIT_S, Loop, Served, free_port
+from service_mesh import WAIT_S, Loop, Served, free_port, metric_value, wait_until
 
 from cache_svc.client import CacheClient
 from cache_svc.config import CacheConfig, resolve_defaults
@@ -52,22 +54,40 @@ def prefilled(child: Served, cache: str, tokens: list[int], salt: bytes) -> tupl
         client.close()
 
 
+def prefill_three(
+    serve: Callable[..., Served], cache: str, ranks: int, prompts: list[list[int]], salt: bytes
+) -> tuple[list[tuple[bytes, list[bytes | None]]], float]:
+    """Prefill the first prompt, then the others at once while it runs → (each one's results, encoder passes)."""
+    metrics = free_port()
+    child = serve(
+        "prefill_svc", "--cache", cache, "--dtype", "float64", "--chunk-size", "16", "--metrics-port", str(metrics),
+        "--ranks", str(ranks), "--master-port", str(free_port()),
+    )  # fmt: skip
+
+    def metric(name: str) -> float:
+        return metric_value(httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=WAIT_S).text, name)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        first = pool.submit(prefilled, child, cache, prompts[0], salt)
+        wait_until(lambda: metric("v41mesh_prefill_running") == 1, "the first prompt to run")
+        rest = [pool.submit(prefilled, child, cache, tokens, salt) for tokens in prompts[1:]]
+        results = [f.result() for f in (first, *rest)]
+    passes = metric("v41mesh_prefill_pass_prompts_count")
+    assert child.terminate() == 0
+    return results, passes
+
+
 def test_two_ranks_prefill_the_blocks_and_state_of_one(
     serve: Callable[..., Served], caches: Callable[[], str], prompt: Callable, salt: bytes
 ) -> None:
-    results = []
-    tokens = prompt(53)
-    for ranks in (1, 2):
-        cache = caches()
-        child = serve(
-            "prefill_svc", "--cache", cache, "--dtype", "float64", "--chunk-size", "16", "--metrics-port", "0",
-            "--ranks", str(ranks), "--master-port", str(free_port()),
-        )  # fmt: skip
-        results.append(prefilled(child, cache, tokens, salt))
-        assert child.terminate() == 0
-    (state, blocks), (state2, blocks2) = results
-    assert len(blocks) == 3
-    assert None not in blocks
-    assert blocks2 == blocks
-    assert state
-    assert state2 == state
+    prompts = [prompt(400), prompt(53), prompt(40)]
+    one, passes = prefill_three(serve, caches(), 1, prompts, salt)
+    assert passes == 3
+    two, passes = prefill_three(serve, caches(), 2, prompts, salt)
+    assert passes == 2  # the last two prompts in one pass, one on each rank
+    for (state, blocks), (state2, blocks2), tokens in zip(one, two, prompts, strict=True):
+        assert len(blocks) == len(tokens) // 16
+        assert None not in blocks
+        assert blocks2 == blocks
+        assert state
+        assert state2 == state

@@ -1,0 +1,293 @@
+"""Data-parallel attention in a decode rank group: each rank decodes its own sequences, so a group of W ranks holds
+W times the rows of one.
+
+    rank 0   engine ─▶ SpreadBatch (a lane's rows, the engine's DecodeBatch)
+                         │ one `spread` plan per call: each rank its own rows' arguments (model_service.ranks)
+    rank r   RankRows: its own DecodeBatch; runs its rows' part of the call (none when it holds none), then answers
+             the other ranks' MoE rounds until every rank is done (`Transformer.serve_idle`); its logits reach rank 0
+             by one gather on the device, the rest of its result with its report on the plan (`gather_object`)
+
+A joining sequence goes to the rank holding the fewest rows over the engine's lanes (the lowest rank on a tie). Rows
+are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order, so
+the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
+plain step's logits (a constrained row's masks live in its grammar matcher there), while DSpark's draft and verify
+draw inside the model, on the rank holding the row, from the row's own generator (sent with the plan, its state sent
+back). A draft's distributions stay on the ranks that drew them, for their verify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from prometheus_client import Gauge
+from torch import Tensor
+
+from decode_svc.speculation import trim
+from model import DecodeBatch, EncoderState, GlobalKVBlock, SamplingParams, Transformer
+from model.decode import SequenceExport, VerifyResult
+from model.dspark import Draft
+from model.sampling import Generators
+from model_service.ranks import GroupCalls, ModelCalls, Outcome
+
+Restorable = tuple[list[GlobalKVBlock], EncoderState]  # a prefilled prompt, as it joins a batch
+Part = tuple[Any, list[Tensor] | None, list[int]]  # a rank's part of a call: small results, gathered logits, row order
+Lanes = Callable[[], Iterable[Any]]  # every lane's batch of the engine
+
+
+def new_batch(calls: ModelCalls, capacity: int, lanes: Lanes, rows: Gauge) -> DecodeBatch | SpreadBatch:
+    """A lane's batch of `capacity` rows per rank: one process's DecodeBatch, or spread over a rank group (`lanes`:
+    where the group's rows are; `rows`: the gauge of each rank's, labelled by rank)."""
+    if isinstance(calls, GroupCalls):
+        return SpreadBatch(calls, capacity, lanes, rows)
+    return calls.new(DecodeBatch, capacity=capacity)
+
+
+class RankRows:
+    """One rank's rows of a lane. Each call runs this rank's part; its small results go back to rank 0 with the plan's
+    report (`Part`), its logits by one gather on the device (rank 0 gets every rank's, padded to `rows`)."""
+
+    def __init__(self, model: Transformer, capacity: int) -> None:
+        self.model, self.batch = model, DecodeBatch(model, capacity)
+        self.draft: Draft | None = None  # the last draft of these rows, for their verify
+
+    def join_many(self, prompts: list[Restorable], rows: int) -> Part:
+        """→ (the joined seq ids, in prompt order; their first logits gathered)."""
+
+        def join() -> tuple[list[int], Tensor]:
+            joined = self.batch.join_many(prompts)
+            return [s for s, _ in joined], torch.stack([logits for _, logits in joined])
+
+        return self._forward(join, bool(prompts), rows, ())
+
+    def leave(self, seq_ids: list[int]) -> Part:
+        return [self.batch.leave(s) for s in seq_ids], None, self.batch.seq_ids
+
+    def decode_step(self, tokens: list[int], rows: int) -> Part:
+        return self._forward(lambda: (None, self.batch.decode_step(tokens)), bool(tokens), rows, ())
+
+    def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators) -> Part:
+        """→ ((draft tokens, confidences, the generators' states after the draws), nothing gathered)."""
+
+        def draft() -> tuple[tuple[Tensor, Tensor, list[Tensor]], None]:
+            self.draft = self.batch.dspark_draft(tokens, sampling, generators)
+            return (self.draft.tokens, self.draft.confidence, _states(generators)), None
+
+        return self._forward(draft, bool(tokens))
+
+    def verify(
+        self,
+        tokens: list[int],
+        width: int,
+        sampling: SamplingParams,
+        lengths: Tensor,
+        generators: Generators,
+        rows: int,
+    ) -> Part:
+        """Verify the first `width` drafts of this rank's last draft → ((accepted, tokens, the generators' states),
+        the target logits gathered)."""
+
+        def verify() -> tuple[tuple[Tensor, list[list[int]], list[Tensor]], Tensor]:
+            assert self.draft is not None
+            result = self.batch.verify(tokens, trim(self.draft, width), sampling, lengths, generators)
+            return (result.accepted, result.tokens, _states(generators)), result.logits
+
+        return self._forward(verify, bool(tokens), rows, (1 + width,))
+
+    def _forward(
+        self, part: Callable[[], tuple[Any, Tensor | None]], mine: bool, rows: int = 0, shape: tuple[int, ...] = ()
+    ) -> Part:
+        """This rank's forwards (if it has rows in the call), the others' MoE rounds until all are done, then (`rows`)
+        every rank's logits [n, *shape, V] gathered on rank 0 — a rank that failed sends zeros, then raises."""
+        small, logits, error = None, None, None
+        try:
+            if mine:
+                small, logits = part()
+        except Exception as exc:
+            error = exc
+        self.model.serve_idle()
+        gathered = self._gather(logits, rows, (*shape, self.model.args.vocab_size)) if rows else None
+        if error is not None:
+            raise error
+        return small, gathered, self.batch.seq_ids
+
+    def _gather(self, logits: Tensor | None, rows: int, shape: tuple[int, ...]) -> list[Tensor] | None:
+        parallel = self.model.parallel
+        padded = torch.zeros(rows, *shape, dtype=torch.float32, device=self.model.device)
+        if logits is not None:
+            padded[: logits.shape[0]] = logits
+        every = [torch.empty_like(padded) for _ in range(parallel.world_size)] if parallel.rank == 0 else None
+        dist.gather(padded, every, dst=0, group=parallel.group)
+        return every
+
+
+class SpreadBatch:
+    """Rank 0's view of a lane spread over a data-parallel rank group, called as a `DecodeBatch` is."""
+
+    def __init__(self, calls: GroupCalls, capacity: int, lanes: Lanes, rows: Gauge) -> None:
+        self.calls, self.world, self.lanes, self.rows = calls, calls.world_size, lanes, rows
+        self.ranks = calls.new(RankRows, capacity)
+        self.held: list[list[int]] = [[] for _ in range(self.world)]  # per rank: its rows' group seq ids, in order
+        self.local: dict[int, tuple[int, int]] = {}  # group seq id → (rank, the rank's seq id)
+        self.group_id: dict[tuple[int, int], int] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [s for held in self.held for s in held]
+
+    @property
+    def rows_by_rank(self) -> list[int]:
+        return [len(held) for held in self.held]
+
+    # ---------------------------------------------------------------------------------------------- membership
+    def join_many(self, prompts: list[Restorable]) -> list[tuple[int, Tensor]]:
+        """Each prompt joins the least loaded rank → (group seq id, next logits [V]) per prompt, in order. All or
+        none: if a rank cannot restore its prompts, those that joined other ranks leave again and the error is
+        raised."""
+        ranks = self._assign(len(prompts))
+        mine = [[p for p, r in zip(prompts, ranks, strict=True) if r == rank] for rank in range(self.world)]
+        rows = max(len(m) for m in mine)
+        outcomes = self.calls.spread(self.ranks, "join_many", [(m, rows) for m in mine])
+        failed = next((o.error for o in outcomes if o.error is not None), None)
+        joined = [(o.value[0] or []) if o.error is None else [] for o in outcomes]
+        for rank, outcome in enumerate(outcomes):
+            if outcome.error is None:
+                self._order(rank, outcome.value[2], joined[rank])
+        if failed is not None:
+            for rank, seq_ids in enumerate(joined):
+                for local in seq_ids:
+                    self.leave(self.group_id[rank, local])
+            raise failed
+        gathered = outcomes[0].value[1]
+        rows_of = [zip(ids, logits[: len(ids)], strict=True) for ids, logits in zip(joined, gathered, strict=True)]
+        taken = [iter(rows) for rows in rows_of]
+        return [self._group_row(r, next(taken[r])) for r in ranks]
+
+    def leave(self, seq_id: int) -> SequenceExport:
+        rank, local = self.local.pop(seq_id)
+        del self.group_id[rank, local]
+        by_rank = [([local] if r == rank else [],) for r in range(self.world)]
+        exports = self._each("leave", by_rank)[0][rank]
+        return exports[0]
+
+    def group_rows(self) -> list[int]:
+        """The rows each rank holds in every lane."""
+        return [sum(held) for held in zip(*(lane.rows_by_rank for lane in self.lanes()), strict=True)]
+
+    def _assign(self, n: int) -> list[int]:
+        """The rank each of n joining rows goes to: the one holding the fewest rows at the time (lowest on a tie)."""
+        rows, ranks = self.group_rows(), []
+        for _ in range(n):
+            rank = rows.index(min(rows))
+            rows[rank] += 1
+            ranks.append(rank)
+        return ranks
+
+    def _order(self, rank: int, order: list[int], joined: list[int] = ()) -> None:
+        """A rank's rows after a call, in its batch's order (`joined`: its seq ids new to the group)."""
+        for local in joined:
+            self.local[self._next], self.group_id[rank, local] = (rank, local), self._next
+            self._next += 1
+        changed = len(order) != len(self.held[rank])
+        self.held[rank] = [self.group_id[rank, local] for local in order]
+        if changed:
+            self.rows.labels(str(rank)).set(self.group_rows()[rank])
+
+    def _group_row(self, rank: int, row: tuple[int, Tensor]) -> tuple[int, Tensor]:
+        return self.group_id[rank, row[0]], row[1]
+
+    # --------------------------------------------------------------------------------------------------- steps
+    def decode_step(self, tokens: list[int]) -> Tensor:
+        """One pending token per row → next-token logits [B, V], every rank its own rows."""
+        counts = self.rows_by_rank
+        _, gathered = self._each("decode_step", [(t, max(counts)) for (t,) in self._by_rank(list(tokens))])
+        return _cat(gathered, counts)
+
+    def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators = None) -> Draft:
+        """Each rank drafts for its rows; the distributions stay there (the returned draft's are empty)."""
+        args = self._by_rank(list(tokens), sampling, generators)
+        results = [r for r in self._each("dspark_draft", args)[0] if r is not None]
+        self._restore([states for *_, states in results], generators)
+        drafts, confidence = torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+        return Draft(drafts, drafts.new_empty(*drafts.shape, 0, dtype=torch.float32), confidence)
+
+    def verify(
+        self,
+        tokens: list[int],
+        draft: Draft,
+        sampling: SamplingParams,
+        lengths: Tensor | None = None,
+        generators: Generators = None,
+    ) -> VerifyResult:
+        """Each rank verifies the first `draft`-width drafts of its own last draft (`draft` is this batch's)."""
+        B, width = draft.tokens.shape
+        lengths = torch.full((B,), width, dtype=torch.int64) if lengths is None else lengths
+        counts = self.rows_by_rank
+        parts = self._by_rank(list(tokens), sampling, lengths, generators)
+        small, gathered = self._each("verify", [(t, width, s, n, g, max(counts)) for t, s, n, g in parts])
+        results = [r for r in small if r is not None]
+        self._restore([states for *_, states in results], generators)
+        emitted = [row for r in results for row in r[1]]
+        return VerifyResult(torch.cat([r[0] for r in results]), emitted, _cat(gathered, counts))
+
+    def _each(self, method: str, by_rank: list[tuple[Any, ...]]) -> tuple[list[Any], list[Tensor] | None]:
+        """A spread call of the rows' method → (each rank's small results, None where it held no rows; the logits
+        gathered on rank 0)."""
+        parts = _values(self.calls.spread(self.ranks, method, by_rank))
+        for rank, (_, _, order) in enumerate(parts):
+            self._order(rank, order)
+        return [small for small, _, _ in parts], parts[0][1]
+
+    def _by_rank(self, *batched: Any) -> list[tuple[Any, ...]]:
+        """Batched arguments (rows in this batch's order) → each rank's rows of them."""
+        starts = [0, *itertools.accumulate(self.rows_by_rank)]
+        return [tuple(_rows(b, slice(a, z)) for b in batched) for a, z in itertools.pairwise(starts)]
+
+    @staticmethod
+    def _restore(states: list[list[Tensor]], generators: Generators) -> None:
+        """The row generators as the ranks left them (rank 0's drew in place; the others' drew from copies)."""
+        if generators is None:
+            return
+        for generator, state in zip(generators, [s for rank in states for s in rank], strict=True):
+            generator.set_state(state)
+
+
+def _rows(batched: Any, rows: slice) -> Any:
+    """Some rows of a batched argument: a list, tensor or per-row generators, or sampling parameters (every per-row
+    field sliced; a group spreads no constrained row, whose masks are rank 0's)."""
+    if batched is None:
+        return None
+    if isinstance(batched, SamplingParams):
+        if getattr(batched, "masks", None) is not None:
+            raise ValueError("a constrained row's masks cannot leave rank 0")
+        fields = {f.name: getattr(batched, f.name) for f in dataclasses.fields(batched)}
+        return dataclasses.replace(batched, **{name: v[rows] for name, v in fields.items() if v is not None})
+    if isinstance(batched, torch.Generator):
+        raise TypeError("a spread batch draws from one generator per row")
+    return batched[rows]
+
+
+def _cat(gathered: list[Tensor] | None, counts: list[int]) -> Tensor:
+    """Every rank's gathered rows (padded) → the batch's, rank by rank."""
+    assert gathered is not None
+    return torch.cat([rows[:n] for rows, n in zip(gathered, counts, strict=True)])
+
+
+def _states(generators: Generators) -> list[Tensor]:
+    return [g.get_state() for g in generators] if isinstance(generators, list) else []
+
+
+def _values(outcomes: list[Outcome]) -> list[Any]:
+    """The ranks' values; the first rank's error raised."""
+    for outcome in outcomes:
+        if outcome.error is not None:
+            raise outcome.error
+    return [o.value for o in outcomes]

@@ -1,0 +1,79 @@
+"""A decode rank group of two (this process as rank 0, one spawned follower, gloo on loopback): what a follower's part
+of a spread call raised comes back to rank 0 naming the rank; a join that one rank cannot take leaves nothing joined
+on the other; a follower failing a replicated call that rank 0 completed fails the group."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import structlog
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, Gauge
+from service_mesh import free_port
+
+from decode_svc.config import DecodeConfig
+from decode_svc.spread import SpreadBatch
+from model import Transformer, encode_prefill
+from model_service.ranks import GroupCalls, Outcome, RankGroup, RankGroupError, start_group
+
+
+@pytest.fixture
+def started() -> Iterator[tuple[RankGroup, Transformer]]:
+    """A fresh group of two on `tiny` and rank 0's model, torn down after the test (a test may fail the group)."""
+    cfg = DecodeConfig(model="tiny", dtype="float64", threads=1, ranks=2, master_port=free_port())
+    group, model = start_group(cfg, "full", structlog.get_logger("test_spread"))
+    try:
+        yield group, model
+    finally:
+        group.close()
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def calls(started: tuple[RankGroup, Transformer]) -> GroupCalls:
+    return started[0].calls(started[1])
+
+
+def spread_batch(calls: GroupCalls) -> SpreadBatch:
+    gauge = Gauge("rows", "rows by rank", ("rank",), registry=CollectorRegistry())
+    batch = SpreadBatch(calls, 2, lambda: [batch], gauge)
+    return batch
+
+
+def test_a_followers_failure_comes_back_to_rank_0(calls: GroupCalls) -> None:
+    batch = spread_batch(calls)
+    fine, failed = calls.spread(batch.ranks, "leave", [([],), ([7],)])  # rank 1 holds no sequence 7
+    assert fine == Outcome(([], None, []))
+    assert isinstance(failed.error, RuntimeError)
+    assert str(failed.error) == "rank 1: KeyError: 'sequence 7 is not in this batch'"
+
+
+def test_a_join_one_rank_cannot_take_leaves_nothing_joined(calls: GroupCalls) -> None:
+    batch = spread_batch(calls)
+    prompt = calls.run(encode_prefill, list(range(2, 30)))
+    good = (prompt.blocks, prompt.encoder_state)
+    empty = (prompt.blocks, dataclasses.replace(prompt.encoder_state, position=0))
+    with pytest.raises(RuntimeError, match="rank 1: ValueError: cannot decode after an empty prompt"):
+        batch.join_many([good, empty])  # the first to rank 0, the second to rank 1
+    assert (len(batch), batch.rows_by_rank, len(batch.ranks._local.batch)) == (0, [0, 0], 0)
+    (seq_id, logits), (other, _) = batch.join_many([good, good])
+    assert batch.rows_by_rank == [1, 1]
+    assert batch.decode_step([int(logits.argmax())] * 2).shape == (2, logits.shape[0])
+    batch.leave(seq_id)
+    assert (batch.seq_ids, batch.rows_by_rank) == ([other], [0, 1])
+
+
+def test_a_follower_failing_a_call_rank_0_completed_fails_the_group(
+    started: tuple[RankGroup, Transformer], calls: GroupCalls
+) -> None:
+    group, model = started
+    model.probe = torch.nn.Identity()  # rank 0's model now holds what rank 1's does not
+    with pytest.raises(RankGroupError, match=r"rank 1: AttributeError: .*probe") as error:
+        calls.run(torch.nn.Module.get_submodule, "probe")
+    assert error.value.code.name == "UNAVAILABLE"
+    assert all(child.poll() is not None for child in group.children)  # no rank left running
+    with pytest.raises(RankGroupError):
+        calls.run(torch.nn.Module.get_submodule, "embed")
