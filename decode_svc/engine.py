@@ -438,7 +438,8 @@ class Engine:
         self.metrics.draft_trust.set(self.scheduler.trust)
 
     def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
-        """Emit a step's tokens up to a stop token or the budget; finish the sequence there. A token its output
+        """Emit a step's tokens up to a stop token, the end of its output constraint's grammar (nothing may follow
+        it, even where the request stops at no token) or the budget; finish the sequence there. A token its output
         constraint refuses (the masks make it impossible: a bug) fails the sequence before it is sent."""
         out: list[int] = []
         reason = None
@@ -449,8 +450,8 @@ class Engine:
                 self._fail([seq], f"token {token} breaks the output constraint")
                 return
             out.append(token)
-            if token in seq.params.stop_token_ids:
-                reason = decode_pb2.FINISH_REASON_STOP
+            if token in seq.params.stop_token_ids or (seq.guide is not None and seq.guide.complete):
+                reason = decode_pb2.FINISH_REASON_STOP  # a stop token, or the one that completed the grammar
                 break
             if len(seq.output) + len(out) >= seq.limit:
                 reason = decode_pb2.FINISH_REASON_LENGTH

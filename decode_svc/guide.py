@@ -60,6 +60,11 @@ class Guide:
         return self.in_answer and self.matcher is not None and not self.matcher.is_terminated()
 
     @property
+    def complete(self) -> bool:
+        """The grammar accepted its stop token: the answer is whole and no token may follow."""
+        return self.in_answer and self.matcher is not None and self.matcher.is_terminated()
+
+    @property
     def banned_now(self) -> frozenset[int]:
         """The tokens the next position may not take besides the grammar's: the banned ones in the answer, the stop
         tokens in a reasoning that must reach its answer."""

@@ -176,3 +176,20 @@ def test_a_reasoning_may_stop_only_where_an_empty_answer_conforms(grammars: Gram
         assert (g.restricts, g.accept(EOS)) == (False, True)
     required = guide(grammars, exactly("ok"), reasoning_end=128822)
     assert (required.restricts, required.accept(EOS)) == (True, False)
+
+
+def test_a_sequence_ends_where_its_grammar_does_even_without_stop_tokens(
+    models: tuple[Transformer, Transformer], grammars: Grammars, conforming: tuple[list[int], list[int], str]
+) -> None:
+    """A request that stops at no token (a token-ids client) under a grammar: once the grammar takes its own stop
+    token nothing may follow, so the sequence finishes there (FINISH_REASON_STOP) instead of failing its next token."""
+    prompt, _, _ = conforming
+    compiled = asyncio.run(grammars.compile(exactly("Hi")))
+    for speculate in (False, True):
+        with driven_engine(models[1], speculation=speculate, max_draft=3, draft_policy="full") as d:
+            seq = d.submit(prompt, LIMIT, sampling=GREEDY, speculate=speculate, guide=Guide(compiled))
+            d.run_to_end(seq)
+            *_, end = d.received(seq)
+        assert load_tokenizer().decode(seq.output[:-1]) == "Hi"
+        assert seq.output[-1] == EOS  # the grammar's terminator, the tokenizer's end of sequence
+        assert end.reason == decode_pb2.FINISH_REASON_STOP
