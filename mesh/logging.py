@@ -25,7 +25,9 @@ def configure_logging(service: str, *, level: str = "info", json: bool = True) -
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line: with write-through stderr (PYTHONUNBUFFERED, as `mesh up` runs its children) print's
+        # two writes, the line then its newline, interleave with another process's on a shared pipe (a rank group)
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     return structlog.get_logger(service=service)
