@@ -212,24 +212,20 @@ class DecodeBatch:
                 f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(self)}"
             )
         tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=y.is_cuda)), dim=1)  # y on the host: waits
-        step = None if self._graphed() else self.cache.step(tokens)
-        logits = self.graphs.verify(tokens) if step is None else forward_full(self.model, step)
+        if self._graphed():
+            logits, step = self.graphs.verify(tokens)
+        else:
+            step = self.cache.step(tokens)
+            logits = forward_full(self.model, step)
         device = logits.device
         target, proposal = sampling.probs(logits), draft.probs.to(device)
         accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths, generator)
         if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts
-        if step is None:
-            self.graphs.commit(keep)
-        else:
-            step.write(keep)
+        step.write(keep)
         n, next_tokens, drafted = _read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
-        by = [k + 1 for k in n]
-        if step is None:
-            self.cache.advanced(by, tokens)
-        else:
-            step.advance(by, keep)
+        step.advance([k + 1 for k in n], keep)
         emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
         return VerifyResult(torch.tensor(n), emitted, logits)
 

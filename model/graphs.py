@@ -6,8 +6,8 @@ A graph launches them all at once. Three forwards are captured, each per bucket 
     decode   one token per row → next-token logits, the step's writes committed, every real row advanced by one
     draft    the DSpark blocks over [y, noise…] → their features and head logits (model.dspark.draft_features);
              the Markov chain over them stays eager: its links sample, and a grammar may mask each on the host
-    verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then `commit(keep)` replays a second
-             graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
+    verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then its commit (`Verified`) replays a
+             second graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
 
 What a captured forward needs, and how it is given:
 
@@ -61,6 +61,22 @@ class Captured:
     step: Step | None = None  # a verify's staged writes, which its commit graph reads
 
 
+@dataclass
+class Verified:
+    """A replayed verify's commit, in the two halves an eager `Step` has: `write(keep)` replays the commit graph
+    (the device half), `advance(by, keep)` moves the host's positions and look-back after it."""
+
+    graphs: StepGraphs
+    key: tuple[str, int, int]  # the verify's graph
+    tokens: Tensor  # [n, T] as the verify had them
+
+    def write(self, keep: Tensor) -> None:
+        self.graphs.commit(self.key, keep)
+
+    def advance(self, by: list[int], keep: Tensor) -> None:
+        self.graphs.cache.advanced(by, self.tokens)
+
+
 class StepGraphs:
     """The decode, draft and verify forwards of one `DecodeBatch`'s cache, captured per bucket on first use."""
 
@@ -77,7 +93,6 @@ class StepGraphs:
         self.keep = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)
         self.active = torch.zeros((), dtype=torch.int64, device=cache.device)  # rows that hold a sequence
         self.captures = 0
-        self._verified: tuple[str, int, int] | None = None  # the verify whose commit is due
 
     @staticmethod
     def supported(model: Transformer) -> bool:
@@ -101,28 +116,22 @@ class StepGraphs:
         x, base = self._replay("draft", y.unsqueeze(1), self._draft)
         return x[:n].clone(), base[:n].clone()
 
-    def verify(self, tokens: Tensor) -> Tensor:
-        """The target forward over tokens [n, T] (a pending token and T − 1 drafts per row) → logits [n, T, V];
-        nothing is kept until `commit`, which must follow before any other forward of this batch."""
-        key = self._key("verify", tokens)
+    def verify(self, tokens: Tensor) -> tuple[Tensor, Verified]:
+        """The target forward over tokens [n, T] (a pending token and T − 1 drafts per row) → (logits [n, T, V], its
+        commit); nothing is kept until the commit, which must follow before any other forward of this batch."""
         (logits,) = self._replay("verify", tokens, self._verify)
-        self._verified = key
-        return logits[: tokens.shape[0]].clone()
+        return logits[: tokens.shape[0]].clone(), Verified(self, self._key("verify", tokens), tokens)
 
-    def commit(self, keep: Tensor) -> None:
-        """Keep the first keep[r] positions of the last verify's row r (keep [n] on the device, 1 … T) and move
-        its device position past them; the host follows with `KVCache.advanced`."""
-        if self._verified is None:
-            raise RuntimeError("commit without a verify")
-        key, self._verified = self._verified, None
-        n, b, step = keep.shape[0], key[1], self.graphs[key].step
+    def commit(self, verified: tuple[str, int, int], keep: Tensor) -> None:
+        """Keep the first keep[r] positions of the verify's row r (keep [n] on the device, 1 … T) and move its device
+        position past them; the host follows with `KVCache.advanced`."""
+        n, b = keep.shape[0], verified[1]
         self.keep[:n].copy_(keep, non_blocking=True)
-        if not self.capture:
+        step = self.graphs[verified].step
+        if self.capture:
+            self._commit_graph(("commit", b, verified[2]), step).graph.replay()
+        else:
             self._commit(b, step)
-            return
-        commit_key = ("commit", b, key[2])
-        captured = self.graphs.get(commit_key) or self._capture_commit(commit_key, step)
-        captured.graph.replay()
 
     def capture_all(
         self, rows: int, widths: Sequence[int] = (), progress: Callable[[int, int], None] | None = None
@@ -141,8 +150,8 @@ class StepGraphs:
                 self._ready(("draft", b, 1), self._draft)
             for w in widths:
                 verify = self._ready(("verify", b, 1 + w), self._verify)
-                if self.capture and ("commit", b, 1 + w) not in self.graphs:
-                    self._capture_commit(("commit", b, 1 + w), verify.step)
+                if self.capture:
+                    self._commit_graph(("commit", b, 1 + w), verify.step)
             if progress is not None:
                 progress(done, len(buckets))
 
@@ -211,7 +220,10 @@ class StepGraphs:
             outputs, step = run(b, T, True)
         return self._keep(key, Captured(graph, outputs, step))
 
-    def _capture_commit(self, key: tuple[str, int, int], step: Step | None) -> Captured:
+    def _commit_graph(self, key: tuple[str, int, int], step: Step | None) -> Captured:
+        """The commit graph of a verify (its `step`'s staged writes), captured on first use."""
+        if key in self.graphs:
+            return self.graphs[key]
         assert step is not None, "a verify graph holds its step"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
