@@ -8,7 +8,8 @@
   per lane for all of them (`DecodeBatch.join_many`), whose fixed cost is most of a replay's. A token-ids prompt is
   PREFILLING first: decode encodes it itself on top of the cached prefix, ONE chunk per iteration for the first
   prefilling sequence (arrival order), so the running streams wait at most one chunk between two tokens
-  (local_prefill.py); after its last chunk it joins its lane the same way.
+  (local_prefill.py; in a rank group on the rank it will join only); after its last chunk it joins its lane the same
+  way.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
   per step): a request that turns speculation off, or every request under --no-speculation. Every row draws from its
   own generator, and a seeded sampled row's tokens are fixed by its seed per output position (sampler.py), so seeded
@@ -38,13 +39,13 @@ import grpc
 import torch
 from torch import Tensor
 
-from decode_svc.local_prefill import LocalPrefill
+from decode_svc.local_prefill import OnRank, Prefill, Restorable
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
-from decode_svc.spread import SpreadBatch, new_batch
+from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
 from model_service.ranks import LocalCalls, ModelCalls
@@ -87,7 +88,7 @@ class Engine:
         self.write_back = write_back
         self.batches: dict[Lane, DecodeBatch] = {lane: self._new_batch() for lane in Lane}
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
-        self.prefilling: dict[Sequence, LocalPrefill] = {}  # PREFILLING sequences, in arrival order
+        self.prefilling: dict[Sequence, Prefill] = {}  # PREFILLING sequences, in arrival order
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
@@ -266,9 +267,8 @@ class Engine:
         assert prompt is not None
         if prompt.restorable is not None:
             return True
-        self.prefilling[seq] = self.calls.new(
-            LocalPrefill, prompt.token_ids, prompt.past, self.settings.chunk_size, methods=("advance",)
-        )
+        batch = self.batches[self._lane(seq)]
+        self.prefilling[seq] = new_prefill(self.calls, batch, prompt.token_ids, prompt.past, self.settings.chunk_size)
         self._enter(seq, State.PREFILLING)
         return False
 
@@ -303,7 +303,7 @@ class Engine:
             seconds=round(prefill.seconds, 3),
         )
         self.write_back(seq, prompt.token_ids, out.blocks, None)  # what a prefill replica would have written
-        prompt.blocks, prompt.state = prefill.cached_blocks + out.blocks, out.encoder_state
+        prompt.prefilled = prefill.restorable
         self._join([seq])
 
     def _join(self, seqs: list[Sequence]) -> None:
@@ -330,7 +330,7 @@ class Engine:
             self._start(lane, joining, joined)
 
     @staticmethod
-    def _restorable(seq: Sequence) -> tuple[list[GlobalKVBlock], EncoderState]:
+    def _restorable(seq: Sequence) -> Restorable | OnRank:
         assert seq.prompt is not None
         assert seq.prompt.restorable is not None
         return seq.prompt.restorable
@@ -385,7 +385,8 @@ class Engine:
     def _new_batch(self) -> DecodeBatch | SpreadBatch:
         """A lane's batch, holding max_batch rows (per rank of a group) from the start (its step graphs are never
         reallocated by a join)."""
-        return new_batch(self.calls, self.settings.max_batch, lambda: self.batches.values(), self.metrics.rank_rows)
+        lanes, prefills = lambda: self.batches.values(), lambda: self.prefilling.values()
+        return new_batch(self.calls, self.settings.max_batch, lanes, prefills, self.metrics.rank_rows)
 
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):

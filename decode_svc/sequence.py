@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from decode_svc.guide import Guide
+from decode_svc.local_prefill import OnRank, Restorable
 from decode_svc.speculation import DraftRecord
 from model import EncoderState, GlobalKVBlock, Past
 from proto.decode.v1 import decode_pb2
@@ -92,7 +93,7 @@ class Params:
 @dataclass
 class Prompt:
     """What the engine restores a sequence from: a prefill's handoff (`blocks` + `state`), or token ids it prefills
-    itself on top of a cached prefix (`past`)."""
+    itself on top of a cached prefix (`past`; `prefilled` once done)."""
 
     token_ids: list[int]
     blocks: list[GlobalKVBlock] | None = None
@@ -101,10 +102,13 @@ class Prompt:
     cached_tokens: int = 0
     bounded_replay: bool = False
     local_prefill: str = ""  # why decode prefills it itself ("" = it comes from a handoff)
+    prefilled: Restorable | OnRank | None = None  # decode's own prefill of it, once done (`Prefill.restorable`)
 
     @property
-    def restorable(self) -> tuple[list[GlobalKVBlock], EncoderState] | None:
-        """(blocks, state) a batch restores it from: a prefill's handoff, or decode's own prefill once done."""
+    def restorable(self) -> Restorable | OnRank | None:
+        """What a batch restores it from: a prefill's handoff (blocks, state), or decode's own prefill once done."""
+        if self.prefilled is not None:
+            return self.prefilled
         return (self.blocks, self.state) if self.blocks is not None and self.state is not None else None
 
 

@@ -7,9 +7,11 @@ W times the rows of one.
              the other ranks' MoE rounds until every rank is done (`Transformer.serve_idle`); its logits reach rank 0
              by one gather on the device, the rest of its result with its report on the plan (`gather_object`)
 
-A joining sequence goes to the rank holding the fewest rows over the engine's lanes (the lowest rank on a tie). Rows
-are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order, so
-the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
+A joining sequence goes to the rank holding the fewest rows over the engine's lanes, counting the local prefills
+running there (the lowest rank on a tie). A token-ids prompt decode prefills itself is placed when its prefill starts:
+its chunks run on that rank only, the others answering their MoE rounds (`SpreadPrefill`), and it joins that rank.
+Rows are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order,
+so the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
 plain step's logits (a constrained row's masks live in its grammar matcher there), while DSpark's draft and verify
 draw inside the model, on the rank holding the row, from the row's own generator (sent with the plan, its state sent
 back). A draft's distributions stay on the ranks that drew them, for their verify.
@@ -27,24 +29,86 @@ import torch.distributed as dist
 from prometheus_client import Gauge
 from torch import Tensor
 
+from decode_svc.local_prefill import LocalPrefill, OnRank, Prefill, Restorable
 from decode_svc.speculation import trim
-from model import DecodeBatch, EncoderState, GlobalKVBlock, SamplingParams, Transformer
+from model import DecodeBatch, Past, PrefillOutput, SamplingParams, Transformer
 from model.decode import SequenceExport, VerifyResult
 from model.dspark import Draft
 from model.sampling import Generators
 from model_service.ranks import GroupCalls, ModelCalls, Outcome
 
-Restorable = tuple[list[GlobalKVBlock], EncoderState]  # a prefilled prompt, as it joins a batch
 Part = tuple[Any, list[Tensor] | None, list[int]]  # a rank's part of a call: small results, gathered logits, row order
 Lanes = Callable[[], Iterable[Any]]  # every lane's batch of the engine
+Prefills = Callable[[], Iterable[Any]]  # the engine's local prefills (SpreadPrefills)
 
 
-def new_batch(calls: ModelCalls, capacity: int, lanes: Lanes, rows: Gauge) -> DecodeBatch | SpreadBatch:
-    """A lane's batch of `capacity` rows per rank: one process's DecodeBatch, or spread over a rank group (`lanes`:
-    where the group's rows are; `rows`: the gauge of each rank's, labelled by rank)."""
+def new_batch(
+    calls: ModelCalls, capacity: int, lanes: Lanes, prefills: Prefills, rows: Gauge
+) -> DecodeBatch | SpreadBatch:
+    """A lane's batch of `capacity` rows per rank: one process's DecodeBatch, or spread over a rank group (`lanes`
+    and `prefills`: where the group's rows are, and those about to join; `rows`: the gauge of each rank's, labelled
+    by rank)."""
     if isinstance(calls, GroupCalls):
-        return SpreadBatch(calls, capacity, lanes, rows)
+        return SpreadBatch(calls, capacity, lanes, prefills, rows)
     return calls.new(DecodeBatch, capacity=capacity)
+
+
+def new_prefill(
+    calls: ModelCalls, batch: DecodeBatch | SpreadBatch, token_ids: list[int], past: Past | None, chunk_tokens: int
+) -> Prefill:
+    """A token-ids prompt's local prefill, to join `batch` (its lane's): in this process, or on the rank of a group
+    the prompt will join."""
+    if isinstance(batch, SpreadBatch):
+        return batch.prefill(token_ids, past, chunk_tokens)
+    return calls.new(LocalPrefill, token_ids, past, chunk_tokens)
+
+
+class RankPrefill:
+    """One rank's part of a local prefill that rank `rank` runs: there, the prompt's next chunk; on every rank, then,
+    the other ranks' MoE rounds until all are done."""
+
+    def __init__(
+        self, model: Transformer, rank: int, token_ids: list[int], past: Past | None, chunk_tokens: int
+    ) -> None:
+        self.model = model
+        self.prefill = LocalPrefill(model, token_ids, past, chunk_tokens) if model.parallel.rank == rank else None
+
+    def advance(self) -> tuple[int, PrefillOutput | None] | None:
+        """→ (tokens encoded, the output once done) on the rank running it; None elsewhere."""
+        try:
+            if self.prefill is None:
+                return None
+            self.prefill.advance()
+            return self.prefill.position, self.prefill.output
+        finally:
+            self.model.serve_idle()
+
+
+class SpreadPrefill(Prefill):
+    """Rank 0's side of a local prefill in a rank group: its chunks run on `rank` alone, the rank its sequence will
+    join, so a group does one prefill's work, not W. That rank reports its position after each chunk and its output
+    after the last (the blocks rank 0 writes back to the cache); the sequence then joins it (`OnRank`)."""
+
+    def __init__(
+        self, calls: GroupCalls, rank: int, token_ids: list[int], past: Past | None, chunk_tokens: int
+    ) -> None:
+        super().__init__(past)
+        self.calls, self.rank = calls, rank
+        self.ranks = calls.new(RankPrefill, rank, token_ids, past, chunk_tokens)
+        self._position = 0
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @property
+    def restorable(self) -> OnRank:
+        """The prefilled prompt, to join the rank that prefilled it."""
+        return OnRank(self.rank, self._prompt())
+
+    def _chunk(self) -> None:
+        outcomes = self.calls.spread(self.ranks, "advance", [()] * self.calls.world_size)
+        self._position, self.output = _values(outcomes)[self.rank]
 
 
 class RankRows:
@@ -128,8 +192,8 @@ class RankRows:
 class SpreadBatch:
     """Rank 0's view of a lane spread over a data-parallel rank group, called as a `DecodeBatch` is."""
 
-    def __init__(self, calls: GroupCalls, capacity: int, lanes: Lanes, rows: Gauge) -> None:
-        self.calls, self.world, self.lanes, self.rows = calls, calls.world_size, lanes, rows
+    def __init__(self, calls: GroupCalls, capacity: int, lanes: Lanes, prefills: Prefills, rows: Gauge) -> None:
+        self.calls, self.world, self.lanes, self.prefills, self.rows = calls, calls.world_size, lanes, prefills, rows
         self.ranks = calls.new(RankRows, capacity)
         self.held: list[list[int]] = [[] for _ in range(self.world)]  # per rank: its rows' group seq ids, in order
         self.local: dict[int, tuple[int, int]] = {}  # group seq id → (rank, the rank's seq id)
@@ -148,12 +212,13 @@ class SpreadBatch:
         return [len(held) for held in self.held]
 
     # ---------------------------------------------------------------------------------------------- membership
-    def join_many(self, prompts: list[Restorable]) -> list[tuple[int, Tensor]]:
-        """Each prompt joins the least loaded rank → (group seq id, next logits [V]) per prompt, in order. All or
-        none: if a rank cannot restore its prompts, those that joined other ranks leave again and the error is
-        raised."""
-        ranks = self._assign(len(prompts))
-        mine = [[p for p, r in zip(prompts, ranks, strict=True) if r == rank] for rank in range(self.world)]
+    def join_many(self, prompts: list[Restorable | OnRank]) -> list[tuple[int, Tensor]]:
+        """Each prompt joins the least loaded rank, or the rank that prefilled it (`OnRank`) → (group seq id, next
+        logits [V]) per prompt, in order. All or none: if a rank cannot restore its prompts, those that joined other
+        ranks leave again and the error is raised."""
+        ranks = self._assign(prompts)
+        restorables = [p.prompt if isinstance(p, OnRank) else p for p in prompts]
+        mine = [[p for p, r in zip(restorables, ranks, strict=True) if r == rank] for rank in range(self.world)]
         rows = max(len(m) for m in mine)
         outcomes = self.calls.spread(self.ranks, "join_many", [(m, rows) for m in mine])
         failed = next((o.error for o in outcomes if o.error is not None), None)
@@ -178,18 +243,36 @@ class SpreadBatch:
         exports = self._each("leave", by_rank)[0][rank]
         return exports[0]
 
+    def prefill(self, token_ids: list[int], past: Past | None, chunk_tokens: int) -> SpreadPrefill:
+        """A local prefill on the rank its prompt will join: the least loaded now. Until it joins, it counts as a row
+        of that rank (`_load`), so that no join meanwhile fills the rank beyond its capacity."""
+        return SpreadPrefill(self.calls, self._least(self._load()), token_ids, past, chunk_tokens)
+
     def group_rows(self) -> list[int]:
         """The rows each rank holds in every lane."""
         return [sum(held) for held in zip(*(lane.rows_by_rank for lane in self.lanes()), strict=True)]
 
-    def _assign(self, n: int) -> list[int]:
-        """The rank each of n joining rows goes to: the one holding the fewest rows at the time (lowest on a tie)."""
-        rows, ranks = self.group_rows(), []
-        for _ in range(n):
-            rank = rows.index(min(rows))
-            rows[rank] += 1
-            ranks.append(rank)
-        return ranks
+    def _load(self) -> list[int]:
+        """The rows each rank holds in every lane, and those its local prefills will join."""
+        load = self.group_rows()
+        for prefill in self.prefills():
+            load[prefill.rank] += 1
+        return load
+
+    def _assign(self, prompts: list[Restorable | OnRank]) -> list[int]:
+        """The rank each joining prompt goes to: the one that prefilled it, or the least loaded at the time."""
+        load = self._load()
+        for prompt in prompts:
+            if isinstance(prompt, OnRank):
+                load[prompt.rank] += 1
+        return [p.rank if isinstance(p, OnRank) else self._least(load) for p in prompts]
+
+    @staticmethod
+    def _least(load: list[int]) -> int:
+        """The rank holding the fewest rows (the lowest on a tie), counted as holding one more."""
+        rank = load.index(min(load))
+        load[rank] += 1
+        return rank
 
     def _order(self, rank: int, order: list[int], joined: list[int] = ()) -> None:
         """A rank's rows after a call, in its batch's order (`joined`: its seq ids new to the group)."""

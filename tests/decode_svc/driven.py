@@ -18,6 +18,7 @@ from decode_svc.guide import Guide
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence
 from model import Past, PrefillOutput, Transformer
+from model_service.ranks import ModelCalls
 
 GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
@@ -79,8 +80,9 @@ def json_logger() -> Any:
 
 
 @contextmanager
-def driven_engine(model: Transformer, **settings: Any) -> Iterator[Driven]:
-    """A driven engine; `settings` override EngineSettings' test defaults (4 slots, no speculation, 16-token chunks)."""
+def driven_engine(model: Transformer, calls: ModelCalls | None = None, **settings: Any) -> Iterator[Driven]:
+    """A driven engine (`calls`: a rank group's, default this process only); `settings` override EngineSettings' test
+    defaults (4 slots, no speculation, 16-token chunks)."""
     defaults = {"max_batch": 4, "max_queue": 4, "speculation": False, "max_draft": 1, "draft_policy": "measured"}
     registry = CollectorRegistry()
     loop = asyncio.new_event_loop()
@@ -91,6 +93,7 @@ def driven_engine(model: Transformer, **settings: Any) -> Iterator[Driven]:
         DecodeMetrics(registry),
         json_logger(),
         lambda *a: written.append(a),
+        calls=calls,
     )
     try:
         yield Driven(engine, registry, loop, written)

@@ -1,22 +1,26 @@
 """A decode rank group of two (this process as rank 0, one spawned follower, gloo on loopback): what a follower's part
 of a spread call raised comes back to rank 0 naming the rank; a join that one rank cannot take leaves nothing joined
-on the other; a follower failing a replicated call that rank 0 completed fails the group."""
+on the other; a follower failing a replicated call that rank 0 completed fails the group; a local prefill runs on the
+rank its sequence joins only."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import structlog
 import torch
 import torch.distributed as dist
+from driven import driven_engine
 from prometheus_client import CollectorRegistry, Gauge
 from service_mesh import free_port
 
 from decode_svc.config import DecodeConfig
+from decode_svc.sequence import Lane, State
 from decode_svc.spread import SpreadBatch
 from model import Transformer, encode_prefill
+from model_service.kvstore import encode_with_past
 from model_service.ranks import GroupCalls, Outcome, RankGroup, RankGroupError, start_group
 
 
@@ -39,7 +43,7 @@ def calls(started: tuple[RankGroup, Transformer]) -> GroupCalls:
 
 def spread_batch(calls: GroupCalls) -> SpreadBatch:
     gauge = Gauge("rows", "rows by rank", ("rank",), registry=CollectorRegistry())
-    batch = SpreadBatch(calls, 2, lambda: [batch], gauge)
+    batch = SpreadBatch(calls, 2, lambda: [batch], list, gauge)
     return batch
 
 
@@ -77,3 +81,30 @@ def test_a_follower_failing_a_call_rank_0_completed_fails_the_group(
     assert all(child.poll() is not None for child in group.children)  # no rank left running
     with pytest.raises(RankGroupError):
         calls.run(torch.nn.Module.get_submodule, "embed")
+
+
+def test_a_local_prefill_runs_on_the_rank_its_sequence_joins_only(
+    started: tuple[RankGroup, Transformer], calls: GroupCalls, prompt: Callable[[int], list[int]]
+) -> None:
+    """Beside a sequence decoding on rank 0, a token-ids prompt is prefilled by rank 1 alone, in chunks, and joins it:
+    rank 0 embeds no token of the prompt (only its own row's, one a step) and writes back the blocks one encoder pass
+    over the whole prompt gives."""
+    model = started[1]
+    with driven_engine(model, calls) as d:
+        running = d.submit(prompt(20), 64, handoff=calls.run(encode_prefill, prompt(20)), speculate=False)
+        d.engine.iterate()  # the handoff joins rank 0, the first of two empty ranks
+        assert running.state is State.RUNNING
+        embedded: list[int] = []
+        hook = model.embed.register_forward_hook(lambda _, args, __: embedded.append(args[0].numel()))
+        ids = prompt(40)
+        joining = d.submit(ids, 4, speculate=False)
+        while joining.state is not State.RUNNING:
+            d.engine.iterate()
+        hook.remove()
+        assert d.engine.batches[Lane.PLAIN].rows_by_rank == [1, 1]
+        assert d.metric("local_prefill_chunks_total") == 3  # ⌈40 / 16⌉, every one on rank 1
+        assert set(embedded) == {1}  # rank 0 ran its own row's steps, no chunk of the prompt
+        ((_, written_ids, blocks, _),) = d.written
+        whole = calls.run(encode_with_past, ids, None, 16)
+        assert written_ids == ids
+        assert [b.to_bytes() for b in blocks] == [b.to_bytes() for b in whole.blocks]
