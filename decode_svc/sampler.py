@@ -48,6 +48,7 @@ class StepSampling(SamplingParams):
     seeds: tuple[int | None, ...] = ()  # per row: the seed of a seeded sampled row, else None
     cursor: list[int] = field(default_factory=list)  # per row: the output index of the next position covered
     masks: Masks | None = None  # the rows' output constraints (None: no row has one)
+    logprobs: tuple[bool, ...] | None = None  # per row: whether its logprobs are reported (None: every row's)
 
     def probs(self, logits: Tensor) -> Tensor:
         if self.masks is not None:
@@ -79,6 +80,7 @@ def batch_sampling(rows: Seq[Sequence], chain: Chain | None = None) -> StepSampl
         seeds=tuple(x.seed if x.seeded else None for x in s),
         cursor=[len(row.output) for row in rows],
         masks=Masks(guides, chain) if any(g is not None for g in guides) else None,
+        logprobs=tuple(row.params.logprobs for row in rows),
     )
 
 

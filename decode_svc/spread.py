@@ -14,13 +14,16 @@ Rows are ordered rank by rank, each rank's in its own batch's order; batched arg
 so the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
 plain step's logits (a constrained row's masks live in its grammar matcher there), while DSpark's draft and verify
 draw inside the model, on the rank holding the row, from the row's own generator (sent with the plan, its state sent
-back). A draft's distributions stay on the ranks that drew them, for their verify.
+back). A draft's distributions stay on the ranks that drew them, for their verify; a verify's accepted tokens come
+back with the plan's report, and its logits only for the rows whose requests report logprobs (rank 0 reads them for
+nothing else).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -150,15 +153,16 @@ class RankRows:
         sampling: SamplingParams,
         lengths: Tensor,
         generators: Generators,
+        kept: list[int],
         rows: int,
     ) -> Part:
         """Verify the first `width` drafts of this rank's last draft → ((accepted, tokens, the generators' states),
-        the target logits gathered)."""
+        the target logits of its rows `kept` gathered: none gathered when no rank keeps any)."""
 
         def verify() -> tuple[tuple[Tensor, list[list[int]], list[Tensor]], Tensor]:
             assert self.draft is not None
             result = self.batch.verify(tokens, trim(self.draft, width), sampling, lengths, generators)
-            return (result.accepted, result.tokens, _states(generators)), result.logits
+            return (result.accepted, result.tokens, _states(generators)), result.logits[kept]
 
         return self._forward(verify, bool(tokens), rows, (1 + width,))
 
@@ -310,16 +314,24 @@ class SpreadBatch:
         lengths: Tensor | None = None,
         generators: Generators = None,
     ) -> VerifyResult:
-        """Each rank verifies the first `draft`-width drafts of its own last draft (`draft` is this batch's)."""
+        """Each rank verifies the first `draft`-width drafts of its own last draft (`draft` is this batch's). The
+        ranks accept and draw the tokens themselves; rank 0 reads a row's logits only for the logprobs its request
+        reports (`StepSampling.logprobs`), so only those rows' logits are gathered — none when no row reports
+        logprobs — and the others' are NaN."""
         B, width = draft.tokens.shape
         lengths = torch.full((B,), width, dtype=torch.int64) if lengths is None else lengths
-        counts = self.rows_by_rank
-        parts = self._by_rank(list(tokens), sampling, lengths, generators)
-        small, gathered = self._each("verify", [(t, width, s, n, g, max(counts)) for t, s, n, g in parts])
+        reported = getattr(sampling, "logprobs", None) or (True,) * B
+        parts = self._by_rank(list(tokens), sampling, lengths, generators, list(reported))
+        kept = [[i for i, report in enumerate(r) if report] for *_, r in parts]
+        rows = max(len(k) for k in kept)
+        args = [(t, width, s, n, g, k, rows) for (t, s, n, g, _), k in zip(parts, kept, strict=True)]
+        small, gathered = self._each("verify", args)
         results = [r for r in small if r is not None]
         self._restore([states for *_, states in results], generators)
         emitted = [row for r in results for row in r[1]]
-        return VerifyResult(torch.cat([r[0] for r in results]), emitted, _cat(gathered, counts))
+        model = self.calls.model
+        logits = _kept(gathered, kept, self.rows_by_rank, (1 + width, model.args.vocab_size), model.device)
+        return VerifyResult(torch.cat([r[0] for r in results]), emitted, logits)
 
     def _each(self, method: str, by_rank: list[tuple[Any, ...]]) -> tuple[list[Any], list[Tensor] | None]:
         """A spread call of the rows' method → (each rank's small results, None where it held no rows; the logits
@@ -362,6 +374,25 @@ def _cat(gathered: list[Tensor] | None, counts: list[int]) -> Tensor:
     """Every rank's gathered rows (padded) → the batch's, rank by rank."""
     assert gathered is not None
     return torch.cat([rows[:n] for rows, n in zip(gathered, counts, strict=True)])
+
+
+def _kept(
+    gathered: list[Tensor] | None,
+    kept: list[list[int]],
+    counts: list[int],
+    shape: tuple[int, ...],
+    device: torch.device,
+) -> Tensor:
+    """The batch's fp32 logits [B, *shape] from the rows each rank kept (`gathered`, padded; in rank order), NaN in
+    every other row, which nothing reads — with no row kept, a single NaN seen as the whole tensor (no memory)."""
+    B = sum(counts)
+    if gathered is None:
+        return torch.full((), math.nan, dtype=torch.float32, device=device).expand(B, *shape)
+    starts = itertools.accumulate(counts[:-1], initial=0)
+    rows = [start + i for start, k in zip(starts, kept, strict=True) for i in k]
+    logits = torch.full((B, *shape), math.nan, dtype=torch.float32, device=device)
+    logits[rows] = torch.cat([g[: len(k)] for g, k in zip(gathered, kept, strict=True)])
+    return logits
 
 
 def _states(generators: Generators) -> list[Tensor]:

@@ -60,6 +60,14 @@ def generate(
         return [t for m in decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S) for t in m.token_ids]
 
 
+def logprobs(child: Served, prompt: list[int], max_tokens: int) -> list[float]:
+    """The logprobs of a greedy generation's tokens, DSpark on."""
+    with grpc.insecure_channel(child.address) as channel:
+        request = decode_pb2.GenerateRequest(token_ids=token_ids(prompt), max_tokens=max_tokens, logprobs=True)
+        stream = decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S)
+        return [t.logprob for m in stream for t in m.logprobs]
+
+
 def test_two_ranks_generate_the_tokens_of_one(serve: Callable[..., Served], prompt: Callable) -> None:
     one, two = ranked(serve, 1), ranked(serve, 2)
     assert "ranks_spawned" not in one.seen
@@ -74,7 +82,8 @@ def test_two_ranks_generate_the_tokens_of_one(serve: Callable[..., Served], prom
 def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Served], prompt: Callable) -> None:
     """With --max-batch 1 a rank holds one sequence: a group of two runs two streams at once, one on each rank (the
     rank_rows gauge), where one rank runs one and queues the other. Beside a stream on rank 0, rank 1 decodes the
-    greedy tokens one process decodes, DSpark on and off, and under an output constraint."""
+    greedy tokens one process decodes, DSpark on and off, and under an output constraint, and reports its logprobs
+    (from its row's logits alone, which a verify gathers to rank 0)."""
     metrics = free_port()
     one = ranked(serve, 1, "--max-batch", "1")
     two = ranked(serve, 2, "--max-batch", "1", "--metrics-port", str(metrics))
@@ -91,6 +100,8 @@ def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Serve
     wait_until(lambda: rows(1) == 0, "rank 1 to let its sequence go")
     for p, speculate in ((prompt(40), True), (prompt(23), False)):
         assert generate(two, p, 12, speculate, None) == generate(one, p, 12, speculate, None), speculate
+    p = prompt(35)
+    assert logprobs(two, p, 8) == pytest.approx(logprobs(one, p, 8), abs=1e-4)
     words = decode_pb2.OutputConstraint(regex="[a-z ]+")  # rank 0 masks what rank 1 decodes
     p = prompt(33)
     assert generate(two, p, 12, False, None, words) == generate(one, p, 12, False, None, words)

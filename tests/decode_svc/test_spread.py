@@ -1,7 +1,7 @@
 """A decode rank group of two (this process as rank 0, one spawned follower, gloo on loopback): what a follower's part
 of a spread call raised comes back to rank 0 naming the rank; a join that one rank cannot take leaves nothing joined
 on the other; a follower failing a replicated call that rank 0 completed fails the group; a local prefill runs on the
-rank its sequence joins only."""
+rank its sequence joins only; a verify gathers the logits of the rows that report logprobs only."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry, Gauge
 from service_mesh import free_port
 
 from decode_svc.config import DecodeConfig
+from decode_svc.sampler import StepSampling
 from decode_svc.sequence import Lane, State
 from decode_svc.spread import SpreadBatch
-from model import Transformer, encode_prefill
+from model import SamplingParams, Transformer, encode_prefill
 from model_service.kvstore import encode_with_past
 from model_service.ranks import GroupCalls, Outcome, RankGroup, RankGroupError, start_group
 
@@ -108,3 +109,28 @@ def test_a_local_prefill_runs_on_the_rank_its_sequence_joins_only(
         whole = calls.run(encode_with_past, ids, None, 16)
         assert written_ids == ids
         assert [b.to_bytes() for b in blocks] == [b.to_bytes() for b in whole.blocks]
+
+
+def test_a_verify_gathers_the_logits_of_the_rows_that_report_logprobs_only(calls: GroupCalls) -> None:
+    """The ranks accept and draw a verify's tokens themselves; rank 0 reads a row's logits only for the logprobs its
+    request reports. With none reported no logits are gathered (the result's are one NaN, holding no memory); with the
+    row on rank 1 reporting them, that row's alone: the target logits its last token is the argmax of (greedy)."""
+    batch = spread_batch(calls)
+    prompt = calls.run(encode_prefill, list(range(2, 30)))
+    (_, logits), _ = batch.join_many([(prompt.blocks, prompt.encoder_state)] * 2)  # one row on each rank
+    greedy = SamplingParams.uniform(2)
+    pending = [int(logits.argmax())] * 2
+    for reported in ((False, False), (False, True)):
+        sampling = StepSampling(greedy.temperature, greedy.top_k, greedy.top_p, logprobs=reported)
+        draft = batch.dspark_draft(pending, sampling)
+        result = batch.verify(pending, draft, sampling)
+        assert result.logits.shape == (2, 1 + draft.tokens.shape[1], calls.model.args.vocab_size)
+        assert result.logits[0].isnan().all()
+        if reported[1]:
+            accepted = int(result.accepted[1])
+            assert result.logits[1].isfinite().all()
+            assert result.tokens[1][-1] == int(result.logits[1, accepted].argmax())
+        else:
+            assert result.logits.untyped_storage().nbytes() == result.logits.element_size()
+            assert result.logits.isnan().all()
+        pending = [row[-1] for row in result.tokens]
