@@ -49,6 +49,7 @@ from decode_svc.server import DecodeServer  # noqa: E402
 from decode_svc.step_times import Forward  # noqa: E402
 from mesh.logging import configure_logging  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
+from model import kernels  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from train.eval import chat_prompts  # noqa: E402
@@ -209,6 +210,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out conversations (train.eval)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+        help="batch-invariant numerics on a GPU, as the decode service's default (model.kernels.invariance)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/decode_bench.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -217,6 +222,7 @@ def main() -> int:
     if unknown or min(batches) < 1:
         parser.error(f"batches must be ≥ 1; samplings one of {', '.join(SAMPLINGS)} (got {unknown})")
     torch.set_num_threads(args.threads)
+    kernels.set_batch_invariant(args.batch_invariant and torch.cuda.is_available())
     configure_logging("decode_bench", level="warning")
 
     prompts = chat_prompts(args.prompt_seed, max(batches))

@@ -140,13 +140,14 @@ def indexer_inputs(B: int, T: int, H: int, Di: int, S: int, ragged: bool) -> tup
 def attention_inputs(B: int, T: int, H: int, D: int, W: int, N: int, K: int, ragged: bool) -> tuple:
     q = randn(B, T, H, D, dtype=torch.bfloat16)
     swa_data, swa_scale = kernels.quantize_swa_fp8(randn(B, W, D), backend="triton")
-    swa_mask = torch.rand(B, T, W, device=DEVICE) < (0.8 if ragged else 2.0)
+    swa_idx = torch.arange(W, device=DEVICE, dtype=torch.int32).expand(B, T, W)
+    swa_idx = torch.where(torch.rand(B, T, W, device=DEVICE) < (0.8 if ragged else 2.0), swa_idx, -1)
     kv_data, kv_scale = random_bytes(B, N, D // 2), valid_e4m3_scales(B, N, D // 16)
     idx = torch.randint(0, N, (B, T, K), device=DEVICE, dtype=torch.int32)  # repeats allowed: the kernel may see any
     if ragged:
         idx = torch.where(torch.rand(B, T, K, device=DEVICE) < 0.1, -1, idx)
     sink = randn(H)
-    return q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, D**-0.5
+    return q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, D**-0.5
 
 
 def fp8_linear_inputs(M: int, N: int, K: int) -> tuple[torch.Tensor, ...]:

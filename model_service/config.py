@@ -28,6 +28,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, float64, bfloat16 or float16
     engram_store: Engram tables: device, host (pinned memory), mmap (the checkpoint's shards), auto (docs/services.md)
     threads: torch CPU threads (0 = torch's default)
+    batch_invariant: on a GPU, each sequence's numerics independent of the batch it runs in (model.kernels.invariance)
     cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
     cache_timeout_s: deadline of every cache RPC
     chunk_size: prompt tokens per encoder forward (bounds activation memory on long prompts)
@@ -52,6 +53,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     engram_store: Literal["auto", "device", "host", "mmap"] = "auto"
     threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    batch_invariant: bool = False
     cache: list[str] = msgspec.field(default_factory=list)
     cache_timeout_s: PositiveFloat = 5.0
     chunk_size: Positive = 512

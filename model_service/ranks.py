@@ -507,18 +507,9 @@ def layout_of(cfg: ModelServiceConfig) -> Layout:
 def load_rank(group: RankGroup) -> Transformer:
     """This rank's share of the model (its experts only), warmed up like a single process's — the same calls on
     every rank, so the warm-up's collectives meet."""
-    from model_service.runtime import load_model, warm_up
+    from model_service.runtime import load_service_model
 
-    cfg = group.cfg
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = rank_device(cfg, group.layout.local_rank)
-    model = load_model(
-        cfg.model, group.part, device=device, dtype=cfg.dtype, seed=cfg.seed, engram=cfg.engram_store,
-        parallel=group.parallel(),
-    )  # fmt: skip
-    warm_up(model)
-    return model
+    return load_service_model(group.cfg, group.part, rank_device(group.cfg, group.layout.local_rank), group.parallel())
 
 
 def start_group(cfg: ModelServiceConfig, part: Part, log: Any) -> tuple[RankGroup, Transformer]:

@@ -30,6 +30,7 @@ from model import (
     Transformer,
     build_model,
     encode_prefill,
+    kernels,
     load_checkpoint,
     preset,
 )
@@ -86,6 +87,20 @@ def load_model(
         model = build_model(args, part, seed=seed, device=where, dtype=precision, engram=placement, parallel=parallel)
     model.engram_placement = placement
     return model.eval()
+
+
+def load_service_model(cfg: ModelServiceConfig, part: Part, device: str, parallel: Parallel = SINGLE) -> Transformer:
+    """A service's model (or its rank's share), warmed up, after the process-wide settings that must come before the
+    first forward: CPU threads and, on a GPU, batch invariance (`model.kernels.invariance`)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.batch_invariant and resolve_device(device).type == "cuda":
+        kernels.set_batch_invariant(True)
+    model = load_model(
+        cfg.model, part, device=device, dtype=cfg.dtype, seed=cfg.seed, engram=cfg.engram_store, parallel=parallel
+    )
+    warm_up(model)
+    return model
 
 
 def warm_up(model: Transformer) -> None:
@@ -282,13 +297,7 @@ class ModelServer:
         self.failed.set()
 
     def _load(self) -> Transformer:
-        cfg = self.cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         started = time.monotonic()
-        model = load_model(
-            cfg.model, self.part, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, engram=cfg.engram_store
-        )
-        warm_up(model)
+        model = load_service_model(self.cfg, self.part, self.cfg.device)
         self.log.info("model_loaded", seconds=round(time.monotonic() - started, 3), **model_summary(model))
         return model

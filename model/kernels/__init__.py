@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 
 from model.kernels import candidates, fp8_gemm, hc_mixes, indexer, kv_quant, moe_gemm, rope, sparse_attn, topk
 from model.kernels.fp8_gemm import FP8GemmTuning
+from model.kernels.invariance import batch_invariant, set_batch_invariant
 from model.kernels.moe_gemm import MoEGemmTuning
 
 Backend = Literal["torch", "triton"]
@@ -29,6 +30,7 @@ __all__ = [
     "FP8GemmTuning",
     "MoEGemmTuning",
     "backend_for",
+    "batch_invariant",
     "candidate_mask",
     "default_backend",
     "dequantize_index_fp4",
@@ -45,6 +47,7 @@ __all__ = [
     "quantize_kv_fp4",
     "quantize_swa_fp8",
     "rope_rotate",
+    "set_batch_invariant",
     "sparse_attention",
     "topk_indices",
 ]
@@ -215,7 +218,7 @@ def sparse_attention(
     q: Tensor,
     swa_data: Tensor,
     swa_scale: Tensor,
-    swa_mask: Tensor,
+    swa_idx: Tensor,
     kv_data: Tensor,
     kv_scale: Tensor,
     idx: Tensor,
@@ -223,7 +226,8 @@ def sparse_attention(
     softmax_scale: float,
     backend: Backend = "torch",
 ) -> Tensor:
-    """Attention of q [B,T,H,D] over [FP8 ring slots (swa_mask) ‖ FP4 entries idx (−1 = none)] with a sink → q's dtype.
+    """Attention of q [B,T,H,D] over [its window: FP8 key slots swa_idx [B,T,W] of swa_data [B,S,D], oldest position
+    first ‖ FP4 entries idx] (−1 = none) with a sink → q's dtype.
 
     The torch reference computes in q's precision (at least fp32), the Triton kernel in fp32. N may be 0 (nothing
     stored yet): then every idx slot must be −1."""
@@ -232,15 +236,14 @@ def sparse_attention(
     if D % kv_quant.SWA_BLOCK != 0:
         raise ValueError(f"q: latent dim must be a multiple of {kv_quant.SWA_BLOCK}, got {D}")
     _expect("swa_data", swa_data, (B, None, D), (torch.uint8,))
-    W = swa_data.shape[1]
-    _expect("swa_scale", swa_scale, (B, W, D // kv_quant.SWA_BLOCK), (torch.uint8,))
-    _expect("swa_mask", swa_mask, (B, T, W), (torch.bool,))
+    _expect("swa_scale", swa_scale, (B, swa_data.shape[1], D // kv_quant.SWA_BLOCK), (torch.uint8,))
+    _expect("swa_idx", swa_idx, (B, T, None), _INTS)
     _expect("kv_data", kv_data, (B, None, D // 2), (torch.uint8,))
     _expect("kv_scale", kv_scale, (B, kv_data.shape[1], D // kv_quant.KV_BLOCK), (torch.uint8,))
     _expect("idx", idx, (B, T, None), _INTS)
     _expect("sink", sink, (H,), _WIDE_FLOATS)
     return _pick(backend, sparse_attn, "sparse_attention")(
-        q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, softmax_scale
+        q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, softmax_scale
     )
 
 

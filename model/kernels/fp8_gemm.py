@@ -23,6 +23,9 @@ it would not be pipelined), then takes one of two ways (`FP8GemmTuning.dot`):
   low-precision dots are unreliable).
 Decode leaves few output tiles (N/BN × ⌈M/BM⌉: 10 at N = 1280), so K is split over up to one program per SM; the
 splits write fp32 partial sums that one torch sum adds in a fixed order (deterministic; no atomics, no sync).
+
+Under batch invariance (model.kernels.invariance) the numerics depend on the weight's shape only: folded dots at every
+M, and the K splits of a single token tile.
 """
 
 from dataclasses import dataclass, replace
@@ -46,6 +49,7 @@ from model.kernels.formats import (
     ue8m0_block_scales,
     ue8m0_decode,
 )
+from model.kernels.invariance import batch_invariant
 
 BLOCK = 32  # inputs per activation scale, and the weight's square scale block
 FOLDED_FROM = 32  # tokens from which the folded (bf16) dots are the default
@@ -65,7 +69,8 @@ class FP8GemmTuning:
     - `num_warps`: per program (None: 4, or 8 from block_m 64 on, where 4 warps' accumulators spill);
     - `num_stages`: K tiles in the pipeline (None: 4, three in flight (≈ 54 KiB at decode); 3 at block_m 128, whose
       tiles need the shared memory);
-    - `dot`: "bf16": scales folded into bf16 operands, one dot per K tile (None: from 32 tokens on); "fp8": FP8
+    - `dot`: "bf16": scales folded into bf16 operands, one dot per K tile (None: from 32 tokens on, or always under
+      batch invariance); "fp8": FP8
       tensor-core dots of the codes per 32-input chunk, rescaled (None: below 32 tokens on sm_89+); "fp32": the
       same chunks as decoded fp32 codes (None: below 32 tokens elsewhere and in the interpreter, which has no FP8
       dot). "bf16" runs fp32 operands in the interpreter."""
@@ -87,7 +92,7 @@ class FP8GemmTuning:
 
 
 def _default_dot(M: int) -> Dot:
-    if M >= FOLDED_FROM:
+    if M >= FOLDED_FROM or batch_invariant():
         return "bf16"
     return "fp8" if fp8_tensor_cores() and not interpreting() else "fp32"
 
@@ -210,7 +215,10 @@ def fp8_linear_triton(
         raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 16), block_k=(t.block_k, BLOCK))
     m_tiles, n_tiles, k_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n), triton.cdiv(K, t.block_k)
-    splits = t.split_k or _split_k(m_tiles * n_tiles, k_tiles, t.num_stages)
+    if batch_invariant():  # the K splits of one token tile, whatever M
+        splits = t.split_k or _split_k(n_tiles, k_tiles, tuning.resolved(1).num_stages)
+    else:
+        splits = t.split_k or _split_k(m_tiles * n_tiles, k_tiles, t.num_stages)
     tiles_per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, tiles_per_split)
     out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x_data.device,

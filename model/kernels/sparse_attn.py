@@ -1,15 +1,19 @@
-"""Sparse decode attention over [FP8 SWA ring ‖ selected FP4 compressed entries] (model-architecture.md §1.2, §2.3).
+"""Sparse decode attention over [FP8 SWA window ‖ selected FP4 compressed entries] (model-architecture.md §1.2, §2.3).
 
-One softmax per (query, head) over the valid ring slots and the selected entries, with the head's sink logit in
-the denominator only: o = Σ_i exp(s_i) v_i / (Σ_j exp(s_j) + exp(sink_h)), s = scale · q·k. K = V = the shared
-dequantised latent. The output is before the inverse RoPE.
+One softmax per (query, head) over its window's keys and the selected entries, with the head's sink logit in the
+denominator only: o = Σ_i exp(s_i) v_i / (Σ_j exp(s_j) + exp(sink_h)), s = scale · q·k. K = V = the shared
+dequantised latent. The output is before the inverse RoPE. A query's window keys are slots of its row's FP8 keys
+(the committed ring and this step's new ones) named by `swa_idx`, oldest position first, −1 where a position has no
+key: every query meets its keys in the order of their positions, whichever step wrote them, so a verify pass sums a
+position's attention as the plain step of that position does.
 
 Triton (flash-decoding): a program takes one query, all its heads (BLOCK_H, up to 64: V4.1-Flash's 64 heads in one
 pass, so each selected entry is read and dequantised once per query) and a contiguous run of key tiles (ring tiles
 first, then tiles of selected entries). Each key tile is dequantised in registers (FP8 × UE8M0, or E2M1 × E4M3:
 both exact in bf16), serves as K for q·Kᵀ and as V for P·V, and feeds an online softmax in base 2. With one split
 the program also folds in the sink and writes the output; with several, a combine kernel merges the partial
-(max, sum, accumulator) triples and the sink.
+(max, sum, accumulator) triples and the sink. Splits follow the number of queries, so under batch invariance
+(model.kernels.invariance) there is one per query, whatever the batch.
 """
 
 import math
@@ -20,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model.kernels.formats import dense_rows, e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
+from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
 
 LOG2E = math.log2(math.e)
@@ -38,7 +43,7 @@ def sparse_attention_torch(
     q: Tensor,
     swa_data: Tensor,
     swa_scale: Tensor,
-    swa_mask: Tensor,
+    swa_idx: Tensor,
     kv_data: Tensor,
     kv_scale: Tensor,
     idx: Tensor,
@@ -49,27 +54,35 @@ def sparse_attention_torch(
     # rounding here moves FP8 codes downstream (the QAT cast of the output projection's input)
     compute = torch.promote_types(q.dtype, torch.float32)
     qf = q.to(compute)
-    ring = dequantize_swa_fp8_torch(swa_data, swa_scale, compute)  # [B, W, D]
+    ring = dequantize_swa_fp8_torch(swa_data, swa_scale, compute)  # [B, S, D]: each slot once, not per query
     entries = dequantize_kv_fp4_torch(*gather_entries(kv_data, kv_scale, idx), compute)  # [B, T, K, D]
-    s_ring = torch.einsum("bthd,bwd->bthw", qf, ring).masked_fill(~swa_mask[:, :, None, :], float("-inf"))
+    slots = swa_idx.clamp(min=0).long()
+    s_ring = torch.einsum("bthd,bsd->bths", qf, ring).gather(3, slots[:, :, None].expand(-1, -1, q.shape[2], -1))
+    s_ring = s_ring.masked_fill(swa_idx[:, :, None, :] < 0, float("-inf"))
     s_sel = torch.einsum("bthd,btkd->bthk", qf, entries).masked_fill(idx[:, :, None, :] < 0, float("-inf"))
     logits = torch.cat((s_ring, s_sel), dim=-1) * softmax_scale
     sink_logit = sink.to(compute)[None, None, :, None]
     m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink_logit)
     p = torch.exp(logits - m)
     denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink_logit - m)
-    W = ring.shape[1]
-    out = torch.einsum("bthw,bwd->bthd", p[..., :W], ring) + torch.einsum("bthk,btkd->bthd", p[..., W:], entries)
+    Wn = swa_idx.shape[2]
+    p_slots = torch.zeros_like(s_ring[..., :1]).expand(*s_ring.shape[:3], ring.shape[1]).contiguous()
+    p_slots.scatter_add_(3, slots[:, :, None].expand(-1, -1, q.shape[2], -1), p[..., :Wn])  # a −1 key's p is 0
+    out = torch.einsum("bths,bsd->bthd", p_slots, ring) + torch.einsum("bthk,btkd->bthd", p[..., Wn:], entries)
     return (out / denom).to(q.dtype)
 
 
 @triton.jit
-def _ring_tile(swa_ptr, swas_ptr, mask_ptr, b, bt, W, tile, BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """Ring slots of one key tile → (latents [BLOCK_N, DP] fp32, valid [BLOCK_N])."""
+def _ring_tile(
+    swa_ptr, swas_ptr, sidx_ptr, b, bt, S, W, tile, BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
+):  # fmt: skip
+    """Window keys of one key tile (slots of the row's S by the query's swa_idx) → (latents [BLOCK_N, DP] fp32,
+    valid [BLOCK_N])."""
     w = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DP)
-    valid = (w < W) & (tl.load(mask_ptr + bt * W + w, mask=w < W, other=0) != 0)
-    row = b * W + w
+    slot = tl.load(sidx_ptr + bt * W + w, mask=w < W, other=-1)
+    valid = slot >= 0
+    row = b * S + tl.maximum(slot, 0)
     ok = valid[:, None] & (d[None, :] < D)
     fp8 = tl.load(swa_ptr + row[:, None] * D + d[None, :], mask=ok, other=0)
     scale = tl.load(swas_ptr + row[:, None] * (D // 32) + d[None, :] // 32, mask=ok, other=127)
@@ -98,8 +111,8 @@ def _entry_tile(
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, swa_ptr, swas_ptr, mask_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
-    T, H, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
+    q_ptr, swa_ptr, swas_ptr, sidx_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
+    T, H, S, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):  # fmt: skip
@@ -119,7 +132,7 @@ def _sparse_attention_kernel(
     acc = tl.zeros((BLOCK_H, DP), tl.float32)
     for tile in range(first, last):
         if tile < ring_tiles:
-            kv, valid = _ring_tile(swa_ptr, swas_ptr, mask_ptr, b, bt, W, tile, BLOCK_N, D, DP)
+            kv, valid = _ring_tile(swa_ptr, swas_ptr, sidx_ptr, b, bt, S, W, tile, BLOCK_N, D, DP)
         else:
             kv, valid = _entry_tile(
                 kv_ptr, kvs_ptr, idx_ptr, b, bt, kv_stride, kvs_stride, K, tile - ring_tiles, BLOCK_N, D, DP
@@ -186,7 +199,7 @@ def sparse_attention_triton(
     q: Tensor,
     swa_data: Tensor,
     swa_scale: Tensor,
-    swa_mask: Tensor,
+    swa_idx: Tensor,
     kv_data: Tensor,
     kv_scale: Tensor,
     idx: Tensor,
@@ -205,7 +218,7 @@ def sparse_attention_triton(
     per program (64 heads × 512 latent, 128 ring slots + 512 entries). B=1 is the exception (10 programs on 132 SMs,
     each carrying all 64 heads of its key range: 0.022 ms against 0.015; docs/kernels.md)."""
     B, T, H, D = q.shape
-    W, K = swa_data.shape[1], idx.shape[2]
+    S, W, K = swa_data.shape[1], swa_idx.shape[2], idx.shape[2]
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -214,17 +227,18 @@ def sparse_attention_triton(
     block_h = block_h or min(_MAX_HEADS, triton.next_power_of_2(H))
     head_groups = triton.cdiv(H, block_h)
     tiles = max(1, triton.cdiv(W, block_n) + triton.cdiv(K, block_n))
-    n_splits = max(1, min(splits or _splits(B * T * head_groups, tiles), tiles))
+    default = 1 if batch_invariant() else _splits(B * T * head_groups, tiles)  # invariant: one wave's order
+    n_splits = max(1, min(splits or default, tiles))
     tiles_per_split = triton.cdiv(tiles, n_splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
     partial_o = torch.empty((B * T, n_splits, H, DP) if n_splits > 1 else (0,), device=q.device)
     partial_m = torch.empty((B * T, n_splits, H) if n_splits > 1 else (0,), device=q.device)
     partial_l = torch.empty_like(partial_m)
-    args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), swa_mask.contiguous())
+    args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), swa_idx.to(torch.int32).contiguous())
     kv_data, kv_scale = dense_rows(kv_data), dense_rows(kv_scale)  # the cache's [:, :n] views, never copied
     args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
     _sparse_attention_kernel[(B * T, head_groups, n_splits)](
-        *args, out, partial_o, partial_m, partial_l, T, H, W, kv_data.stride(0), kv_scale.stride(0), K,
+        *args, out, partial_o, partial_m, partial_l, T, H, S, W, kv_data.stride(0), kv_scale.stride(0), K,
         softmax_scale * LOG2E, tiles_per_split,
         D, DP, block_h, block_n, n_splits, interpreting(), num_warps=num_warps,
     )  # fmt: skip

@@ -48,14 +48,15 @@ def attention_case(
     q = torch.randn(B, T, H, D, generator=g)
     swa_data, swa_scale = quant.fp8_quant(torch.randn(B, W, D, generator=g))
     kv_data, kv_scale = quant.fp4_quant_e4m3(torch.randn(B, N, D, generator=g))
-    swa_mask = torch.rand(B, T, W, generator=g) < 0.7
-    swa_mask[0, 0] = False  # a query with no valid ring slot
+    slots = torch.stack([torch.randperm(W, generator=g) for _ in range(B * T)]).view(B, T, W)
+    swa_idx = torch.where(torch.rand(B, T, W, generator=g) < 0.7, slots, -1).int()  # any order, −1 gaps
+    swa_idx[0, 0] = -1  # a query with no window key
     idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(B * T)]).view(B, T, K).int()
     n_selected = torch.randint(0, K + 1, (B, T, 1), generator=g)
     idx = torch.where(torch.arange(K) < n_selected, idx, -1)  # ragged, −1 padded tails
     idx[0, 0] = -1  # ... and that query sees nothing but the sink
     sink = torch.randn(H, generator=g)
-    return q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, D**-0.5
+    return q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, D**-0.5
 
 
 def topk_case(g: torch.Generator, R: int, L: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:

@@ -109,3 +109,19 @@ def test_fp8_linear_names_a_bad_launch_shape(tuning: FP8GemmTuning, name: str) -
     """Tile sides must suit tl.arange and tl.dot; the interpreter has no FP8 dot; the dots are one of three."""
     with pytest.raises(ValueError, match=f"tuning.{name}"):
         fp8_linear_triton(*fp8_linear_case(generator(1), 2, 32, 64), torch.float32, tuning)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_fp8_linear_under_batch_invariance_computes_a_row_alike_in_any_batch(monkeypatch, invariant: bool) -> None:
+    """On a GPU of 132 SMs (emulated: the interpreter has one), a token alone and the same token among 96: by default
+    the launch differs (chunked code dots and 2 K splits at M = 1, folded dots and one split at M = 96); under batch
+    invariance it is the same, and so are the row's bits."""
+    from model.kernels import fp8_gemm, invariance
+
+    monkeypatch.setattr(fp8_gemm, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(invariance, "_invariant", invariant)
+    x_data, x_scale, w, w_scale = fp8_linear_case(generator(3), 96, 64, 1024)
+    alone = fp8_linear_triton(x_data[:1], x_scale[:1], w, w_scale, torch.float32)
+    among = fp8_linear_triton(x_data, x_scale, w, w_scale, torch.float32)
+    assert_close_to_plain(among, (x_data, x_scale, w, w_scale))
+    assert torch.equal(alone[0], among[0]) == invariant

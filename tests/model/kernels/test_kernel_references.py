@@ -97,17 +97,17 @@ def test_candidate_mask_matches_the_definition(S: int, block_size: int, topk_blo
 def test_sparse_attention_matches_the_definition(dtype: torch.dtype, tolerance: float) -> None:
     """fp32 queries are computed in fp32; fp64 ones (a float64 model's) in fp64, to fp64 accuracy."""
     B, T, H, D, W, N, K = 2, 2, 3, 64, 5, 9, 4
-    q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, scale = attention_case(
+    q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, scale = attention_case(
         generator(1), B, T, H, D, W, N, K
     )
     q, sink = q.to(dtype), sink.to(dtype)
-    got = kernels.sparse_attention(q, swa_data, swa_scale, swa_mask, kv_data, kv_scale, idx, sink, scale)
+    got = kernels.sparse_attention(q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, scale)
     assert got.dtype == dtype
     ring = quant.fp8_dequant(swa_data, swa_scale).double()
     entries = quant.fp4_dequant_e4m3(kv_data, kv_scale).double()
     for b in range(B):
         for t in range(T):
-            keys = [ring[b, w] for w in range(W) if swa_mask[b, t, w]] + [entries[b, i] for i in idx[b, t] if i >= 0]
+            keys = [ring[b, w] for w in swa_idx[b, t] if w >= 0] + [entries[b, i] for i in idx[b, t] if i >= 0]
             for h in range(H):
                 logits = [float(q[b, t, h].double() @ key) * scale for key in keys]
                 denom = sum(math.exp(s) for s in logits) + math.exp(float(sink[h]))
@@ -140,5 +140,5 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="multiple of block=16"):
         kernels.quantize_kv_fp4(torch.randn(3, 24))
     case = attention_case(generator(2), 1, 1, 2, 32, 3, 4, 2)
-    with pytest.raises(ValueError, match="swa_mask: expected shape"):
-        kernels.sparse_attention(case[0], case[1], case[2], case[3][:, :, :2], *case[4:])
+    with pytest.raises(ValueError, match="swa_idx: expected shape"):
+        kernels.sparse_attention(case[0], case[1], case[2], case[3][0], *case[4:])

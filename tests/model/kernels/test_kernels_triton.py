@@ -299,3 +299,18 @@ def test_topk_of_the_scores_decode_steps_produce(tiny: Transformer, monkeypatch:
         want = select(scores, k, lengths)
         for paths in PATHS:
             assert torch.equal(topk_indices_triton(scores, k, lengths, paths), want)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_sparse_attention_under_batch_invariance_computes_a_query_alike_in_any_batch(monkeypatch, invariant: bool):
+    """On a GPU of 132 SMs (emulated), a query alone has its 7 key tiles split 7 ways, among 24 queries 5 ways; under
+    batch invariance it is one program either way, and its output bits are the same."""
+    from model.kernels import invariance, sparse_attn
+
+    monkeypatch.setattr(sparse_attn, "multiprocessors", lambda: 132)
+    monkeypatch.setattr(invariance, "_invariant", invariant)
+    case = attention_case(generator(24), 24, 1, 4, 32, 40, 80, 60)
+    alone = sparse_attention_triton(*(t[1:2] if isinstance(t, torch.Tensor) and t.dim() > 1 else t for t in case))
+    among = sparse_attention_triton(*case)
+    torch.testing.assert_close(among, kernels.sparse_attention(*case), rtol=1e-5, atol=1e-6)
+    assert torch.equal(alone[0], among[1]) == invariant

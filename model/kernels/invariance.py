@@ -1,0 +1,50 @@
+"""Batch invariance: a row's result independent of the rows computed beside it.
+
+Speculative decoding is lossless only if the verify pass — B sequences × (1 + w) positions in one forward — gives each
+position the logits a plain step of B sequences × 1 position would, bit for bit: greedy output then equals plain
+greedy output token for token. On a GPU the same row's sums come out differently rounded wherever a launch picks its
+reduction order from the number of rows:
+- the FP8 linear picks its dot (FP8 code dots per 32-input chunk for a few tokens, scale-folded bf16 dots from
+  `FOLDED_FROM` tokens) and its K splits (to fill the SMs) from the token count;
+- sparse attention splits each query's key range over more programs when there are few queries;
+- cuBLAS chooses split-K kernels (and reduced-precision reductions) by shape; inductor picks a reduction's block
+  and its splits from the number of rows.
+
+`set_batch_invariant(True)` fixes each of these per weight shape, not per batch: the FP8 linear always folds its
+scales into bf16 dots and splits K as for a single tile of tokens; sparse attention runs one program per query and
+head group; cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its batch-invariant (else
+deterministic) mode. It is process-wide and must be set before the first GEMM and the first compilation (cuBLAS
+reads its workspace size once, and compiled kernels keep the choices they were compiled with).
+"""
+
+import os
+
+import torch
+
+_invariant = False
+
+
+def batch_invariant() -> bool:
+    """Whether launches choose their reduction order independently of the number of rows."""
+    return _invariant
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Turn batch invariance on or off for this process (module docstring), before the first forward."""
+    global _invariant
+    _invariant = on
+    if not on or not torch.cuda.is_available():
+        return
+    import torch._inductor.config as inductor  # here: a process without invariance never loads the compiler
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # no room for split-K partial sums
+    os.environ["CUBLASLT_WORKSPACE_SIZE"] = "1"
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the library that can be told not to split K
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = (False, False)  # (reduced-precision reductions, split-K)
+    matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    matmul.allow_tf32 = False
+    inductor.split_reductions = False
+    for mode in ("deterministic", "batch_invariant"):  # no benchmarked choices; reduction blocks without the row count
+        if mode in inductor._config:  # (by torch version)
+            setattr(inductor, mode, True)

@@ -1,0 +1,230 @@
+"""On a GPU (skipped without one), under batch invariance: speculation is exact.
+
+- The verify pass over [y, w drafts] of B sequences gives each position the logits bit for bit that B plain steps
+  give it (`small`, bf16, graphs and eager; drafts teacher-forced from the plain tokens), at B = 1 and 24.
+- Greedy DSpark decoding of the demo checkpoint (its own drafts, every one verified) emits plain greedy decoding's
+  tokens, at B = 1 and 24.
+
+Batch invariance is process-wide and must precede the first GEMM, so each case runs this file as a script in a
+fresh process (`python tests/model/test_gpu_invariance.py CASE B [--variant]`); on a mismatch the script names the
+modules whose outputs first differ between the plain step and the verify pass (eager forwards, forward hooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "model" / "checkpoints" / "v41-demo"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _run(case: str, batch: int) -> None:
+    done = subprocess.run(
+        [sys.executable, __file__, case, str(batch)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("batch", [1, 24])
+def test_verify_logits_equal_the_plain_steps_bit_for_bit(batch: int) -> None:
+    _run("logits", batch)
+
+
+@pytest.mark.parametrize("batch", [1, 24])
+def test_greedy_dspark_emits_plain_greedy_tokens(batch: int) -> None:
+    _run("tokens", batch)
+
+
+# ------------------------------------------------------------------------------------------- the script
+
+
+def _prompts(model, count: int, seed: int):
+    from model import encode_prefill
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 90, (count,), generator=g).tolist()
+    return [encode_prefill(model, torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()) for n in lengths]
+
+
+def _joined(model, prompts, graphs: bool):
+    from model import DecodeBatch
+
+    batch = DecodeBatch(model, len(prompts), graphs=graphs)
+    first = [int(row.argmax()) for _, row in batch.join_many([(p.blocks, p.encoder_state) for p in prompts])]
+    return batch, first
+
+
+def _plain_greedy(model, prompts, steps: int, graphs: bool) -> tuple[list[list[int]], list[Tensor]]:
+    """Per row the tokens of `steps` plain greedy steps (the first from the prompt), and each step's logits."""
+    batch, pending = _joined(model, prompts, graphs)
+    tokens, logits = [[t] for t in pending], []
+    for _ in range(steps):
+        logits.append(batch.decode_step([row[-1] for row in tokens]).float())
+        for row, t in zip(tokens, logits[-1].argmax(-1).tolist(), strict=True):
+            row.append(t)
+    return tokens, logits
+
+
+def _recorded(model: nn.Module):
+    """Forward hooks and kernel probes recording each module's and kernel's first floating output, in call order."""
+    from model import kernels
+
+    seen: list[tuple[str, Tensor]] = []
+
+    def keep(name: str, output) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, Tensor):
+            seen.append((name, out.detach().clone()))
+
+    def probe(name: str):
+        op = getattr(kernels, name)
+
+        def run(*args, **kwargs):
+            out = op(*args, **kwargs)
+            keep(f"kernels.{name}", out)
+            return out
+
+        return op, run
+
+    handles = [m.register_forward_hook(lambda _m, _i, o, n=n: keep(n, o)) for n, m in model.named_modules() if n]
+    probes = {n: probe(n) for n in ("indexer_scores", "topk_indices", "sparse_attention")}
+    for name, (_, run) in probes.items():
+        setattr(kernels, name, run)
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+        for name, (op, _) in probes.items():
+            setattr(kernels, name, op)
+
+    return seen, remove
+
+
+def _at(out: Tensor, B: int, T: int, j: int) -> Tensor | None:
+    """Position j of each sequence in an output of B × T rows ([B, T, ...] or [B·T, ...])."""
+    if out.dim() >= 2 and out.shape[:2] == (B, T):
+        return out[:, j]
+    if out.shape[0] == B * T:
+        return out.view(B, T, *out.shape[1:])[:, j]
+    return None
+
+
+def _diverging(model, prompts, tokens: list[list[int]], width: int) -> list[str]:
+    """Eager plain steps and one verify pass from the same state, recorded: the calls whose outputs at a position
+    differ from that position's plain step (the first ones, by position)."""
+    from model.dspark import Draft
+    from model.sampling import SamplingParams
+
+    B, T = len(prompts), 1 + width
+    plain = []
+    batch, _ = _joined(model, prompts, graphs=False)
+    for j in range(T):
+        seen, remove = _recorded(model)
+        batch.decode_step([row[j] for row in tokens])
+        remove()
+        plain.append(seen)
+    batch, _ = _joined(model, prompts, graphs=False)
+    seen, remove = _recorded(model)
+    drafts = torch.tensor([row[1:T] for row in tokens], device="cuda")
+    probs = nn.functional.one_hot(drafts, model.args.vocab_size).float()
+    batch.verify([row[0] for row in tokens], Draft(drafts, probs, torch.ones(B, width, device="cuda")),
+                 SamplingParams.uniform(B))  # fmt: skip
+    remove()
+    found = []
+    for j in range(T):
+        at_j = []
+        for (name, p), (other, v) in zip(plain[j], seen, strict=False):
+            if name != other:
+                at_j.append(f"position {j}: calls part at {name} / {other}")
+                break
+            p, v = _at(p, B, 1, 0), _at(v, B, T, j)
+            if p is None or v is None:
+                continue
+            v = v[..., : p.shape[-1]] if p.dim() == v.dim() else v  # scores over more entries: the plain step's
+            if p.shape == v.shape and not torch.equal(p, v):
+                diff = (p.double() - v.double()).abs().nan_to_num(0.0, 0.0, 0.0)
+                at_j.append(f"position {j} {name}: max |Δ| {float(diff.max()):.3g}, {int((p != v).sum())} differ")
+        found += at_j[:5]
+    return found
+
+
+def check_logits(batch: int, graphs: bool) -> list[str]:
+    from model import build_model, preset
+    from model.dspark import Draft
+    from model.sampling import SamplingParams
+
+    model = build_model(preset("small"), seed=0, device="cuda", dtype=torch.bfloat16)
+    prompts = _prompts(model, batch, seed=batch)
+    width = model.args.dspark_block_size
+    tokens, logits = _plain_greedy(model, prompts, width + 1, graphs)
+    spec, _ = _joined(model, prompts, graphs)
+    drafts = torch.tensor([row[1 : width + 1] for row in tokens], device="cuda")
+    probs = nn.functional.one_hot(drafts, model.args.vocab_size).float()
+    result = spec.verify([row[0] for row in tokens], Draft(drafts, probs, torch.ones(batch, width, device="cuda")),
+                         SamplingParams.uniform(batch))  # fmt: skip
+    errors = [
+        f"graphs={graphs} position {j}: max |Δ| {float((result.logits[:, j] - logits[j]).abs().max()):.3g}"
+        for j in range(width + 1)
+        if not torch.equal(result.logits[:, j].float(), logits[j])
+    ]
+    if errors:
+        errors += _diverging(model, prompts, tokens, width)[:30]
+    return errors
+
+
+def check_tokens(batch: int) -> list[str]:
+    from model.sampling import SamplingParams
+    from model_service.runtime import load_model
+
+    model = load_model(str(DEMO), "full", device="cuda")
+    prompts = _prompts(model, batch, seed=100 + batch)
+    steps = 40
+    plain, _ = _plain_greedy(model, prompts, steps, graphs=True)
+    spec, pending = _joined(model, prompts, graphs=True)
+    greedy = SamplingParams.uniform(batch)
+    emitted = [[t] for t in pending]
+    while min(len(row) for row in emitted) <= steps:
+        draft = spec.dspark_draft([row[-1] for row in emitted], greedy)
+        for row, more in zip(emitted, spec.verify([row[-1] for row in emitted], draft, greedy).tokens, strict=True):
+            row += more
+    return [
+        f"row {b}: plain {p[: steps + 1]} speculative {s[: steps + 1]}"
+        for b, (p, s) in enumerate(zip(plain, emitted, strict=True))
+        if p[: steps + 1] != s[: steps + 1]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("case", choices=["logits", "tokens"])
+    parser.add_argument("batch", type=int)
+    parser.add_argument("--variant", action="store_true", help="without batch invariance (to see what it fixes)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from model import kernels
+
+    kernels.set_batch_invariant(not args.variant)
+    with torch.no_grad():
+        errors = (
+            [e for graphs in (False, True) for e in check_logits(args.batch, graphs)]
+            if args.case == "logits"
+            else check_tokens(args.batch)
+        )
+    print("\n".join(errors) or f"{args.case} B={args.batch}: equal")
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()
