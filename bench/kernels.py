@@ -471,7 +471,8 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                  "fp8-gemm": [(check_fp8_linear, 3, 40, 128), (check_fp8_linear, 1, 64, 256),
                               (check_fp8_linear, 40, 64, 256)],
                  "moe-gemm": [(check_moe_gemm, 8, 128, 64, 32, [1, 3]),
-                              (check_moe_gemm, 8, 128, 64, 16, [3])]}  # fmt: skip
+                              (check_moe_gemm, 8, 128, 64, 16, [3]),
+                              (check_moe_gemm, 8, 128, 64, 32, [3], {"dot": "fp32"})]}  # fmt: skip
     else:
         plans = {"quant": [(check_quantisers, 1 << 16)], "activations": [(check_activations, 1 << 14)],
                  "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
@@ -489,7 +490,9 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                                 (check_fp8_linear, 256, 5120, 8192, {"split_k": 4})],
                  "moe-gemm": [(check_moe_gemm, E, 5120, 2304, block, [1, 64, 256])
                               for E in (48, 384) for block in (32, 16)]
-                             + [(check_moe_gemm, 48, 5120, 2304, 32, [64], {"ptx": False})]}  # fmt: skip
+                             + [(check_moe_gemm, 48, 5120, 2304, 32, [64], {"ptx": False})]
+                             + [(check_moe_gemm, E, 5120, 2304, 32, [1, 64, 256], {"dot": "fp8"})
+                                for E in (48, 384)]}  # fmt: skip
     c = Checks()
     for name in plans if names == ["all"] else names:
         for check, *args in plans[name]:
@@ -848,9 +851,11 @@ def tune_fp8_gemm(tiny: bool) -> Iterator[Row]:
 def tune_moe_gemm(tiny: bool) -> Iterator[Row]:
     """Launch shapes of the grouped expert GEMMs around `MoEGemmTuning()`'s defaults (C = 5120, I = 2304, top-6,
     block 32), each checked against the default launch: columns per program, K per stage, stages, pairs per tile,
-    warps, and the arithmetic nibble decode instead of the PTX table lookups."""
+    warps, the arithmetic nibble decode instead of the PTX table lookups, and FP8 code dots per 32-input chunk."""
     variants = [{"block_n": 256}, {"block_n": 64}, {"block_k": 256, "num_warps": 8, "num_stages": 3},
-                {"num_stages": 4}, {"num_stages": 6}, {"block_m": 64}, {"num_warps": 8}, {"ptx": False}]  # fmt: skip
+                {"num_stages": 4}, {"num_stages": 6}, {"block_m": 64}, {"num_warps": 8}, {"ptx": False},
+                {"dot": "fp8"}, {"dot": "fp8", "num_warps": 8}, {"dot": "fp8", "block_k": 256},
+                {"dot": "fp8", "block_m": 16}]  # fmt: skip
     C, I = (256, 128) if tiny else (5120, 2304)
     for E, N in [(8, 4)] if tiny else [(48, 64), (48, 256), (384, 256)]:
         m = moe_inputs(expert_weights(E, C, I, 32), N, 6)

@@ -21,13 +21,16 @@ either way, as E4M3 and E2M1 values times powers of two fit bf16 — and one bf1
 accumulates in fp32 (fp32 operands in the interpreter, whose low-precision dots are unreliable). Both operands take
 the tile's inputs in the order [even | odd] (a permutation of K: the dot is unchanged), so a packed byte's two values
 need no interleaving into operand pairs. Hopper has no FP4 (nor mixed FP8 × FP4) MMA, so FP4 weights cannot reach the
-tensor cores packed; the scales per 16 inputs rule out FP8 operands with a per-32 accumulator rescale as the FP8 GEMM
-does. Weights are never dequantised to memory, and each program reads its weight rows once per BM pairs: the tile
-height is chosen from the average pairs per expert, N·k/E, known on the host without a sync.
+tensor cores packed. With scales per 32 inputs the kernel can instead widen each nibble to an E4M3 byte (a shift) and
+take FP8 dots of the raw codes per 32-input chunk, rescaled into the accumulator as the FP8 linear does
+(`MoEGemmTuning.dot`); scales per 16 inputs rule that out. Weights are never dequantised to memory, and each
+program reads its weight rows once per BM pairs: the tile height is chosen from the average pairs per expert, N·k/E,
+known on the host without a sync.
 """
 
 import itertools
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +42,13 @@ from model import quant
 from model.kernels.formats import (
     check_tile_sides,
     e2m1_scaled,
+    e4m3_decode,
     e4m3_scaled,
     interpreting,
     scale_words,
     ue8m0_block_scales,
 )
+from model.kernels.fp8_gemm import _chunk_scales
 
 X_BLOCK = 32  # inputs per activation scale
 _X_BLOCK = tl.constexpr(X_BLOCK)  # the same, as kernels read a global
@@ -64,7 +69,12 @@ class MoEGemmTuning:
     - `num_warps`: per program (None: 4, or 8 from 64 pairs × 128 rows on, where 4 warps spill);
     - `num_stages`: K tiles in the pipeline (3: two in flight while one is decoded; 4 and 6 measured no faster);
     - `ptx`: the weight nibbles decoded by `formats.E2M1_BF16_PTX`'s table lookups (None: on a GPU; False there: by
-      the arithmetic the interpreter runs, ≈ 2.5× the instructions)."""
+      the arithmetic the interpreter runs, ≈ 2.5× the instructions);
+    - `dot`: "bf16": both operands decoded and scaled into bf16, one dot per K tile; "fp8" (scales per 32 inputs
+      only): FP8 tensor-core dots of the raw codes per 32-input chunk — each E2M1 nibble widened to the E4M3 byte of
+      its value × 2⁻⁶ (sign, magnitude << 2: exact, the subnormal 0.5 included), the activations' E4M3 bytes as
+      stored — rescaled by the two scale vectors, as the FP8 linear's chunked dots; "fp32": the same chunks as
+      decoded fp32 codes (the interpreter, which has no FP8 dot)."""
 
     block_m: int | None = None
     block_n: int = 128
@@ -72,6 +82,7 @@ class MoEGemmTuning:
     num_warps: int | None = None
     num_stages: int = 3
     ptx: bool | None = None
+    dot: Literal["bf16", "fp8", "fp32"] = "bf16"
 
     def resolved(self, pairs: int, experts: int) -> "MoEGemmTuning":
         """These settings with the defaults for `pairs` (token, slot) pairs over `experts` experts filled in."""
@@ -206,15 +217,62 @@ def _project(acc, w_ptr, ws_ptr, rows, ok, x_even, x_odd, k0, K: tl.constexpr, S
 
 
 @triton.jit
+def _operand(codes, FP8_DOT: tl.constexpr):
+    """E4M3 codes (uint8) as a dot operand: FP8 as they are, or decoded to fp32."""
+    return codes.to(tl.float8e4nv, bitcast=True) if FP8_DOT else e4m3_decode(codes)
+
+
+@triton.jit
+def _weight_codes(w_ptr, rows, ok, k0, K: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Rows of packed E2M1 weights [*, K/2], inputs k0 … k0 + 31 → [rows, 32] in input order, each code widened to
+    the E4M3 byte of its value × 2⁻⁶: sign | magnitude << 2."""
+    R: tl.constexpr = rows.shape[0]
+    half = k0 // 2 + tl.arange(0, 16)
+    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok[:, None] & (half < K // 2)[None, :],
+                     other=0).to(tl.int32)  # fmt: skip
+    even = ((packed & 0x8) << 4) | ((packed & 0x7) << 2)
+    odd = (packed & 0x80) | ((packed & 0x70) >> 2)
+    return _operand(tl.reshape(tl.join(even, odd), (R, 32)).to(tl.uint8), FP8_DOT)
+
+
+@triton.jit
+def _activation_codes(x_ptr, rows, ok, k0, K: tl.constexpr, FP8_DOT: tl.constexpr):
+    """FP8 rows of x [*, K], inputs k0 … k0 + 31 → [32, rows], transposed for the dot."""
+    k = k0 + tl.arange(0, 32)
+    codes = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0)
+    return tl.trans(_operand(codes, FP8_DOT))
+
+
+@triton.jit
+def _chunked_projection(
+    acc, w_ptr, ws_ptr, w_rows, n_ok, x_ptr, xs_ptr, x_rows, p_ok, tile,
+    K: tl.constexpr, BK: tl.constexpr, W_WORDS: tl.constexpr, X_WORDS: tl.constexpr, FP8_DOT: tl.constexpr,
+):  # fmt: skip
+    """acc [BN, BM] plus K tile `tile` of W_rows · x: one code dot per 32-input chunk, rescaled by the chunk's two
+    scale vectors (the weight codes' 2⁻⁶ is taken back once, at the end of the K loop)."""
+    CHUNKS: tl.constexpr = BK // 32
+    w_scales = _chunk_scales(ws_ptr, w_rows, n_ok, tile, K // 32, CHUNKS, W_WORDS)
+    x_scales = _chunk_scales(xs_ptr, x_rows, p_ok, tile, K // 32, CHUNKS, X_WORDS)
+    for c in tl.static_range(CHUNKS):
+        k0 = tile * BK + c * 32
+        dot = tl.dot(_weight_codes(w_ptr, w_rows, n_ok, k0, K, FP8_DOT),
+                     _activation_codes(x_ptr, x_rows, p_ok, k0, K, FP8_DOT))  # fmt: skip
+        acc += dot * (w_scales[c][:, None] * x_scales[c][None, :])
+    return acc
+
+
+@triton.jit
 def _moe_kernel(
-    x_ptr, offsets_ptr, experts_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
+    x_ptr, xs_ptr, rows_ptr, offsets_ptr, experts_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     GATED: tl.constexpr, COMPACT: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr,
+    CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, GATHER: tl.constexpr, X_WORDS: tl.constexpr,
 ):  # fmt: skip
-    """Output columns n of expert e's pairs; x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`). GATED
-    (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's 2·n_out, SwiGLU and the routing weight on the
-    way out; otherwise (down) the weight has n_out rows per expert. COMPACT: the program's expert is
-    experts_ptr[program_id(1)] (the experts with pairs first), else program_id(1)."""
+    """Output columns n of expert e's pairs. x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`), or
+    with CHUNKED the FP8 activations themselves (E4M3 bytes, UE8M0 scales xs per 32 inputs; pair p's row
+    rows_ptr[p] if GATHER, else p). GATED (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's 2·n_out,
+    SwiGLU and the routing weight on the way out; otherwise (down) the weight has n_out rows per expert. COMPACT: the
+    program's expert is experts_ptr[program_id(1)] (the experts with pairs first), else program_id(1)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     e = tl.load(experts_ptr + tl.program_id(1)) if COMPACT else tl.program_id(1)
     n_ok = n < n_out
@@ -226,12 +284,22 @@ def _moe_kernel(
         p_ok = p < hi
         acc = tl.zeros((BN, BM), dtype=tl.float32)  # outputᵀ: the weight rows are the dot's M side
         acc_up = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            x_even, x_odd = _activation_halves(x_ptr, p, p_ok, k0, K, BK, HW)
-            acc = _project(acc, w_ptr, ws_ptr, w_rows, n_ok, x_even, x_odd, k0, K, SB, BK, W_WORDS, HW, PTX)
-            if GATED:
-                acc_up = _project(acc_up, w_ptr, ws_ptr, w_rows + n_out, n_ok, x_even, x_odd, k0, K, SB, BK, W_WORDS,
-                                  HW, PTX)  # fmt: skip
+        if CHUNKED:
+            x_rows = (tl.load(rows_ptr + p, mask=p_ok, other=0) if GATHER else p).to(tl.int64)
+            for tile in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+                acc = _chunked_projection(acc, w_ptr, ws_ptr, w_rows, n_ok, x_ptr, xs_ptr, x_rows, p_ok, tile, K, BK,
+                                          W_WORDS, X_WORDS, FP8_DOT)  # fmt: skip
+                if GATED:
+                    acc_up = _chunked_projection(acc_up, w_ptr, ws_ptr, w_rows + n_out, n_ok, x_ptr, xs_ptr, x_rows,
+                                                 p_ok, tile, K, BK, W_WORDS, X_WORDS, FP8_DOT)  # fmt: skip
+            acc, acc_up = acc * 64.0, acc_up * 64.0  # the weight codes' 2⁻⁶
+        else:
+            for k0 in tl.range(0, K, BK, num_stages=STAGES):
+                x_even, x_odd = _activation_halves(x_ptr, p, p_ok, k0, K, BK, HW)
+                acc = _project(acc, w_ptr, ws_ptr, w_rows, n_ok, x_even, x_odd, k0, K, SB, BK, W_WORDS, HW, PTX)
+                if GATED:
+                    acc_up = _project(acc_up, w_ptr, ws_ptr, w_rows + n_out, n_ok, x_even, x_odd, k0, K, SB, BK,
+                                      W_WORDS, HW, PTX)  # fmt: skip
         if GATED:
             gate = tl.minimum(acc, limit)
             up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -280,7 +348,9 @@ def decoded_rows(x_data: Tensor, x_scale: Tensor, pair_rows: Tensor | None) -> T
 
 
 def _grouped(
-    x: Tensor,
+    x_data: Tensor,
+    x_scale: Tensor,
+    pair_rows: Tensor | None,
     offsets: Tensor,
     pair_weight: Tensor | None,
     w: Tensor,
@@ -289,12 +359,14 @@ def _grouped(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning,
 ) -> Tensor:
-    """One launch of `_moe_kernel` for both projections (gate_up when pair_weight is given) on the decoded pairs x."""
+    """One launch of `_moe_kernel` for both projections (gate_up when pair_weight is given) over the pairs' FP8
+    activations (rows pair_rows of x_data, or all of them): decoded first (`decoded_rows`), or read as codes by the
+    chunked dots."""
     gated = pair_weight is not None
     E, rows, K = w.shape[0], w.shape[1], 2 * w.shape[2]
-    P = x.shape[0]
+    P = x_data.shape[0] if pair_rows is None else pair_rows.shape[0]
     n_out = rows // 2 if gated else rows
-    out = torch.empty((P, n_out), dtype=out_dtype, device=x.device)
+    out = torch.empty((P, n_out), dtype=out_dtype, device=x_data.device)
     if P == 0 or n_out == 0:
         return out
     sb = scale_block(K, s)
@@ -302,14 +374,23 @@ def _grouped(
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 32 if gated else 16), block_k=(t.block_k, 32))
     if t.ptx and interpreting():
         raise ValueError("tuning.ptx: the interpreter runs no inline PTX")
-    s = s.contiguous()
+    chunked = t.dot != "bf16"
+    if t.dot not in ("bf16", "fp8", "fp32") or (chunked and sb != X_BLOCK):
+        raise ValueError(f"tuning.dot: 'bf16', or 'fp8' / 'fp32' with scales per 32 inputs; got {t.dot!r} (per {sb})")
+    if t.dot == "fp8" and interpreting():
+        raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
+    s, x_scale = s.contiguous(), x_scale.contiguous()
+    x = x_data.contiguous() if chunked else decoded_rows(x_data, x_scale, pair_rows)
+    rows_arg = offsets if pair_rows is None else pair_rows.contiguous()  # (unread without a gather)
     block_n = t.block_n // 2 if gated else t.block_n  # output columns
     weight_arg = pair_weight.float().contiguous() if gated else offsets  # (unread when not gated)
     experts = _experts_with_pairs(offsets, P)
     _moe_kernel[(triton.cdiv(n_out, block_n), E if experts is None else P)](
-        x, offsets.contiguous(), offsets if experts is None else experts, weight_arg, w.contiguous(), s, out, n_out,
-        float(limit), K, sb, t.block_m, block_n, t.block_k, t.num_stages, gated, experts is not None,
-        scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, num_warps=t.num_warps,
+        x, x_scale, rows_arg, offsets.contiguous(), offsets if experts is None else experts, weight_arg,
+        w.contiguous(), s, out, n_out, float(limit), K, sb, t.block_m, block_n, t.block_k, t.num_stages, gated,
+        experts is not None, scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked,
+        t.dot == "fp8", pair_rows is not None, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
+        num_warps=t.num_warps,
     )  # fmt: skip
     return out
 
@@ -326,8 +407,7 @@ def moe_gate_up_triton(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    x = decoded_rows(x_data, x_scale, pair_rows)
-    return _grouped(x, offsets, pair_weight, w13, s13, limit, out_dtype, tuning)
+    return _grouped(x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype, tuning)
 
 
 def moe_down_triton(
@@ -339,4 +419,4 @@ def moe_down_triton(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(decoded_rows(h_data, h_scale, None), offsets, None, w2, s2, 0.0, out_dtype, tuning)
+    return _grouped(h_data, h_scale, None, offsets, None, w2, s2, 0.0, out_dtype, tuning)

@@ -80,6 +80,9 @@ def one_expert(N: int, k: int, E: int) -> torch.Tensor:
         (3, 2, 8, 96, 64, 16, torch.bfloat16, None, MoEGemmTuning(block_k=64)),  # empty experts, a K tail
         (1, 1, 3, 256, 64, 32, torch.float32, None, MoEGemmTuning()),  # one token; scales read as words
         (20, 2, 4, 64, 64, 16, torch.float32, one_expert(20, 2, 4), MoEGemmTuning(block_n=32)),  # 20 pairs: 2 tiles
+        # chunked code dots (fp32 codes: the interpreter's form of "fp8"): a K tail, words and bytes of scales
+        (5, 2, 4, 96, 64, 32, torch.float32, None, MoEGemmTuning(dot="fp32")),
+        (20, 2, 4, 256, 64, 32, torch.bfloat16, one_expert(20, 2, 4), MoEGemmTuning(dot="fp32", block_n=32)),
     ],
 )
 def test_moe_gemms_match_the_dequantised_math(
@@ -177,10 +180,19 @@ def test_moe_pairs_names_a_bad_argument() -> None:
 @pytest.mark.parametrize(
     ("tuning", "name"),
     [(MoEGemmTuning(block_n=16), "block_n"), (MoEGemmTuning(block_k=16), "block_k"),
-     (MoEGemmTuning(block_m=24), "block_m"), (MoEGemmTuning(ptx=True), "ptx")],
+     (MoEGemmTuning(block_m=24), "block_m"), (MoEGemmTuning(ptx=True), "ptx"), (MoEGemmTuning(dot="fp8"), "dot")],
 )  # fmt: skip
 def test_moe_gate_up_names_a_bad_launch_shape(tuning: MoEGemmTuning, name: str) -> None:
     """Tile sides must suit tl.arange and tl.dot (gate_up's 16 weight rows would be 8 output columns); the interpreter
-    runs no inline PTX."""
+    runs no inline PTX and no FP8 dot."""
     with pytest.raises(ValueError, match=f"tuning.{name}"):
         kernels.moe_gate_up(**gate_up_args(), backend="triton", tuning=tuning)
+
+
+def test_chunked_code_dots_need_scales_per_32_inputs() -> None:
+    """Per-chunk rescaling needs one weight scale per 32-input chunk: the 16-input layout is refused by name."""
+    x_data, x_scale, ids, weights, w13, s13, _, _ = moe_case(generator(5), 3, 2, 4, 64, 32, 16)
+    _, pair_rows, offsets = kernels.moe_pairs(ids, 4)
+    args = (x_data, x_scale, pair_rows, offsets, weights.flatten(), w13, s13, LIMIT, torch.float32)
+    with pytest.raises(ValueError, match=r"tuning.dot: .* got 'fp32' \(per 16\)"):
+        kernels.moe_gate_up(*args, backend="triton", tuning=MoEGemmTuning(dot="fp32"))
