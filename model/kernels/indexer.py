@@ -35,6 +35,7 @@ from model.kernels.formats import (
     multiprocessors,
     ue8m0_decode,
 )
+from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_index_fp4_torch
 
 
@@ -572,6 +573,14 @@ class IndexerTuning:
         return replace(self, block_s=block_s, tiles_per_program=tiles, operand=operand, max_registers=max_registers)
 
 
+def query_block(T: int, HP: int) -> int:
+    """Queries per program (BLOCK_T) for T queries of HP heads (a power of two). Columns = queries × heads: tl.dot
+    needs ≥ 16, and prefill tiles share each K tile among up to 64 columns — but the head sum's order follows the
+    tile's layout, so under batch invariance every T takes the decode tile's."""
+    columns_wanted = 16 if T == 1 or batch_invariant() else 64
+    return max(min(max(1, columns_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
+
+
 def indexer_scores_triton(
     q_data: Tensor,
     q_scale: Tensor,
@@ -590,9 +599,7 @@ def indexer_scores_triton(
     if out.numel() == 0:
         return out
     HP = triton.next_power_of_2(H)
-    # columns = queries × heads: tl.dot needs ≥ 16; prefill tiles share each K tile among up to 64 columns
-    columns_wanted = 16 if T == 1 else 64
-    block_t = max(min(max(1, columns_wanted // HP), triton.next_power_of_2(T)), max(1, 16 // HP))
+    block_t = query_block(T, HP)
     grid = (triton.cdiv(triton.cdiv(S, block_s), tiles_per_program), triton.cdiv(T, block_t), B)
     k_data, k_scale = dense_rows(k_data), dense_rows(k_scale)
     # scale rows of whole 32-bit words, word-aligned: read as words (see _channel_blocks)

@@ -165,3 +165,15 @@ def test_all_plain_scales(first: int, last: int, special: tuple[int, int] | None
     out = torch.zeros(1, dtype=torch.int32)
     _plain_scales_probe[(1,)](scales, out, first, last, SCAN=64)
     assert bool(out.item()) is plain
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_indexer_under_batch_invariance_sums_heads_in_the_decode_layout(monkeypatch, invariant: bool) -> None:
+    """A program's head sum runs over its [positions, queries, heads] tile, so a verify's T queries must take the
+    decode step's queries per program for its scores to keep their bits: by default a wider tile (8 heads: 2 queries
+    alone, 8 among 6), under batch invariance the same."""
+    from model.kernels import invariance
+
+    monkeypatch.setattr(invariance, "_invariant", invariant)
+    assert (indexer.query_block(1, 8) == indexer.query_block(6, 8)) == invariant
+    assert (indexer.query_block(1, 32) == indexer.query_block(6, 32)) == invariant
