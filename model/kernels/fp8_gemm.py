@@ -22,7 +22,8 @@ it would not be pipelined), then takes one of two ways (`FP8GemmTuning.dot`):
   scales cost a multiply per operand value instead of per output and chunk (fp32 operands in the interpreter, whose
   low-precision dots are unreliable).
 Decode leaves few output tiles (N/BN × ⌈M/BM⌉: 10 at N = 1280), so K is split over up to one program per SM; the
-splits write fp32 partial sums that one torch sum adds in a fixed order (deterministic; no atomics, no sync).
+splits write fp32 partial sums that a second launch adds in split order and casts (deterministic; no atomics, no
+sync).
 
 Under batch invariance (model.kernels.invariance) the numerics depend on the weight's shape only: folded dots at every
 M, and the K splits of a single token tile.
@@ -188,6 +189,21 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = Σ_s partials[s] (fp32 [SPLITS, M·N], added in split order) in out's dtype: one launch for the sum and
+    the cast."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + split * MN + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_SUM_BLOCK = 1024  # outputs per program of `_sum_splits_kernel`
+
+
 def _split_k(programs: int, k_tiles: int, stages: int) -> int:
     """K splits that bring `programs` output tiles to about one program per SM, each split ≥ `stages` K tiles (fewer
     trips would leave the pipeline's prologue unhidden). At M = 1 on 132 SMs: N×K 1280×5120 → 10 splits of 4 tiles,
@@ -232,4 +248,8 @@ def fp8_linear_triton(
         K, t.block_m, t.block_n, t.block_k, t.num_stages, t.dot == "bf16", t.dot == "fp8", words, not interpreting(),
         num_warps=t.num_warps,
     )  # fmt: skip
-    return out if splits == 1 else out.sum(0).to(out_dtype)
+    if splits == 1:
+        return out
+    y = torch.empty((M, N), dtype=out_dtype, device=x_data.device)
+    _sum_splits_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](out, y, M * N, splits, _SUM_BLOCK, num_warps=4)
+    return y
