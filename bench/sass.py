@@ -8,6 +8,7 @@ the SASS of each loop, per launch shape. Triton's wheel ships ptxas and cuobjdum
     python bench/sass.py topk                                      # the four top-k kernels at 256 × 64 K
     python bench/sass.py fp8-gemm --tokens 64 --weight-rows 5120 --inputs 8192   # the FP8 linear's default launch
     python bench/sass.py moe-gemm --tokens 256 --experts 48 --block 32    # gate_up and down, default launches
+    python bench/sass.py moe-gemm --tokens 256 --dot fp8                  # ... with FP8 code dots per chunk
 
 What the H200 cannot tell you cheaply, this does: an instruction count per loop trip (what a tile loop's cost is
 cut by), and registers per thread → programs per SM (65 536 / (registers × threads)).
@@ -188,7 +189,7 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
         "q_ptr": "*bf16",
         "swa_ptr": "*u8",
         "swas_ptr": "*u8",
-        "mask_ptr": "*i1",
+        "sidx_ptr": "*i32",
         "kv_ptr": "*u8",
         "kvs_ptr": "*u8",
         "idx_ptr": "*i32",
@@ -199,6 +200,7 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
         "pl_ptr": "*fp32",
         "T": "i32",
         "H": "i32",
+        "S": "i32",
         "W": "i32",
         "kv_stride": "i64",
         "kvs_stride": "i64",
@@ -321,12 +323,18 @@ def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None
     return [compile_sm90(name, fp8_gemm._fp8_linear_kernel, signature, constexprs, t.num_warps, None, ("N",))]
 
 
-def moe_gemm_reports(tokens: int, experts: int, block: int, top: int = 6, C: int = 5120, I: int = 2304) -> list[Report]:
+def moe_gemm_reports(
+    tokens: int, experts: int, block: int, dot: str = "bf16", top: int = 6, C: int = 5120, I: int = 2304
+) -> list[Report]:
     """The grouped expert GEMMs' default launches (gate_up, down) for `tokens` tokens routed to `top` of `experts`
-    (pairs per tile from the average), bf16 dots, the nibbles decoded by the PTX table lookups."""
-    t = moe_gemm.MoEGemmTuning(ptx=True).resolved(tokens * top, experts)
+    (pairs per tile from the average): bf16 dots with the nibbles decoded by the PTX table lookups, or (`dot` fp8)
+    FP8 code dots per 32-input chunk."""
+    t = moe_gemm.MoEGemmTuning(ptx=True, dot=dot).resolved(tokens * top, experts)
+    chunked = dot != "bf16"
     signature = {
-        "x_ptr": "*bf16",
+        "x_ptr": "*u8" if chunked else "*bf16",
+        "xs_ptr": "*u8",
+        "rows_ptr": "*i32",
         "offsets_ptr": "*i32",
         "experts_ptr": "*i32",
         "pw_ptr": "*fp32",
@@ -350,8 +358,12 @@ def moe_gemm_reports(tokens: int, experts: int, block: int, top: int = 6, C: int
             "W_WORDS": inputs // block % 4 == 0,
             "HW": True,
             "PTX": True,
+            "CHUNKED": chunked,
+            "FP8_DOT": dot == "fp8",
+            "GATHER": gated,
+            "X_WORDS": inputs % 128 == 0 and t.block_k % 128 == 0,
         }
-        name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block})"
+        name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block}, {dot} dots)"
         reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))
     return reports
 
@@ -374,7 +386,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="fp8-gemm / moe-gemm: tokens")
     parser.add_argument("--weight-rows", type=int, default=5120, help="fp8-gemm: weight rows (N)")
     parser.add_argument("--inputs", type=int, default=8192, help="fp8-gemm: inputs (K)")
-    parser.add_argument("--dot", choices=["fp8", "fp32", "bf16"], help="fp8-gemm: the dots (default: by tokens)")
+    parser.add_argument(
+        "--dot", choices=["fp8", "fp32", "bf16"], help="fp8-gemm: the dots (default: by tokens); moe-gemm: (bf16)"
+    )
     parser.add_argument("--experts", type=int, default=48, help="moe-gemm: experts")
     parser.add_argument("--block", type=int, default=32, choices=[16, 32], help="moe-gemm: inputs per weight scale")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
@@ -388,7 +402,7 @@ def main() -> None:
     elif args.kernel == "fp8-gemm":
         reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs, args.dot)
     else:
-        reports = moe_gemm_reports(args.tokens, args.experts, args.block)
+        reports = moe_gemm_reports(args.tokens, args.experts, args.block, args.dot or "bf16")
     for report in reports:
         print("\n".join(report.lines(args.top)), flush=True)
 

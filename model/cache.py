@@ -62,9 +62,9 @@ class Ring:
         first (−1: no key), so every step meets a position's keys in the same order (kernels.sparse_attention)."""
         return _window(self.data[rows], self.scale[rows], self.pos[rows], new_data, new_scale, new_pos)
 
-    def commit(self, rows: slice, data: Tensor, scale: Tensor, pos: Tensor, keep: Tensor | None) -> None:
-        """Write the last ≤ W kept positions of each row (keep: None = all) into their slots (pos mod W)."""
-        _write_kept(((self.data, data), (self.scale, scale), (self.pos, pos)), rows, pos, keep, self.data.shape[1])
+    def staged(self, data: Tensor, scale: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(ring tensor, a step's new values) pairs: what `_write_kept` writes into their slots (pos mod W)."""
+        return [(self.data, data), (self.scale, scale), (self.pos, pos)]
 
 
 @fused
@@ -365,6 +365,7 @@ class Step:
     hidden: tuple[Tensor, Tensor] | None = None  # staged H^{L/2} rows (X [B, T, n, C], pre [B, T, n])
     static: bool = False  # shapes independent of positions (a captured step, model.graphs)
     memory: Memory | None = None  # its Engram rows, where a graph stages them (else the model looks them up)
+    _visible: dict[int, Tensor] = field(default_factory=dict, repr=False)  # ratio → n_visible
 
     @property
     def batch(self) -> int:
@@ -395,8 +396,11 @@ class Step:
         return counts.pop()
 
     def n_visible(self, ratio: int) -> Tensor:
-        """[B, T] compressed entries visible to each query: entry j once j < ⌊(t+1)/m⌋."""
-        return torch.div(self.positions + 1, ratio, rounding_mode="floor")
+        """[B, T] compressed entries visible to each query: entry j once j < ⌊(t+1)/m⌋ (computed once per step and
+        ratio: every layer of the ratio asks)."""
+        if ratio not in self._visible:
+            self._visible[ratio] = torch.div(self.positions + 1, ratio, rounding_mode="floor")
+        return self._visible[ratio]
 
     def max_visible(self, ratio: int) -> int:
         """The largest n_visible(ratio), from the host positions."""
@@ -433,14 +437,14 @@ class Step:
         """The device half of a commit: rings, open groups, H^{L/2} rows and look-back keep the first keep[b]
         positions of row b (all: None); positions do not move."""
         cache = self.cache
-        for layer, (data, scale) in self.rings.items():
-            cache.rings[layer].commit(self.rows, data, scale, self.positions, keep)
+        windowed = [pair for layer, (data, scale) in self.rings.items()
+                    for pair in cache.rings[layer].staged(data, scale, self.positions)]  # fmt: skip
+        if self.hidden is not None:
+            windowed += [(cache.hidden, self.hidden[0]), (cache.hidden_pre, self.hidden[1])]
+        if windowed:  # every ring and the H^{L/2} rows share the window's slots: one index for all of them
+            _write_kept(windowed, self.rows, self.positions, keep, cache.args.sliding_window)
         for layer, (kv, score, n_open) in self.groups.items():
             self._commit_group(layer, kv, score, n_open, keep)
-        if self.hidden is not None:
-            X, pre = self.hidden
-            pairs = ((cache.hidden, X), (cache.hidden_pre, pre))
-            _write_kept(pairs, self.rows, self.positions, keep, cache.args.sliding_window)
         if not self.replay:  # each row's look-back ends with its kept tokens
             _keep_last(cache.history, self.rows, self.history, self.tokens, keep)
 

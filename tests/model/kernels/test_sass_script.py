@@ -64,3 +64,12 @@ def test_the_moe_gemms_compile_onto_bf16_tensor_cores_with_the_ptx_decode() -> N
     assert all(shared_bytes(line) <= SHARED_PER_BLOCK for line in heads), report
     loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
     assert sum("HGMMA" in loop and "PRMT" in loop for loop in loops) >= 2, report  # bf16 wgmma beside the lookups
+
+
+def test_the_moe_gemms_fp8_chunks_compile_onto_fp8_tensor_cores() -> None:
+    report = sass("moe-gemm", "--tokens", "256", "--dot", "fp8", "--top", "100")
+    heads = [line for line in report.splitlines() if not line.startswith(" ")]
+    assert [line.split(" 32 pairs")[0] for line in heads] == ["moe gate_up", "moe down"], report
+    assert all(shared_bytes(line) <= SHARED_PER_BLOCK for line in heads), report
+    loops = [line for line in report.splitlines() if line.startswith("  loop of ")]
+    assert sum("QGMMA" in loop for loop in loops) >= 2, report  # FP8 E4M3 wgmma in the K loops
