@@ -12,31 +12,14 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
-from e2e_helpers import START_TIMEOUT_S, start_gateway
+from e2e_helpers import serve, start_gateway, tiny_mesh
 
-from mesh.processes import Mesh, MeshSpec
-
-# Short deadlines, so a frozen replica is noticed within a test's time.
-GATEWAY_ARGS = ["--stall-timeout-s", "20", "--load-interval-s", "0.25", "--inhibit-s", "2"]
-# Records live an hour: a record that expires during a test is one the test made expire.
-CACHE_ARGS = ["--ssd-bytes", str(256 << 20), "--dram-bytes", str(64 << 20), "--record-bytes", str(64 << 20),
-              "--record-ttl-s", "3600"]  # fmt: skip
+from mesh.processes import Mesh
 
 
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    spec = MeshSpec(
-        model="tiny",
-        data_dir=tmp_path_factory.mktemp("mesh"),
-        prefill_replicas=2,
-        decode_replicas=2,
-        cache_args=CACHE_ARGS,
-        gateway_args=GATEWAY_ARGS,
-    )
-    running = Mesh(spec)
-    running.start(START_TIMEOUT_S)
-    yield running
-    running.stop()
+    yield from serve(tiny_mesh(tmp_path_factory.mktemp("mesh"), replicas=2))
 
 
 @pytest.fixture

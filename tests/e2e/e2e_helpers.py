@@ -1,5 +1,5 @@
-"""The harness of the end-to-end tests: reading gateway metrics and replica logs, waiting for a condition, killing and
-restarting mesh processes, extra gateway processes over the same replicas."""
+"""The harness of the end-to-end tests: the tiny model's mesh, reading gateway metrics and replica logs, waiting for a
+condition, killing and restarting mesh processes, extra gateway processes over the same replicas."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mesh.processes import Mesh, free_port, http_ready
+from mesh.processes import Mesh, MeshSpec, free_port, http_ready
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 from proto.mesh.v1 import model_info_pb2
 from proto.prefill.v1 import prefill_pb2_grpc
@@ -26,6 +26,35 @@ from proto.prefill.v1 import prefill_pb2_grpc
 MODEL = "DeepSeek-V4.1-Flash"
 START_TIMEOUT_S = 300.0
 WAIT_TIMEOUT_S = 30.0
+# Short deadlines, so a frozen replica is noticed within a test's time.
+GATEWAY_ARGS = ["--stall-timeout-s", "20", "--load-interval-s", "0.25", "--inhibit-s", "2"]
+# Records live an hour: a record that expires during a test is one the test made expire.
+CACHE_ARGS = ["--ssd-bytes", str(256 << 20), "--dram-bytes", str(64 << 20), "--record-bytes", str(64 << 20),
+              "--record-ttl-s", "3600"]  # fmt: skip
+
+
+def tiny_mesh(data_dir: Path, replicas: int, ranks: int = 1) -> MeshSpec:
+    """The `tiny` model's mesh: a cache, `replicas` prefill and decode replicas, each a group of `ranks` rank
+    processes (`mesh up --prefill-ranks --decode-ranks`), and a gateway."""
+    return MeshSpec(
+        model="tiny",
+        data_dir=data_dir,
+        prefill_replicas=replicas,
+        decode_replicas=replicas,
+        prefill_ranks=ranks,
+        decode_ranks=ranks,
+        cache_args=CACHE_ARGS,
+        gateway_args=GATEWAY_ARGS,
+    )
+
+
+def serve(spec: MeshSpec) -> Iterator[Mesh]:
+    """A fixture's body: the mesh started and healthy; after the tests, SIGTERM stops every process with status 0."""
+    running = Mesh(spec)
+    running.start(START_TIMEOUT_S)
+    yield running
+    codes = running.stop()
+    assert codes == {child.name: 0 for child in running.children}, codes
 
 
 def metric(base_url: str, name: str, **labels: str) -> float:

@@ -1,17 +1,25 @@
-"""The three APIs end to end through the real mesh (tiny model, random weights), driven by the real SDKs.
+"""The three APIs end to end through the real mesh (tiny model, random weights), driven by the real SDKs: every test
+on the mesh of single-process replicas, then on `mesh up --prefill-ranks 2 --decode-ranks 2`, where the prefill and
+the decode replica are each a group of two rank processes (routed experts split over them, gloo on the CPU).
 
 The model's words are noise, so the checks are about the protocol: responses parse, finish reasons follow the
 budget and stop sequences, streamed output equals the complete response (greedy is deterministic), usage is
-reported in each API's own fields, n choices come back as n choices."""
+reported in each API's own fields, n choices come back as n choices, an answer under a JSON Schema validates.
+The two meshes' answers are not compared: a prefix hit in the cache resumes with other float reduction orders, so
+greedy text moves with the cache's state. That a group computes what one process computes is tested at the service
+level, on fixed inputs (tests/decode_svc/test_decode_ranks.py, tests/prefill_svc/test_prefill_ranks.py)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import anthropic
 import grpc
+import jsonschema
 import openai
-from e2e_helpers import MODEL
+import pytest
+from e2e_helpers import MODEL, serve, tiny_mesh
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.processes import Mesh
@@ -28,6 +36,23 @@ WEATHER_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+# The noise has a handful of choices under this schema (the grammar caps whitespace), so a constrained answer ends.
+SWITCH = {
+    "type": "object",
+    "properties": {"on": {"type": "boolean"}},
+    "required": ["on"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module", params=["single", "ranked"])
+def mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The session's mesh of single-process replicas, then one of rank groups: a prefill and a decode replica of two
+    ranks each, as `mesh up --prefill-ranks 2 --decode-ranks 2` starts it."""
+    if request.param == "single":
+        yield request.getfixturevalue("mesh")  # conftest's, which this fixture overrides
+    else:
+        yield from serve(tiny_mesh(tmp_path_factory.mktemp("ranked-mesh"), replicas=1, ranks=2))
 
 
 def ask(text: str) -> list[dict]:
@@ -165,6 +190,26 @@ def test_responses_complete_and_streamed_agree(oai: openai.OpenAI) -> None:
     assert events[-1].type == "response.incomplete"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == complete.output_text
+
+
+def test_an_answer_under_a_json_schema_validates(oai: openai.OpenAI) -> None:
+    question = "Is it on? Answer in JSON."
+    response_format = {"type": "json_schema", "json_schema": {"name": "switch", "schema": SWITCH, "strict": True}}
+    request = {"model": MODEL, "messages": ask(question), "response_format": response_format, "max_tokens": 128,
+               "temperature": 0, "extra_body": NO_THINKING}  # fmt: skip
+    (choice,) = oai.chat.completions.create(**request).choices  # type: ignore[call-overload]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SWITCH)
+    # The schema makes the prompt long enough for a prefix hit, so the streamed answer is no copy of the first.
+    content, finish, _ = streamed_chat(oai, **request)
+    assert finish == {0: "stop"}
+    jsonschema.validate(json.loads(content[0]), SWITCH)
+    response = oai.responses.create(
+        model=MODEL, input=question, max_output_tokens=128, temperature=0, reasoning={"effort": "none"},
+        text={"format": {"type": "json_schema", "name": "switch", "schema": SWITCH, "strict": True}},
+    )  # fmt: skip
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), SWITCH)
 
 
 def test_messages_complete_and_streamed_agree(claude: anthropic.Anthropic) -> None:
