@@ -206,6 +206,30 @@ E2M1_BF16_PTX = tl.constexpr(
 )
 
 
+# E2M1_E4M3_PTX: four packed bytes ($2) → the E4M3 bytes of their low nibbles ($0) and of their high nibbles ($1),
+# four a register: each value × 2⁻⁶, exactly — sign to bit 7, the three magnitude bits to bits 4..2.
+E2M1_E4M3_PTX = tl.constexpr(
+    "{ .reg .b32 t; "
+    "and.b32 t, $2, 0x08080808; shl.b32 t, t, 4; and.b32 $0, $2, 0x07070707; shl.b32 $0, $0, 2; or.b32 $0, $0, t; "
+    "and.b32 t, $2, 0x70707070; shr.b32 t, t, 2; and.b32 $1, $2, 0x80808080; or.b32 $1, $1, t; }"
+)
+
+
+@triton.jit
+def e2m1_as_e4m3(packed, PTX: tl.constexpr):
+    """Packed E2M1 bytes → (E4M3 byte of the low nibble, of the high nibble): each value × 2⁻⁶, exactly (sign |
+    magnitude << 2). `PTX` (GPU): four bytes per instruction sequence (E2M1_E4M3_PTX), else one value at a time."""
+    if PTX:
+        low, high = tl.inline_asm_elementwise(
+            E2M1_E4M3_PTX, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
+        )
+    else:
+        bits = packed.to(tl.int32)
+        low = (((bits & 0x8) << 4) | ((bits & 0x7) << 2)).to(tl.uint8)
+        high = ((bits & 0x80) | ((bits & 0x70) >> 2)).to(tl.uint8)
+    return low, high
+
+
 @triton.jit
 def e2m1_scaled(packed, scale, PTX: tl.constexpr):
     """Packed E2M1 bytes and a power-of-two scale per byte → (value of the low nibble, value of the high nibble),

@@ -41,6 +41,7 @@ from torch import Tensor
 from model import quant
 from model.kernels.formats import (
     check_tile_sides,
+    e2m1_as_e4m3,
     e2m1_scaled,
     e4m3_decode,
     e4m3_scaled,
@@ -223,16 +224,15 @@ def _operand(codes, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
-def _weight_codes(w_ptr, rows, ok, k0, K: tl.constexpr, FP8_DOT: tl.constexpr):
+def _weight_codes(w_ptr, rows, ok, k0, K: tl.constexpr, FP8_DOT: tl.constexpr, PTX: tl.constexpr):
     """Rows of packed E2M1 weights [*, K/2], inputs k0 … k0 + 31 → [rows, 32] in input order, each code widened to
-    the E4M3 byte of its value × 2⁻⁶: sign | magnitude << 2."""
+    the E4M3 byte of its value × 2⁻⁶ (`formats.e2m1_as_e4m3`)."""
     R: tl.constexpr = rows.shape[0]
     half = k0 // 2 + tl.arange(0, 16)
     packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok[:, None] & (half < K // 2)[None, :],
-                     other=0).to(tl.int32)  # fmt: skip
-    even = ((packed & 0x8) << 4) | ((packed & 0x7) << 2)
-    odd = (packed & 0x80) | ((packed & 0x70) >> 2)
-    return _operand(tl.reshape(tl.join(even, odd), (R, 32)).to(tl.uint8), FP8_DOT)
+                     other=0)  # fmt: skip
+    even, odd = e2m1_as_e4m3(packed, PTX)
+    return _operand(tl.reshape(tl.join(even, odd), (R, 32)), FP8_DOT)
 
 
 @triton.jit
@@ -247,6 +247,7 @@ def _activation_codes(x_ptr, rows, ok, k0, K: tl.constexpr, FP8_DOT: tl.constexp
 def _chunked_projection(
     acc, w_ptr, ws_ptr, w_rows, n_ok, x_ptr, xs_ptr, x_rows, p_ok, tile,
     K: tl.constexpr, BK: tl.constexpr, W_WORDS: tl.constexpr, X_WORDS: tl.constexpr, FP8_DOT: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, BM] plus K tile `tile` of W_rows · x: one code dot per 32-input chunk, rescaled by the chunk's two
     scale vectors (the weight codes' 2⁻⁶ is taken back once, at the end of the K loop)."""
@@ -255,7 +256,7 @@ def _chunked_projection(
     x_scales = _chunk_scales(xs_ptr, x_rows, p_ok, tile, K // 32, CHUNKS, X_WORDS)
     for c in tl.static_range(CHUNKS):
         k0 = tile * BK + c * 32
-        dot = tl.dot(_weight_codes(w_ptr, w_rows, n_ok, k0, K, FP8_DOT),
+        dot = tl.dot(_weight_codes(w_ptr, w_rows, n_ok, k0, K, FP8_DOT, PTX),
                      _activation_codes(x_ptr, x_rows, p_ok, k0, K, FP8_DOT))  # fmt: skip
         acc += dot * (w_scales[c][:, None] * x_scales[c][None, :])
     return acc
@@ -288,10 +289,10 @@ def _moe_kernel(
             x_rows = (tl.load(rows_ptr + p, mask=p_ok, other=0) if GATHER else p).to(tl.int64)
             for tile in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
                 acc = _chunked_projection(acc, w_ptr, ws_ptr, w_rows, n_ok, x_ptr, xs_ptr, x_rows, p_ok, tile, K, BK,
-                                          W_WORDS, X_WORDS, FP8_DOT)  # fmt: skip
+                                          W_WORDS, X_WORDS, FP8_DOT, PTX)  # fmt: skip
                 if GATED:
                     acc_up = _chunked_projection(acc_up, w_ptr, ws_ptr, w_rows + n_out, n_ok, x_ptr, xs_ptr, x_rows,
-                                                 p_ok, tile, K, BK, W_WORDS, X_WORDS, FP8_DOT)  # fmt: skip
+                                                 p_ok, tile, K, BK, W_WORDS, X_WORDS, FP8_DOT, PTX)  # fmt: skip
             acc, acc_up = acc * 64.0, acc_up * 64.0  # the weight codes' 2⁻⁶
         else:
             for k0 in tl.range(0, K, BK, num_stages=STAGES):
