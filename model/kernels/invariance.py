@@ -30,7 +30,8 @@ def batch_invariant() -> bool:
 
 
 def set_batch_invariant(on: bool) -> None:
-    """Turn batch invariance on or off for this process (module docstring), before the first forward."""
+    """Turn batch invariance on for this process (module docstring), before its first forward; off restores the
+    kernels' own launch choices only (torch's settings stay as they were set)."""
     global _invariant
     _invariant = on
     if not on or not torch.cuda.is_available():
