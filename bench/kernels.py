@@ -147,7 +147,9 @@ def attention_inputs(B: int, T: int, H: int, D: int, W: int, N: int, K: int, rag
     if ragged:
         idx = torch.where(torch.rand(B, T, K, device=DEVICE) < 0.1, -1, idx)
     sink = randn(H)
-    return q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, D**-0.5
+    R = W - min(T, W)  # window slots < R: the ring's; the rest: the step's new keys
+    ring, new = (swa_data[:, :R], swa_scale[:, :R]), (swa_data[:, R:], swa_scale[:, R:])
+    return q, *ring, *new, swa_idx, kv_data, kv_scale, idx, sink, D**-0.5
 
 
 def fp8_linear_inputs(M: int, N: int, K: int) -> tuple[torch.Tensor, ...]:

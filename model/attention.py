@@ -201,7 +201,7 @@ class Attention(nn.Module):
         positions = step.positions
         qr, q, kv = self.query_window(self.cast_input(x), positions)
         swa_data, swa_scale = kernels.quantize_swa_fp8(kv, backend=be)
-        swa_data, swa_scale, swa_idx = step.window(self.layer, swa_data, swa_scale)
+        window = step.window(self.layer, swa_data, swa_scale)
         compressed = None
         if role.ratio:
             if role.owns_kv and not step.replay:
@@ -213,16 +213,17 @@ class Attention(nn.Module):
                 scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)
                 step.selection.select(a, role, scores, n_visible)
             compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])
-        return self.attend_packed(q, positions, (swa_data, swa_scale, swa_idx), compressed)
+        return self.attend_packed(q, positions, window, compressed)
 
     def attend_packed(
         self,
         q: Tensor,
         positions: Tensor,
-        window: tuple[Tensor, Tensor, Tensor],
+        window: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
         compressed: tuple[Tensor, Tensor, Tensor] | None,
     ) -> Tensor:
-        """Sparse attention over [window keys (data, scale, slots) ‖ selected compressed entries (data, scale, idx)]."""
+        """Sparse attention over [window keys (ring data, scale, new data, scale, slots) ‖ selected compressed entries
+        (data, scale, idx)]."""
         B, T, D = q.shape[0], q.shape[1], self.args.head_dim
         if compressed is None:  # SWA-only layer: no compressed entries, no indices
             compressed = (

@@ -58,9 +58,10 @@ class Ring:
     pos: Tensor  # int64 [S, W], −1 = empty
 
     def window(self, rows: slice, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
-        """Keys = [committed ring ‖ this step's T entries] and, per query, its window's key slots oldest position
-        first (−1: no key), so every step meets a position's keys in the same order (kernels.sparse_attention)."""
-        return _window(self.data[rows], self.scale[rows], self.pos[rows], new_data, new_scale, new_pos)
+        """The keys — committed ring (data, scale), this step's T entries (data, scale) — and, per query, its window's
+        key slots of [ring ‖ step], oldest position first (−1: no key), so every step meets a position's keys in the
+        same order (kernels.sparse_attention)."""
+        return self.data[rows], self.scale[rows], new_data, new_scale, _window_slots(self.pos[rows], new_pos)
 
     def staged(self, data: Tensor, scale: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
         """(ring tensor, a step's new values) pairs: what `_write_kept` writes into their slots (pos mod W)."""
@@ -68,16 +69,16 @@ class Ring:
 
 
 @fused
-def _window(data: Tensor, scale: Tensor, pos: Tensor, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
-    """Query t's window positions q−W+1 … q: this step's column of a position it writes (the step's positions are
-    consecutive), else the ring's slot (position mod W) when it holds that position."""
-    W = data.shape[1]
+def _window_slots(pos: Tensor, new_pos: Tensor) -> Tensor:
+    """Query t's window positions q−W+1 … q as slots of [ring ‖ step]: this step's column of a position it writes
+    (W + column: the step's positions are consecutive), else the ring's slot (position mod W) when it holds it."""
+    W = pos.shape[1]
     want = new_pos.unsqueeze(2) - (W - 1) + torch.arange(W, device=pos.device)  # [B, T, W]
     slot = want.remainder(W)
     in_ring = pos.gather(1, slot.flatten(1)).view_as(want) == want
     column = want - new_pos[:, :1, None]
     idx = torch.where(column >= 0, W + column, torch.where(in_ring, slot, -1)).masked_fill(want < 0, -1)
-    return torch.cat((data, new_data), dim=1), torch.cat((scale, new_scale), dim=1), idx.to(torch.int32)
+    return idx.to(torch.int32)
 
 
 def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) -> None:

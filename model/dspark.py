@@ -106,11 +106,7 @@ class DSparkBlock(Block):
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)
         slots = torch.arange(W + g, dtype=torch.int32, device=x.device)  # [ring ‖ block rows]
         keys = torch.cat((torch.where(in_ring, slots[:W], -1), slots[W:].expand(B, g)), dim=1)
-        window = (
-            torch.cat((ring.data[:B], data), 1),
-            torch.cat((ring.scale[:B], scale), 1),
-            keys[:, None].expand(-1, g, -1),
-        )
+        window = (ring.data[:B], ring.scale[:B], data, scale, keys[:, None].expand(-1, g, -1))
         return attn.attend_packed(q, positions, window, None)
 
     def dense_block_attention(self, x: Tensor, positions: Tensor, ring: Tensor, ring_mask: Tensor) -> Tensor:

@@ -218,6 +218,8 @@ def sparse_attention(
     q: Tensor,
     swa_data: Tensor,
     swa_scale: Tensor,
+    new_data: Tensor,
+    new_scale: Tensor,
     swa_idx: Tensor,
     kv_data: Tensor,
     kv_scale: Tensor,
@@ -226,8 +228,9 @@ def sparse_attention(
     softmax_scale: float,
     backend: Backend = "torch",
 ) -> Tensor:
-    """Attention of q [B,T,H,D] over [its window: FP8 key slots swa_idx [B,T,W] of swa_data [B,S,D], oldest position
-    first ‖ FP4 entries idx] (−1 = none) with a sink → q's dtype.
+    """Attention of q [B,T,H,D] over [its window: FP8 key slots swa_idx [B,T,W] of [ring swa_data [B,R,D] ‖ new keys
+    new_data [B,N',D]] (their UE8M0 scales per 32 beside them), oldest position first ‖ FP4 entries idx] (−1 = none)
+    with a sink → q's dtype.
 
     The torch reference computes in q's precision (at least fp32), the Triton kernel in fp32. N may be 0 (nothing
     stored yet): then every idx slot must be −1."""
@@ -235,15 +238,16 @@ def sparse_attention(
     B, T, H, D = q.shape
     if D % kv_quant.SWA_BLOCK != 0:
         raise ValueError(f"q: latent dim must be a multiple of {kv_quant.SWA_BLOCK}, got {D}")
-    _expect("swa_data", swa_data, (B, None, D), (torch.uint8,))
-    _expect("swa_scale", swa_scale, (B, swa_data.shape[1], D // kv_quant.SWA_BLOCK), (torch.uint8,))
+    for name, data, scale in (("swa", swa_data, swa_scale), ("new", new_data, new_scale)):
+        _expect(f"{name}_data", data, (B, None, D), (torch.uint8,))
+        _expect(f"{name}_scale", scale, (B, data.shape[1], D // kv_quant.SWA_BLOCK), (torch.uint8,))
     _expect("swa_idx", swa_idx, (B, T, None), _INTS)
     _expect("kv_data", kv_data, (B, None, D // 2), (torch.uint8,))
     _expect("kv_scale", kv_scale, (B, kv_data.shape[1], D // kv_quant.KV_BLOCK), (torch.uint8,))
     _expect("idx", idx, (B, T, None), _INTS)
     _expect("sink", sink, (H,), _WIDE_FLOATS)
     return _pick(backend, sparse_attn, "sparse_attention")(
-        q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, softmax_scale
+        q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, softmax_scale
     )
 
 

@@ -2,10 +2,10 @@
 
 One softmax per (query, head) over its window's keys and the selected entries, with the head's sink logit in the
 denominator only: o = Σ_i exp(s_i) v_i / (Σ_j exp(s_j) + exp(sink_h)), s = scale · q·k. K = V = the shared
-dequantised latent. The output is before the inverse RoPE. A query's window keys are slots of its row's FP8 keys
-(the committed ring and this step's new ones) named by `swa_idx`, oldest position first, −1 where a position has no
-key: every query meets its keys in the order of their positions, whichever step wrote them, so a verify pass sums a
-position's attention as the plain step of that position does.
+dequantised latent. The output is before the inverse RoPE. A query's window keys are slots of its row's FP8 keys —
+[the committed ring ‖ this step's new ones], read from each where they lie, never concatenated — named by `swa_idx`,
+oldest position first, −1 where a position has no key: every query meets its keys in the order of their positions,
+whichever step wrote them, so a verify pass sums a position's attention as the plain step of that position does.
 
 Triton (flash-decoding): a program takes one query, all its heads (BLOCK_H, up to 64: V4.1-Flash's 64 heads in one
 pass, so each selected entry is read and dequantised once per query) and a contiguous run of key tiles (ring tiles
@@ -43,6 +43,8 @@ def sparse_attention_torch(
     q: Tensor,
     swa_data: Tensor,
     swa_scale: Tensor,
+    new_data: Tensor,
+    new_scale: Tensor,
     swa_idx: Tensor,
     kv_data: Tensor,
     kv_scale: Tensor,
@@ -50,6 +52,7 @@ def sparse_attention_torch(
     sink: Tensor,
     softmax_scale: float,
 ) -> Tensor:
+    swa_data, swa_scale = torch.cat((swa_data, new_data), 1), torch.cat((swa_scale, new_scale), 1)
     # fp32, or fp64 for a float64 q: the exactness tests compare this with the dense fp64 attention, and an fp32
     # rounding here moves FP8 codes downstream (the QAT cast of the output projection's input)
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -73,20 +76,27 @@ def sparse_attention_torch(
 
 
 @triton.jit
+def _fp8_rows(data_ptr, scale_ptr, row, ok, d, D: tl.constexpr):
+    """FP8 key rows `row` (E4M3 bytes, UE8M0 per 32) where `ok` [rows, DP], zero bytes elsewhere."""
+    fp8 = tl.load(data_ptr + row[:, None] * D + d[None, :], mask=ok, other=0)
+    return fp8, tl.load(scale_ptr + row[:, None] * (D // 32) + d[None, :] // 32, mask=ok, other=0)
+
+
+@triton.jit
 def _ring_tile(
-    swa_ptr, swas_ptr, sidx_ptr, b, bt, S, W, tile, BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr
+    swa_ptr, swas_ptr, new_ptr, news_ptr, sidx_ptr, b, bt, R, TN, W, tile,
+    BLOCK_N: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):  # fmt: skip
-    """Window keys of one key tile (slots of the row's S by the query's swa_idx) → (latents [BLOCK_N, DP] fp32,
-    valid [BLOCK_N])."""
+    """Window keys of one key tile, the query's swa_idx slots of [its row's R ring slots ‖ the step's TN new keys]
+    → (latents [BLOCK_N, DP] fp32, valid [BLOCK_N])."""
     w = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DP)
     slot = tl.load(sidx_ptr + bt * W + w, mask=w < W, other=-1)
-    valid = slot >= 0
-    row = b * S + tl.maximum(slot, 0)
-    ok = valid[:, None] & (d[None, :] < D)
-    fp8 = tl.load(swa_ptr + row[:, None] * D + d[None, :], mask=ok, other=0)
-    scale = tl.load(swas_ptr + row[:, None] * (D // 32) + d[None, :] // 32, mask=ok, other=127)
-    return e4m3_decode(fp8) * ue8m0_decode(scale), valid
+    valid, fresh = slot >= 0, slot >= R
+    in_d = d[None, :] < D
+    ring, ring_scale = _fp8_rows(swa_ptr, swas_ptr, b * R + slot, (valid & ~fresh)[:, None] & in_d, d, D)
+    new, new_scale = _fp8_rows(new_ptr, news_ptr, b * TN + slot - R, fresh[:, None] & in_d, d, D)
+    return e4m3_decode(ring | new) * ue8m0_decode(ring_scale | new_scale), valid  # one of each pair is zero
 
 
 @triton.jit
@@ -111,8 +121,8 @@ def _entry_tile(
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, swa_ptr, swas_ptr, sidx_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr, pm_ptr, pl_ptr,
-    T, H, S, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
+    q_ptr, swa_ptr, swas_ptr, new_ptr, news_ptr, sidx_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr,
+    pm_ptr, pl_ptr, T, H, R, TN, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):  # fmt: skip
@@ -132,7 +142,9 @@ def _sparse_attention_kernel(
     acc = tl.zeros((BLOCK_H, DP), tl.float32)
     for tile in range(first, last):
         if tile < ring_tiles:
-            kv, valid = _ring_tile(swa_ptr, swas_ptr, sidx_ptr, b, bt, S, W, tile, BLOCK_N, D, DP)
+            kv, valid = _ring_tile(
+                swa_ptr, swas_ptr, new_ptr, news_ptr, sidx_ptr, b, bt, R, TN, W, tile, BLOCK_N, D, DP
+            )
         else:
             kv, valid = _entry_tile(
                 kv_ptr, kvs_ptr, idx_ptr, b, bt, kv_stride, kvs_stride, K, tile - ring_tiles, BLOCK_N, D, DP
@@ -199,6 +211,8 @@ def sparse_attention_triton(
     q: Tensor,
     swa_data: Tensor,
     swa_scale: Tensor,
+    new_data: Tensor,
+    new_scale: Tensor,
     swa_idx: Tensor,
     kv_data: Tensor,
     kv_scale: Tensor,
@@ -218,7 +232,7 @@ def sparse_attention_triton(
     per program (64 heads × 512 latent, 128 ring slots + 512 entries). B=1 is the exception (10 programs on 132 SMs,
     each carrying all 64 heads of its key range: 0.022 ms against 0.015; docs/kernels.md)."""
     B, T, H, D = q.shape
-    S, W, K = swa_data.shape[1], swa_idx.shape[2], idx.shape[2]
+    R, TN, W, K = swa_data.shape[1], new_data.shape[1], swa_idx.shape[2], idx.shape[2]
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -234,11 +248,12 @@ def sparse_attention_triton(
     partial_o = torch.empty((B * T, n_splits, H, DP) if n_splits > 1 else (0,), device=q.device)
     partial_m = torch.empty((B * T, n_splits, H) if n_splits > 1 else (0,), device=q.device)
     partial_l = torch.empty_like(partial_m)
-    args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), swa_idx.to(torch.int32).contiguous())
+    args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), new_data.contiguous(),
+            new_scale.contiguous(), swa_idx.to(torch.int32).contiguous())  # fmt: skip
     kv_data, kv_scale = dense_rows(kv_data), dense_rows(kv_scale)  # the cache's [:, :n] views, never copied
     args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
     _sparse_attention_kernel[(B * T, head_groups, n_splits)](
-        *args, out, partial_o, partial_m, partial_l, T, H, S, W, kv_data.stride(0), kv_scale.stride(0), K,
+        *args, out, partial_o, partial_m, partial_l, T, H, R, TN, W, kv_data.stride(0), kv_scale.stride(0), K,
         softmax_scale * LOG2E, tiles_per_split,
         D, DP, block_h, block_n, n_splits, interpreting(), num_warps=num_warps,
     )  # fmt: skip

@@ -33,7 +33,7 @@ def test_reuse_layers_attend_with_their_sources_indices(tiny, step_of, monkeypat
     real = kernels.sparse_attention
 
     def spy(*args, **kwargs):  # the real kernel runs; the spy only records each layer's indices
-        calls.append(args[6].clone())
+        calls.append(args[8].clone())
         return real(*args, **kwargs)
 
     step = step_of(prefix=21, new=9)

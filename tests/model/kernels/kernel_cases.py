@@ -44,7 +44,7 @@ def candidate_case(g: torch.Generator, S: int, tied: bool = False) -> tuple[Tens
 
 def attention_case(
     g: torch.Generator, B: int, T: int, H: int, D: int, W: int, N: int, K: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float]:
     q = torch.randn(B, T, H, D, generator=g)
     swa_data, swa_scale = quant.fp8_quant(torch.randn(B, W, D, generator=g))
     kv_data, kv_scale = quant.fp4_quant_e4m3(torch.randn(B, N, D, generator=g))
@@ -56,7 +56,9 @@ def attention_case(
     idx = torch.where(torch.arange(K) < n_selected, idx, -1)  # ragged, −1 padded tails
     idx[0, 0] = -1  # ... and that query sees nothing but the sink
     sink = torch.randn(H, generator=g)
-    return q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, D**-0.5
+    R = W // 2  # slots < R: the ring's, the rest: the step's new keys
+    ring, new = (swa_data[:, :R], swa_scale[:, :R]), (swa_data[:, R:], swa_scale[:, R:])
+    return q, *ring, *new, swa_idx, kv_data, kv_scale, idx, sink, D**-0.5
 
 
 def topk_case(g: torch.Generator, R: int, L: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:

@@ -97,13 +97,15 @@ def test_candidate_mask_matches_the_definition(S: int, block_size: int, topk_blo
 def test_sparse_attention_matches_the_definition(dtype: torch.dtype, tolerance: float) -> None:
     """fp32 queries are computed in fp32; fp64 ones (a float64 model's) in fp64, to fp64 accuracy."""
     B, T, H, D, W, N, K = 2, 2, 3, 64, 5, 9, 4
-    q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, scale = attention_case(
+    q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, scale = attention_case(
         generator(1), B, T, H, D, W, N, K
     )
     q, sink = q.to(dtype), sink.to(dtype)
-    got = kernels.sparse_attention(q, swa_data, swa_scale, swa_idx, kv_data, kv_scale, idx, sink, scale)
+    got = kernels.sparse_attention(
+        q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, scale
+    )
     assert got.dtype == dtype
-    ring = quant.fp8_dequant(swa_data, swa_scale).double()
+    ring = quant.fp8_dequant(torch.cat((swa_data, new_data), 1), torch.cat((swa_scale, new_scale), 1)).double()
     entries = quant.fp4_dequant_e4m3(kv_data, kv_scale).double()
     for b in range(B):
         for t in range(T):
@@ -120,9 +122,9 @@ def test_sparse_attention_matches_the_definition(dtype: torch.dtype, tolerance: 
 def test_sparse_attention_with_no_entries_stored() -> None:
     """N = 0 (before a layer's first compressed entry) with K slots, all −1: the ring alone, as with K = 0."""
     case = list(attention_case(generator(4), 2, 3, 2, 32, 6, 5, 4))
-    case[4:7] = case[4][:, :0], case[5][:, :0], torch.full_like(case[6], -1)
+    case[6:9] = case[6][:, :0], case[7][:, :0], torch.full_like(case[8], -1)
     got = kernels.sparse_attention(*case)
-    case[6] = case[6][..., :0]
+    case[8] = case[8][..., :0]
     torch.testing.assert_close(got, kernels.sparse_attention(*case), rtol=1e-6, atol=1e-7)
     assert got[0, 0].abs().max() == 0  # the query without a ring slot sees only its sink
 
@@ -141,4 +143,4 @@ def test_bad_arguments_are_named() -> None:
         kernels.quantize_kv_fp4(torch.randn(3, 24))
     case = attention_case(generator(2), 1, 1, 2, 32, 3, 4, 2)
     with pytest.raises(ValueError, match="swa_idx: expected shape"):
-        kernels.sparse_attention(case[0], case[1], case[2], case[3][0], *case[4:])
+        kernels.sparse_attention(*case[:5], case[5][0], *case[6:])

@@ -237,7 +237,7 @@ def test_sparse_attention_head_blocks_wider_than_the_combine(block_h: int) -> No
 
 def test_sparse_attention_with_no_entries_stored() -> None:
     case = list(attention_case(generator(4), 2, 3, 2, 32, 6, 5, 4))
-    case[4:7] = case[4][:, :0], case[5][:, :0], torch.full_like(case[6], -1)  # N = 0, every slot −1
+    case[6:9] = case[6][:, :0], case[7][:, :0], torch.full_like(case[8], -1)  # N = 0, every slot −1
     torch.testing.assert_close(sparse_attention_triton(*case), kernels.sparse_attention(*case), rtol=1e-5, atol=1e-6)
 
 
@@ -257,11 +257,11 @@ def test_kernels_read_the_cache_views_in_place() -> None:
     """The packed cache passes `[:, :n]` views of buffers with room for more entries (not contiguous for B > 1):
     the indexer and attention kernels read them where they lie, with the results of contiguous copies."""
     case = list(attention_case(generator(6), 2, 2, 3, 64, 5, 9, 4))
-    views = [torch.cat((t, torch.zeros_like(t[:, :7])), dim=1)[:, :9] for t in case[4:6]]  # [B, 9 of 16, ·]
+    views = [torch.cat((t, torch.zeros_like(t[:, :7])), dim=1)[:, :9] for t in case[6:8]]  # [B, 9 of 16, ·]
     assert not views[0].is_contiguous()
     assert dense_rows(views[0]).data_ptr() == views[0].data_ptr()
     want = kernels.sparse_attention(*case)
-    case[4:6] = views
+    case[6:8] = views
     torch.testing.assert_close(sparse_attention_triton(*case), want, rtol=1e-5, atol=1e-6)
 
     index = list(indexer_case(generator(7), 2, 1, 4, 64, 30))
