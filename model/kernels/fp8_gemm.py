@@ -231,10 +231,11 @@ def fp8_linear_triton(
         raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 16), block_k=(t.block_k, BLOCK))
     m_tiles, n_tiles, k_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n), triton.cdiv(K, t.block_k)
-    if batch_invariant():  # the K splits of one token tile, whatever M
-        splits = t.split_k or _split_k(n_tiles, k_tiles, tuning.resolved(1).num_stages)
-    else:
-        splits = t.split_k or _split_k(m_tiles * n_tiles, k_tiles, t.num_stages)
+    # under batch invariance, the K splits of one token tile whatever M
+    programs, stages = (
+        (n_tiles, tuning.resolved(1).num_stages) if batch_invariant() else (m_tiles * n_tiles, t.num_stages)
+    )
+    splits = t.split_k or _split_k(programs, k_tiles, stages)
     tiles_per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, tiles_per_split)
     out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x_data.device,
