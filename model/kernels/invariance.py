@@ -12,14 +12,19 @@ reduction order from the number of rows:
 
 `set_batch_invariant(True)` fixes each of these per weight shape, not per batch: the FP8 linear always folds its
 scales into bf16 dots and splits K as for a single tile of tokens; sparse attention runs one program per query and
-head group; cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its batch-invariant (else
-deterministic) mode. It is process-wide and must be set before the first GEMM and the first compilation (cuBLAS
+head group; cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its deterministic and
+batch-invariant modes (on a torch without the latter, < 2.12, its one rule is applied here: a persistent reduction
+picks its row block and warps as for 4,096 rows, so each row is summed in one order at every row count). It is
+process-wide and must be set before the first GEMM and the first compilation (cuBLAS
 reads its workspace size once, and compiled kernels keep the choices they were compiled with).
 """
 
+import functools
 import os
 
 import torch
+
+PERSISTENT_ROWS = 4096  # inductor's batch-invariant mode chooses persistent-reduction configs as for this many rows
 
 _invariant = False
 
@@ -46,6 +51,28 @@ def set_batch_invariant(on: bool) -> None:
     matmul.allow_fp16_reduced_precision_reduction = (False, False)
     matmul.allow_tf32 = False
     inductor.split_reductions = False
-    for mode in ("deterministic", "batch_invariant"):  # no benchmarked choices; reduction blocks without the row count
-        if mode in inductor._config:  # (by torch version)
-            setattr(inductor, mode, True)
+    inductor.deterministic = True  # no benchmarked choices between configs that sum in different orders
+    if "batch_invariant" in inductor._config:
+        inductor.batch_invariant = True
+    else:
+        _choose_persistent_blocks_as_for_many_rows()
+        inductor.compile_threads = 1  # the configs are chosen where the kernels compile: in this process
+
+
+def _choose_persistent_blocks_as_for_many_rows() -> None:
+    """Inductor's batch-invariant rule for a torch without it: persistent-reduction configs are chosen from a row
+    count of at least `PERSISTENT_ROWS`, not the compiled shape's (whose candidates and pick differ by size)."""
+    from torch._inductor.runtime import triton_heuristics as heuristics
+
+    choose = heuristics._persistent_reduction_configs
+    if getattr(choose, "as_for_many_rows", False):
+        return
+
+    @functools.wraps(choose)
+    def as_for_many_rows(size_hints: dict[str, int], *args: object, **kwargs: object) -> list:
+        if "x" in size_hints:
+            size_hints = {**size_hints, "x": max(size_hints["x"], PERSISTENT_ROWS)}
+        return choose(size_hints, *args, **kwargs)
+
+    as_for_many_rows.as_for_many_rows = True  # type: ignore[attr-defined]
+    heuristics._persistent_reduction_configs = as_for_many_rows
