@@ -10,24 +10,24 @@ are the checkpoint's packed E2M1 nibbles [out, in/2] (element 2i in the low nibb
 inputs ([out, in/16] or [out, in/32], told apart by the scale's shape).
 
 Triton: program (j, e) computes output columns j·BN … of expert e's pairs, BM pairs at a time between offsets[e] and
-offsets[e+1], read on the device (an expert without pairs exits at once: no host sync, no loop over experts on the
-host; with fewer pairs than experts the grid runs over the experts with pairs, listed by a sort on the device, instead
-of over all of them). Its weight rows are the dot's M side (wgmma's 64-row granule; an expert sees few pairs in
+offsets[e+1], read on the device (an expert without pairs exits at once: no host sync, no loop over experts on the host;
+with fewer pairs than experts the grid has a column per pair instead of one per expert, and the column of an expert's
+first pair works that expert). Its weight rows are the dot's M side (wgmma's 64-row granule; an expert sees few pairs in
 decode). Per K tile of BK inputs, in a loop software-pipelined over `num_stages`: the pairs' activation rows are
-gathered (gate_up: their tokens' rows; down: their own) and their E4M3 bytes decoded (the hardware cast) and scaled
-into bf16; the packed weight bytes are decoded and scaled into bf16 — on the GPU by `prmt` table lookups
+gathered (gate_up: their tokens' rows; down: their own) and their E4M3 bytes decoded (the hardware cast) and scaled into
+bf16; the packed weight bytes are decoded and scaled into bf16 — on the GPU by `prmt` table lookups
 (`formats.E2M1_BF16_PTX`, ≈ 3 instructions a value), in the interpreter by `e2m1_to_f16`'s arithmetic in fp32; exact
 either way, as E4M3 and E2M1 values times powers of two fit bf16 — and one bf16 tensor-core dot per projection
-accumulates in fp32 (fp32 operands in the interpreter, whose low-precision dots are unreliable). Both operands take
-the tile's inputs in the order [even | odd] (a permutation of K: the dot is unchanged), so a packed byte's two values
-need no interleaving into operand pairs. Hopper has no FP4 (nor mixed FP8 × FP4) MMA, so FP4 weights cannot reach the
-tensor cores packed. With scales per 32 inputs the kernel can instead widen each nibble to an E4M3 byte (a shift) and
-take FP8 dots of the raw codes per 32-input chunk, rescaled into the accumulator as the FP8 linear does
-(`MoEGemmTuning.dot`); scales per 16 inputs rule that out. Weights are never dequantised to memory, and each
-program reads its weight rows once per BM pairs: the tile height is chosen from the average pairs per expert, N·k/E,
-known on the host without a sync.
+accumulates in fp32 (fp32 operands in the interpreter, whose low-precision dots are unreliable). Both operands take the
+tile's inputs in the order [even | odd] (a permutation of K: the dot is unchanged), so a packed byte's two values need
+no interleaving into operand pairs. Hopper has no FP4 (nor mixed FP8 × FP4) MMA, so FP4 weights cannot reach the tensor
+cores packed. With scales per 32 inputs the kernel can instead widen each nibble to an E4M3 byte (a shift) and take FP8
+dots of the raw codes per 32-input chunk, rescaled into the accumulator as the FP8 linear does (`MoEGemmTuning.dot`);
+scales per 16 inputs rule that out. Weights are never dequantised to memory, and each program reads its weight rows once
+per BM pairs: the tile height is chosen from the average pairs per expert, N·k/E, known on the host without a sync.
 """
 
+import functools
 import itertools
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -96,15 +96,19 @@ def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Expert ids [N, k] → the (token, slot) pairs sorted by expert, on the device and without a host sync:
     - order int64 [N·k]: flat pair indices t·k + s, stably sorted by expert (tokens ascending within an expert);
     - pair_rows int32 [N·k]: order // k, each sorted pair's activation row;
-    - offsets int32 [E + 1]: expert e's pairs are sorted positions offsets[e] … offsets[e+1] − 1.
-    Counts by scatter_add_ (torch.bincount syncs on CUDA to size its output). Ids must lie in 0 … E − 1 (unchecked:
-    a check would sync)."""
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int32))
-    offsets = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-    return order, (order // ids.shape[1]).to(torch.int32), offsets
+    - offsets int32 [E + 1]: expert e's pairs are sorted positions offsets[e] … offsets[e+1] − 1, found in the
+      sorted ids by a binary search per expert (torch.bincount syncs on CUDA to size its output).
+    Four launches: the sort, the search, the row division and its cast. Ids must lie in 0 … E − 1 (unchecked: a check
+    would sync)."""
+    expert, order = torch.sort(ids.flatten(), stable=True)
+    offsets = torch.searchsorted(expert, _expert_ids(n_experts + 1, ids.device), out_int32=True)
+    return order, torch.div(order, ids.shape[1], rounding_mode="floor").to(torch.int32), offsets
+
+
+@functools.cache
+def _expert_ids(n: int, device: torch.device) -> Tensor:
+    """0 … n − 1 on `device`, made once (a decode step would otherwise launch an arange per MoE layer)."""
+    return torch.arange(n, device=device)
 
 
 def scale_block(inputs: int, scale: Tensor) -> int:
@@ -264,22 +268,32 @@ def _chunked_projection(
 
 @triton.jit
 def _moe_kernel(
-    x_ptr, xs_ptr, rows_ptr, offsets_ptr, experts_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit,
+    x_ptr, xs_ptr, rows_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit, n_experts,
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    GATED: tl.constexpr, COMPACT: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr,
-    CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, GATHER: tl.constexpr, X_WORDS: tl.constexpr,
+    GATED: tl.constexpr, COMPACT: tl.constexpr, E_BLOCK: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
+    PTX: tl.constexpr, CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, GATHER: tl.constexpr, X_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Output columns n of expert e's pairs. x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`), or
     with CHUNKED the FP8 activations themselves (E4M3 bytes, UE8M0 scales xs per 32 inputs; pair p's row
     rows_ptr[p] if GATHER, else p). GATED (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's 2·n_out,
-    SwiGLU and the routing weight on the way out; otherwise (down) the weight has n_out rows per expert. COMPACT: the
-    program's expert is experts_ptr[program_id(1)] (the experts with pairs first), else program_id(1)."""
+    SwiGLU and the routing weight on the way out; otherwise (down) the weight has n_out rows per expert. The program's
+    expert is program_id(1), or with COMPACT (one column per pair) that of sorted pair j = program_id(1) — the number
+    of experts whose pairs all precede j, counted over the E_BLOCK ≥ n_experts offsets —, worked only if j is its
+    first pair."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
-    e = tl.load(experts_ptr + tl.program_id(1)) if COMPACT else tl.program_id(1)
+    if COMPACT:
+        j = tl.program_id(1)
+        experts = tl.arange(0, E_BLOCK)
+        ends = tl.load(offsets_ptr + 1 + experts, mask=experts < n_experts, other=j + 1)
+        e = tl.sum((ends <= j).to(tl.int32))
+    else:
+        e = tl.program_id(1)
     n_ok = n < n_out
     w_rows = e.to(tl.int64) * (2 * n_out if GATED else n_out) + n
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
+    if COMPACT:
+        hi = tl.where(lo == j, hi, lo)  # another column works this expert
     for start in range(lo, hi, BM):
         p = start + tl.arange(0, BM)
         p_ok = p < hi
@@ -316,17 +330,6 @@ def _block_m(pairs: int, experts: int) -> int:
     passes it saves (H200: 48 experts × 256 tokens, 1.45 ms at 64 against 0.72 at 32). At top-6: 48 experts, 64
     tokens → 16, 256 tokens → 32; 384 experts → 16."""
     return min(max(16, triton.next_power_of_2(triton.cdiv(pairs, max(experts, 1)))), 64)
-
-
-def _experts_with_pairs(offsets: Tensor, pairs: int) -> Tensor | None:
-    """With fewer pairs than experts (a small batch over many experts: 6 pairs over 384 at one token), the experts
-    with pairs first (ascending), then the rest, cut to `pairs` — at most that many have pairs — so that the grid
-    launches one program column per pair instead of one per expert (13,824 programs of gate_up, nearly all empty).
-    By a stable sort of the empty flags: no sync. None: one column per expert."""
-    if pairs >= offsets.shape[0] - 1:
-        return None
-    empty = (offsets[1:] == offsets[:-1]).to(torch.int8)
-    return torch.argsort(empty, stable=True)[:pairs].to(torch.int32)
 
 
 def decoded_rows(x_data: Tensor, x_scale: Tensor, pair_rows: Tensor | None) -> Tensor:
@@ -385,12 +388,12 @@ def _grouped(
     rows_arg = offsets if pair_rows is None else pair_rows.contiguous()  # (unread without a gather)
     block_n = t.block_n // 2 if gated else t.block_n  # output columns
     weight_arg = pair_weight.float().contiguous() if gated else offsets  # (unread when not gated)
-    experts = _experts_with_pairs(offsets, P)
-    _moe_kernel[(triton.cdiv(n_out, block_n), E if experts is None else P)](
-        x, x_scale, rows_arg, offsets.contiguous(), offsets if experts is None else experts, weight_arg,
-        w.contiguous(), s, out, n_out, float(limit), K, sb, t.block_m, block_n, t.block_k, t.num_stages, gated,
-        experts is not None, scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked,
-        t.dot == "fp8", pair_rows is not None, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
+    compact = P < E  # one program column per pair: at 1 token, 6 over 384 experts instead of 384 (nearly all empty)
+    _moe_kernel[(triton.cdiv(n_out, block_n), P if compact else E)](
+        x, x_scale, rows_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out, n_out, float(limit), E, K, sb,
+        t.block_m, block_n, t.block_k, t.num_stages, gated, compact, triton.next_power_of_2(E),
+        scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked, t.dot == "fp8",
+        pair_rows is not None, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
         num_warps=t.num_warps,
     )  # fmt: skip
     return out

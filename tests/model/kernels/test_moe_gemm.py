@@ -79,6 +79,8 @@ def one_expert(N: int, k: int, E: int) -> torch.Tensor:
         (5, 2, 4, 64, 32, 32, torch.float32, None, MoEGemmTuning()),
         (3, 2, 8, 96, 64, 16, torch.bfloat16, None, MoEGemmTuning(block_k=64)),  # empty experts, a K tail
         (1, 1, 3, 256, 64, 32, torch.float32, None, MoEGemmTuning()),  # one token; scales read as words
+        # fewer pairs than experts (a column per pair): experts shared by two pairs, empty ones between, the last one
+        (2, 3, 16, 64, 32, 32, torch.float32, torch.tensor([[0, 5, 15], [5, 9, 15]]), MoEGemmTuning()),
         (20, 2, 4, 64, 64, 16, torch.float32, one_expert(20, 2, 4), MoEGemmTuning(block_n=32)),  # 20 pairs: 2 tiles
         # chunked code dots (fp32 codes: the interpreter's form of "fp8"): a K tail, words and bytes of scales
         (5, 2, 4, 96, 64, 32, torch.float32, None, MoEGemmTuning(dot="fp32")),
