@@ -339,13 +339,13 @@ def moe_gemm_reports(
         "xs_ptr": "*u8",
         "rows_ptr": "*i32",
         "offsets_ptr": "*i32",
-        "experts_ptr": "*i32",
         "pw_ptr": "*fp32",
         "w_ptr": "*u8",
         "ws_ptr": "*u8",
         "out_ptr": "*bf16",
         "n_out": "i32",
         "limit": "fp32",
+        "n_experts": "i32",
     }
     reports = []
     for name, gated, inputs in (("moe gate_up", True, C), ("moe down", False, I)):
@@ -358,6 +358,7 @@ def moe_gemm_reports(
             "STAGES": t.num_stages,
             "GATED": gated,
             "COMPACT": tokens * top < experts,
+            "E_BLOCK": triton.next_power_of_2(experts),
             "W_WORDS": inputs // block % 4 == 0,
             "HW": True,
             "PTX": True,

@@ -3,7 +3,7 @@ from its CUDA graph (`DecodeBatch.decode_step` on a GPU), the same step run eage
 the same size (bench/kernels.py `dense_decode_step`) captured as a CUDA graph the same way; and the bytes floor.
 
     python bench/step_bench.py [--batches 1,64,256] [--contexts 4096,131072,1048576] [--rounds 5] [--steps 10]
-        [--profile-steps 5] [--out bench/out/step_bench.json]
+        [--profile-steps 5] [--sources] [--out bench/out/step_bench.json]
 
 Caches are synthesised at the context (bench/kernels.py `filled_decode_batch`). Per (batch, context), every round
 times `steps` consecutive steps of each side (synchronised before and after; sides in a rotating order); the table
@@ -79,8 +79,31 @@ def kernel_profile(fn: Step, steps: int) -> dict[str, float]:
     }  # fmt: skip
 
 
+def kernel_sources(fn: Step, steps: int, top: int = 100) -> list[tuple[str, float]]:
+    """CUDA kernels per step by the line of this repository that launched them (the innermost frame outside torch of
+    the launching op's Python stack, and its caller; eager steps only: a graph's replay has no stack)."""
+    root = str(Path(__file__).resolve().parents[1])
+    torch.cuda.synchronize()
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # FunctionEvent.stack is empty without it
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, experimental_config=stacks
+    ) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    sources: Counter[str] = Counter()
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
+            continue
+        ours = [frame for frame in event.stack if frame.startswith(root) and "/.venv/" not in frame]
+        where = " < ".join(frame.removeprefix(root + "/") for frame in ours[:2]) or "(outside)"
+        where += f" {event.name}"
+        sources[where] += sum("emcpy" not in k.name for k in event.kernels)
+    return [(where, count / steps) for where, count in sources.most_common(top)]
+
+
 def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool) -> dict:
-    room = ns.rounds * ns.steps + 3 * ns.profile_steps + 8
+    room = ns.rounds * ns.steps + 4 * ns.profile_steps + 8
     steps, weights = sides(model, B, context, room)
     for fn in steps.values():  # warm: captures, compiles
         fn()
@@ -96,6 +119,8 @@ def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool)
     if profiled:
         for name in ("graph", "eager"):
             row[name] |= kernel_profile(steps[name], ns.profile_steps)
+        if ns.sources:
+            row["eager"]["kernel_sources"] = kernel_sources(steps["eager"], ns.profile_steps)
     print(json.dumps(row), flush=True)
     return row
 
@@ -126,6 +151,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
+    p.add_argument("--sources", action="store_true", help="profile rows: the eager step's kernels by launching line")
     p.add_argument(
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
         help="batch-invariant numerics (model.kernels.invariance), as decode_svc's --batch-invariant",

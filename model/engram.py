@@ -187,25 +187,40 @@ class NgramHash(nn.Module):
     def history_len(self) -> int:
         return self.args.engram_max_ngram_size - 1
 
-    def compressed(self, tokens: Tensor, history: Tensor) -> Tensor:
-        """[B, n−1 + T] normalised ids of history ‖ tokens; history −1 (before the sequence start) → pad."""
-        ids = torch.cat((history, tokens), dim=-1)
-        mapped = self.vocab_map[ids.clamp_min(0)]
-        return torch.where(ids < 0, torch.full_like(mapped, self.pad), mapped)
-
     def rows(self, layer: int, tokens: Tensor, history: Tensor) -> Tensor:
         """tokens [B, T], history [B, n−1] → int64 row ids [B, T, orders·heads] (order-major, head-minor)."""
-        x = self.compressed(tokens, history)
-        T, h = tokens.shape[-1], self.history_len
-        mult = getattr(self, f"mult_{layer}")
-        primes, offsets = getattr(self, f"primes_{layer}"), getattr(self, f"offsets_{layer}")
-        mix = x[..., h:] * mult[0]
-        hashes = []
-        for k, _order in enumerate(self.args.engram_orders, start=1):
-            mix = torch.bitwise_xor(mix, x[..., h - k : h - k + T] * mult[k])
-            hashes.append(mix)
-        per_order = torch.stack(hashes, dim=-1).repeat_interleave(self.args.engram_n_heads, dim=-1)
-        return per_order % primes + offsets
+        return ngram_rows(
+            tokens, history, self.vocab_map, getattr(self, f"mult_{layer}"), getattr(self, f"primes_{layer}"),
+            getattr(self, f"offsets_{layer}"), self.pad, len(self.args.engram_orders), self.args.engram_n_heads,
+        )  # fmt: skip
+
+
+@fused
+def ngram_rows(
+    tokens: Tensor,
+    history: Tensor,
+    vocab_map: Tensor,
+    mult: Tensor,
+    primes: Tensor,
+    offsets: Tensor,
+    pad: int,
+    orders: int,
+    heads: int,
+) -> Tensor:
+    """The hashed n-gram rows of `NgramHash.rows` (one or two kernels on a GPU: integer ops only, exact): each
+    position's normalised ids of itself and its n−1 predecessors (history −1, before the sequence start → pad) mixed
+    by multiply-XOR, order by order, then taken modulo each head's prime and offset into the layer's table."""
+    ids = torch.cat((history, tokens), dim=-1)
+    mapped = vocab_map[ids.clamp_min(0)]
+    x = torch.where(ids < 0, torch.full_like(mapped, pad), mapped)
+    T, h = tokens.shape[-1], history.shape[-1]
+    mix = x[..., h:] * mult[0]
+    hashes = []
+    for k in range(1, orders + 1):
+        mix = torch.bitwise_xor(mix, x[..., h - k : h - k + T] * mult[k])
+        hashes.append(mix)
+    per_order = torch.stack(hashes, dim=-1).repeat_interleave(heads, dim=-1)
+    return per_order % primes + offsets
 
 
 class Engram(nn.Module):

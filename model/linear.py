@@ -161,8 +161,9 @@ class Fp8Rows(nn.Module):
 
     @staticmethod
     def decode(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-        """Gathered rows (E4M3 bytes [..., dim], UE8M0 scales [..., dim/32]) → their values in `dtype`."""
-        return quant.fp8_dequant(data, scale, FP8_BLOCK, dtype)
+        """Gathered rows (E4M3 bytes [..., dim], UE8M0 scales [..., dim/32]) → their values in `dtype` (one kernel on
+        a GPU)."""
+        return _fp8_rows(data, scale, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -175,6 +176,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+@fused
+def _fp8_rows(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return quant.fp8_dequant(data, scale, FP8_BLOCK, dtype)
 
 
 @fused
