@@ -21,7 +21,7 @@ up: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(ARGS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -27,7 +27,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: auto, cpu, cuda or cuda:N
     dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, float64, bfloat16 or float16
     engram_store: Engram tables: device, host (pinned memory), mmap (the checkpoint's shards), auto (docs/services.md)
-    threads: torch CPU threads (0 = torch's default)
+    threads: torch CPU threads (0: torch's default; with --ranks on the CPU, the cores divided among the ranks)
     batch_invariant: on a GPU, each sequence's numerics independent of the batch it runs in (model.kernels.invariance)
     cache: cache_svc addresses, host:port[,host:port...] (the same list, in the same order, on every client)
     cache_timeout_s: deadline of every cache RPC

@@ -9,6 +9,7 @@ alike. A model spec is a preset name (`tiny`, `small`: weights initialised deter
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -92,8 +93,8 @@ def load_model(
 def load_service_model(cfg: ModelServiceConfig, part: Part, device: str, parallel: Parallel = SINGLE) -> Transformer:
     """A service's model (or its rank's share), warmed up, after the process-wide settings that must come before the
     first forward: CPU threads and, on a GPU, batch invariance (`model.kernels.invariance`)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if threads := cpu_threads(cfg, device):
+        torch.set_num_threads(threads)
     if cfg.batch_invariant and resolve_device(device).type == "cuda":
         kernels.set_batch_invariant(True)
     model = load_model(
@@ -101,6 +102,14 @@ def load_service_model(cfg: ModelServiceConfig, part: Part, device: str, paralle
     )
     warm_up(model)
     return model
+
+
+def cpu_threads(cfg: ModelServiceConfig, device: str) -> int:
+    """torch CPU threads of one process: --threads, or on the CPU a rank's share of this node's cores (W ranks each
+    taking every core would oversubscribe them W times over); 0 keeps torch's default."""
+    if cfg.threads or cfg.ranks == 1 or resolve_device(device).type != "cpu":
+        return cfg.threads
+    return max(1, len(os.sched_getaffinity(0)) // cfg.ranks)
 
 
 def warm_up(model: Transformer) -> None:

@@ -184,3 +184,16 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_cpu_ranks_share_the_cores_unless_told() -> None:
+    """On the CPU each of W ranks takes its share of the cores (W ranks of torch's default would each take them
+    all); --threads overrides it; a single process keeps torch's default (0: nothing set)."""
+    from decode_svc.config import DecodeConfig
+    from model_service.runtime import cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads(DecodeConfig(ranks=2), "cpu") == max(1, cores // 2)
+    assert cpu_threads(DecodeConfig(ranks=4), "cpu") == max(1, cores // 4)
+    assert cpu_threads(DecodeConfig(ranks=2, threads=3), "cpu") == 3
+    assert cpu_threads(DecodeConfig(), "cpu") == 0

@@ -43,6 +43,9 @@ SWITCH = {
     "required": ["on"],
     "additionalProperties": False,
 }
+# One xdist worker runs the module (make test distributes by --dist loadgroup): split over two, each would start
+# its own ranked mesh, six more processes on the machine.
+pytestmark = pytest.mark.xdist_group("apis")
 
 
 @pytest.fixture(scope="module", params=["single", "ranked"])
