@@ -17,7 +17,8 @@ from model import kernels
 from model.attention import Attention
 from model.config import ModelArgs
 from model.engram import Engram
-from model.linear import RMSNorm, param_dtype
+from model.fused import fused
+from model.linear import RMSNorm, param_dtype, rms_norm
 from model.mhc import hc_collapse, hc_expand, hc_mixes
 from model.moe import MoE
 from model.parallel import SINGLE, Parallel
@@ -59,7 +60,7 @@ class Block(nn.Module):
         return kernels.hc_split_sinkhorn(m, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, backend=be)
 
     def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
-        return self.attn_norm(hc_collapse(X, pre))
+        return collapse_norm(X, pre, self.attn_norm.weight, self.attn_norm.eps)
 
     def forward(self, X: Tensor, pre: Tensor, attend: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
         """X [B, T, n, C], pre [B, T, n] (the previous FFN site's input mix) → (X, this FFN site's pre-mix).
@@ -69,5 +70,11 @@ class Block(nn.Module):
         a_pre, a_post, a_comb = self.mixes("attn", X)
         X = hc_expand(attend(self.attention_input(X, pre)), X, a_post, a_comb)
         f_pre, f_post, f_comb = self.mixes("ffn", X)
-        X = hc_expand(self.ffn(self.ffn_norm(hc_collapse(X, a_pre))), X, f_post, f_comb)
+        X = hc_expand(self.ffn(collapse_norm(X, a_pre, self.ffn_norm.weight, self.ffn_norm.eps)), X, f_post, f_comb)
         return X, f_pre
+
+
+@fused
+def collapse_norm(X: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm(collapse(X, pre)) with `weight`: a sublayer site's (or the head's) input, in one pass over X."""
+    return rms_norm.__wrapped__(hc_collapse.__wrapped__(X, pre), weight, eps)

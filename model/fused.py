@@ -10,7 +10,8 @@ case). A fused function meets a few of them — one token per row (decode), 1 + 
 chunks, contiguous or not — so the recompile limit is raised from dynamo's 8, past which it would run the function
 uncompiled. A CUDA-graph capture follows a warm-up call of the same shapes (model.graphs), so nothing compiles
 while capturing. Compiled calls hold one process-wide lock: dynamo's FX-tracing flag is global, so a compilation in
-one thread (a decode step) makes a compiled call in another (a local prefill chunk) fail.
+one thread (a decode step) makes a compiled call in another (a local prefill chunk) fail. A fused function's plain
+form is its `__wrapped__`, which another fused function calls to compile both into one.
 """
 
 from __future__ import annotations

@@ -23,14 +23,14 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import SharedEntries
-from model.block import Block
+from model.block import Block, collapse_norm
 from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.dspark import DSparkBlock
 from model.engram import NgramHash
 from model.engram_store import DeviceMemory, EngramFetch, Memory
 from model.linear import Embedding, Linear, RMSNorm
-from model.mhc import hc_collapse, identity_pre
+from model.mhc import identity_pre
 from model.moe import MoE
 from model.parallel import SINGLE, Parallel, serve_idle
 
@@ -116,7 +116,7 @@ class Transformer(nn.Module):
 
     def logits(self, X: Tensor, pre: Tensor) -> Tensor:
         """fp32 logits of the final stream (collapsed with the last FFN site's pre-mix)."""
-        return self.head(self.norm(hc_collapse(X, pre))).float()
+        return self.head(collapse_norm(X, pre, self.norm.weight, self.norm.eps)).float()
 
     def run_layers(
         self,
