@@ -9,6 +9,11 @@ compile step, but has no DSML-aware schema style: the tool-call grammar would ha
 
 The vocabulary: an ordinary token is the bytes it stands for; an added token is a control token no grammar admits
 (only a stop token ends a complete grammar), except the DSML marker `｜DSML｜`, which the tool-call markup spells.
+A grammar matches text, the output parser tokens: it reads markup only where the marker *token* stands, so a
+parameter closed by ordinary tokens spelling `</｜DSML｜parameter>` would satisfy the grammar while the parser kept
+reading the value. Tool-call grammars (structural tags) therefore see a vocabulary without the ordinary tokens that
+spell, or begin spelling, the marker's `｜` (U+FF5C: the character's one token and the four that end in its first
+one or two UTF-8 bytes); such a grammar's text cannot hold a `｜` but the marker's.
 Compiles run off the event loop on one thread of their own (each uses `threads` of the engine's own), one at a time
 so a burst of new schemas cannot starve the decode engine of cores; requests that need the same grammar meanwhile
 share one compile.
@@ -24,6 +29,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import tokenizers
@@ -37,6 +43,7 @@ from proto.decode.v1 import decode_pb2
 # stop where the schema cannot (whitespace is always allowed there) is pushed on instead of looping on blanks.
 MAX_WHITESPACE = 16
 DSML_MARKER = "｜DSML｜"
+MARKER_BAR = "｜".encode()  # the marker's delimiter, which ordinary tokens must not spell under a tool-call grammar
 EOS = "<｜end▁of▁sentence｜>"
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\] [^:]*:\d+: ")  # "[21:12:14] /project/cpp/x.cc:83: " before the message
 
@@ -50,8 +57,16 @@ def default_tokenizer() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tokenizer.json"
 
 
-def vocabulary(path: Path, vocab_size: int) -> xgr.TokenizerInfo:
-    """The grammar engine's view of a `tokenizer.json` (byte-level BPE) padded to the model's `vocab_size`."""
+class Vocabulary(NamedTuple):
+    """The grammar engine's views of the served vocabulary: `text` for JSON Schema and regex constraints, `markup`
+    (without the ordinary tokens that can spell `｜`) for tool-call structural tags."""
+
+    text: xgr.TokenizerInfo
+    markup: xgr.TokenizerInfo
+
+
+def vocabulary(path: Path, vocab_size: int) -> Vocabulary:
+    """The grammar engine's views of a `tokenizer.json` (byte-level BPE) padded to the model's `vocab_size`."""
     tokenizer = tokenizers.Tokenizer.from_file(str(path))
     added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
     if DSML_MARKER not in added or EOS not in added:
@@ -60,7 +75,19 @@ def vocabulary(path: Path, vocab_size: int) -> xgr.TokenizerInfo:
     pieces = [
         "" if i in control else (tokenizer.id_to_token(i) or "") for i in range(vocab_size)
     ]  # xgrammar decodes byte-level pieces; the marker's spelling is not byte-level and stays as it is
-    return xgr.TokenizerInfo(pieces, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=[added[EOS]])
+
+    def info(pieces: list[str]) -> xgr.TokenizerInfo:
+        return xgr.TokenizerInfo(pieces, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=[added[EOS]])
+
+    text, marker = info(pieces), added[DSML_MARKER]
+    decoded = text.decoded_vocab
+    return Vocabulary(text, info(["" if i != marker and _spells_bar(decoded[i]) else p for i, p in enumerate(pieces)]))
+
+
+def _spells_bar(data: bytes) -> bool:
+    """Whether a token's bytes hold `MARKER_BAR` or end in a proper prefix of it (which the next tokens could
+    complete)."""
+    return MARKER_BAR in data or any(data.endswith(MARKER_BAR[:n]) for n in range(1, len(MARKER_BAR)))
 
 
 def constraint_key(constraint: decode_pb2.OutputConstraint) -> bytes:
@@ -77,12 +104,12 @@ class Grammars:
     `capacity` most recently used."""
 
     def __init__(
-        self, info: xgr.TokenizerInfo, seconds: Histogram | None = None, capacity: int = 256, threads: int = 2
+        self, vocab: Vocabulary, seconds: Histogram | None = None, capacity: int = 256, threads: int = 2
     ) -> None:
-        self.info = info
         self.seconds = seconds  # observes each compile
         self.capacity = capacity
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(vocab.text, max_threads=threads, cache_enabled=False)
+        self._markup_compiler = xgr.GrammarCompiler(vocab.markup, max_threads=threads, cache_enabled=False)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._cache: OrderedDict[bytes, asyncio.Future[xgr.CompiledGrammar]] = OrderedDict()
 
@@ -125,7 +152,7 @@ class Grammars:
             if kind == "regex":
                 return compiler.compile_regex(c.regex)
             if kind == "structural_tag":
-                return compiler.compile_structural_tag(c.structural_tag)
+                return self._markup_compiler.compile_structural_tag(c.structural_tag)
         except msgspec.DecodeError as error:
             raise ValueError(f"not JSON: {error}") from None
         except (RuntimeError, ValueError, TypeError) as error:  # the engine's parse and conversion errors

@@ -154,3 +154,33 @@ def test_tool_choice_auto_lets_text_through_and_holds_calls_to_their_schema(
     matcher = xgr.GrammarMatcher(grammars.compile_now(auto), override_stop_tokens=[1])
     marker = [tokenizer.encode_plain("\n\n<")[0], DSML]  # the model's own DSML token opens the block too
     assert all(matcher.accept_token(t) for t in [*tokenizer.encode_plain("Checking."), *marker])
+
+
+def test_an_argument_ends_only_at_the_marker_token_not_at_its_spelling(
+    codec: Codec, tokenizer: Tokenizer, grammars: Grammars
+) -> None:
+    """A grammar matches text, but the parser reads markup only at the DSML marker token: under a tool-call grammar
+    ordinary tokens cannot spell `｜`, so a string argument is closed by the marker token alone (and holds no `｜`),
+    while a grammar of plain text still takes the character."""
+    c = _required(codec, "chat.completions", named=True)
+    answer = _answer(tokenizer, [ToolCall("c", "get_weather", '{"city": "Paris", "days": 3}')], opened=True)
+    inside = answer[: answer.index("Paris") + len("Paris")]
+    close = answer[len(inside) : answer.index(">", len(inside)) + 1]  # `</｜DSML｜parameter>`
+    marker = "｜DSML｜"
+    assert close.startswith("</" + marker)
+    by_marker = [*tokenizer.encode_plain("</"), DSML, *tokenizer.encode_plain(close[len("</" + marker) :])]
+    by_spelling = tokenizer.encode_plain(close)
+    assert DSML not in by_spelling
+    compiled = grammars.compile_now(c)
+
+    def takes(tokens: list[int]) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[1])
+        return matcher.accept_string(inside) and all(matcher.accept_token(t) for t in tokens)
+
+    assert takes(by_marker)
+    assert not takes(by_spelling)
+    (bar,) = tokenizer.encode_plain("｜")
+    assert not takes([bar])
+    text = xgr.GrammarMatcher(grammars.compile_now(decode_pb2.OutputConstraint(regex="a｜b")))
+    assert text.accept_string("a")
+    assert text.accept_token(bar)
