@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import preset
+from model import preset, quant
+from model.block import collapse_norm
 from model.cache import _window_slots
-from model.engram import gated_add
-from model.linear import rms_norm
+from model.engram import NgramHash, gated_add, ngram_rows
+from model.linear import _fp8_rows, rms_norm
 from model.mhc import hc_collapse, hc_expand, hc_mixes
 from model.moe import combine, route, swiglu
 
@@ -43,10 +44,22 @@ def cases():
     yield "gated_add", gated_add, (X, rand(N, (n + 1) * C, seed=13), rand(n, C, seed=14), rand(n, C, seed=15), 1e-6)
     new_pos = torch.arange(300, 300 + N, device="cuda").unsqueeze(1)
     yield "_window_slots", _window_slots, (ring, new_pos)
+    yield "collapse_norm", collapse_norm, (X, mix, rand(C, seed=16), A.rms_norm_eps)
+    ngram, layer = NgramHash(A).cuda(), A.engram_layer_ids[0]
+    tokens = torch.randint(0, A.vocab_size, (N, 6), device="cuda")
+    history = torch.randint(-1, A.vocab_size, (N, ngram.history_len), device="cuda")  # −1: before the start
+    tables = (getattr(ngram, f"{name}_{layer}") for name in ("mult", "primes", "offsets"))
+    yield "ngram_rows", ngram_rows, (tokens, history, ngram.vocab_map, *tables, ngram.pad, len(A.engram_orders),
+                                     A.engram_n_heads)  # fmt: skip
+    rows = quant.fp8_quant(rand(N * 8, A.engram_head_dim, seed=17, dtype=f32) * 30)
+    yield "_fp8_rows", _fp8_rows, (*rows, torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "route", "swiglu", "combine",
-                                  "gated_add", "_window_slots"])  # fmt: skip
+NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "route", "swiglu", "combine", "gated_add", "_window_slots",
+         "collapse_norm", "ngram_rows", "_fp8_rows"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_compiled_equals_plain(name: str) -> None:
     _, fn, args = next(case for case in cases() if case[0] == name)
     with torch.no_grad():
