@@ -163,7 +163,7 @@ class Fp8Rows(nn.Module):
     def decode(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
         """Gathered rows (E4M3 bytes [..., dim], UE8M0 scales [..., dim/32]) → their values in `dtype` (one kernel on
         a GPU)."""
-        return _fp8_rows(data, scale, dtype)
+        return _fp8_row_values(data, scale, dtype)
 
 
 class RMSNorm(nn.Module):
@@ -179,7 +179,7 @@ class RMSNorm(nn.Module):
 
 
 @fused
-def _fp8_rows(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+def _fp8_row_values(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return quant.fp8_dequant(data, scale, FP8_BLOCK, dtype)
 
 

@@ -10,13 +10,13 @@ reduction order from the number of rows:
 - cuBLAS chooses split-K kernels (and reduced-precision reductions) by shape; inductor picks a reduction's block
   and its splits from the number of rows.
 
-`set_batch_invariant(True)` fixes each of these per weight shape, not per batch: the FP8 linear always folds its
-scales into bf16 dots and splits K as for a single tile of tokens; sparse attention runs one program per query and
-head group; cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its deterministic and
-batch-invariant modes (on a torch without the latter, < 2.12, its one rule is applied here: a persistent reduction
-picks its row block and warps as for 4,096 rows, so each row is summed in one order at every row count). It is
-process-wide and must be set before the first GEMM and the first compilation (cuBLAS
-reads its workspace size once, and compiled kernels keep the choices they were compiled with).
+`set_batch_invariant(True)` fixes each of these per weight shape, not per batch: the FP8 linear always folds its scales
+into bf16 dots and splits K as for a single tile of tokens; sparse attention runs one program per query and head group;
+cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its deterministic and batch-invariant modes
+(on a torch without the latter, < 2.12, its one rule is applied here: a persistent reduction picks its row block and
+warps as for 4,096 rows, so each row is summed in one order at every row count). It is process-wide and must be set
+before the first GEMM and the first compilation (cuBLAS reads its workspace size once, and compiled kernels keep the
+choices they were compiled with).
 """
 
 import functools

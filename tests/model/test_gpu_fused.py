@@ -10,7 +10,7 @@ from model import preset, quant
 from model.block import collapse_norm
 from model.cache import _window_slots
 from model.engram import NgramHash, gated_add, ngram_rows
-from model.linear import _fp8_rows, rms_norm
+from model.linear import _fp8_row_values, rms_norm
 from model.mhc import hc_collapse, hc_expand, hc_mixes
 from model.moe import combine, route, swiglu
 
@@ -52,11 +52,11 @@ def cases():
     yield "ngram_rows", ngram_rows, (tokens, history, ngram.vocab_map, *tables, ngram.pad, len(A.engram_orders),
                                      A.engram_n_heads)  # fmt: skip
     rows = quant.fp8_quant(rand(N * 8, A.engram_head_dim, seed=17, dtype=f32) * 30)
-    yield "_fp8_rows", _fp8_rows, (*rows, torch.bfloat16)
+    yield "_fp8_row_values", _fp8_row_values, (*rows, torch.bfloat16)
 
 
 NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "route", "swiglu", "combine", "gated_add", "_window_slots",
-         "collapse_norm", "ngram_rows", "_fp8_rows"]  # fmt: skip
+         "collapse_norm", "ngram_rows", "_fp8_row_values"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
