@@ -132,3 +132,59 @@ def test_rope_rotate_keeps_the_torch_form_for_gradients_and_fp64_and_names_bad_s
         kernels.rope_rotate(torch.zeros(3, 16), positions, inv_freq, False, backend="triton")
     with pytest.raises(ValueError, match="positions"):
         kernels.rope_rotate(torch.zeros(3, 32), torch.zeros(4, dtype=torch.long), inv_freq, False, backend="triton")
+
+
+def site_case(lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype, seed: int, exit: bool):
+    g = generator(seed)
+    X = torch.randn(*lead, n, C, generator=g).to(dtype)
+    pre = torch.rand(*lead, n, generator=g) + 0.1
+    norm = (torch.rand(C, generator=g) + 0.5).to(dtype)
+    fn = torch.randn((2 + n) * n, n * C, generator=g) * 0.05
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + n) * n, generator=g) * 0.1
+    if not exit:
+        return X, pre, norm, fn, scale, base, None
+    out = torch.randn(*lead, C, generator=g).to(dtype)
+    post = 2 * torch.rand(*lead, n, generator=g)
+    comb = torch.rand(*lead, n, n, generator=g)
+    return X, pre, norm, fn, scale, base, (out, post, comb / comb.sum(-2, keepdim=True))
+
+
+@pytest.mark.parametrize(
+    ("lead", "n", "C", "dtype", "exit"),
+    [((1, 1), 4, 64, torch.float32, True), ((3, 7), 4, 96, torch.float32, False), ((19,), 2, 32, torch.float32, True),
+     ((2, 1), 4, 64, torch.bfloat16, True), ((5,), 4, 128, torch.bfloat16, False), ((0,), 4, 32, torch.float32, True)],
+)  # fmt: skip
+def test_hc_site_matches_the_torch_form(lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype, exit: bool) -> None:
+    """One pass = hc_expand (the exit), hc_mixes → hc_split_sinkhorn, collapse → RMSNorm, composed in torch: the new
+    stream and input to fp32 reduction order (and the bf16 roundings it may flip), the coefficients likewise."""
+    X, pre, norm, fn, scale, base, exit_ = site_case(lead, n, C, dtype, seed=C + n, exit=exit)
+    args = (X, pre, norm, 1e-6, fn, scale, base, 20, 1e-6, 1e-6, exit_)
+    want_x, want_mix, want_y = kernels.hc_site(*args, backend="torch")
+    got_x, got_mix, got_y = kernels.hc_site(*args, backend="triton")
+    close = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    assert got_x.dtype == dtype and got_y.dtype == dtype
+    torch.testing.assert_close(got_x, want_x, **close)
+    torch.testing.assert_close(got_y, want_y, **close)
+    for got, want in zip(got_mix, want_mix, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, **({"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else close))
+
+
+def test_hc_site_reads_a_broadcast_stream() -> None:
+    """The embedding enters layer 0 in every copy as an expand() view (copy stride 0): read as such, not copied."""
+    X, pre, norm, fn, scale, base, _ = site_case((2, 3), 4, 64, torch.float32, seed=5, exit=False)
+    X = X[..., :1, :].expand(2, 3, 4, 64)
+    args = (X, pre, norm, 1e-6, fn, scale, base, 20, 1e-6, 1e-6, None)
+    want, got = kernels.hc_site(*args, backend="torch"), kernels.hc_site(*args, backend="triton")
+    assert got[0] is X
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1][2], want[1][2], rtol=1e-4, atol=1e-5)
+
+
+def test_hc_site_names_a_bad_argument() -> None:
+    X, pre, norm, fn, scale, base, _ = site_case((2,), 4, 32, torch.float32, seed=6, exit=False)
+    with pytest.raises(ValueError, match="fn"):
+        kernels.hc_site(X, pre, norm, 1e-6, fn[:, :64], scale, base, 20, 1e-6, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="exit comb"):
+        bad_exit = (X[..., 0, :], pre, pre)
+        kernels.hc_site(X, pre, norm, 1e-6, fn, scale, base, 20, 1e-6, 1e-6, bad_exit, backend="triton")
