@@ -21,6 +21,7 @@ history are written only on commit, since a ring write would overwrite slots tha
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,22 +51,41 @@ def _grow(t: Tensor, dim: int, size: int) -> Tensor:
 
 
 @dataclass
-class Ring:
-    """FP8 sliding-window ring of one layer for every row."""
+class Rings:
+    """The FP8 sliding-window rings of every ring layer, one tensor per field with the layers first: a commit writes
+    the new entries of every layer it staged with one indexed store per field."""
 
-    data: Tensor  # uint8 [S, W, D]
-    scale: Tensor  # uint8 [S, W, D/32]
-    pos: Tensor  # int64 [S, W], −1 = empty
+    data: Tensor  # uint8 [L, S, W, D]
+    scale: Tensor  # uint8 [L, S, W, D/32]
+    pos: Tensor  # int64 [L, S, W], −1 = empty
+
+    FIELDS = ("data", "scale", "pos")
+
+
+class Ring:
+    """One layer's ring for every row: views of the cache's `Rings` at `index` (taken anew on each access: growing
+    the rows reallocates the stack)."""
+
+    def __init__(self, rings: Rings, index: int) -> None:
+        self.rings, self.index = rings, index
+
+    @property
+    def data(self) -> Tensor:  # uint8 [S, W, D]
+        return self.rings.data[self.index]
+
+    @property
+    def scale(self) -> Tensor:  # uint8 [S, W, D/32]
+        return self.rings.scale[self.index]
+
+    @property
+    def pos(self) -> Tensor:  # int64 [S, W]
+        return self.rings.pos[self.index]
 
     def window(self, rows: slice, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
         """The keys — committed ring (data, scale), this step's T entries (data, scale) — and, per query, its window's
         key slots of [ring ‖ step], oldest position first (−1: no key), so every step meets a position's keys in the
         same order (kernels.sparse_attention)."""
         return self.data[rows], self.scale[rows], new_data, new_scale, _window_slots(self.pos[rows], new_pos)
-
-    def staged(self, data: Tensor, scale: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """(ring tensor, a step's new values) pairs: what `_write_kept` writes into their slots (pos mod W)."""
-        return [(self.data, data), (self.scale, scale), (self.pos, pos)]
 
 
 @fused
@@ -82,7 +102,8 @@ def _window_slots(pos: Tensor, new_pos: Tensor) -> Tensor:
 
 
 def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) -> None:
-    """dst[rows.start + b, pos mod W] = src[b, t] for the last ≤ W of the first keep[b] columns t of each row.
+    """dst[l, rows.start + b, pos mod W] = src[l, b, t] for the last ≤ W of the first keep[b] columns t of each row,
+    for every (dst [L, S, W, ·], src [L, B, T, ·]) pair: the layers of a ring field, or one tensor viewed as such.
 
     A step no longer than the ring (every decode and verify step) writes all its columns at once, a dropped column
     rewriting its slot's old value: the same bytes as writing only the kept ones, without a host sync (nonzero).
@@ -90,17 +111,17 @@ def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) ->
     B, T = pos.shape
     if T > W:  # a long prefill chunk: several of a row's columns share a slot, so only the last W may be written
         b, t = _kept(keep if keep is not None else pos.new_full((B,), T), T, W)
-        at = (b + rows.start, pos[b, t] % W)
+        at = (slice(None), b + rows.start, pos[b, t] % W)
         for dst, src in pairs:
-            dst[at] = src[b, t]
+            dst[at] = src[:, b, t]
         return
     b = torch.arange(rows.start, rows.start + B, device=pos.device).unsqueeze(1)
     slots = pos % W
     kept = None if keep is None else torch.arange(T, device=pos.device) < keep.unsqueeze(1)
     for dst, src in pairs:
         if kept is not None:
-            src = torch.where(kept.view(B, T, *(1,) * (src.dim() - 2)), src, dst[b, slots])
-        dst[b, slots] = src
+            src = torch.where(kept.view(1, B, T, *(1,) * (src.dim() - 3)), src, dst[:, b, slots])
+        dst[:, b, slots] = src
 
 
 def _kept(keep: Tensor, T: int, W: int) -> tuple[Tensor, Tensor]:
@@ -168,14 +189,14 @@ class KVCache:
         self.args, self.device, self.dtype = args, torch.device(device), dtype
         S, W, D, Di = capacity, args.sliding_window, args.head_dim, args.index_head_dim
         u8 = {"dtype": torch.uint8, "device": self.device}
-        self.rings = {
-            layer: Ring(
-                torch.zeros(S, W, D, **u8),
-                torch.zeros(S, W, D // 32, **u8),
-                torch.full((S, W), -1, dtype=torch.int64, device=self.device),
-            )
-            for layer in ring_layers
-        }
+        ring_layers = list(ring_layers)
+        L = len(ring_layers)
+        self.ring_stack = Rings(
+            torch.zeros(L, S, W, D, **u8),
+            torch.zeros(L, S, W, D // 32, **u8),
+            torch.full((L, S, W), -1, dtype=torch.int64, device=self.device),
+        )
+        self.rings = {layer: Ring(self.ring_stack, i) for i, layer in enumerate(ring_layers)}
         self.entries = {
             layer: Entries(
                 torch.zeros(S, 0, D // 2, **u8),
@@ -212,39 +233,41 @@ class KVCache:
     def capacity(self) -> int:
         return self.history.shape[0]
 
-    def _row_tensors(self) -> list[tuple[object, str]]:
-        owners: list[tuple[object, str]] = [(self, "hidden"), (self, "hidden_pre"), (self, "history")]
+    def _row_tensors(self) -> list[tuple[object, str, int]]:
+        """(owner, attribute, its rows' dimension) of every tensor with a row per sequence."""
+        owners: list[tuple[object, str, int]] = [(self, "hidden", 0), (self, "hidden_pre", 0), (self, "history", 0)]
         if self.host_history is not None:
-            owners.append((self, "host_history"))
-        for ring in self.rings.values():
-            owners += [(ring, "data"), (ring, "scale"), (ring, "pos")]
+            owners.append((self, "host_history", 0))
+        owners += [(self.ring_stack, name, 1) for name in Rings.FIELDS]
         for entries in self.entries.values():
-            owners += [(entries, name) for name in Entries.FIELDS]
+            owners += [(entries, name, 0) for name in Entries.FIELDS]
         for pending in self.pending.values():
-            owners += [(pending, "kv"), (pending, "score")]
+            owners += [(pending, "kv", 0), (pending, "score", 0)]
         return owners
+
+    def _row_views(self, row: int) -> list[Tensor]:
+        """Row `row` of every row tensor."""
+        return [getattr(owner, name).select(dim, row) for owner, name, dim in self._row_tensors()]
 
     def _reserve_rows(self, rows: int) -> None:
         if rows > self.capacity:  # by doubling
-            for owner, name in self._row_tensors():
-                setattr(owner, name, _grow(getattr(owner, name), 0, rows))
+            for owner, name, dim in self._row_tensors():
+                setattr(owner, name, _grow(getattr(owner, name), dim, rows))
 
     def add_row(self) -> int:
         """A fresh empty row (position 0); grows the capacity by doubling when full."""
         row = self.n_rows
         self._reserve_rows(row + 1)
-        for owner, name in self._row_tensors():
-            t = getattr(owner, name)
-            t[row].fill_(-1 if t.dtype == torch.int64 else 0)  # fill_: no scalar tensor made per tensor and row
+        for t in self._row_views(row):
+            t.fill_(-1 if t.dtype == torch.int64 else 0)  # fill_: no scalar tensor made per tensor and row
         self.pos.append(0)
         return row
 
     def copy_row(self, src: int) -> int:
         """A new row holding a copy of row `src` (a fork: n samples or beams of one prompt share its prefill)."""
         row = self.add_row()
-        for owner, name in self._row_tensors():
-            t = getattr(owner, name)
-            t[row] = t[src]
+        for t, source in zip(self._row_views(row), self._row_views(src), strict=True):
+            t.copy_(source)
         self.pos[row] = self.pos[src]
         return row
 
@@ -252,9 +275,8 @@ class KVCache:
         """Drop a row; the last row moves into its place (callers track the new order)."""
         last = self.n_rows - 1
         if row != last:
-            for owner, name in self._row_tensors():
-                t = getattr(owner, name)
-                t[row] = t[last]
+            for t, source in zip(self._row_views(row), self._row_views(last), strict=True):
+                t.copy_(source)
             self.pos[row] = self.pos[last]
         self.pos.pop()
 
@@ -438,16 +460,31 @@ class Step:
         """The device half of a commit: rings, open groups, H^{L/2} rows and look-back keep the first keep[b]
         positions of row b (all: None); positions do not move."""
         cache = self.cache
-        windowed = [pair for layer, (data, scale) in self.rings.items()
-                    for pair in cache.rings[layer].staged(data, scale, self.positions)]  # fmt: skip
-        if self.hidden is not None:
-            windowed += [(cache.hidden, self.hidden[0]), (cache.hidden_pre, self.hidden[1])]
+        windowed = self._staged_rings()
+        if self.hidden is not None:  # as one more layer of a ring field
+            windowed += [(cache.hidden.unsqueeze(0), self.hidden[0].unsqueeze(0)),
+                         (cache.hidden_pre.unsqueeze(0), self.hidden[1].unsqueeze(0))]  # fmt: skip
         if windowed:  # every ring and the H^{L/2} rows share the window's slots: one index for all of them
             _write_kept(windowed, self.rows, self.positions, keep, cache.args.sliding_window)
         for layer, (kv, score, n_open) in self.groups.items():
             self._commit_group(layer, kv, score, n_open, keep)
         if not self.replay:  # each row's look-back ends with its kept tokens
             _keep_last(cache.history, self.rows, self.history, self.tokens, keep)
+
+    def _staged_rings(self) -> list[tuple[Tensor, Tensor]]:
+        """(a ring field's layers lo…hi−1 [L, S, W, ·], their staged values [L, B, T, ·]) for each run of consecutive
+        staged layers (a decode step stages every layer: one run, one store per field)."""
+        stack, pairs = self.cache.ring_stack, []
+        staged = sorted((self.cache.rings[layer].index, entries) for layer, entries in self.rings.items())
+        for _, run in itertools.groupby(enumerate(staged), lambda item: item[1][0] - item[0]):
+            indices, entries = zip(*(item for _, item in run), strict=True)
+            lo, hi = indices[0], indices[-1] + 1
+            pairs += [
+                (stack.data[lo:hi], torch.stack([data for data, _ in entries])),
+                (stack.scale[lo:hi], torch.stack([scale for _, scale in entries])),
+                (stack.pos[lo:hi], self.positions.expand(hi - lo, *self.positions.shape)),
+            ]
+        return pairs
 
     def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: Tensor, keep: Tensor | None) -> None:
         """New open group = the kept tokens after the last complete group (kv/score are group-aligned [B, L, D])."""

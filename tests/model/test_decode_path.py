@@ -70,18 +70,18 @@ def _prefill(model: Transformer, ids: torch.Tensor):
 
 def test_kept_writes_equal_writing_only_the_kept_columns(gen):
     """A step no longer than the ring writes every column (dropped ones rewrite their old value); a longer one the
-    last W kept; both give the bytes of writing the kept columns one by one."""
-    W, B = 8, 3
+    last W kept; both give the bytes of writing the kept columns one by one, in every layer of the field."""
+    W, B, L = 8, 3, 2
     for T in (1, 5, 8, 13):
         pos = torch.randint(0, 50, (B, 1), generator=gen) + torch.arange(T)
-        src = torch.randint(0, 255, (B, T, 4), generator=gen, dtype=torch.uint8)
+        src = torch.randint(0, 255, (L, B, T, 4), generator=gen, dtype=torch.uint8)
         for keep in (None, torch.randint(0, T + 1, (B,), generator=gen)):
-            dst = torch.randint(0, 255, (B + 2, W, 4), generator=gen, dtype=torch.uint8)
+            dst = torch.randint(0, 255, (L, B + 2, W, 4), generator=gen, dtype=torch.uint8)
             expected = dst.clone()
             for b in range(B):
                 k = T if keep is None else int(keep[b])
                 for t in range(max(0, k - W), k):
-                    expected[1 + b, int(pos[b, t]) % W] = src[b, t]
+                    expected[:, 1 + b, int(pos[b, t]) % W] = src[:, b, t]
             _write_kept(((dst, src),), slice(1, 1 + B), pos, keep, W)
             assert torch.equal(dst, expected), (T, keep)
     b, t = _kept(torch.tensor([0, 3, 20]), 20, W)
@@ -161,11 +161,11 @@ def _assert_same_state(plain: DecodeBatch, static: DecodeBatch) -> None:
     n = len(plain)
     assert static.positions() == plain.positions()
     assert static.cache.next_positions(slice(0, 4)).tolist() == static.cache.pos + [0] * (4 - n)
-    for a, b in zip(plain.cache._row_tensors(), static.cache._row_tensors(), strict=True):
-        x, y = getattr(*a)[:n], getattr(*b)[:n]
-        if x.dim() > 1 and x.shape[1] != y.shape[1]:  # entries: the static cache reserved more
+    for (owner, name, dim), (twin, _, _) in zip(plain.cache._row_tensors(), static.cache._row_tensors(), strict=True):
+        x, y = getattr(owner, name).narrow(dim, 0, n), getattr(twin, name).narrow(dim, 0, n)
+        if dim == 0 and x.dim() > 1 and x.shape[1] != y.shape[1]:  # entries: the static cache reserved more
             y = y[:, : x.shape[1]]
-        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=a[1])
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_static_steps_over_padded_rows_equal_plain_steps(tiny: Transformer, tokens):
