@@ -110,7 +110,7 @@ class Attention(nn.Module):
 
     # --------------------------------------------------------------------------------------------- pieces
     def query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(q latent c^Q [B, T, q_lora], rotated q [B, T, H, D]); x is the FP8-cast input (`quantize_input`)."""
+        """(q latent c^Q [B, T, q_lora], cast, rotated q [B, T, H, D]); x is the FP8-cast input (`quantize_input`)."""
         qr, q = self.query_heads(x)
         return qr, self.rope.rotate(q, positions)
 
@@ -122,9 +122,10 @@ class Attention(nn.Module):
         return qr, rotated[..., :-1, :], rotated[..., -1, :]
 
     def query_heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(c^Q [B, T, q_lora], q [B, T, H, D] before RoPE)."""
-        qr = self.q_norm(self.wq_a(x, True))
-        return qr, self.wq_b(qr).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
+        """(c^Q [B, T, q_lora] cast for the linears that read it — wq_b and the indexer's —, q [B, T, H, D] before
+        RoPE)."""
+        qr = self.wq_b.cast(self.q_norm(self.wq_a(x, True)))
+        return qr, self.wq_b(qr, True).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
 
     def window_latent(self, x: Tensor) -> Tensor:
         """This layer's K=V latent [B, T, D] before RoPE and the FP8 cast."""

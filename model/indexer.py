@@ -46,8 +46,9 @@ class Indexer(nn.Module):
         return self.k_norm(self.wk(latent))
 
     def queries(self, x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor]:
-        """(pre-RoPE queries [B, T, H, Dᵢ], head weights [B, T, H] fp32) from the input x and the q latent qr."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        """(pre-RoPE queries [B, T, H, Dᵢ], head weights [B, T, H] fp32) from the input x and the q latent qr, cast
+        (`Linear.cast`: the attention's wq_b reads the same cast)."""
+        q = self.wq_b(qr, True).unflatten(-1, (self.n_heads, self.head_dim))
         w = self.weights_proj(x).to(torch.promote_types(x.dtype, torch.float32))
         return q, w * (1.0 / math.sqrt(self.head_dim * self.n_heads))
 

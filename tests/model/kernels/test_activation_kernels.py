@@ -162,7 +162,8 @@ def test_hc_site_matches_the_torch_form(lead: tuple[int, ...], n: int, C: int, d
     want_x, want_mix, want_y = kernels.hc_site(*args, backend="torch")
     got_x, got_mix, got_y = kernels.hc_site(*args, backend="triton")
     close = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    assert got_x.dtype == dtype and got_y.dtype == dtype
+    assert got_x.dtype == dtype
+    assert got_y.dtype == dtype
     torch.testing.assert_close(got_x, want_x, **close)
     torch.testing.assert_close(got_y, want_y, **close)
     for got, want in zip(got_mix, want_mix, strict=True):
@@ -185,6 +186,6 @@ def test_hc_site_names_a_bad_argument() -> None:
     X, pre, norm, fn, scale, base, _ = site_case((2,), 4, 32, torch.float32, seed=6, exit=False)
     with pytest.raises(ValueError, match="fn"):
         kernels.hc_site(X, pre, norm, 1e-6, fn[:, :64], scale, base, 20, 1e-6, 1e-6, backend="triton")
+    bad_exit = (X[..., 0, :], pre, pre)
     with pytest.raises(ValueError, match="exit comb"):
-        bad_exit = (X[..., 0, :], pre, pre)
         kernels.hc_site(X, pre, norm, 1e-6, fn, scale, base, 20, 1e-6, 1e-6, bad_exit, backend="triton")
