@@ -19,7 +19,7 @@ from model.config import ModelArgs
 from model.engram import Engram
 from model.fused import fused
 from model.linear import RMSNorm, param_dtype, rms_norm
-from model.mhc import hc_collapse, hc_expand
+from model.mhc import hc_collapse, hc_expand, hc_mixes
 from model.moe import MoE
 from model.parallel import SINGLE, Parallel
 
@@ -52,18 +52,12 @@ class Block(nn.Module):
         if args.role(layer).engram:
             self.engram = Engram(args, layer, dtype)
 
-    def enter(
-        self, site: str, X: Tensor, pre: Tensor, exit: tuple[Tensor, Tensor, Tensor] | None = None
-    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
-        """A sublayer site's entry, in one pass over X (one kernel on a GPU): the previous site's `exit` = (out,
-        post, comb) first when given (X ← hc_expand(out, X, post, comb)), then this site's mixes of X → (pre, post,
-        comb), and its input RMSNorm(collapse(X, pre)) for the pre-mix handed to it. → (X, mixes, input)."""
-        a, norm = self.args, getattr(self, f"{site}_norm")
-        fn, scale, base = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "scale", "base"))
-        return kernels.hc_site(
-            X, pre, norm.weight, norm.eps, fn, scale, base, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps, exit,
-            backend=kernels.backend_for(X),
-        )  # fmt: skip
+    def mixes(self, site: str, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a = self.args
+        m = hc_mixes(X, getattr(self, f"hc_{site}_fn"), a.rms_norm_eps)
+        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
+        be = kernels.backend_for(m)
+        return kernels.hc_split_sinkhorn(m, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, backend=be)
 
     def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
         return collapse_norm(X, pre, self.attn_norm.weight, self.attn_norm.eps)
@@ -73,9 +67,11 @@ class Block(nn.Module):
 
         `attend` runs this layer's attention on the collapsed, normed input (dense or packed-cache form).
         """
-        X, (a_pre, a_post, a_comb), x = self.enter("attn", X, pre)
-        X, (f_pre, f_post, f_comb), x = self.enter("ffn", X, a_pre, (attend(x), a_post, a_comb))
-        return hc_expand(self.ffn(x), X, f_post, f_comb), f_pre
+        a_pre, a_post, a_comb = self.mixes("attn", X)
+        X = hc_expand(attend(self.attention_input(X, pre)), X, a_post, a_comb)
+        f_pre, f_post, f_comb = self.mixes("ffn", X)
+        X = hc_expand(self.ffn(collapse_norm(X, a_pre, self.ffn_norm.weight, self.ffn_norm.eps)), X, f_post, f_comb)
+        return X, f_pre
 
 
 @fused

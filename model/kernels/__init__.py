@@ -38,7 +38,6 @@ __all__ = [
     "dequantize_swa_fp8",
     "fake_quant_fp8",
     "fp8_linear",
-    "hc_site",
     "hc_split_sinkhorn",
     "indexer_scores",
     "moe_down",
@@ -143,44 +142,6 @@ def hc_split_sinkhorn(
     if _carries_grad(mixes, scale, base) or mixes.dtype != torch.float32:
         backend = "torch"
     return _pick(backend, hc_mixes, "hc_split_sinkhorn")(mixes, scale, base, n, iters, eps)
-
-
-def hc_site(
-    X: Tensor,
-    pre: Tensor,
-    norm: Tensor,
-    norm_eps: float,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    iters: int,
-    hc_eps: float,
-    rms_eps: float,
-    exit: tuple[Tensor, Tensor, Tensor] | None = None,
-    backend: Backend = "torch",
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor], Tensor]:
-    """A sublayer site's entry (model.block `Block.enter`): X [..., n, C] ← hc_expand(out, X, post, comb) where
-    `exit` = (out [..., C], post [..., n], comb [..., n, n]) is the previous site's; then this site's coefficients
-    (pre, post, comb) = hc_split_sinkhorn(hc_mixes(X, fn), scale, base) and its input RMSNorm(collapse(X, pre)) · norm
-    for the given pre-mix [..., n]. → (X, coefficients, input [..., C]). The Triton kernel (one pass over X, no
-    backward, fp32 math) takes fp32 fn; otherwise, or with a gradient to carry, the torch form runs."""
-    n, C = X.shape[-2:]
-    lead = X.shape[:-2]
-    _expect("X", X, (*lead, n, C), _WIDE_FLOATS)
-    _expect("pre", pre, (*lead, n))
-    _expect("norm", norm, (C,))
-    _expect("fn", fn, ((2 + n) * n, n * C))
-    _expect("scale", scale, (3,))
-    _expect("base", base, ((2 + n) * n,))
-    if exit is not None:
-        for name, t, shape in zip(("exit out", "exit post", "exit comb"), exit, ((C,), (n,), (n, n)), strict=True):
-            _expect(name, t, (*lead, *shape))
-    if n & (n - 1) or iters < 1:
-        raise ValueError(f"n must be a power of two and iters ≥ 1, got n={n}, iters={iters}")
-    tensors = (X, pre, norm, fn, scale, base, *(exit or ()))
-    if _carries_grad(*tensors) or fn.dtype != torch.float32 or X.dtype == torch.float64:
-        backend = "torch"
-    return _pick(backend, hc_mixes, "hc_site")(X, pre, norm, norm_eps, fn, scale, base, iters, hc_eps, rms_eps, exit)
 
 
 # ------------------------------------------------------------------------------------------- RoPE
