@@ -4,7 +4,8 @@
 leading views and never gathers):
 
 - an FP8 SWA ring per attention layer: `sliding_window` slots, slot = position mod W, E4M3 bytes + UE8M0 scale
-  bytes + the position each slot holds (−1 = empty; a ring rebuilt by bounded replay starts empty);
+  bytes + the position each slot holds (−1 = empty; a ring rebuilt by bounded replay starts empty); every layer's
+  ring lives in one tensor per field (`Rings`), so that a commit writes all layers' new entries at once;
 - per KV-source (Full owner) layer, its compressed entries as packed FP4 (main KV: E2M1 + E4M3 scale per 16;
   indexer K: E2M1 + UE8M0 scale per 32), entry j at index j, grown by doubling;
 - per m>1 compressor, the pending partial group (kv and gate logits of the pos mod m tokens since the last group);
