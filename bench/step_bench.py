@@ -16,6 +16,7 @@ count the CUDA kernels of one step and the share of its wall time the GPU spent 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -34,6 +35,7 @@ from bench.native_bench import HBM_BYTES_PER_S, captured, kv_bytes, touched_byte
 from model import kernels
 
 Step = Callable[[], object]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def sides(model, B: int, context: int, steps: int) -> tuple[dict[str, Step], int]:
@@ -82,7 +84,6 @@ def kernel_profile(fn: Step, steps: int) -> dict[str, float]:
 def kernel_sources(fn: Step, steps: int, top: int = 100) -> list[tuple[str, float]]:
     """CUDA kernels per step by the line of this repository that launched them (the innermost frame outside torch of
     the launching op's Python stack, and its caller; eager steps only: a graph's replay has no stack)."""
-    root = str(Path(__file__).resolve().parents[1])
     torch.cuda.synchronize()
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # FunctionEvent.stack is empty without it
     with profile(
@@ -95,11 +96,23 @@ def kernel_sources(fn: Step, steps: int, top: int = 100) -> list[tuple[str, floa
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU or not event.kernels:
             continue
-        ours = [frame for frame in event.stack if frame.startswith(root) and "/.venv/" not in frame]
-        where = " < ".join(frame.removeprefix(root + "/") for frame in ours[:2]) or "(outside)"
-        where += f" {event.name}"
-        sources[where] += sum("emcpy" not in k.name for k in event.kernels)
+        where = " < ".join([frame for frame in map(_repository_frame, event.stack) if frame][:2]) or "(outside)"
+        sources[f"{where} {event.name}"] += sum("emcpy" not in k.name for k in event.kernels)
     return [(where, count / steps) for where, count in sources.most_common(top)]
+
+
+@functools.cache
+def _repository_frame(frame: str) -> str:
+    """A profiler stack frame ("file(line): function") if the file is this repository's own, else "". The profiler
+    names a file relative to the sys.path entry it was imported from ("model/cache.py", "torch/functional.py"), or
+    absolute where none holds it."""
+    file = Path(frame.partition("(")[0])
+    try:
+        relative = file.resolve().relative_to(ROOT) if file.is_absolute() else file
+    except (OSError, ValueError):
+        return ""
+    ours = relative.parts[:1] != (".venv",) and (ROOT / relative).is_file()
+    return f"{relative}({frame.partition('(')[2]}" if ours else ""
 
 
 def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool) -> dict:
