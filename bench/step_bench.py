@@ -3,7 +3,7 @@ from its CUDA graph (`DecodeBatch.decode_step` on a GPU), the same step run eage
 the same size (bench/kernels.py `dense_decode_step`) captured as a CUDA graph the same way; and the bytes floor.
 
     python bench/step_bench.py [--batches 1,64,256] [--contexts 4096,131072,1048576] [--rounds 5] [--steps 10]
-        [--profile-steps 5] [--sources] [--out bench/out/step_bench.json]
+        [--profile-steps 5] [--sources] [--no-dense] [--out bench/out/step_bench.json]
 
 Caches are synthesised at the context (bench/kernels.py `filled_decode_batch`). Per (batch, context), every round
 times `steps` consecutive steps of each side (synchronised before and after; sides in a rotating order); the table
@@ -38,20 +38,19 @@ Step = Callable[[], object]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def sides(model, B: int, context: int, steps: int) -> tuple[dict[str, Step], int]:
-    """The three steps at batch B and `context` tokens (each call of a side runs one step), and the weight bytes a
-    step reads (counted on an eager step: module hooks do not run in a graph's replay)."""
+def sides(model, B: int, context: int, steps: int, dense: bool) -> tuple[dict[str, Step], int]:
+    """The steps at batch B and `context` tokens (each call of a side runs one step; the dense side if `dense`), and
+    the weight bytes a step reads (counted on an eager step: module hooks do not run in a graph's replay)."""
     vocab = model.args.vocab_size
     tokens = torch.randint(0, vocab, (B, 1), device="cuda")
     graph = filled_decode_batch(model, B, context, steps, graphs=True)
     eager = filled_decode_batch(model, B, context, steps, graphs=False)
-    history = torch.randint(0, vocab, (B, model.ngram.history_len), device="cuda")
-    kv = torch.randn(B, context, model.args.head_dim, device="cuda", dtype=model.dtype)
-    return {
-        "graph": lambda: graph.decode_step(tokens),
-        "eager": lambda: eager.decode_step(tokens),
-        "dense graph": captured(lambda: dense_decode_step(model, tokens, context, history, kv)),
-    }, touched_bytes(model, lambda: eager.decode_step(tokens))
+    steps: dict[str, Step] = {"graph": lambda: graph.decode_step(tokens), "eager": lambda: eager.decode_step(tokens)}
+    if dense:  # B × context bf16 latents: 64 GiB at 64 × 1 M
+        history = torch.randint(0, vocab, (B, model.ngram.history_len), device="cuda")
+        kv = torch.randn(B, context, model.args.head_dim, device="cuda", dtype=model.dtype)
+        steps["dense graph"] = captured(lambda: dense_decode_step(model, tokens, context, history, kv))
+    return steps, touched_bytes(model, lambda: eager.decode_step(tokens))
 
 
 def ms_per_step(fn: Step, steps: int) -> float:
@@ -117,7 +116,7 @@ def _repository_frame(frame: str) -> str:
 
 def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool) -> dict:
     room = ns.rounds * ns.steps + 4 * ns.profile_steps + 8
-    steps, weights = sides(model, B, context, room)
+    steps, weights = sides(model, B, context, room, ns.dense)
     for fn in steps.values():  # warm: captures, compiles
         fn()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -145,13 +144,14 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        g, e, d = r["graph"], r["eager"], r["dense graph"]
-        cell = lambda s: f"{s['median_ms']:.2f} ({s['spread_ms'][0]:.2f}–{s['spread_ms'][1]:.2f})"  # noqa: E731
+        g, e, d = r["graph"], r["eager"], r.get("dense graph")
+        cell = lambda s: f"{s['median_ms']:.2f} ({s['spread_ms'][0]:.2f}–{s['spread_ms'][1]:.2f})" if s else "–"  # noqa: E731
+        versus = f"{d['median_ms'] / g['median_ms']:.2f}×" if d else "–"
         kernels = f"{g['kernels_per_step']:.0f}, {e['kernels_per_step']:.0f}" if "kernels_per_step" in g else ""
         busy = f"{g['gpu_busy']:.0%}, {e['gpu_busy']:.0%}" if "gpu_busy" in g else ""
         lines.append(
             f"| {r['batch']} | {r['context']:,} | {cell(g)} | {cell(e)} | {cell(d)} | {r['floor_ms']:.3f} | "
-            f"{g['median_ms'] / r['floor_ms']:.1f} | {d['median_ms'] / g['median_ms']:.2f}× | {kernels} | {busy} |"
+            f"{g['median_ms'] / r['floor_ms']:.1f} | {versus} | {kernels} | {busy} |"
         )
     return "\n".join(lines)
 
@@ -165,6 +165,7 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
     p.add_argument("--sources", action="store_true", help="profile rows: the eager step's kernels by launching line")
+    p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="time the dense peer too")
     p.add_argument(
         "--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
         help="batch-invariant numerics (model.kernels.invariance), as decode_svc's --batch-invariant",
