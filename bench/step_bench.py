@@ -81,8 +81,8 @@ def kernel_profile(fn: Step, steps: int) -> dict[str, float]:
 
 
 def kernel_sources(fn: Step, steps: int, top: int = 100) -> list[tuple[str, float]]:
-    """CUDA kernels per step by the line of this repository that launched them (the innermost frame outside torch of
-    the launching op's Python stack, and its caller; eager steps only: a graph's replay has no stack)."""
+    """CUDA kernels per step by the lines of this repository that launched them (the two innermost frames of this
+    repository in the launching op's Python stack; eager steps only: a graph's replay has no stack)."""
     torch.cuda.synchronize()
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True)  # FunctionEvent.stack is empty without it
     with profile(
