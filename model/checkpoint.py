@@ -40,11 +40,13 @@ from tqdm.auto import tqdm
 from model.config import ModelArgs, preset
 from model.engram_store import Placement
 from model.parallel import SINGLE, Parallel
+from model.shared_tables import SharedTables
 from model.transformer import Part, Transformer
 from model.weights import (
     build_model,
     engram_table_names,
     expected_names,
+    filled_elsewhere,
     map_tensor,
     model_fingerprint,
     seeded_tensors,
@@ -212,16 +214,21 @@ def _with_expert_block(args: ModelArgs, entries: dict[str, Entry]) -> ModelArgs:
 
 # ------------------------------------------------------------------------------------------------------ load
 def load_weights(
-    model: Transformer, directory: str | os.PathLike[str], progress: bool = False, mapped: Iterable[str] = ()
+    model: Transformer,
+    directory: str | os.PathLike[str],
+    progress: bool = False,
+    mapped: Iterable[str] = (),
+    elsewhere: Iterable[str] = (),
 ) -> LoadReport:
     """Fill a built model part from the checkpoint in `directory`, reading only the tensors it holds; the `mapped`
-    ones (the Engram tables of `--engram-store mmap`) are memory-mapped from their shards instead of read."""
+    ones (the Engram tables of `--engram-store mmap`) are memory-mapped from their shards instead of read, and the
+    `elsewhere` ones are neither (another rank fills them: `model.shared_tables`)."""
     checkpoint = Checkpoint(directory)
     start = time.perf_counter()
-    mapped = set(mapped)
+    mapped, skip = set(mapped), set(mapped) | set(elsewhere)
     for name in mapped:
         map_tensor(model, name, checkpoint.mapped(name) if name in checkpoint.entries else None, str(directory))
-    read = store(model, checkpoint.tensors(expected_names(model) - mapped, progress), str(directory), skip=mapped)
+    read = store(model, checkpoint.tensors(expected_names(model) - skip, progress), str(directory), skip=skip)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.fingerprint = checkpoint.fingerprint()
@@ -238,16 +245,19 @@ def load_checkpoint(
     packed: bool = True,
     engram: Placement = "device",
     parallel: Parallel = SINGLE,
+    shared: SharedTables | None = None,
 ) -> Transformer:
     """A model part from a checkpoint directory: packed (serving) or float (training), its Engram tables placed by
-    `engram` (`model.engram_store`); an expert-parallel rank (`parallel`) reads its own routed experts only. Its
-    `load_report` says what was read, how fast, and the resident weight bytes."""
+    `engram` (`model.engram_store`; with `shared`, in the node's table file, read by its owner alone); an
+    expert-parallel rank (`parallel`) reads its own routed experts only. Its `load_report` says what was read, how
+    fast, and the resident weight bytes."""
     args = Checkpoint(directory).args
     model = build_model(
-        args, part, seed=None, device=device, dtype=dtype, packed=packed, engram=engram, parallel=parallel
-    )
+        args, part, seed=None, device=device, dtype=dtype, packed=packed, engram=engram, parallel=parallel,
+        shared=shared,
+    )  # fmt: skip
     mapped = engram_table_names(model) if engram == "mmap" else []
-    model.load_report = load_weights(model, directory, progress, mapped)
+    model.load_report = load_weights(model, directory, progress, mapped, filled_elsewhere(model, engram, shared))
     return model
 
 

@@ -38,6 +38,7 @@ from model.engram_store import Placement, engram_tables, place_tables
 from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm
 from model.moe import Experts, PackedExperts
 from model.parallel import SINGLE, Parallel
+from model.shared_tables import SharedTables
 from model.transformer import Part, Transformer
 
 _BLOCK = 32  # FP8 weight blocks are 32×32 (quantization_config.weight_block_size)
@@ -125,16 +126,18 @@ def _packed_twin(name: str, module: nn.Module, model: Transformer, device: torch
     return None
 
 
-def pack(model: Transformer, device: torch.device, engram: Placement = "device") -> Transformer:
+def pack(
+    model: Transformer, device: torch.device, engram: Placement = "device", shared: SharedTables | None = None
+) -> Transformer:
     """A float-form model built on `meta` → the packed form on `device`, uninitialised: quantised weights become
     their checkpoint bytes, everything else is allocated as it is (never a float copy of a quantised weight). The
-    Engram tables go where `engram` places them (`place_engram_tables`), never to the device first."""
+    Engram tables go where `engram` (and `shared`) place them (`place_engram_tables`), never to the device first."""
     for name, module in list(model.named_modules()):
         twin = _packed_twin(name, module, model, device)
         if twin is not None:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, twin)
-    place_engram_tables(model, engram, device)
+    place_engram_tables(model, engram, device, shared)
     mapped = {id(t) for t in engram_tables(model).values()} if engram == "mmap" else set()  # left for the loader
     for module in model.modules():
         if id(module) in mapped:
@@ -147,25 +150,38 @@ def pack(model: Transformer, device: torch.device, engram: Placement = "device")
     return model
 
 
-def place_engram_tables(model: Transformer, placement: Placement, device: torch.device) -> None:
+def place_engram_tables(
+    model: Transformer, placement: Placement, device: torch.device, shared: SharedTables | None = None
+) -> None:
     """Move the Engram tables' storage off the device, uninitialised: into host memory for `host` (page-locked when
-    the model is on a GPU, which then copies rows from it asynchronously), onto `meta` for `mmap` (the loader maps
-    the checkpoint's shards there). `device`: nothing moves."""
+    the model is on a GPU, which then copies rows from it asynchronously; in the node's shared table file when
+    `shared` is given), onto `meta` for `mmap` (the loader maps the checkpoint's shards there). `device`: nothing
+    moves."""
     if placement == "device":
         return
     if placement == "mmap" and not any(isinstance(m, Fp8Rows) for m in model.modules()):
         raise ValueError("--engram-store mmap maps FP8 tables: it needs a quantised model in its packed form")
     where = torch.device("meta" if placement == "mmap" else "cpu")
     pin = placement == "host" and device.type == "cuda"
-    for table in engram_tables(model).values():
-        for key, p in list(table.named_parameters(recurse=False)):
-            storage = torch.empty(p.shape, dtype=p.dtype, device=where, pin_memory=pin)
-            setattr(table, key, nn.Parameter(storage, requires_grad=False))
+    tables = engram_tables(model).values()
+    slots = [(table, key, p) for table in tables for key, p in table.named_parameters(recurse=False)]
+    if placement == "host" and shared is not None:
+        storages = shared.tensors([(p.shape, p.dtype) for _, _, p in slots], pin)
+    else:
+        storages = [torch.empty(p.shape, dtype=p.dtype, device=where, pin_memory=pin) for _, _, p in slots]
+    for (table, key, _), storage in zip(slots, storages, strict=True):
+        setattr(table, key, nn.Parameter(storage, requires_grad=False))
 
 
 def engram_table_names(model: Transformer) -> list[str]:
     """Checkpoint names of the model's Engram tables (weights and scales)."""
     return [name for name in checkpoint_views(model) if ".engram.embed." in name]
+
+
+def filled_elsewhere(model: Transformer, engram: Placement, shared: SharedTables | None) -> list[str]:
+    """Checkpoint names of the tensors another rank fills for this one: the Engram tables of a node's shared table
+    file, where this rank does not own it."""
+    return engram_table_names(model) if engram == "host" and shared is not None and not shared.owner else []
 
 
 def is_packed(model: nn.Module) -> bool:
@@ -371,10 +387,12 @@ def seeded_tensors(
             yield name, value.to(t.dtype)
 
 
-def init_weights(model: Transformer, seed: int = 0) -> Transformer:
-    """Deterministic weights from `seed`, generated on the model's device (either form; quantised ones snapped)."""
+def init_weights(model: Transformer, seed: int = 0, skip: Iterable[str] = ()) -> Transformer:
+    """Deterministic weights from `seed`, generated on the model's device (either form; quantised ones snapped);
+    the `skip` ones are left as they are (another rank fills them)."""
+    skip = set(skip)
     tensors = seeded_tensors(model.args, model.part, seed, model.device, model.dtype, parallel=model.parallel)
-    store(model, tensors, f"seed {seed}")
+    store(model, ((n, t) for n, t in tensors if n not in skip), f"seed {seed}", skip=skip)
     # The weights are a pure function of (config, seed, dtype, generating device): every part shares this fingerprint.
     identity = {"seed": torch.tensor(seed), f"dtype={model.dtype}|{model.device.type}": torch.zeros(0)}
     model.fingerprint = model_fingerprint(model.args, identity)
@@ -391,23 +409,25 @@ def build_model(
     packed: bool = True,
     engram: Placement = "device",
     parallel: Parallel = SINGLE,
+    shared: SharedTables | None = None,
 ) -> Transformer:
     """A model part on `device`, packed (serving) or float (training); initialised from `seed` (None: uninitialised,
     e.g. before a load). A packed model is built on `meta` first, so no float copy of a quantised weight exists.
-    `engram`: where the Engram tables live (`model.engram_store`); `mmap` leaves them to the checkpoint loader.
+    `engram`: where the Engram tables live (`model.engram_store`); `mmap` leaves them to the checkpoint loader;
+    `host` with `shared`: in the node's table file, which only its owner fills (`model.shared_tables`).
     `parallel`: the expert-parallel rank it is, holding only its routed experts (`model.parallel`)."""
     device = torch.device(device)
     if packed and args.quantization_config is not None:
         with torch.device("meta"):
-            model = pack(Transformer(args, part, dtype, parallel), device, engram)
+            model = pack(Transformer(args, part, dtype, parallel), device, engram, shared)
     else:
         with torch.device(device):
             model = Transformer(args, part, dtype, parallel)
-        place_engram_tables(model, engram, device)
+        place_engram_tables(model, engram, device, shared)
     if seed is not None and device.type != "meta":
         if engram == "mmap":
             raise ValueError("--engram-store mmap maps the checkpoint's shards: a seeded model has none")
-        init_weights(model, seed)
+        init_weights(model, seed, skip=filled_elsewhere(model, engram, shared))
     place_tables(model, engram)
     return model
 

@@ -23,6 +23,9 @@ raise `RankGroupError` (UNAVAILABLE), and tells the service (`on_failure`): heal
 UNAVAILABLE, the process exits non-zero for its supervisor to restart the group. A follower exits as soon as rank
 0's store or its parent is gone, or a collective fails: no rank is left running.
 
+Host Engram tables (`--engram-store host`) exist once a node: its service process resolves the placement before it
+spawns the local ranks and hands them the node's table file, which it fills and they map (`model.shared_tables`).
+
 Plans are pickles between the processes of one group (trusted peers on a private network, like NCCL's own traffic).
 """
 
@@ -51,6 +54,7 @@ import torch.distributed as dist
 from model import Transformer, preset
 from model.checkpoint import Checkpoint
 from model.parallel import Parallel
+from model.shared_tables import FD_ENV, SharedTables
 from model.transformer import Part
 from model_service.config import ModelServiceConfig
 from model_service.errors import RequestError
@@ -289,15 +293,21 @@ class RankGroup:
         self._closed = threading.Event()
         self.store: dist.TCPStore | None = None
         self.plans: Any = None
+        self.tables_fd: int | None = None  # the node's shared Engram table file (model.shared_tables)
 
     # ----------------------------------------------------------------------------------------- start-up
     def spawn(self) -> None:
-        """Start this node's other local ranks (local rank 0 is this process)."""
+        """Start this node's other local ranks (local rank 0 is this process), handing them the node's table file
+        when they share host Engram tables."""
         env = {**os.environ, CONFIG_ENV: msgspec.json.encode(self.cfg).decode(), PART_ENV: self.part}
+        if self.cfg.engram_store == "host" and self.layout.ranks > 1:
+            self.tables_fd = SharedTables.create()
+            env[FD_ENV] = str(self.tables_fd)
+        fds = () if self.tables_fd is None else (self.tables_fd,)
         for local in range(1, self.layout.ranks):
             peer = Layout(**{**self.layout.__dict__, "local_rank": local})
             command = [sys.executable, "-m", "model_service.ranks"]
-            self.children.append(subprocess.Popen(command, env={**env, **peer.env()}))
+            self.children.append(subprocess.Popen(command, env={**env, **peer.env()}, pass_fds=fds))
         self.log.info("ranks_spawned", pids=[c.pid for c in self.children], **self.layout.env())
 
     def join(self) -> None:
@@ -505,17 +515,28 @@ def layout_of(cfg: ModelServiceConfig) -> Layout:
 
 
 def load_rank(group: RankGroup) -> Transformer:
-    """This rank's share of the model (its experts only), warmed up like a single process's — the same calls on
-    every rank, so the warm-up's collectives meet."""
+    """This rank's share of the model (its experts only, the node's Engram tables where it shares them), warmed up
+    like a single process's — the same calls on every rank, so the warm-up's collectives meet."""
     from model_service.runtime import load_service_model
 
-    return load_service_model(group.cfg, group.part, rank_device(group.cfg, group.layout.local_rank), group.parallel())
+    cfg, lay = group.cfg, group.layout
+    shared = None
+    if group.tables_fd is not None:
+        assert group.store is not None, "the group meets before it loads"
+        timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
+        shared = SharedTables(group.tables_fd, lay.local_rank == 0, group.store, lay.node_rank, timeout)
+    return load_service_model(cfg, part=group.part, device=rank_device(cfg, lay.local_rank), parallel=group.parallel(),
+                              shared=shared)  # fmt: skip
 
 
 def start_group(cfg: ModelServiceConfig, part: Part, log: Any) -> tuple[RankGroup, Transformer]:
-    """The service process's side of a group: spawn the local ranks, meet them, load this rank's share."""
+    """The service process's side of a group: resolve where the Engram tables go (once a node: the ranks may share
+    them), spawn the local ranks, meet them, load this rank's share."""
+    from model_service.runtime import engram_placement
+
     check_group(cfg)
-    group = RankGroup(cfg, part, log)
+    placement = engram_placement(cfg.model, rank_device(cfg, 0), cfg.dtype, cfg.engram_store)
+    group = RankGroup(msgspec.structs.replace(cfg, engram_store=placement), part, log)
     group.spawn()
     try:
         group.join()
@@ -549,6 +570,7 @@ def main() -> int:
     part: Part = os.environ[PART_ENV]  # type: ignore[assignment]
     log = configure_logging("model_service.ranks", level=cfg.log_level).bind(rank=int(os.environ["RANK"]))
     group = RankGroup(cfg, part, log)
+    group.tables_fd = SharedTables.inherited()
     group.join()
     group.start_watching()
     model = load_rank(group)

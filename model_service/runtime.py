@@ -36,8 +36,9 @@ from model import (
     preset,
 )
 from model.checkpoint import Checkpoint
-from model.engram_store import choose_placement, table_bytes
+from model.engram_store import Placement, choose_placement, table_bytes
 from model.parallel import SINGLE, Parallel
+from model.shared_tables import SharedTables
 from model.transformer import Part
 from model.weights import weight_bytes
 from model_service.config import ModelServiceConfig
@@ -71,26 +72,42 @@ def load_model(
     seed: int = 0,
     engram: str = "auto",
     parallel: Parallel = SINGLE,
+    shared: SharedTables | None = None,
 ) -> Transformer:
     """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode; its Engram
-    tables placed by `engram` (`model.engram_store.choose_placement`); of the routed experts, `parallel`'s share."""
+    tables placed by `engram` (`engram_placement`; `host` with `shared`: in the node's table file, filled by its
+    owner, which the other ranks wait for here); of the routed experts, `parallel`'s share."""
     where = resolve_device(device)
     precision = resolve_dtype(dtype, where)
     progress = sys.stderr.isatty()  # a bar on a terminal; JSON log lines stay clean in a container
-    checkpoint = Path(spec).is_dir()
-    args = Checkpoint(spec).args if checkpoint else preset(spec)
-    placement = choose_placement(engram, table_bytes(args, precision), where, checkpoint)
-    if checkpoint:
-        model = load_checkpoint(
-            spec, part, device=where, dtype=precision, progress=progress, engram=placement, parallel=parallel
-        )
+    placement = engram_placement(spec, device, dtype, engram)
+    share = {"engram": placement, "parallel": parallel, "shared": shared}
+    if Path(spec).is_dir():
+        model = load_checkpoint(spec, part, device=where, dtype=precision, progress=progress, **share)
     else:
-        model = build_model(args, part, seed=seed, device=where, dtype=precision, engram=placement, parallel=parallel)
+        model = build_model(preset(spec), part, seed=seed, device=where, dtype=precision, **share)
+    if shared is not None and placement == "host":
+        shared.filled()
     model.engram_placement = placement
     return model.eval()
 
 
-def load_service_model(cfg: ModelServiceConfig, part: Part, device: str, parallel: Parallel = SINGLE) -> Transformer:
+def engram_placement(spec: str, device: str, dtype: str, engram: str) -> Placement:
+    """Where `--engram-store engram` puts the tables of the model `spec` on `device` (`auto`: by their size and the
+    host's free memory, `model.engram_store.choose_placement`)."""
+    where = resolve_device(device)
+    checkpoint = Path(spec).is_dir()
+    args = Checkpoint(spec).args if checkpoint else preset(spec)
+    return choose_placement(engram, table_bytes(args, resolve_dtype(dtype, where)), where, checkpoint)
+
+
+def load_service_model(
+    cfg: ModelServiceConfig,
+    part: Part,
+    device: str,
+    parallel: Parallel = SINGLE,
+    shared: SharedTables | None = None,
+) -> Transformer:
     """A service's model (or its rank's share), warmed up, after the process-wide settings that must come before the
     first forward: CPU threads and, on a GPU, batch invariance (`model.kernels.invariance`)."""
     if threads := cpu_threads(cfg, device):
@@ -98,8 +115,9 @@ def load_service_model(cfg: ModelServiceConfig, part: Part, device: str, paralle
     if cfg.batch_invariant and resolve_device(device).type == "cuda":
         kernels.set_batch_invariant(True)
     model = load_model(
-        cfg.model, part, device=device, dtype=cfg.dtype, seed=cfg.seed, engram=cfg.engram_store, parallel=parallel
-    )
+        cfg.model, part, device=device, dtype=cfg.dtype, seed=cfg.seed, engram=cfg.engram_store, parallel=parallel,
+        shared=shared,
+    )  # fmt: skip
     warm_up(model)
     return model
 

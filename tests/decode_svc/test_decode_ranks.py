@@ -14,8 +14,11 @@ from collections.abc import Callable
 import grpc
 import httpx
 import pytest
+import torch
 from service_mesh import WAIT_S, Served, free_port, metric_value, run_cli, token_ids, wait_until
 
+from model.config import preset
+from model.engram_store import table_bytes
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 FAILURE_S = 10.0  # the group must fail within this of a rank's death
@@ -114,6 +117,30 @@ def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Serve
     assert (load(one).running, load(one).max_batch) == (1, 1)
     for s in alone:
         s.cancel()
+
+
+def table_files(pid: int) -> set[tuple[str, int]]:
+    """The shared Engram table files process `pid` maps: (device:inode, bytes mapped)."""
+    with open(f"/proc/{pid}/maps") as fh:
+        lines = [line.split() for line in fh if "memfd:v41mesh-engram-tables" in line]
+    return {(f"{f[3]}:{f[4]}", int(f[0].split("-")[1], 16) - int(f[0].split("-")[0], 16)) for f in lines}
+
+
+def test_a_group_keeps_one_copy_of_its_host_engram_tables(serve: Callable[..., Served], prompt: Callable) -> None:
+    """--engram-store host: the ranks of a node map one table file (the same file in both processes, as big as the
+    tables), which rank 0 fills, and decode the tokens one process decodes from tables of its own."""
+    one = ranked(serve, 1, "--engram-store", "host")
+    two = ranked(serve, 2, "--engram-store", "host")
+    assert table_files(one.proc.pid) == set()
+    (follower,) = two.seen["ranks_spawned"]["pids"]
+    files = table_files(two.proc.pid)
+    assert len(files) == 1
+    assert table_files(follower) == files
+    (_, mapped), tables = files.pop(), table_bytes(preset("tiny"), torch.float64)
+    assert tables <= mapped < tables + 16 * 4096  # each of the tables' tensors starts on a page
+    assert two.seen["model_loaded"]["engram_store"] == "host"
+    for p, speculate in ((prompt(40), True), (prompt(23), False)):
+        assert generate(two, p, 12, speculate, None) == generate(one, p, 12, speculate, None), speculate
 
 
 def test_a_killed_rank_ends_the_stream_unavailable_and_the_group_exits(

@@ -4,16 +4,20 @@ chunked prefill, a restored prefix, decode steps, forks and DSpark verify."""
 
 from __future__ import annotations
 
+import datetime
+import os
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from model import DecodeBatch, ModelArgs, SamplingParams, Transformer, build_model, encode_prefill
 from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
 from model.engram_store import EngramFetch, HostMemory, choose_placement, engram_tables
 from model.graphs import StepGraphs
 from model.serving import Past
+from model.shared_tables import SharedTables
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +120,39 @@ def test_mapped_tables_are_the_shard_files_pages_and_give_the_same_outputs(check
     assert mapped.load_report.read_bytes < Checkpoint(checkpoint_dir).nbytes  # the tables were not read
     prompt = tokens(15).tolist()
     assert_same(run(mapped, prompt, cut=6), run(on_device, prompt, cut=6))
+
+
+def test_ranks_sharing_host_tables_map_one_file_which_only_its_owner_reads(checkpoint_dir: Path, tokens) -> None:
+    """Two ranks of a node, as `model_service.ranks` makes them: the owner sizes the node's table file and reads the
+    tables into it, the other maps the same pages and reads none of the tables; both give the device tables' outputs.
+    A rank whose tables do not fit the announced file is refused."""
+    fd, store, wait = SharedTables.create(), dist.HashStore(), datetime.timedelta(seconds=10)
+
+    def shared(owner: bool) -> SharedTables:
+        return SharedTables(fd, owner, store, node=0, timeout=wait)
+
+    try:
+        ranks = [load_checkpoint(checkpoint_dir, dtype=torch.float64, engram="host", shared=shared(o)) for o in (1, 0)]
+        maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if "/memfd:" in line]
+        regions = [[int(x, 16) for x in m[0].split("-")] for m in maps if m[4] == str(os.fstat(fd).st_ino)]
+        for model in ranks:
+            for t in (t for table in engram_tables(model).values() for t in (table.weight, table.scale)):
+                assert any(lo <= t.data_ptr() < hi for lo, hi in regions), "an Engram table is not in the shared file"
+        owner, follower = (m.load_report.read_bytes for m in ranks)
+        assert owner - follower == sum(table_bytes(table) for table in engram_tables(ranks[0]).values())
+        prompt = tokens(15).tolist()
+        expected = run(load_checkpoint(checkpoint_dir, dtype=torch.float64), prompt, cut=6)
+        for model in ranks:
+            assert_same(run(model, prompt, cut=6), expected)
+        wider = Checkpoint(checkpoint_dir).args.replace(engram_head_dim=64)
+        with pytest.raises(RuntimeError, match="the node's Engram table file holds"):
+            build_model(wider, seed=0, dtype=torch.float64, engram="host", shared=shared(False))
+    finally:
+        os.close(fd)
+
+
+def table_bytes(table: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in table.state_dict().values())
 
 
 def test_placement_choices_and_refusals(tiny_args: ModelArgs) -> None:
