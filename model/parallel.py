@@ -113,7 +113,7 @@ def serve_idle(parallel: Parallel, device: torch.device, answer: Callable[[int, 
     rank's part of a round of `layer` whose header it took (`answer_round`)."""
     nothing = torch.zeros(parallel.world_size, dtype=torch.int64, device=device)
     while True:
-        received, layers = _header(nothing, IDLE, parallel)
+        received, layers, _ = _header(nothing, IDLE, parallel)
         layer = _running(layers)
         if layer == IDLE:
             return
@@ -149,10 +149,11 @@ def _exchange(
     held, group = n_experts // parallel.world_size, parallel.group
     order, rows, offsets = kernels.moe_pairs(ids, n_experts)
     sent = (offsets[held::held] - offsets[:-1:held]).long()  # pairs for each rank (experts are contiguous per rank)
-    if received is None:
-        received, layers = _header(sent, layer, parallel)
+    if received is None:  # the split sizes both ways: the host waits once per layer
+        received, layers, sent_sizes = _header(sent, layer, parallel)
         _running(layers)
-    sent_sizes = sent.tolist()  # the split sizes: the host waits once per layer
+    else:
+        sent_sizes = sent.tolist()
     columns = [*_fields(xq, rows.long()), weights.flatten()[order], ids.flatten()[order] % held]
     payload = _pack(columns)
     arrived = payload.new_empty(sum(received), payload.shape[1])
@@ -166,14 +167,14 @@ def _exchange(
     return pairs.view(*ids.shape, back.shape[-1])
 
 
-def _header(sent: Tensor, layer: int, parallel: Parallel) -> tuple[list[int], list[int]]:
+def _header(sent: Tensor, layer: int, parallel: Parallel) -> tuple[list[int], list[int], list[int]]:
     """An MoE round's header: the pairs this rank sends each rank and the layer it runs, for every rank's → (pairs
-    each rank sends this one, the layer each runs)."""
+    each rank sends this one, the layer each runs, the pairs this one sends each), read by the host at once."""
     header = torch.stack((sent, torch.full_like(sent, layer)), 1)
     got = torch.empty_like(header)
     dist.all_to_all_single(got, header, group=parallel.group)
-    received, layers = got.T.tolist()
-    return received, layers
+    (received, layers), (sent_sizes, _) = torch.stack((got.T, header.T)).tolist()
+    return received, layers, sent_sizes
 
 
 def _running(layers: list[int]) -> int:
