@@ -4,6 +4,9 @@ one process writes, byte for byte; prompts that wait together run in one pass, o
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +21,8 @@ from cache_svc.config import CacheConfig, resolve_defaults
 from cache_svc.server import CacheServer
 from mesh.block_keys import block_keys
 from proto.prefill.v1 import prefill_pb2, prefill_pb2_grpc
+
+FAILURE_S = 10.0  # the group must fail within this of a rank's death
 
 
 @pytest.fixture
@@ -91,3 +96,30 @@ def test_two_ranks_prefill_the_blocks_and_state_of_one(
         assert blocks2 == blocks
         assert state
         assert state2 == state
+
+
+def test_a_killed_rank_ends_the_prefill_unavailable_and_the_group_exits(
+    serve: Callable[..., Served], caches: Callable[[], str], prompt: Callable, salt: bytes
+) -> None:
+    """A follower killed while a long prompt is in its encoder pass: the caller gets UNAVAILABLE naming the rank within
+    seconds, and the group's service process exits non-zero for its supervisor to restart it."""
+    metrics = free_port()
+    child = serve(
+        "prefill_svc", "--cache", caches(), "--dtype", "float64", "--chunk-size", "16", "--metrics-port", str(metrics),
+        "--ranks", "2", "--master-port", str(free_port()),
+    )  # fmt: skip
+    (follower,) = child.seen["ranks_spawned"]["pids"]
+    running = lambda: metric_value(httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=WAIT_S).text,  # noqa: E731
+                                   "v41mesh_prefill_running")  # fmt: skip
+    with grpc.insecure_channel(child.address) as channel, ThreadPoolExecutor(1) as pool:
+        request = prefill_pb2.PrefillRequest(token_ids=prompt(4000), cache_salt=salt)
+        call = pool.submit(prefill_pb2_grpc.PrefillStub(channel).Prefill, request, timeout=WAIT_S)
+        wait_until(lambda: running() == 1, "the prompt to run")
+        os.kill(follower, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            call.result()
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    assert time.monotonic() - killed < FAILURE_S
+    assert "rank 1" in error.value.details()
+    assert child.proc.wait(timeout=FAILURE_S) == 1
