@@ -24,10 +24,12 @@ from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 FAILURE_S = 10.0  # the group must fail within this of a rank's death
 
 
-def ranked(serve: Callable[..., Served], ranks: int, *flags: str) -> Served:
-    """A decode replica of `ranks` rank processes on `tiny` in float64, every speculative step drafting."""
+def ranked(serve: Callable[..., Served], ranks: int, *flags: str, serving: bool = True) -> Served:
+    """A decode replica of `ranks` rank processes on `tiny` in float64, every speculative step drafting (a later
+    --master-port in `flags` wins)."""
     group = ["--ranks", str(ranks), "--master-port", str(free_port())]
-    return serve("decode_svc", "--dtype", "float64", "--draft-policy", "full", "--metrics-port", "0", *group, *flags)
+    flags = ("--dtype", "float64", "--draft-policy", "full", "--metrics-port", "0", *group, *flags)
+    return serve("decode_svc", *flags, serving=serving)
 
 
 def stream(child: Served, prompt: list[int], speculate: bool) -> grpc.Future:
@@ -80,6 +82,21 @@ def test_two_ranks_generate_the_tokens_of_one(serve: Callable[..., Served], prom
             tokens = generate(one, p, 12, speculate, seed)
             assert len(tokens) == 12
             assert generate(two, p, 12, speculate, seed) == tokens, (speculate, seed)
+
+
+def test_a_group_over_two_nodes_generates_the_tokens_of_one(serve: Callable[..., Served], prompt: Callable) -> None:
+    """--nodes 2 (a process a node, on loopback): node 0 serves and plans, node 1 follows its plans with half the
+    experts and sequences of its own, and leaves when node 0 stops."""
+    group = ["--nodes", "2", "--master-port", str(free_port())]
+    follower = ranked(serve, 1, *group, "--node-rank", "1", serving=False)
+    leader = ranked(serve, 1, *group)
+    assert follower.wait_for("model_loaded")["rank"] == 1
+    one = ranked(serve, 1)
+    for p, speculate in ((prompt(40), True), (prompt(23), False)):
+        tokens = generate(one, p, 12, speculate, None)
+        assert generate(leader, p, 12, speculate, None) == tokens, speculate
+    assert leader.terminate() == 0
+    assert follower.proc.wait(timeout=WAIT_S) == 0
 
 
 def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Served], prompt: Callable) -> None:

@@ -229,9 +229,10 @@ def prompt() -> Callable[[int], list[int]]:
 # ---------------------------------------------------------------------------------------------- subprocesses
 class Served:
     """`python -m <package> serve ...` in a child process (port 0: it logs the one it bound); a model service serves
-    `tiny` on one thread."""
+    `tiny` on one thread. `serving`: wait until it serves (False: a process that serves no port of its own, such as
+    a follower node of a rank group)."""
 
-    def __init__(self, package: str, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, package: str, *flags: str, env: dict[str, str] | None = None, serving: bool = True) -> None:
         model = ["--model", "tiny", "--threads", "1"] if package != "cache_svc" else []
         command = [sys.executable, "-m", package, "serve", "--port", "0", *model, *flags]
         self.proc = subprocess.Popen(
@@ -245,8 +246,7 @@ class Served:
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.seen: dict[str, dict[str, Any]] = {}
-        serving = self.wait_for("serving", timeout_s=120)
-        self.address = f"127.0.0.1:{serving['port']}"
+        self.address = f"127.0.0.1:{self.wait_for('serving', timeout_s=120)['port']}" if serving else ""
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -286,11 +286,12 @@ def run_cli(package: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., Served]]:
-    """`serve(package, *flags, env=None)` → a running Served child; any still running is killed at teardown."""
+    """`serve(package, *flags, env=None, serving=True)` → a running Served child; any still running is killed at
+    teardown."""
     children: list[Served] = []
 
-    def start(package: str, *flags: str, env: dict[str, str] | None = None) -> Served:
-        children.append(Served(package, *flags, env=env))
+    def start(package: str, *flags: str, env: dict[str, str] | None = None, serving: bool = True) -> Served:
+        children.append(Served(package, *flags, env=env, serving=serving))
         return children[-1]
 
     yield start
