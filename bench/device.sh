@@ -34,7 +34,7 @@ for part in "$@"; do
            --parts "$OUT/kernels/parts" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
-              --trace "$OUT/engram_trace.json" --out "$OUT/engram.json" ;;
+              --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe decode engram)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"

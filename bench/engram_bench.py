@@ -1,8 +1,9 @@
 """Engram tables off the GPU: what fetching a step's rows from host memory (or a memory-mapped file) adds to a decode
 step and a prefill chunk, against the same model with its tables on the GPU (`model.engram_store`).
 
-Models: the `small` preset in bf16 with seeded weights and its Engram tables grown — `host`: `--host-rows` rows per
-table (default ≈ 20 M; 64-channel FP8 rows as `small` has them) in pinned host memory, beside the same model with the
+Models: the `small` preset in bf16 with seeded weights and its Engram tables grown — `host`: `--host-vocab` ids per
+(order, head) table (default ≈ 20 M rows a table; FP8 rows of `--host-dim` channels: 64 as `small` has them, 256 as
+released) in pinned host memory, beside the same model with the
 tables on the GPU (`device`); `mmap`: the released tables' shape (≈ 384 M rows of 256 channels, ≈ 101 GB each) as
 sparse files memory-mapped like the checkpoint shards (`--engram-store mmap`); the rows a step touches are holes
 (zero pages), so the figure is the fetch path's cost with the page cache warm, not a disk's. Token ids come from a
@@ -186,6 +187,7 @@ def main() -> int:
     parser.add_argument(
         "--host-vocab", type=int, default=1_700_000, help="ids per (order, head) table of the host side"
     )
+    parser.add_argument("--host-dim", type=int, default=0, help="channels of a host table's row (0: small's)")
     parser.add_argument("--prefill-tokens", type=int, default=16384)
     parser.add_argument("--no-mmap", action="store_true", help="skip the full-size memory-mapped tables")
     parser.add_argument("--graphs", action="store_true", help="decode steps replayed from CUDA graphs (a GPU)")
@@ -193,7 +195,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/engram.json"))
     ns = parser.parse_args()
     small = preset("small")
-    host_args = with_tables(small, ns.host_vocab, small.engram_n_heads, small.engram_head_dim)
+    host_args = with_tables(small, ns.host_vocab, small.engram_n_heads, ns.host_dim or small.engram_head_dim)
     models = {
         "device": build_model(host_args, seed=0, device=DEVICE, dtype=torch.bfloat16).eval(),
         "host": build_model(host_args, seed=0, device=DEVICE, dtype=torch.bfloat16, engram="host").eval(),

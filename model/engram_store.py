@@ -19,9 +19,11 @@ them, so the outputs are bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 import torch
@@ -38,18 +40,44 @@ Placement = Literal["device", "host", "mmap"]
 PLACEMENTS: tuple[str, ...] = ("auto", "device", "host", "mmap")
 HOST_SHARE = 0.8  # `auto` keeps the tables in host memory when they take at most this share of what is available
 GATHER_ROWS = 4096  # rows per gather task: enough to amortise a task, few enough to spread a big prefill chunk
+UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as the largest page-aligned int64
 
 
-def available_host_bytes() -> int:
-    """The host memory available to new allocations (MemAvailable), or the physical memory where unknown."""
+def available_host_bytes(cgroups: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> int:
+    """The host memory available to new allocations: the host's (MemAvailable, or the physical memory where unknown),
+    or less where this process's memory cgroup (a container's limit: `cgroup_free_bytes`) leaves less."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError), open("/proc/meminfo") as fh:
+        host = next((int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:")), host)
+    limited = cgroup_free_bytes(cgroups, membership)
+    return host if limited is None else min(host, limited)
+
+
+def cgroup_free_bytes(cgroups: Path, membership: Path) -> int | None:
+    """What this process's memory cgroup and its ancestors still let it allocate (the least of limit − usage over
+    those with a limit; cgroup v2's memory.max / memory.current, or v1's memory controller), None where none has."""
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        lines = membership.read_text().splitlines()
     except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return None
+    free: list[int] = []
+    for hierarchy, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        if hierarchy == "0":
+            root, files = cgroups, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root, files = cgroups / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        node = root / path.strip("/")
+        while root in (node, *node.parents):
+            with contextlib.suppress(OSError, ValueError):
+                limit, usage = ((node / f).read_text().strip() for f in files)
+                if limit != "max" and int(limit) < UNLIMITED:
+                    free.append(max(0, int(limit) - int(usage)))
+            if node == root:
+                break
+            node = node.parent
+    return min(free) if free else None
 
 
 def choose_placement(requested: str, table_bytes: int, device: torch.device, checkpoint: bool) -> Placement:

@@ -14,7 +14,14 @@ import torch.distributed as dist
 
 from model import DecodeBatch, ModelArgs, SamplingParams, Transformer, build_model, encode_prefill
 from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
-from model.engram_store import EngramFetch, HostMemory, choose_placement, engram_tables
+from model.engram_store import (
+    EngramFetch,
+    HostMemory,
+    available_host_bytes,
+    cgroup_free_bytes,
+    choose_placement,
+    engram_tables,
+)
 from model.graphs import StepGraphs
 from model.serving import Past
 from model.shared_tables import SharedTables
@@ -167,6 +174,33 @@ def test_placement_choices_and_refusals(tiny_args: ModelArgs) -> None:
         choose_placement("ssd", 1, gpu, checkpoint=True)
     with pytest.raises(ValueError, match="a seeded model has none"):
         build_model(tiny_args, seed=0, engram="mmap")
+
+
+def test_free_host_memory_is_bounded_by_the_memory_cgroup_and_its_ancestors(tmp_path: Path) -> None:
+    """A container's memory limit (cgroup v2 or v1, set on it or on its pod above it) bounds what `auto` may place
+    on the host; no limit (v2's "max", v1's largest int64) leaves the host's free memory."""
+    gib = 1 << 30
+
+    def cgroup(path: str, **files: int | str) -> None:
+        (tmp_path / path).mkdir(parents=True, exist_ok=True)
+        for name, value in files.items():
+            (tmp_path / path / name.replace("_", ".", 1)).write_text(f"{value}\n")
+
+    membership = tmp_path / "cgroup"
+    cgroup("kubepods/pod/ctr", memory_max=8 * gib, memory_current=1 * gib)
+    cgroup("kubepods/pod", memory_max=4 * gib, memory_current=3 * gib)  # the pod's limit leaves less
+    cgroup("kubepods", memory_max="max", memory_current=50 * gib)
+    membership.write_text("0::/kubepods/pod/ctr\n")
+    assert cgroup_free_bytes(tmp_path, membership) == 1 * gib
+    assert available_host_bytes(tmp_path, membership) == 1 * gib
+    cgroup("memory/a/b", memory_limit_in_bytes=9223372036854771712, memory_usage_in_bytes=gib)
+    cgroup("memory/a", memory_limit_in_bytes=2 * gib, memory_usage_in_bytes=gib // 2)
+    membership.write_text("5:cpu,cpuacct:/x\n4:memory:/a/b\n")
+    assert cgroup_free_bytes(tmp_path, membership) == 3 * gib // 2
+    membership.write_text("4:memory:/a/b\n")
+    (tmp_path / "memory/a/memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert cgroup_free_bytes(tmp_path, membership) is None
+    assert cgroup_free_bytes(tmp_path, tmp_path / "missing") is None
 
 
 def test_a_mapped_table_of_the_wrong_dtype_is_refused_by_name(checkpoint_dir: Path, tmp_path: Path) -> None:
