@@ -11,21 +11,27 @@ level, on fixed inputs (tests/decode_svc/test_decode_ranks.py, tests/prefill_svc
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import grpc
 import jsonschema
 import openai
 import pytest
-from e2e_helpers import MODEL, serve, tiny_mesh
+from e2e_helpers import MODEL, killed, serve, tiny_mesh
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh.processes import Mesh
 from proto.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 NO_THINKING = {"thinking": {"type": "disabled"}}
+FAILURE_S = 10.0  # a rank group fails within this of a rank's death
 # This anthropic SDK has no `temperature` argument any more; the API (and the gateway) still take the field.
 GREEDY_MESSAGES = {"extra_body": {"temperature": 0}, "thinking": {"type": "disabled"}}
 WEATHER_TOOL = {
@@ -243,3 +249,34 @@ def test_grpc_face_streams_the_same_events(mesh: Mesh, oai: openai.OpenAI) -> No
         model=MODEL, messages=ask("Hello"), max_tokens=6, temperature=0, extra_body=NO_THINKING
     )
     assert text == expected.choices[0].message.content
+
+
+def test_a_rank_killed_mid_stream_ends_the_stream_and_its_group_comes_back(mesh: Mesh, oai: openai.OpenAI) -> None:
+    """Ranked mesh: decode-0's follower rank killed while a stream runs on the group → the client's stream ends with
+    the mid-generation error within seconds, decode-0 exits non-zero, and once restarted the group serves again."""
+    spawned = [e for e in log_events(mesh.child("decode-0").log) if e.get("event") == "ranks_spawned"]
+    if not spawned:
+        pytest.skip("single-process replicas: tests/e2e/test_failures.py kills whole replicas")
+    (follower,) = spawned[-1]["pids"]
+    request = {"model": MODEL, "messages": ask("a long story"), "max_tokens": 3000, "extra_body": NO_THINKING}
+    with killed(mesh, "decode-0"):
+        stream = oai.chat.completions.create(stream=True, **request)  # type: ignore[call-overload]
+        next(iter(stream))
+        os.kill(follower, signal.SIGKILL)
+        at = time.monotonic()
+        with pytest.raises(openai.APIError, match="failed mid-generation"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - at < FAILURE_S
+        assert mesh.child("decode-0").process.wait(timeout=FAILURE_S) == 1  # type: ignore[union-attr]
+    after = oai.chat.completions.create(**{**request, "max_tokens": 4})  # type: ignore[call-overload]
+    assert after.choices[0].finish_reason == "length"
+
+
+def log_events(path: Path) -> list[dict]:
+    """The JSON log lines of a child's log file (every run's, oldest first)."""
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            events.append(json.loads(line))
+    return [e for e in events if isinstance(e, dict)]
