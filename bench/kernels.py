@@ -429,14 +429,21 @@ def check_fp8_linear(c: Checks, M: int, N: int, K: int, tuning: dict[str, object
     bits than fp32 (≈ 14, DeepSeek-V3 measured on Hopper); each chunk is promoted to fp32 at once, so each output is
     off by ≈ 2^-14 of its chunks' absolute sums, summed randomly: ≈ 3·10^-4 of the output's norm at K = 5120 —
     ‖Δ‖/‖ref‖ < 2·10^-3 leaves room, and one wrong chunk scale (1 of 160) or 32-row block moves it by percents.
-    bf16 outputs add their rounding (2^-9): 10^-2."""
+    bf16 outputs add their rounding (2^-9): 10^-2. `fp8_linear_cast` (float activations, cast inside the GEMM below
+    32 tokens) must give the bits of the cast kernel's bytes through the GEMM."""
     case = fp8_linear_inputs(M, N, K)
     want = kernels.fp8_linear(*case, torch.float32, backend="torch")
+    t = kernels.FP8GemmTuning(**(tuning or {}))
     for dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 1e-2)):
-        got = kernels.fp8_linear(*case, dtype, backend="triton", tuning=kernels.FP8GemmTuning(**(tuning or {})))
+        got = kernels.fp8_linear(*case, dtype, backend="triton", tuning=t)
         rel = float((got.float() - want).norm() / want.norm())
         ok = got.dtype == dtype and rel < tolerance and bool(torch.isfinite(got).all())
         c.report(f"fp8_linear M={M} N={N} K={K} {dtype} {tuning or ''}", ok, f"rel err {rel:.1e}")
+        x = randn(M, K).to(dtype)
+        cast = kernels.quantize_swa_fp8(x, backend="triton")
+        ok = torch.equal(kernels.fp8_linear_cast(x, *case[2:], backend="triton", tuning=t),
+                         kernels.fp8_linear(*cast, *case[2:], dtype, backend="triton", tuning=t))  # fmt: skip
+        c.report(f"fp8_linear_cast M={M} N={N} K={K} {dtype} {tuning or ''}", ok, "bits of cast + GEMM")
 
 
 def check_moe_gemm(
@@ -652,6 +659,11 @@ def scaled_mm_peers(x_data: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
     return peers
 
 
+def cast_then_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The activation cast's own launch, then the FP8 GEMM: what `fp8_linear_cast` does in one below 32 tokens."""
+    return kernels.fp8_linear(*kernels.quantize_swa_fp8(x, "triton"), w, w_scale, x.dtype, "triton")
+
+
 def bench_fp8_gemm(tiny: bool) -> Iterator[Row]:
     """The FP8 linear (bf16 out) at decode batches against the bf16 F.linear of its dequantised weight (what the model
     ran before) and torch._scaled_mm; bytes = the FP8 weight and its scales, the FP8 activations, the bf16 output."""
@@ -668,6 +680,11 @@ def bench_fp8_gemm(tiny: bool) -> Iterator[Row]:
             nbytes = N * K + w_scale.numel() + M * K * 33 // 32 + M * N * 2
             yield Row("fp8_linear", f"M={M} N={N} K={K} bf16 out", ours, "bf16 F.linear", peer, nbytes,
                       {"M": M, "N": N, "K": K}, scaled_mm_peers(x_data, w))  # fmt: skip
+            if M < fp8_gemm.FOLDED_FROM:  # bf16 activations cast inside the GEMM, against the cast launch + GEMM
+                cast = median_ms(functools.partial(kernels.fp8_linear_cast, x_bf16, w, w_scale, "triton"))
+                two = median_ms(functools.partial(cast_then_gemm, x_bf16, w, w_scale))
+                yield Row("fp8_linear_cast", f"M={M} N={N} K={K} bf16", cast, "cast + fp8_linear", two,
+                          nbytes + M * K, {"M": M, "N": N, "K": K})  # fmt: skip
 
 
 def grouped_bf16(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -32,7 +32,7 @@ from model.cache import Step
 from model.compressor import Compressor
 from model.config import ModelArgs
 from model.indexer import Indexer, Selection
-from model.linear import Linear, RMSNorm, param_dtype, quantize_input
+from model.linear import Fp8Act, Linear, RMSNorm, param_dtype, quantize_input
 from model.rope import Rope
 
 MainKV = Literal["fp4", "bf16"]
@@ -122,9 +122,9 @@ class Attention(nn.Module):
         return qr, rotated[..., :-1, :], rotated[..., -1, :]
 
     def query_heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(c^Q [B, T, q_lora] cast for the linears that read it — wq_b and the indexer's —, q [B, T, H, D] before
-        RoPE)."""
-        qr = self.wq_b.cast(self.q_norm(self.wq_a(x, True)))
+        """(c^Q [B, T, q_lora] as the linears that read it — wq_b and the indexer's — share it (`Fp8Linear.share`),
+        q [B, T, H, D] before RoPE)."""
+        qr = self.wq_b.share(self.q_norm(self.wq_a(x, True)))
         return qr, self.wq_b(qr, True).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
 
     def window_latent(self, x: Tensor) -> Tensor:
@@ -135,9 +135,10 @@ class Attention(nn.Module):
         """This layer's rotated K=V latent [B, T, D] (before the FP8 cast); x is the FP8-cast input."""
         return self.rope.rotate(self.window_latent(x), positions)
 
-    def cast_input(self, x: Tensor) -> Tensor:
-        """One FP8 cast of the attention input for wq_a and wkv (both FP8 linears), plain if unquantised."""
-        return self.wq_a.cast(x)
+    def cast_input(self, x: Tensor) -> Tensor | Fp8Act:
+        """The attention input as wq_a and wkv (both FP8 linears) share it: one FP8 cast (`Fp8Linear.share`), plain
+        if unquantised."""
+        return self.wq_a.share(x)
 
     def entry_latents(self, latent: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE latents [B, G, D] of entries first.. → (rotated main KV, rotated indexer K), entry j at j·m."""

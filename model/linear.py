@@ -90,6 +90,8 @@ class Linear(nn.Module):
         """This layer's input cast (the FP8 QAT cast if quantised), to share between layers of one input."""
         return quantize_input(x) if self.quantized else x
 
+    share = cast  # what the linears of one input share: the cast (the packed form may leave it to each GEMM)
+
     def forward(self, x: Tensor, prequantized: bool = False) -> Tensor:
         """`prequantized`: x is already `cast`."""
         if not prequantized:
@@ -117,11 +119,22 @@ class Fp8Linear(nn.Module):
     def cast(self, x: Tensor) -> Fp8Act:
         return fp8_act(x)
 
+    def share(self, x: Tensor) -> Tensor | Fp8Act:
+        """What the FP8 linears reading x share: its cast, or x itself where each of their GEMMs casts its input in
+        its own launch (`kernels.casts_in_gemm`: small batches on a GPU), which saves the cast's launch."""
+        rows = x.numel() // x.shape[-1]
+        return x if kernels.casts_in_gemm(rows, kernels.backend_for(x)) else self.cast(x)
+
     def forward(self, x: Tensor | Fp8Act, prequantized: bool = False) -> Tensor:
-        act = x if isinstance(x, Fp8Act) else self.cast(x)
-        lead = act.data.shape[:-1]
-        data, scale = act.data.reshape(-1, self.in_features), act.scale.reshape(-1, act.scale.shape[-1])
-        y = kernels.fp8_linear(data, scale, self.weight, self.scale, act.dtype, backend=kernels.backend_for(data))
+        """x: floats (cast here: by the GEMM itself where it can) or an `Fp8Act` already cast (shared by layers)."""
+        backend = kernels.backend_for(x.data if isinstance(x, Fp8Act) else x)
+        if isinstance(x, Fp8Act):
+            lead = x.data.shape[:-1]
+            data, scale = x.data.reshape(-1, self.in_features), x.scale.reshape(-1, x.scale.shape[-1])
+            y = kernels.fp8_linear(data, scale, self.weight, self.scale, x.dtype, backend=backend)
+        else:
+            lead = x.shape[:-1]
+            y = kernels.fp8_linear_cast(x.reshape(-1, self.in_features), self.weight, self.scale, backend=backend)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -32,12 +32,14 @@ __all__ = [
     "backend_for",
     "batch_invariant",
     "candidate_mask",
+    "casts_in_gemm",
     "default_backend",
     "dequantize_index_fp4",
     "dequantize_kv_fp4",
     "dequantize_swa_fp8",
     "fake_quant_fp8",
     "fp8_linear",
+    "fp8_linear_cast",
     "hc_split_sinkhorn",
     "indexer_scores",
     "moe_down",
@@ -275,6 +277,15 @@ def _expect_fp8_rows(name: str, data: Tensor, rows: int | None = None) -> tuple[
     return data.shape[0], data.shape[1]
 
 
+def _expect_fp8_weight(w: Tensor, w_scale: Tensor, K: int) -> None:
+    """An FP8 weight of K inputs: E4M3 w [N ≥ 1, K] (or its bytes), UE8M0 w_scale per 32 × 32 block."""
+    _expect("w", w, (None, K), (torch.float8_e4m3fn, torch.uint8))
+    N = w.shape[0]
+    if N == 0:
+        raise ValueError("w: expected at least one output row, got 0")
+    _expect("w_scale", w_scale, (-(-N // fp8_gemm.BLOCK), K // fp8_gemm.BLOCK), (torch.uint8,))
+
+
 def fp8_linear(
     x_data: Tensor,
     x_scale: Tensor,
@@ -291,13 +302,29 @@ def fp8_linear(
     `tuning`: the Triton launch shape (None: `FP8GemmTuning()`)."""
     M, K = _expect_fp8_rows("x_data", x_data)
     _expect("x_scale", x_scale, (M, K // kv_quant.SWA_BLOCK), (torch.uint8,))
-    _expect("w", w, (None, K), (torch.float8_e4m3fn, torch.uint8))
-    N = w.shape[0]
-    if N == 0:
-        raise ValueError("w: expected at least one output row, got 0")
-    _expect("w_scale", w_scale, (-(-N // fp8_gemm.BLOCK), K // fp8_gemm.BLOCK), (torch.uint8,))
+    _expect_fp8_weight(w, w_scale, K)
     backend = _gemm_backend(out_dtype, backend)
     return _tuned(backend, fp8_gemm, "fp8_linear", tuning, x_data, x_scale, w, w_scale, out_dtype)
+
+
+def casts_in_gemm(rows: int, backend: Backend) -> bool:
+    """Whether `fp8_linear_cast` of `rows` tokens casts them inside the GEMM (Triton, chunked dots): then each of the
+    linears reading one input casts it itself, in the launch it takes anyway, rather than sharing a cast launch."""
+    return backend == "triton" and FP8GemmTuning().resolved(rows).dot != "bf16"
+
+
+def fp8_linear_cast(
+    x: Tensor, w: Tensor, w_scale: Tensor, backend: Backend = "torch", tuning: FP8GemmTuning | None = None
+) -> Tensor:
+    """y [M, N] = cast(x) Wᵀ in x's dtype: float activations x [M, K] under the FP8 activation cast
+    (`quantize_swa_fp8`, the same bytes), then `fp8_linear`. The Triton form casts inside the GEMM while its dots
+    are chunked (below 32 tokens: one launch, not two)."""
+    _expect("x", x, (None, None), _WIDE_FLOATS)
+    if x.shape[1] % kv_quant.SWA_BLOCK:
+        raise ValueError(f"x: inputs must be a multiple of {kv_quant.SWA_BLOCK}, got {x.shape[1]}")
+    _expect_fp8_weight(w, w_scale, x.shape[1])
+    backend = _gemm_backend(x.dtype, backend)
+    return _tuned(backend, fp8_gemm, "fp8_linear_cast", tuning, x, w, w_scale)
 
 
 def _expect_experts(

@@ -27,6 +27,11 @@ sync).
 
 Under batch invariance (model.kernels.invariance) the numerics depend on the weight's shape only: folded dots at every
 M, and the K splits of a single token tile.
+
+`fp8_linear_cast` takes the float activations instead and casts them as `quantize_swa_fp8` does (the same bytes):
+while the dots are chunked, inside the GEMM — each program casts the 32-input chunks of its BM token rows as it
+loads them (BM/BN of the weight's decode work, redone by each weight tile), one launch instead of two for every
+small-batch linear; with folded dots, whose token tiles are as wide as the weight's, by the cast kernel first.
 """
 
 from dataclasses import dataclass, replace
@@ -40,8 +45,10 @@ from torch import Tensor
 
 from model import quant
 from model.kernels.formats import (
+    abs_bits,
     check_tile_sides,
     e4m3_decode,
+    e4m3_encode,
     e4m3_scaled,
     fp8_tensor_cores,
     interpreting,
@@ -51,6 +58,7 @@ from model.kernels.formats import (
     ue8m0_decode,
 )
 from model.kernels.invariance import batch_invariant
+from model.kernels.kv_quant import FP8_UE8M0, block_scale, quantize_triton
 
 BLOCK = 32  # inputs per activation scale, and the weight's square scale block
 FOLDED_FROM = 32  # tokens from which the folded (bf16) dots are the default
@@ -112,6 +120,11 @@ def fp8_linear_torch(x_data: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor
     return F.linear(x, dequantize_fp8_weight(w, w_scale, compute)).to(out_dtype)
 
 
+def fp8_linear_cast_torch(x: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """The reference: the activation cast (`quant.fp8_quant`), then `fp8_linear_torch` in x's dtype."""
+    return fp8_linear_torch(*quant.fp8_quant(x, BLOCK), w, w_scale, x.dtype)
+
+
 @triton.jit
 def _chunk_scales(ptr, rows, ok, tile, PER_ROW: tl.constexpr, CHUNKS: tl.constexpr, WORDS: tl.constexpr):
     """UE8M0 scales of K tile `tile`'s CHUNKS chunks for `rows` (PER_ROW scale bytes each) → a tuple of CHUNKS fp32
@@ -139,16 +152,32 @@ def _codes(ptr, rows, ok, k, K: tl.constexpr, FP8_DOT: tl.constexpr):
 
 
 @triton.jit
+def _cast_chunk(ptr, rows, ok, k, K: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Float activations [rows, 32] of one K chunk, cast as `quantize_swa_fp8` casts them → (their E4M3 codes as
+    `_codes` gives them, their UE8M0 scales [rows] as fp32)."""
+    x = tl.load(ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    scale, _ = block_scale(tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True), FP8_UE8M0)
+    codes = e4m3_encode(x * (1.0 / scale[:, None]))  # 1/2^k is exact
+    return (codes.to(tl.float8e4nv, bitcast=True) if FP8_DOT else e4m3_decode(codes)), scale
+
+
+@triton.jit
 def _chunked_tile(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, m, m_ok, n, n_ok, tile, K: tl.constexpr, BK: tl.constexpr,
-                  FP8_DOT: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
-    """acc [BN, BM] plus K tile `tile`, one code dot per 32-input chunk, each rescaled by its two scale vectors."""
+                  FP8_DOT: tl.constexpr, WORDS: tl.constexpr, CAST_X: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] plus K tile `tile`, one code dot per 32-input chunk, each rescaled by its two scale vectors.
+    CAST_X: x_ptr holds float activations, cast chunk by chunk here (xs_ptr unused)."""
     CHUNKS: tl.constexpr = BK // 32
     w_scales = _chunk_scales(ws_ptr, n // 32, n_ok, tile, K // 32, CHUNKS, WORDS)
-    x_scales = _chunk_scales(xs_ptr, m, m_ok, tile, K // 32, CHUNKS, WORDS)
+    if not CAST_X:
+        x_scales = _chunk_scales(xs_ptr, m, m_ok, tile, K // 32, CHUNKS, WORDS)
     for c in tl.static_range(CHUNKS):
         k = tile * BK + c * 32 + tl.arange(0, 32)
-        dot = tl.dot(_codes(w_ptr, n, n_ok, k, K, FP8_DOT), tl.trans(_codes(x_ptr, m, m_ok, k, K, FP8_DOT)))
-        acc += dot * (w_scales[c][:, None] * x_scales[c][None, :])
+        if CAST_X:
+            x, x_scale = _cast_chunk(x_ptr, m, m_ok, k, K, FP8_DOT)
+        else:
+            x, x_scale = _codes(x_ptr, m, m_ok, k, K, FP8_DOT), x_scales[c]
+        dot = tl.dot(_codes(w_ptr, n, n_ok, k, K, FP8_DOT), tl.trans(x))
+        acc += dot * (w_scales[c][:, None] * x_scale[None, :])
     return acc
 
 
@@ -166,11 +195,11 @@ def _folded_operand(ptr, s_ptr, rows, scale_rows, ok, k0, K: tl.constexpr, BK: t
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, tiles_per_split,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    FOLDED: tl.constexpr, FP8_DOT: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr,
+    FOLDED: tl.constexpr, FP8_DOT: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, CAST_X: tl.constexpr,
 ):  # fmt: skip
     """One [BM, BN] output tile over K tiles tiles_per_split · split … of the program's split; out_ptr: y [M, N], or
     the split's fp32 partial sums [splits, M, N]. FOLDED: one dot of scaled operands per K tile (x and w bytes),
-    else chunked (FP8_DOT: x and w as float8e4nv)."""
+    else chunked (FP8_DOT: x and w as float8e4nv; CAST_X: x as floats, cast here)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     split = tl.program_id(2)
@@ -184,7 +213,9 @@ def _fp8_linear_kernel(
             x = _folded_operand(x_ptr, xs_ptr, m, m, m_ok, tile * BK, K, BK, WORDS, HW)
             acc = tl.dot(w, tl.trans(x), acc)
         else:
-            acc = _chunked_tile(acc, x_ptr, xs_ptr, w_ptr, ws_ptr, m, m_ok, n, n_ok, tile, K, BK, FP8_DOT, WORDS)
+            acc = _chunked_tile(
+                acc, x_ptr, xs_ptr, w_ptr, ws_ptr, m, m_ok, n, n_ok, tile, K, BK, FP8_DOT, WORDS, CAST_X
+            )
     out = out_ptr + split.to(tl.int64) * M * N + m[None, :] * N + n[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
@@ -220,15 +251,33 @@ def fp8_linear_triton(
     tuning: FP8GemmTuning = FP8GemmTuning(),
 ) -> Tensor:
     """The kernel (module docstring) at the launch shape `tuning`; K split into fp32 partials when the grid is small."""
-    M, K = x_data.shape
+    return _launch(x_data, x_scale, w, w_scale, out_dtype, tuning)
+
+
+def fp8_linear_cast_triton(x: Tensor, w: Tensor, w_scale: Tensor, tuning: FP8GemmTuning = FP8GemmTuning()) -> Tensor:
+    """`fp8_linear_cast`: float activations x [M, K], cast inside the GEMM while its dots are chunked, else by the
+    cast kernel first; y in x's dtype."""
+    if tuning.resolved(x.shape[0]).dot == "bf16":
+        return _launch(*quantize_triton(x, FP8_UE8M0.value), w, w_scale, x.dtype, tuning)
+    return _launch(x, None, w, w_scale, x.dtype, tuning)
+
+
+def _launch(
+    x: Tensor, x_scale: Tensor | None, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype, tuning: FP8GemmTuning
+) -> Tensor:
+    """Run the kernel on E4M3 activations x with their scales, or (x_scale None: chunked dots only) on float ones."""
+    M, K = x.shape
     N = w.shape[0]
     if M == 0:
-        return torch.empty((0, N), dtype=out_dtype, device=x_data.device)
+        return torch.empty((0, N), dtype=out_dtype, device=x.device)
     t = tuning.resolved(M)
     if t.dot not in ("fp8", "fp32", "bf16"):
         raise ValueError(f"tuning.dot: expected 'fp8', 'fp32' or 'bf16', got {t.dot!r}")
     if t.dot == "fp8" and interpreting():
         raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
+    cast = x_scale is None
+    if cast and t.dot == "bf16":
+        raise ValueError("tuning.dot: folded dots read cast activations (fp8_linear_cast casts them first)")
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 16), block_k=(t.block_k, BLOCK))
     m_tiles, n_tiles, k_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n), triton.cdiv(K, t.block_k)
     # under batch invariance, the K splits of one token tile whatever M
@@ -238,19 +287,25 @@ def fp8_linear_triton(
     splits = t.split_k or _split_k(programs, k_tiles, stages)
     tiles_per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, tiles_per_split)
-    out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x_data.device,
+    out = torch.empty((M, N) if splits == 1 else (splits, M, N), device=x.device,
                       dtype=out_dtype if splits == 1 else torch.float32)  # fmt: skip
-    x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
+    w_scale = w_scale.contiguous()
     per_row, per_tile = K // BLOCK, t.block_k // BLOCK
-    words = scale_words(x_scale, per_row, per_tile) and scale_words(w_scale, per_row, per_tile)
     operand = torch.float8_e4m3fn if t.dot == "fp8" else torch.uint8
+    if cast:
+        words = scale_words(w_scale, per_row, per_tile)
+        x, x_scale = x.contiguous(), w_scale  # the kernel casts x; no activation scales to read
+    else:
+        x_scale = x_scale.contiguous()
+        words = scale_words(x_scale, per_row, per_tile) and scale_words(w_scale, per_row, per_tile)
+        x = x.contiguous().view(operand)
     _fp8_linear_kernel[(m_tiles, n_tiles, splits)](
-        x_data.contiguous().view(operand), x_scale, w.contiguous().view(operand), w_scale, out, M, N, tiles_per_split,
+        x, x_scale, w.contiguous().view(operand), w_scale, out, M, N, tiles_per_split,
         K, t.block_m, t.block_n, t.block_k, t.num_stages, t.dot == "bf16", t.dot == "fp8", words, not interpreting(),
-        num_warps=t.num_warps,
+        cast, num_warps=t.num_warps,
     )  # fmt: skip
     if splits == 1:
         return out
-    y = torch.empty((M, N), dtype=out_dtype, device=x_data.device)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     _sum_splits_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](out, y, M * N, splits, _SUM_BLOCK, num_warps=4)
     return y

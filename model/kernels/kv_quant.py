@@ -67,7 +67,7 @@ def dequantize_swa_fp8_torch(data: Tensor, scale: Tensor, dtype: torch.dtype) ->
 
 
 @triton.jit
-def _block_scale(amax, FORMAT: tl.constexpr):
+def block_scale(amax, FORMAT: tl.constexpr):
     """Block amax → (scale as fp32, its stored byte) per format (model/quant.py)."""
     if FORMAT == FP4_E4M3:
         byte = e4m3_encode(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0))
@@ -103,7 +103,7 @@ def _quantize_kernel(
     ok = (rows[:, None] < M) & (cols[None, :] < D)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
-    scale, byte = _block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
+    scale, byte = block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
     if not FAKE:
         _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if FORMAT == FP8_UE8M0:
@@ -163,7 +163,7 @@ def _quantize_fp4_bf16_kernel(
     even = tl.reshape((w << 16).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
     odd = tl.reshape((w & -65536).to(tl.float32, bitcast=True), (BLOCK_M, NBP, WORDS))
     amax_bits = tl.max(tl.maximum(abs_bits(even), abs_bits(odd)), axis=2)
-    scale, byte = _block_scale(amax_bits.to(tl.float32, bitcast=True), FORMAT)
+    scale, byte = block_scale(amax_bits.to(tl.float32, bitcast=True), FORMAT)
     _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if tl.max(amax_bits) < 0x7F800000:  # a finite tile (every tile in practice)
         inverse = (tl.math.div_rn(1.0, scale) if FORMAT == FP4_E4M3 else 1.0 / scale)[:, :, None]  # UE8M0: exact

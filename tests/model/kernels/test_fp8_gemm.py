@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernel_cases import fp8_linear_case, generator, plain_fp8_operands
 
 from model import kernels
-from model.kernels.fp8_gemm import FP8GemmTuning, fp8_linear_triton
+from model.kernels.fp8_gemm import FP8GemmTuning, fp8_linear_cast_triton, fp8_linear_triton
 
 Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -70,6 +70,42 @@ def test_fp8_linear_weight_bytes_and_fp64() -> None:
     assert torch.equal(as_bytes, kernels.fp8_linear(x_data, x_scale, w, w_scale, torch.float32, backend="triton"))
     got = kernels.fp8_linear(x_data, x_scale, w, w_scale, torch.float64, backend="triton")
     assert torch.equal(got, F.linear(*plain_fp8_operands(x_data, x_scale, w, w_scale, torch.float64)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("M", "tuning"),
+    [(1, FP8GemmTuning()), (5, FP8GemmTuning(split_k=3, block_k=32)), (20, FP8GemmTuning(block_n=32)),
+     (17, FP8GemmTuning(block_m=16, block_k=256)), (40, FP8GemmTuning())],
+)  # fmt: skip
+def test_fp8_linear_cast_equals_the_cast_then_the_gemm(M: int, tuning: FP8GemmTuning, dtype: torch.dtype) -> None:
+    """Float activations cast inside the GEMM (chunked dots: M < 32, several token tiles, K splits, one and eight
+    chunks a tile) give the bits of the cast kernel's bytes through the GEMM; from 32 tokens the cast kernel runs
+    first. Activations span many binades, with rows of zeros and values in E4M3's subnormal range of their block."""
+    g = generator(M)
+    x = (torch.randn(M, 320, generator=g) * torch.exp2(torch.randint(-12, 12, (M, 320), generator=g))).to(dtype)
+    x[M // 2] = 0
+    x[0, :32] = torch.tensor([1.0] + [2.0**-14] * 31)
+    _, _, w, w_scale = fp8_linear_case(g, 0, 72, 320)
+    cast = kernels.quantize_swa_fp8(x, backend="triton")
+    want = fp8_linear_triton(*cast, w, w_scale, dtype, tuning)
+    got = fp8_linear_cast_triton(x, w, w_scale, tuning)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+    assert torch.equal(kernels.fp8_linear_cast(x, w, w_scale), kernels.fp8_linear(*cast, w, w_scale, dtype))
+
+
+@pytest.mark.parametrize(
+    ("name", "x", "w"),
+    [("x", torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(8, 64, dtype=torch.uint8)),
+     ("x", torch.zeros(4, 48), torch.zeros(8, 48, dtype=torch.uint8)),
+     ("w", torch.zeros(4, 64), torch.zeros(8, 32, dtype=torch.uint8))],
+)  # fmt: skip
+def test_fp8_linear_cast_names_a_bad_argument(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    w_scale = torch.zeros(1, max(1, w.shape[1] // 32), dtype=torch.uint8)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            kernels.fp8_linear_cast(x, w, w_scale, backend=backend)
 
 
 def bad(case: Case, **change: object) -> dict[str, object]:

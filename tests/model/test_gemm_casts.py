@@ -1,0 +1,56 @@
+"""The packed model on the GPU's path (every kernel op on Triton, run by its interpreter here): where a small batch's
+FP8 linears cast their float inputs inside their GEMMs (`kernels.casts_in_gemm`), a decode step launches fewer cast
+kernels and gives the logits, bit for bit, of the same step with every cast its own launch."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import triton.runtime.interpreter as interpreter
+
+from model import DecodeBatch, ModelArgs, build_model, encode_prefill, kernels
+from model.kernels import fp8_gemm
+from model.kernels.kv_quant import FP8_UE8M0, quantize_triton
+
+
+def step(args: ModelArgs, prompts: list[list[int]]) -> tuple[torch.Tensor, Counter[str]]:
+    """Logits of one decode step after `prompts` (prefilled on the torch path), the step on Triton, and the kernels it
+    launched by name."""
+    model = build_model(args, seed=0, dtype=torch.float32)
+    batch = DecodeBatch(model, graphs=False)
+    for prompt in prompts:
+        out = encode_prefill(model, prompt)
+        batch.join(out.blocks, out.encoder_state)
+    launched, run = Counter[str](), interpreter.GridExecutor.__call__
+
+    def count(executor, *a, **k):
+        launched[executor.fn.__name__] += 1
+        return run(executor, *a, **k)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "backend_for", lambda _t: "triton")
+        patch.setattr(interpreter.GridExecutor, "__call__", count)
+        logits = batch.decode_step([5] * len(prompts))
+    return logits, launched
+
+
+def cast_apart(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """`fp8_linear_cast` as a cast launch, then the GEMM."""
+    return fp8_gemm.fp8_linear_triton(*quantize_triton(x, FP8_UE8M0.value), w, w_scale, x.dtype)
+
+
+def test_small_batches_cast_inside_their_gemms_with_the_same_logits(
+    tiny_args: ModelArgs, monkeypatch: pytest.MonkeyPatch, tokens
+) -> None:
+    prompts = [tokens(9).tolist(), tokens(12).tolist()]
+    fused, fused_launches = step(tiny_args, prompts)
+    monkeypatch.setattr(kernels, "casts_in_gemm", lambda rows, backend: False)
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_cast_triton", cast_apart)
+    apart, apart_launches = step(tiny_args, prompts)
+    assert torch.equal(fused, apart)
+    layers = tiny_args.num_hidden_layers
+    # per layer at least: the attention input's cast (wq_a, wkv), c^Q's (wq_b), wo_b's and the shared w2's inputs
+    assert apart_launches["_quantize_kernel"] - fused_launches["_quantize_kernel"] >= 4 * layers
+    assert fused_launches["_fp8_linear_kernel"] == apart_launches["_fp8_linear_kernel"]
