@@ -1,6 +1,6 @@
 """Suite-wide set-up. Triton reads TRITON_INTERPRET when a kernel is first decorated, so without a GPU the
 interpreter must be switched on before any test module imports triton (directly or through model.kernels); gRPC
-reads GRPC_ENABLE_FORK_SUPPORT when first imported. The demo checkpoint's mesh is shared by the tests that need it."""
+reads GRPC_ENABLE_FORK_SUPPORT when first imported, numpy its BLAS threads. The demo checkpoint's mesh is shared by the tests that need it."""
 
 import os
 import shutil
@@ -12,6 +12,9 @@ import pytest
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before any test imports grpc: see mesh/__init__.py
+# The interpreter's dots are numpy matmuls: on one BLAS thread a row's result does not depend on the rows beside it
+# (as on the GPU's tensor cores), which the batch-invariance tests rely on; read when numpy first loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from mesh.processes import Mesh, MeshSpec
 
