@@ -32,10 +32,11 @@ for part in "$@"; do
     step-64x1m) timeout "$limit" $STEP --batches 64 --contexts 1048576 --no-dense --out "$OUT/step_64x1m.json" ;;
     moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
            --parts "$OUT/kernels/parts" ;;
+    fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
-    *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe decode engram)" ;;
+    *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 decode engram)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"
