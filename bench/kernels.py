@@ -173,16 +173,15 @@ class MoEInputs:
     x_scale: torch.Tensor
     ids: torch.Tensor
     order: torch.Tensor
-    pair_rows: torch.Tensor
     offsets: torch.Tensor
-    pair_weight: torch.Tensor
+    weights: torch.Tensor
     w13: torch.Tensor
     s13: torch.Tensor
     w2: torch.Tensor
     s2: torch.Tensor
 
     def gate_up(self, backend: str, dtype: torch.dtype = torch.bfloat16, **tuning: object) -> torch.Tensor:
-        args = (self.x_data, self.x_scale, self.pair_rows, self.offsets, self.pair_weight, self.w13, self.s13)
+        args = (self.x_data, self.x_scale, self.order, self.offsets, self.weights, self.w13, self.s13)
         return kernels.moe_gate_up(*args, SWIGLU_LIMIT, dtype, backend=backend,
                                    tuning=kernels.MoEGemmTuning(**tuning) if tuning else None)  # fmt: skip
 
@@ -213,9 +212,8 @@ def moe_inputs(weights: tuple[torch.Tensor, ...], N: int, top: int) -> MoEInputs
     E, C = weights[0].shape[0], weights[0].shape[2] * 2
     x_data, x_scale = kernels.quantize_swa_fp8(randn(N, C), backend="triton")
     ids = torch.rand(N, E, device=DEVICE).argsort(dim=-1)[:, :top]
-    order, pair_rows, offsets = kernels.moe_pairs(ids, E)
-    pair_weight = torch.rand(N * top, device=DEVICE)
-    return MoEInputs(x_data, x_scale, ids, order, pair_rows, offsets, pair_weight, *weights)
+    order, offsets = kernels.moe_pairs(ids, E)
+    return MoEInputs(x_data, x_scale, ids, order, offsets, torch.rand(N, top, device=DEVICE), *weights)
 
 
 # ----------------------------------------------------------------------------------------------- peers
@@ -720,7 +718,8 @@ def bench_moe_gemm(tiny: bool) -> Iterator[Row]:
         for N in [1, 4] if tiny else [1, 64, 256]:
             m = moe_inputs(weights, N, 6)
             h = kernels.quantize_swa_fp8(m.gate_up("triton"), backend="triton")
-            x_bf16 = kernels.dequantize_swa_fp8(m.x_data, m.x_scale, torch.bfloat16, backend="triton")[m.pair_rows]
+            x_bf16 = kernels.dequantize_swa_fp8(m.x_data, m.x_scale, torch.bfloat16, backend="triton")
+            x_bf16 = x_bf16[m.order // m.ids.shape[1]]  # each sorted pair's token
             h_bf16 = kernels.dequantize_swa_fp8(*h, torch.bfloat16, backend="triton")
             up_peer, down_peer = grouped_bf16(x_bf16, w13_bf16, m.offsets), grouped_bf16(h_bf16, w2_bf16, m.offsets)
             w13_bytes, w2_bytes = m.weight_bytes()

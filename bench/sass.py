@@ -296,13 +296,14 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
     ]
 
 
-def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None) -> list[Report]:
+def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None, cast: bool = False) -> list[Report]:
     """The FP8 linear's default launch for `tokens` tokens × a [rows, inputs] weight on an sm_90 GPU (`dot`: another
-    way than the default's), scales read as words where whole (K a multiple of 128)."""
+    way than the default's), scales read as words where whole (K a multiple of 128); `cast`: bf16 activations, cast
+    inside the GEMM (`fp8_linear_cast`, chunked dots only)."""
     t = fp8_gemm.FP8GemmTuning(dot=dot or ("bf16" if tokens >= fp8_gemm.FOLDED_FROM else "fp8")).resolved(tokens)
     operand = "*fp8e4nv" if t.dot == "fp8" else "*u8"
     signature = {
-        "x_ptr": operand,
+        "x_ptr": "*bf16" if cast else operand,
         "xs_ptr": "*u8",
         "w_ptr": operand,
         "ws_ptr": "*u8",
@@ -321,8 +322,9 @@ def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None
         "FP8_DOT": t.dot == "fp8",
         "WORDS": inputs % 128 == 0 and t.block_k % 128 == 0,
         "HW": True,
+        "CAST_X": cast,
     }
-    name = f"fp8 linear {t.dot} dots, {t.block_m} tokens × {t.block_n} rows × {t.block_k}"
+    name = f"fp8 linear {t.dot} dots, {t.block_m} tokens × {t.block_n} rows × {t.block_k}{', cast inside' * cast}"
     return [compile_sm90(name, fp8_gemm._fp8_linear_kernel, signature, constexprs, t.num_warps, None, ("N",))]
 
 
@@ -337,7 +339,7 @@ def moe_gemm_reports(
     signature = {
         "x_ptr": "*u8" if chunked else "*bf16",
         "xs_ptr": "*u8",
-        "rows_ptr": "*i32",
+        "order_ptr": "*i64",
         "offsets_ptr": "*i32",
         "pw_ptr": "*fp32",
         "w_ptr": "*u8",
@@ -364,7 +366,7 @@ def moe_gemm_reports(
             "PTX": True,
             "CHUNKED": chunked,
             "FP8_DOT": dot == "fp8",
-            "GATHER": gated,
+            "SLOTS": top if gated and chunked else 0,
             "X_WORDS": inputs % 128 == 0 and t.block_k % 128 == 0,
         }
         name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block}, {dot} dots)"
@@ -393,6 +395,7 @@ def main() -> None:
     parser.add_argument(
         "--dot", choices=["fp8", "fp32", "bf16"], help="fp8-gemm: the dots (default: by tokens); moe-gemm: (bf16)"
     )
+    parser.add_argument("--cast", action="store_true", help="fp8-gemm: bf16 activations cast inside the GEMM")
     parser.add_argument("--experts", type=int, default=48, help="moe-gemm: experts")
     parser.add_argument("--block", type=int, default=32, choices=[16, 32], help="moe-gemm: inputs per weight scale")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
@@ -404,7 +407,7 @@ def main() -> None:
     elif args.kernel == "topk":
         reports = topk_reports(args.rows, args.length, args.k)
     elif args.kernel == "fp8-gemm":
-        reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs, args.dot)
+        reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs, args.dot, args.cast)
     else:
         reports = moe_gemm_reports(args.tokens, args.experts, args.block, args.dot or "bf16")
     for report in reports:

@@ -147,14 +147,14 @@ def _exchange(
     """Header → dispatch → compute → return for this rank's tokens: [n, k, C] in (token, slot) order. `received`:
     the pairs each rank sends, when this rank took the round's header already (it idles)."""
     held, group = n_experts // parallel.world_size, parallel.group
-    order, rows, offsets = kernels.moe_pairs(ids, n_experts)
+    order, offsets = kernels.moe_pairs(ids, n_experts)
     sent = (offsets[held::held] - offsets[:-1:held]).long()  # pairs for each rank (experts are contiguous per rank)
     if received is None:  # the split sizes both ways: the host waits once per layer
         received, layers, sent_sizes = _header(sent, layer, parallel)
         _running(layers)
     else:
         sent_sizes = sent.tolist()
-    columns = [*_fields(xq, rows.long()), weights.flatten()[order], ids.flatten()[order] % held]
+    columns = [*_fields(xq, order // ids.shape[1]), weights.flatten()[order], ids.flatten()[order] % held]
     payload = _pack(columns)
     arrived = payload.new_empty(sum(received), payload.shape[1])
     dist.all_to_all_single(arrived, payload, received, sent_sizes, group=group)

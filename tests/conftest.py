@@ -1,6 +1,7 @@
 """Suite-wide set-up. Triton reads TRITON_INTERPRET when a kernel is first decorated, so without a GPU the
 interpreter must be switched on before any test module imports triton (directly or through model.kernels); gRPC
-reads GRPC_ENABLE_FORK_SUPPORT when first imported, numpy its BLAS threads. The demo checkpoint's mesh is shared by the tests that need it."""
+reads GRPC_ENABLE_FORK_SUPPORT when first imported, numpy its BLAS threads. The demo checkpoint's mesh is shared by
+the tests that need it."""
 
 import os
 import shutil

@@ -349,10 +349,11 @@ def _expect_offsets(offsets: Tensor, experts: int) -> None:
     _expect("offsets", offsets, (experts + 1,), _INTS)
 
 
-def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """Expert ids [N, k] (each in 0 … n_experts − 1, unchecked: that would sync) → the (token, slot) pairs sorted by
-    expert, on the device without a host sync: order int64 [N·k] (flat pair indices, stable), pair_rows int32 [N·k]
-    (order // k), offsets int32 [n_experts + 1] (expert e's pairs: sorted positions offsets[e] … offsets[e+1] − 1)."""
+    expert, on the device without a host sync: order int64 [N·k] (flat pair indices t·k + s, stable; a sorted
+    pair's token is order // k), offsets int32 [n_experts + 1] (expert e's pairs: sorted positions offsets[e] …
+    offsets[e+1] − 1)."""
     _expect("ids", ids, (None, None), _INTS)
     if ids.shape[1] < 1 or n_experts < 1:
         raise ValueError(f"ids: need k ≥ 1 slots and n_experts ≥ 1, got k={ids.shape[1]}, n_experts={n_experts}")
@@ -362,9 +363,9 @@ def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 def moe_gate_up(
     x_data: Tensor,
     x_scale: Tensor,
-    pair_rows: Tensor,
+    order: Tensor,
     offsets: Tensor,
-    pair_weight: Tensor,
+    weights: Tensor,
     w13: Tensor,
     s13: Tensor,
     limit: float,
@@ -373,20 +374,21 @@ def moe_gate_up(
     tuning: MoEGemmTuning | None = None,
 ) -> Tensor:
     """Routed experts' first projection, SwiGLU fused, over the (token, slot) pairs sorted by expert (`moe_pairs`):
-    h [P, I] = silu(min(g, limit)) · clamp(u, ±limit) · pair_weight, g | u = x[pair_rows] · W1ᵀ | W3ᵀ of the pair's
-    expert. x: FP8 bytes x_data [N, C] with UE8M0 per 32 x_scale [N, C/32]; pair_rows [P] (activation row of each
-    sorted pair), offsets [E + 1] (expert e's pairs: offsets[e] … offsets[e+1] − 1), pair_weight [P] (routing
-    weights); w13: packed E2M1 [E, 2I, C/2] (rows 0 … I − 1 = W1, I … 2I − 1 = W3) with UE8M0 s13 [E, 2I, C/16] or
-    [E, 2I, C/32] (the block told by the shape). Nothing is checked that would need the device's values (a sync).
-    `tuning`: the Triton launch shape (None: `MoEGemmTuning()`)."""
+    h [P, I] = silu(min(g, limit)) · clamp(u, ±limit) · weights.flatten()[order[p]], g | u = x[order[p] // k] · W1ᵀ |
+    W3ᵀ of sorted pair p's expert. x: FP8 bytes x_data [N, C] with UE8M0 per 32 x_scale [N, C/32]; order [P] (the
+    sorted pairs' flat (token, slot) indices), offsets [E + 1] (expert e's pairs: offsets[e] … offsets[e+1] − 1),
+    weights [N, k] (the routing weights by token and slot, applied in fp32); w13: packed E2M1 [E, 2I, C/2] (rows
+    0 … I − 1 = W1, I … 2I − 1 = W3) with UE8M0 s13 [E, 2I, C/16] or [E, 2I, C/32] (the block told by the shape).
+    Nothing is checked that would need the device's values (a sync). `tuning`: the Triton launch shape (None:
+    `MoEGemmTuning()`)."""
     N, C = _expect_fp8_rows("x_data", x_data)
     _expect("x_scale", x_scale, (N, C // kv_quant.SWA_BLOCK), (torch.uint8,))
-    _expect("pair_rows", pair_rows, (None,), _INTS)
-    _expect("pair_weight", pair_weight, pair_rows.shape, _FLOATS)
+    _expect("order", order, (None,), (torch.int64,))
+    _expect("weights", weights, (N, None), _WIDE_FLOATS)
     E, _ = _expect_experts("w13", w13, "s13", s13, C, stacked=True)
     _expect_offsets(offsets, E)
     backend = _gemm_backend(out_dtype, backend)
-    args = (x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype)
+    args = (x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype)
     return _tuned(backend, moe_gemm, "moe_gate_up", tuning, *args)
 
 

@@ -92,17 +92,15 @@ class MoEGemmTuning:
         return replace(self, block_m=block_m, num_warps=warps, ptx=not interpreting() if self.ptx is None else self.ptx)
 
 
-def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """Expert ids [N, k] → the (token, slot) pairs sorted by expert, on the device and without a host sync:
-    - order int64 [N·k]: flat pair indices t·k + s, stably sorted by expert (tokens ascending within an expert);
-    - pair_rows int32 [N·k]: order // k, each sorted pair's activation row;
+    - order int64 [N·k]: flat pair indices t·k + s, stably sorted by expert (tokens ascending within an expert); the
+      GEMMs read each sorted pair's activation row order // k and routing weight weights.flatten()[order] themselves;
     - offsets int32 [E + 1]: expert e's pairs are sorted positions offsets[e] … offsets[e+1] − 1, found in the
       sorted ids by a binary search per expert (torch.bincount syncs on CUDA to size its output).
-    Four launches: the sort, the search, the row division and its cast. Ids must lie in 0 … E − 1 (unchecked: a check
-    would sync)."""
+    Two launches: the sort and the search. Ids must lie in 0 … E − 1 (unchecked: a check would sync)."""
     expert, order = torch.sort(ids.flatten(), stable=True)
-    offsets = torch.searchsorted(expert, _expert_ids(n_experts + 1, ids.device), out_int32=True)
-    return order, torch.div(order, ids.shape[1], rounding_mode="floor").to(torch.int32), offsets
+    return order, torch.searchsorted(expert, _expert_ids(n_experts + 1, ids.device), out_int32=True)
 
 
 @functools.cache
@@ -136,9 +134,9 @@ def _expert_products(x: Tensor, offsets: Tensor, w: Tensor, s: Tensor) -> Tensor
 def moe_gate_up_torch(
     x_data: Tensor,
     x_scale: Tensor,
-    pair_rows: Tensor,
+    order: Tensor,
     offsets: Tensor,
-    pair_weight: Tensor,
+    weights: Tensor,
     w13: Tensor,
     s13: Tensor,
     limit: float,
@@ -146,10 +144,10 @@ def moe_gate_up_torch(
 ) -> Tensor:
     """The reference: FP8 rows and FP4 experts dequantised in promote(out_dtype, fp32), F.linear per expert."""
     compute = torch.promote_types(out_dtype, torch.float32)
-    x = quant.fp8_dequant(x_data, x_scale, X_BLOCK, compute)[pair_rows.long()]
+    x = quant.fp8_dequant(x_data, x_scale, X_BLOCK, compute)[order // weights.shape[1]]
     gate, up = _expert_products(x, offsets, w13, s13).chunk(2, dim=-1)
     h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-    return (h * pair_weight.to(compute)[:, None]).to(out_dtype)
+    return (h * weights.flatten()[order].float().to(compute)[:, None]).to(out_dtype)  # fp32 weights, as the kernel
 
 
 def moe_down_torch(
@@ -164,14 +162,24 @@ def moe_down_torch(
 
 
 @triton.jit
-def _decode_rows_kernel(x_ptr, xs_ptr, rows_ptr, out_ptr, P, K: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
-                        GATHER: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """FP8 rows (rows_ptr[p] if GATHER, else p) → out [P, K] bf16 with their scales folded in (exact), the inputs in
-    the order [even | odd] (out[p, i] = x[2i], out[p, K/2 + i] = x[2i + 1]): the packed weights' nibble order."""
+def _pair_rows(order_ptr, p, ok, SLOTS: tl.constexpr):
+    """The activation row (int64) of each sorted pair p: order[p] // SLOTS (its token), or p itself when SLOTS is 0
+    (the rows are the pairs already)."""
+    if SLOTS:
+        return tl.load(order_ptr + p, mask=ok, other=0) // SLOTS
+    return p.to(tl.int64)
+
+
+@triton.jit
+def _decode_rows_kernel(x_ptr, xs_ptr, order_ptr, out_ptr, P, K: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+                        SLOTS: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """FP8 rows (order_ptr[p] // SLOTS if SLOTS, else p) → out [P, K] bf16 with their scales folded in (exact), the
+    inputs in the order [even | odd] (out[p, i] = x[2i], out[p, K/2 + i] = x[2i + 1]): the packed weights' nibble
+    order."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)
     k0 = tl.program_id(1) * BK
     p_ok = p < P
-    rows = (tl.load(rows_ptr + p, mask=p_ok, other=0) if GATHER else p).to(tl.int64)
+    rows = _pair_rows(order_ptr, p, p_ok, SLOTS)
     k = k0 + tl.arange(0, BK)
     bits = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=p_ok[:, None] & (k < K)[None, :], other=0)
     scale = ue8m0_block_scales(xs_ptr, rows, p_ok, k0 // _X_BLOCK, K // _X_BLOCK, BK // _X_BLOCK, WORDS)
@@ -268,15 +276,16 @@ def _chunked_projection(
 
 @triton.jit
 def _moe_kernel(
-    x_ptr, xs_ptr, rows_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit, n_experts,
+    x_ptr, xs_ptr, order_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit, n_experts,
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     GATED: tl.constexpr, COMPACT: tl.constexpr, E_BLOCK: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
-    PTX: tl.constexpr, CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, GATHER: tl.constexpr, X_WORDS: tl.constexpr,
+    PTX: tl.constexpr, CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, SLOTS: tl.constexpr, X_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Output columns n of expert e's pairs. x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`), or
     with CHUNKED the FP8 activations themselves (E4M3 bytes, UE8M0 scales xs per 32 inputs; pair p's row
-    rows_ptr[p] if GATHER, else p). GATED (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's 2·n_out,
-    SwiGLU and the routing weight on the way out; otherwise (down) the weight has n_out rows per expert. The program's
+    order_ptr[p] // SLOTS if SLOTS, else p). GATED (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's
+    2·n_out, SwiGLU and the routing weight pw_ptr[order_ptr[p]] on the way out; otherwise (down) the weight has n_out
+    rows per expert. The program's
     expert is program_id(1), or with COMPACT (one column per pair) that of sorted pair j = program_id(1) — the number
     of experts whose pairs all precede j, counted over the E_BLOCK ≥ n_experts offsets —, worked only if j is its
     first pair."""
@@ -300,7 +309,7 @@ def _moe_kernel(
         acc = tl.zeros((BN, BM), dtype=tl.float32)  # outputᵀ: the weight rows are the dot's M side
         acc_up = tl.zeros((BN, BM), dtype=tl.float32)
         if CHUNKED:
-            x_rows = (tl.load(rows_ptr + p, mask=p_ok, other=0) if GATHER else p).to(tl.int64)
+            x_rows = _pair_rows(order_ptr, p, p_ok, SLOTS)
             for tile in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
                 acc = _chunked_projection(acc, w_ptr, ws_ptr, w_rows, n_ok, x_ptr, xs_ptr, x_rows, p_ok, tile, K, BK,
                                           W_WORDS, X_WORDS, FP8_DOT, PTX)  # fmt: skip
@@ -318,7 +327,7 @@ def _moe_kernel(
         if GATED:
             gate = tl.minimum(acc, limit)
             up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            weight = tl.load(pw_ptr + p, mask=p_ok, other=0.0)
+            weight = tl.load(pw_ptr + tl.load(order_ptr + p, mask=p_ok, other=0), mask=p_ok, other=0.0)
             acc = gate * tl.sigmoid(gate) * up * weight[None, :]
         out = out_ptr + p[None, :].to(tl.int64) * n_out + n[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[None, :] & n_ok[:, None])
@@ -332,20 +341,20 @@ def _block_m(pairs: int, experts: int) -> int:
     return min(max(16, triton.next_power_of_2(triton.cdiv(pairs, max(experts, 1)))), 64)
 
 
-def decoded_rows(x_data: Tensor, x_scale: Tensor, pair_rows: Tensor | None) -> Tensor:
-    """FP8 rows x_data[pair_rows] (all of them when None) → bf16 [P, K] with their scales folded in, exactly, the
-    inputs in the order [even | odd] (`_decode_rows_kernel`): the grouped GEMMs' activation operand, decoded once
-    instead of in every program's K loop. One launch, no sync."""
+def decoded_rows(x_data: Tensor, x_scale: Tensor, order: Tensor | None, slots: int = 0) -> Tensor:
+    """FP8 rows x_data[order // slots] (all of them when order is None) → bf16 [P, K] with their scales folded in,
+    exactly, the inputs in the order [even | odd] (`_decode_rows_kernel`): the grouped GEMMs' activation operand,
+    decoded once instead of in every program's K loop. One launch, no sync."""
     K = x_data.shape[1]
-    P = x_data.shape[0] if pair_rows is None else pair_rows.shape[0]
+    P = x_data.shape[0] if order is None else order.shape[0]
     out = torch.empty((P, K), dtype=torch.bfloat16, device=x_data.device)
     if P == 0:
         return out
     x_scale = x_scale.contiguous()
     bk = min(DECODE_BLOCK_K, triton.next_power_of_2(K))
-    rows = x_data if pair_rows is None else pair_rows.contiguous()  # (unread without a gather)
+    rows = x_data if order is None else order.contiguous()  # (unread without a gather)
     _decode_rows_kernel[(triton.cdiv(P, DECODE_BLOCK_P), triton.cdiv(K, bk))](
-        x_data.contiguous(), x_scale, rows, out, P, K, DECODE_BLOCK_P, bk, pair_rows is not None,
+        x_data.contiguous(), x_scale, rows, out, P, K, DECODE_BLOCK_P, bk, 0 if order is None else slots,
         scale_words(x_scale, K // X_BLOCK, bk // X_BLOCK), not interpreting(), num_warps=4,
     )  # fmt: skip
     return out
@@ -354,21 +363,22 @@ def decoded_rows(x_data: Tensor, x_scale: Tensor, pair_rows: Tensor | None) -> T
 def _grouped(
     x_data: Tensor,
     x_scale: Tensor,
-    pair_rows: Tensor | None,
+    order: Tensor | None,
     offsets: Tensor,
-    pair_weight: Tensor | None,
+    weights: Tensor | None,
     w: Tensor,
     s: Tensor,
     limit: float,
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning,
 ) -> Tensor:
-    """One launch of `_moe_kernel` for both projections (gate_up when pair_weight is given) over the pairs' FP8
-    activations (rows pair_rows of x_data, or all of them): decoded first (`decoded_rows`), or read as codes by the
-    chunked dots."""
-    gated = pair_weight is not None
+    """One launch of `_moe_kernel` for both projections (gate_up when the routing weights [N, k] are given: each
+    sorted pair's row order // k of x_data and weight weights.flatten()[order]; down: the rows are the pairs) over
+    the pairs' FP8 activations: decoded first (`decoded_rows`), or read as codes by the chunked dots."""
+    gated = weights is not None
+    slots = weights.shape[1] if weights is not None else 0
     E, rows, K = w.shape[0], w.shape[1], 2 * w.shape[2]
-    P = x_data.shape[0] if pair_rows is None else pair_rows.shape[0]
+    P = x_data.shape[0] if order is None else order.shape[0]
     n_out = rows // 2 if gated else rows
     out = torch.empty((P, n_out), dtype=out_dtype, device=x_data.device)
     if P == 0 or n_out == 0:
@@ -384,16 +394,16 @@ def _grouped(
     if t.dot == "fp8" and interpreting():
         raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
     s, x_scale = s.contiguous(), x_scale.contiguous()
-    x = x_data.contiguous() if chunked else decoded_rows(x_data, x_scale, pair_rows)
-    rows_arg = offsets if pair_rows is None else pair_rows.contiguous()  # (unread without a gather)
+    x = x_data.contiguous() if chunked else decoded_rows(x_data, x_scale, order, slots)
+    order_arg = offsets if order is None else order.contiguous()  # (unread without a gather)
     block_n = t.block_n // 2 if gated else t.block_n  # output columns
-    weight_arg = pair_weight.float().contiguous() if gated else offsets  # (unread when not gated)
+    weight_arg = weights.float().contiguous() if gated else offsets  # (unread when not gated)
     compact = P < E  # one program column per pair: at 1 token, 6 over 384 experts instead of 384 (nearly all empty)
     _moe_kernel[(triton.cdiv(n_out, block_n), P if compact else E)](
-        x, x_scale, rows_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out, n_out, float(limit), E, K, sb,
+        x, x_scale, order_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out, n_out, float(limit), E, K, sb,
         t.block_m, block_n, t.block_k, t.num_stages, gated, compact, triton.next_power_of_2(E),
         scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked, t.dot == "fp8",
-        pair_rows is not None, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
+        slots if chunked else 0, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
         num_warps=t.num_warps,
     )  # fmt: skip
     return out
@@ -402,16 +412,16 @@ def _grouped(
 def moe_gate_up_triton(
     x_data: Tensor,
     x_scale: Tensor,
-    pair_rows: Tensor,
+    order: Tensor,
     offsets: Tensor,
-    pair_weight: Tensor,
+    weights: Tensor,
     w13: Tensor,
     s13: Tensor,
     limit: float,
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, limit, out_dtype, tuning)
+    return _grouped(x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype, tuning)
 
 
 def moe_down_triton(

@@ -17,33 +17,32 @@ LIMIT = 0.15  # the SwiGLU clamps: below the gate and up magnitudes of these wei
 
 
 def python_pairs(ids: torch.Tensor, n_experts: int) -> tuple[list[int], list[int], list[int]]:
-    """The definition: pairs t·k + s ordered by (expert, t·k + s); the activation row t; the count prefix sums."""
+    """The definition: pairs t·k + s ordered by (expert, t·k + s); the count prefix sums."""
     flat = ids.flatten().tolist()
     order = sorted(range(len(flat)), key=lambda i: (flat[i], i))
     counts = [flat.count(e) for e in range(n_experts)]
-    return order, [i // ids.shape[1] for i in order], [0, *itertools.accumulate(counts)]
+    return order, [0, *itertools.accumulate(counts)]
 
 
 @pytest.mark.parametrize(("N", "k", "E"), [(7, 3, 5), (1, 1, 1), (4, 2, 16), (0, 2, 3)])
 def test_moe_pairs_match_the_definition(N: int, k: int, E: int) -> None:
     """Repeated experts in a token and experts without pairs included."""
     ids = torch.randint(0, E, (N, k), generator=generator(N * k + E))
-    order, rows, offsets = kernels.moe_pairs(ids, E)
-    assert (order.dtype, rows.dtype, offsets.dtype) == (torch.int64, torch.int32, torch.int32)
-    want = python_pairs(ids, E)
-    assert (order.tolist(), rows.tolist(), offsets.tolist()) == want
+    order, offsets = kernels.moe_pairs(ids, E)
+    assert (order.dtype, offsets.dtype) == (torch.int64, torch.int32)
+    assert (order.tolist(), offsets.tolist()) == python_pairs(ids, E)
 
 
-@pytest.mark.parametrize(("N", "K", "gather"), [(5, 96, True), (3, 1024, True), (20, 64, False), (0, 32, False)])
-def test_decoded_rows_are_the_dequantised_rows_evens_then_odds(N: int, K: int, gather: bool) -> None:
+@pytest.mark.parametrize(("N", "K", "slots"), [(5, 96, 3), (3, 1024, 1), (20, 64, 0), (0, 32, 0)])
+def test_decoded_rows_are_the_dequantised_rows_evens_then_odds(N: int, K: int, slots: int) -> None:
     """The grouped GEMMs' activation operand: bf16 rows, bit-equal to the dequantised FP8 rows (exact in bf16), the
-    even inputs then the odd ones — gathered by pair_rows or taken in order; a K tail (96 of a 128-wide tile), K
-    over two tiles with its scales as 32-bit words, no rows."""
+    even inputs then the odd ones — each pair's token's row (order // slots) or the rows in order; a K tail (96 of a
+    128-wide tile), K over two tiles with its scales as 32-bit words, no rows."""
     x_data, x_scale = quant.fp8_quant(torch.randn(N, K, generator=generator(N + K)) * 100)
-    rows = torch.randint(0, max(N, 1), (2 * N,), generator=generator(K), dtype=torch.int32) if gather else None
-    got = decoded_rows(x_data, x_scale, rows)
+    order = torch.randperm(max(N, 1) * slots, generator=generator(K))[: 2 * N] if slots else None
+    got = decoded_rows(x_data, x_scale, order, slots)
     want = quant.fp8_dequant(x_data, x_scale, dtype=torch.bfloat16)
-    want = want if rows is None else want[rows.long()]
+    want = want if order is None else want[order // slots]
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.view(torch.int16), torch.cat([want[:, 0::2], want[:, 1::2]], 1).view(torch.int16))
 
@@ -100,13 +99,12 @@ def test_moe_gemms_match_the_dequantised_math(
 ) -> None:
     case = moe_case(generator(N + E + C), N, k, E, C, I, block, ids)
     x_data, x_scale, ids, weights, w13, s13, w2, s2 = case
-    order, pair_rows, offsets = kernels.moe_pairs(ids, E)
-    pair_weight = weights.flatten()[order]
-    h = kernels.moe_gate_up(x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, LIMIT, dtype)
+    order, offsets = kernels.moe_pairs(ids, E)
+    h = kernels.moe_gate_up(x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, dtype)
     plain_h, plain_out = plain_moe(case, order, h)
     assert_close_to_plain(h, plain_h, dtype)
     got = kernels.moe_gate_up(
-        x_data, x_scale, pair_rows, offsets, pair_weight, w13, s13, LIMIT, dtype, backend="triton", tuning=tuning
+        x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, dtype, backend="triton", tuning=tuning
     )
     assert_close_to_plain(got, plain_h, dtype)
     h_data, h_scale = quant.fp8_quant(h)
@@ -119,8 +117,8 @@ def test_moe_gemms_in_fp64_are_the_reference() -> None:
     """An fp64 output (an fp64 model) takes the reference, which computes in fp64, on either backend."""
     case = moe_case(generator(2), 3, 2, 4, 64, 32, 32)
     x_data, x_scale, ids, weights, w13, s13, w2, s2 = case
-    order, pair_rows, offsets = kernels.moe_pairs(ids, 4)
-    args = (x_data, x_scale, pair_rows, offsets, weights.flatten()[order], w13, s13, LIMIT, torch.float64)
+    order, offsets = kernels.moe_pairs(ids, 4)
+    args = (x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, torch.float64)
     h = kernels.moe_gate_up(*args, backend="triton")
     plain_h, plain_out = plain_moe(case, order, h)
     torch.testing.assert_close(h, plain_h, rtol=1e-12, atol=1e-15)
@@ -130,16 +128,16 @@ def test_moe_gemms_in_fp64_are_the_reference() -> None:
 
 def gate_up_args(**change: object) -> dict[str, object]:
     x_data, x_scale, ids, weights, w13, s13, _, _ = moe_case(generator(1), 3, 2, 4, 64, 32, 32)
-    _, pair_rows, offsets = kernels.moe_pairs(ids, 4)
-    names = ("x_data", "x_scale", "pair_rows", "offsets", "pair_weight", "w13", "s13", "limit", "out_dtype")
-    values = (x_data, x_scale, pair_rows, offsets, weights.flatten(), w13, s13, LIMIT, torch.float32)
+    order, offsets = kernels.moe_pairs(ids, 4)
+    names = ("x_data", "x_scale", "order", "offsets", "weights", "w13", "s13", "limit", "out_dtype")
+    values = (x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, torch.float32)
     return dict(zip(names, values, strict=True)) | change
 
 
 def down_args(**change: object) -> dict[str, object]:
     _, _, ids, _, _, _, w2, s2 = moe_case(generator(1), 3, 2, 4, 64, 32, 32)
     h_data, h_scale = quant.fp8_quant(torch.randn(6, 32))
-    offsets = kernels.moe_pairs(ids, 4)[2]
+    offsets = kernels.moe_pairs(ids, 4)[1]
     names = ("h_data", "h_scale", "offsets", "w2", "s2", "out_dtype")
     return dict(zip(names, (h_data, h_scale, offsets, w2, s2, torch.float32), strict=True)) | change
 
@@ -154,8 +152,9 @@ U8 = torch.uint8
         (down_args, "s2", {"s2": torch.zeros(4, 64, 4, dtype=U8)}),
         (gate_up_args, "x_data", {"x_data": torch.zeros(3, 64)}),
         (gate_up_args, "x_scale", {"x_scale": torch.zeros(3, 1, dtype=U8)}),
-        (gate_up_args, "pair_rows", {"pair_rows": torch.zeros(6)}),
-        (gate_up_args, "pair_weight", {"pair_weight": torch.zeros(5)}),
+        (gate_up_args, "order", {"order": torch.zeros(6)}),
+        (gate_up_args, "order", {"order": torch.zeros(6, dtype=torch.int32)}),
+        (gate_up_args, "weights", {"weights": torch.zeros(5, 2)}),
         (gate_up_args, "offsets", {"offsets": torch.zeros(4, dtype=torch.int32)}),
         (gate_up_args, "w13", {"w13": torch.zeros(4, 63, 32, dtype=U8)}),  # W1 and W3 not stacked
         (gate_up_args, "w13", {"w13": torch.zeros(4, 64, 16, dtype=U8)}),
@@ -194,7 +193,7 @@ def test_moe_gate_up_names_a_bad_launch_shape(tuning: MoEGemmTuning, name: str) 
 def test_chunked_code_dots_need_scales_per_32_inputs() -> None:
     """Per-chunk rescaling needs one weight scale per 32-input chunk: the 16-input layout is refused by name."""
     x_data, x_scale, ids, weights, w13, s13, _, _ = moe_case(generator(5), 3, 2, 4, 64, 32, 16)
-    _, pair_rows, offsets = kernels.moe_pairs(ids, 4)
-    args = (x_data, x_scale, pair_rows, offsets, weights.flatten(), w13, s13, LIMIT, torch.float32)
+    order, offsets = kernels.moe_pairs(ids, 4)
+    args = (x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, torch.float32)
     with pytest.raises(ValueError, match=r"tuning.dot: .* got 'fp32' \(per 16\)"):
         kernels.moe_gate_up(*args, backend="triton", tuning=MoEGemmTuning(dot="fp32"))
