@@ -368,6 +368,7 @@ def moe_gemm_reports(
             "FP8_DOT": dot == "fp8",
             "SLOTS": top if gated and chunked else 0,
             "X_WORDS": inputs % 128 == 0 and t.block_k % 128 == 0,
+            "SCATTER": not gated,
         }
         name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block}, {dot} dots)"
         reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))

@@ -166,8 +166,8 @@ class PackedExperts(nn.Module):
             xq.data, xq.scale, order, offsets, weights, self.w13, self.w13_scale, self.limit, xq.dtype, backend=be
         )
         hq = fp8_act(h)
-        out = kernels.moe_down(hq.data, hq.scale, offsets, self.w2, self.w2_scale, xq.dtype, backend=be)
-        return _unsort(out, order, ids.shape)
+        out = kernels.moe_down(hq.data, hq.scale, offsets, self.w2, self.w2_scale, xq.dtype, backend=be, order=order)
+        return out.view(*ids.shape, out.shape[-1])
 
     def extra_repr(self) -> str:
         held = f"{self.first}…{self.first + self.n_experts - 1}"

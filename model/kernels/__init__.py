@@ -401,14 +401,18 @@ def moe_down(
     out_dtype: torch.dtype,
     backend: Backend = "torch",
     tuning: MoEGemmTuning | None = None,
+    order: Tensor | None = None,
 ) -> Tensor:
     """Routed experts' second projection over the sorted pairs: out [P, C] = h · W2ᵀ of each pair's expert, in sorted
-    pair order. h: FP8 bytes h_data [P, I] with UE8M0 per 32 h_scale [P, I/32] (`quantize_swa_fp8` of moe_gate_up's
-    output); offsets [E + 1]; w2: packed E2M1 [E, C, I/2] with UE8M0 s2 [E, C, I/16] or [E, C, I/32]. `tuning`: as
-    moe_gate_up's."""
+    pair order — or, given `order` (`moe_pairs`'), in (token, slot) order: sorted pair p's row at order[p], written
+    there by the GEMM. h: FP8 bytes h_data [P, I] with UE8M0 per 32 h_scale [P, I/32] (`quantize_swa_fp8` of
+    moe_gate_up's output); offsets [E + 1]; w2: packed E2M1 [E, C, I/2] with UE8M0 s2 [E, C, I/16] or [E, C, I/32].
+    `tuning`: as moe_gate_up's."""
     P, inter = _expect_fp8_rows("h_data", h_data)
     _expect("h_scale", h_scale, (P, inter // kv_quant.SWA_BLOCK), (torch.uint8,))
     E, _ = _expect_experts("w2", w2, "s2", s2, inter)
     _expect_offsets(offsets, E)
+    if order is not None:
+        _expect("order", order, (P,), (torch.int64,))
     backend = _gemm_backend(out_dtype, backend)
-    return _tuned(backend, moe_gemm, "moe_down", tuning, h_data, h_scale, offsets, w2, s2, out_dtype)
+    return _tuned(backend, moe_gemm, "moe_down", tuning, h_data, h_scale, offsets, w2, s2, out_dtype, order)

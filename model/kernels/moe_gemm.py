@@ -151,11 +151,22 @@ def moe_gate_up_torch(
 
 
 def moe_down_torch(
-    h_data: Tensor, h_scale: Tensor, offsets: Tensor, w2: Tensor, s2: Tensor, out_dtype: torch.dtype
+    h_data: Tensor,
+    h_scale: Tensor,
+    offsets: Tensor,
+    w2: Tensor,
+    s2: Tensor,
+    out_dtype: torch.dtype,
+    order: Tensor | None = None,
 ) -> Tensor:
     compute = torch.promote_types(out_dtype, torch.float32)
     h = quant.fp8_dequant(h_data, h_scale, X_BLOCK, compute)
-    return _expert_products(h, offsets, w2, s2).to(out_dtype)
+    out = _expert_products(h, offsets, w2, s2).to(out_dtype)
+    if order is None:
+        return out
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return unsorted
 
 
 # ------------------------------------------------------------------------------------------- Triton
@@ -280,12 +291,13 @@ def _moe_kernel(
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     GATED: tl.constexpr, COMPACT: tl.constexpr, E_BLOCK: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
     PTX: tl.constexpr, CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, SLOTS: tl.constexpr, X_WORDS: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):  # fmt: skip
     """Output columns n of expert e's pairs. x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`), or
     with CHUNKED the FP8 activations themselves (E4M3 bytes, UE8M0 scales xs per 32 inputs; pair p's row
     order_ptr[p] // SLOTS if SLOTS, else p). GATED (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's
     2·n_out, SwiGLU and the routing weight pw_ptr[order_ptr[p]] on the way out; otherwise (down) the weight has n_out
-    rows per expert. The program's
+    rows per expert, and with SCATTER pair p's output goes to row order_ptr[p] (the (token, slot) order). The program's
     expert is program_id(1), or with COMPACT (one column per pair) that of sorted pair j = program_id(1) — the number
     of experts whose pairs all precede j, counted over the E_BLOCK ≥ n_experts offsets —, worked only if j is its
     first pair."""
@@ -329,7 +341,8 @@ def _moe_kernel(
             up = tl.minimum(tl.maximum(acc_up, -limit), limit)
             weight = tl.load(pw_ptr + tl.load(order_ptr + p, mask=p_ok, other=0), mask=p_ok, other=0.0)
             acc = gate * tl.sigmoid(gate) * up * weight[None, :]
-        out = out_ptr + p[None, :].to(tl.int64) * n_out + n[:, None]
+        dest = tl.load(order_ptr + p, mask=p_ok, other=0) if SCATTER else p.to(tl.int64)
+        out = out_ptr + dest[None, :] * n_out + n[:, None]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[None, :] & n_ok[:, None])
 
 
@@ -373,8 +386,9 @@ def _grouped(
     tuning: MoEGemmTuning,
 ) -> Tensor:
     """One launch of `_moe_kernel` for both projections (gate_up when the routing weights [N, k] are given: each
-    sorted pair's row order // k of x_data and weight weights.flatten()[order]; down: the rows are the pairs) over
-    the pairs' FP8 activations: decoded first (`decoded_rows`), or read as codes by the chunked dots."""
+    sorted pair's row order // k of x_data and weight weights.flatten()[order]; down: the rows are the pairs, and
+    with `order` each output row goes back to its pair's (token, slot) place) over the pairs' FP8 activations:
+    decoded first (`decoded_rows`), or read as codes by the chunked dots."""
     gated = weights is not None
     slots = weights.shape[1] if weights is not None else 0
     E, rows, K = w.shape[0], w.shape[1], 2 * w.shape[2]
@@ -394,7 +408,7 @@ def _grouped(
     if t.dot == "fp8" and interpreting():
         raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
     s, x_scale = s.contiguous(), x_scale.contiguous()
-    x = x_data.contiguous() if chunked else decoded_rows(x_data, x_scale, order, slots)
+    x = x_data.contiguous() if chunked else decoded_rows(x_data, x_scale, order if gated else None, slots)
     order_arg = offsets if order is None else order.contiguous()  # (unread without a gather)
     block_n = t.block_n // 2 if gated else t.block_n  # output columns
     weight_arg = weights.float().contiguous() if gated else offsets  # (unread when not gated)
@@ -404,7 +418,7 @@ def _grouped(
         t.block_m, block_n, t.block_k, t.num_stages, gated, compact, triton.next_power_of_2(E),
         scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked, t.dot == "fp8",
         slots if chunked else 0, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
-        num_warps=t.num_warps,
+        not gated and order is not None, num_warps=t.num_warps,
     )  # fmt: skip
     return out
 
@@ -431,6 +445,7 @@ def moe_down_triton(
     w2: Tensor,
     s2: Tensor,
     out_dtype: torch.dtype,
+    order: Tensor | None = None,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(h_data, h_scale, None, offsets, None, w2, s2, 0.0, out_dtype, tuning)
+    return _grouped(h_data, h_scale, order, offsets, None, w2, s2, 0.0, out_dtype, tuning)

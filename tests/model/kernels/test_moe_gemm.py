@@ -111,6 +111,10 @@ def test_moe_gemms_match_the_dequantised_math(
     assert_close_to_plain(kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype), plain_out, dtype)
     got = kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype, backend="triton", tuning=tuning)
     assert_close_to_plain(got, plain_out, dtype)
+    for backend, sorted_out in (("torch", kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype)), ("triton", got)):
+        # given the order, each pair's row lands at its (token, slot) place: the sorted rows, unsorted
+        scattered = kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype, backend, tuning, order=order)
+        assert torch.equal(scattered[order], sorted_out)
 
 
 def test_moe_gemms_in_fp64_are_the_reference() -> None:
@@ -162,6 +166,8 @@ U8 = torch.uint8
         (down_args, "h_data", {"h_data": torch.zeros(6, 40, dtype=U8)}),
         (down_args, "w2", {"w2": torch.zeros(4, 64, 32)}),
         (down_args, "offsets", {"offsets": torch.zeros(5)}),
+        (down_args, "order", {"order": torch.zeros(6)}),
+        (down_args, "order", {"order": torch.zeros(5, dtype=torch.int64)}),
     ],
 )
 def test_moe_gemms_name_a_bad_argument(op, name: str, change: dict[str, object]) -> None:
