@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,16 +45,25 @@ RoutedExperts = Callable[[Tensor | Fp8Act, Tensor, Tensor], Tensor]  # (xq, weig
 IDLE = -1  # the layer a rank names in an MoE round's header when it runs no forward (data-parallel attention)
 
 
+class Rounds:
+    """The MoE rounds a rank has entered: every rank of the group enters each round, so a rank group's watcher
+    tells a long forward (still entering rounds) from a stuck one by this count (model_service.ranks)."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+
+
 @dataclass(frozen=True)
 class Parallel:
     """Where a model runs: rank `rank` of an expert-parallel group of `world_size` ranks (`group`: its process
     group; None is torch.distributed's default group); `data_parallel`: each rank attends to its own sequences (else
-    every rank runs the same batch)."""
+    every rank runs the same batch); `rounds`: the MoE rounds this rank has entered."""
 
     world_size: int = 1
     rank: int = 0
     group: ProcessGroup | None = None
     data_parallel: bool = False
+    rounds: Rounds = field(default_factory=Rounds, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -172,6 +181,7 @@ def _header(sent: Tensor, layer: int, parallel: Parallel) -> tuple[list[int], li
     each rank sends this one, the layer each runs, the pairs this one sends each), read by the host at once."""
     header = torch.stack((sent, torch.full_like(sent, layer)), 1)
     got = torch.empty_like(header)
+    parallel.rounds.entered += 1
     dist.all_to_all_single(got, header, group=parallel.group)
     (received, layers), (sent_sizes, _) = torch.stack((got.T, header.T)).tolist()
     return received, layers, sent_sizes

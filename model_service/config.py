@@ -40,6 +40,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: address of node rank 0, where the group meets (torch.distributed's store)
     master_port: port of that store on node rank 0
     rank_timeout_s: a rank silent this long fails the group (NOT_SERVING, streams UNAVAILABLE, exit non-zero)
+    stall_timeout_s: a plan in which the ranks pass no MoE round for this long fails the group (a rank hung alive)
     collective_timeout_s: longest wait of one collective (a dispatch, a plan) before the group fails
     """
 
@@ -65,6 +66,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: Port = 29500
     rank_timeout_s: PositiveFloat = 5.0
+    stall_timeout_s: PositiveFloat = 30.0
     collective_timeout_s: PositiveFloat = 300.0
 
     def __post_init__(self) -> None:

@@ -17,7 +17,11 @@ every rank reports how its part went (`gather_object`: an `Outcome`). The engine
                        its own sequences, decode_svc.spread); rank 0 gets every rank's `Outcome`, failures included
 
 Failure: every follower bumps a heartbeat counter in the group's store each `rank_timeout_s / 5`; rank 0's watcher
-polls its local children (dead → failed at once) and the counters (one unchanged for `rank_timeout_s` → failed).
+polls its local children (dead → failed at once) and the counters (one unchanged for `rank_timeout_s` → failed). A
+rank whose process lives but whose plan hangs (its heartbeat beats on) stops the whole group within the plan: every
+rank enters every MoE round and reports on every plan, so while a plan is in flight rank 0's own progress — rounds
+entered, plan parts done — stands still from the moment any rank hangs; still for `stall_timeout_s` → failed, naming
+the ranks behind the others (each follower posts its progress with its heartbeat).
 A failed group kills its local children (which also ends any collective rank 0 waits in), makes every later call
 raise `RankGroupError` (UNAVAILABLE), and tells the service (`on_failure`): health NOT_SERVING, streams end with
 UNAVAILABLE, the process exits non-zero for its supervisor to restart the group. A follower exits as soon as rank
@@ -53,7 +57,7 @@ import torch.distributed as dist
 
 from model import Transformer, preset
 from model.checkpoint import Checkpoint
-from model.parallel import Parallel
+from model.parallel import Parallel, Rounds
 from model.shared_tables import FD_ENV, SharedTables
 from model.transformer import Part
 from model_service.config import ModelServiceConfig
@@ -293,6 +297,9 @@ class RankGroup:
         self._closed = threading.Event()
         self.store: dist.TCPStore | None = None
         self.plans: Any = None
+        self.rounds = Rounds()  # this rank's MoE rounds (`parallel`: the model counts them)
+        self.parts_done = 0  # this rank's parts of plans, done
+        self._plan_since: float | None = None  # rank 0: when the plan in flight began
         self.tables_fd: int | None = None  # the node's shared Engram table file (model.shared_tables)
 
     # ----------------------------------------------------------------------------------------- start-up
@@ -325,7 +332,12 @@ class RankGroup:
     def parallel(self) -> Parallel:
         """This rank's place in the expert-parallel group, which attends data-parallel: each rank its own sequences
         (decode_svc.spread) or prompts (prefill_svc.passes)."""
-        return Parallel(self.layout.world_size, self.layout.rank, data_parallel=True)
+        return Parallel(self.layout.world_size, self.layout.rank, data_parallel=True, rounds=self.rounds)
+
+    @property
+    def progress(self) -> int:
+        """Steps this rank has taken in the group's plans: MoE rounds entered and plan parts done."""
+        return self.rounds.entered + self.parts_done
 
     def start_watching(self) -> None:
         """Rank 0: watch every rank until the group closes; followers: beat, and exit when rank 0 is gone."""
@@ -343,22 +355,30 @@ class RankGroup:
             if self.failure is not None:
                 raise RankGroupError(self.failure)
             dropped, self.dropped = self.dropped, []
+            self._plan_since = time.monotonic()
             try:
-                dist.broadcast_object_list([(dropped, _marshal(plan))], src=0, group=self.plans)
-            except Exception as exc:
-                raise self.fail(self._dead_child() or f"a plan did not reach the ranks: {exc}") from exc
-            try:
-                mine = Outcome(local())
-            except Exception as exc:
-                if self.failure is not None or isinstance(exc, dist.DistError):
-                    raise self.fail(self._dead_child() or f"a collective failed: {exc}") from exc
-                mine = Outcome(error=exc)
-            reports: list[Any] = [None] * self.layout.world_size
-            try:
-                dist.gather_object(None, reports, dst=0, group=self.plans)
-            except Exception as exc:
-                raise self.fail(self._dead_child() or f"a rank did not report on a plan: {exc}") from exc
-            return [mine, *reports[1:]]
+                return self._execute(dropped, plan, local)
+            finally:
+                self._plan_since = None
+
+    def _execute(self, dropped: list[int], plan: tuple[Any, ...], local: Callable[[], Any]) -> list[Outcome]:
+        try:
+            dist.broadcast_object_list([(dropped, _marshal(plan))], src=0, group=self.plans)
+        except Exception as exc:
+            raise self.fail(self._dead_child() or f"a plan did not reach the ranks: {exc}") from exc
+        try:
+            mine = Outcome(local())
+        except Exception as exc:
+            if self.failure is not None or isinstance(exc, dist.DistError):
+                raise self.fail(self._dead_child() or f"a collective failed: {exc}") from exc
+            mine = Outcome(error=exc)
+        self.parts_done += 1
+        reports: list[Any] = [None] * self.layout.world_size
+        try:
+            dist.gather_object(None, reports, dst=0, group=self.plans)
+        except Exception as exc:
+            raise self.fail(self._dead_child() or f"a rank did not report on a plan: {exc}") from exc
+        return [mine, *reports[1:]]
 
     def replicate(self, plan: tuple[Any, ...], local: Callable[[], Any]) -> Any:
         """`execute` a call every rank runs alike → rank 0's value, or its error raised; a follower that failed where
@@ -402,22 +422,39 @@ class RankGroup:
         store = self._client()
         followers = range(1, self.layout.world_size)
         beats = {r: (-1, time.monotonic()) for r in followers}
+        progress = (-1, time.monotonic())  # rank 0's, and when it last moved
         while not self._closed.wait(WATCH_INTERVAL_S) and self.failure is None:
             if dead := self._dead_child(0):
                 self.fail(dead)
                 return
             now = time.monotonic()
-            for r in followers:
-                try:
+            try:
+                for r in followers:
                     count = int(store.add(f"beat/{r}", 0))
-                except Exception as exc:  # the store is ours: this process is failing
-                    self.fail(f"the group's store failed: {exc}")
+                    if count != beats[r][0]:
+                        beats[r] = (count, now)
+                    elif now - beats[r][1] > self.cfg.rank_timeout_s:
+                        self.fail(f"rank {r} has not answered for {self.cfg.rank_timeout_s:g} s")
+                        return
+                since = self._plan_since
+                if self.progress != progress[0]:
+                    progress = (self.progress, now)
+                elif since is not None and now - max(progress[1], since) > self.cfg.stall_timeout_s:
+                    self.fail(self._stalled(store))
                     return
-                if count != beats[r][0]:
-                    beats[r] = (count, now)
-                elif now - beats[r][1] > self.cfg.rank_timeout_s:
-                    self.fail(f"rank {r} has not answered for {self.cfg.rank_timeout_s:g} s")
-                    return
+            except Exception as exc:  # the store is ours: this process is failing
+                self.fail(f"the group's store failed: {exc}")
+                return
+
+    def _stalled(self, store: dist.TCPStore) -> str:
+        """Why the plan in flight has stood still for `stall_timeout_s`, naming the ranks behind the others (the
+        hung ones: the rest wait for them in a collective, or for their report)."""
+        steps = [self.progress, *(int(store.add(f"progress/{r}", 0)) for r in range(1, self.layout.world_size))]
+        reason = f"the ranks have made no progress in a plan for {self.cfg.stall_timeout_s:g} s"
+        if min(steps) == max(steps):
+            return reason
+        behind = [r for r, n in enumerate(steps) if n == min(steps)]
+        return f"{reason}; behind the others: rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))}"
 
     def close(self) -> None:
         """Rank 0, stopping: the followers exit after the last plan; any that does not is killed."""
@@ -459,12 +496,16 @@ class RankGroup:
         )
 
     def _beat(self) -> None:
-        """A follower's heartbeat; its process ends at once when rank 0's store or its own parent is gone."""
-        parent = os.getppid()
+        """A follower's heartbeat, with its progress when that moved (rank 0 names the ranks a stalled plan waits
+        for); its process ends at once when rank 0's store or its own parent is gone."""
+        parent, posted = os.getppid(), 0
         try:
             store = self._client()
             while not self._closed.wait(self.cfg.rank_timeout_s / 5):
                 store.add(f"beat/{self.layout.rank}", 1)
+                if (progress := self.progress) != posted:
+                    store.add(f"progress/{self.layout.rank}", progress - posted)
+                    posted = progress
                 if self.layout.local_rank and os.getppid() != parent:
                     raise RuntimeError("the service process that started this rank is gone")
         except Exception as exc:
@@ -484,6 +525,7 @@ class RankGroup:
             for oid in dropped:
                 objects.pop(oid, None)
             outcome = self._run(model, objects, *_unmarshal(plan, model.device))
+            self.parts_done += 1
             dist.gather_object(outcome, None, dst=0, group=self.plans)
 
     def _run(self, model: Transformer, objects: dict[int, Any], kind: str, *rest: Any) -> Outcome:

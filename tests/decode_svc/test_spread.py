@@ -1,12 +1,15 @@
 """A decode rank group of two (this process as rank 0, one spawned follower, gloo on loopback): what a follower's part
 of a spread call raised comes back to rank 0 naming the rank; a join that one rank cannot take leaves nothing joined
-on the other; a follower failing a replicated call that rank 0 completed fails the group; a local prefill runs on the
-rank its sequence joins only; a verify gathers the logits of the rows that report logprobs only."""
+on the other; a follower failing a replicated call that rank 0 completed fails the group; a follower hung in a plan
+while its process lives fails the group once the plan stalls; a local prefill runs on the rank its sequence joins
+only; a verify gathers the logits of the rows that report logprobs only."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import structlog
@@ -23,18 +26,25 @@ from decode_svc.spread import SpreadBatch
 from model import SamplingParams, Transformer, encode_prefill
 from model_service.kvstore import encode_with_past
 from model_service.ranks import GroupCalls, Outcome, RankGroup, RankGroupError, start_group
+from tests.decode_svc.stall import hang_on_followers
 
 
-@pytest.fixture
-def started() -> Iterator[tuple[RankGroup, Transformer]]:
+@contextmanager
+def group_of_two(**settings: float) -> Iterator[tuple[RankGroup, Transformer]]:
     """A fresh group of two on `tiny` and rank 0's model, torn down after the test (a test may fail the group)."""
-    cfg = DecodeConfig(model="tiny", dtype="float64", threads=1, ranks=2, master_port=free_port())
+    cfg = DecodeConfig(model="tiny", dtype="float64", threads=1, ranks=2, master_port=free_port(), **settings)
     group, model = start_group(cfg, "full", structlog.get_logger("test_spread"))
     try:
         yield group, model
     finally:
         group.close()
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def started() -> Iterator[tuple[RankGroup, Transformer]]:
+    with group_of_two() as started:
+        yield started
 
 
 @pytest.fixture
@@ -82,6 +92,23 @@ def test_a_follower_failing_a_call_rank_0_completed_fails_the_group(
     assert all(child.poll() is not None for child in group.children)  # no rank left running
     with pytest.raises(RankGroupError):
         calls.run(torch.nn.Module.get_submodule, "embed")
+
+
+def test_a_follower_hung_in_a_plan_fails_the_group_when_the_plan_stalls(prompt: Callable[[int], list[int]]) -> None:
+    """The follower's heartbeat beats on while its main thread hangs in a plan: rank 0, waiting for its report, fails
+    the group once the plan has stood still for stall_timeout_s, naming the rank; a long plan that keeps passing MoE
+    rounds runs on."""
+    with group_of_two(stall_timeout_s=1.0, rank_timeout_s=0.5) as (group, model):
+        calls = group.calls(model)
+        started = time.monotonic()
+        calls.run(encode_prefill, list(range(2, 2 + 400)), chunk_tokens=8)  # 50 chunks, 5 MoE rounds each
+        assert time.monotonic() - started > 1.0, "the long plan must outlast the stall timeout"
+        started = time.monotonic()
+        with pytest.raises(RankGroupError) as error:
+            calls.run(hang_on_followers, 60.0)
+        assert time.monotonic() - started < 1.0 + 2.0  # the timeout, the watcher's poll, the kill
+        assert error.value.message.endswith("in a plan for 1 s; behind the others: rank 1")
+        assert all(child.poll() is not None for child in group.children)
 
 
 def test_a_local_prefill_runs_on_the_rank_its_sequence_joins_only(
