@@ -420,6 +420,16 @@ def check_attention(c: Checks, B: int, T: int, N: int) -> None:
     c.report(
         f"sparse_attention B={B} T={T} N={N}", rel < 1e-2 and bool(torch.isfinite(got).all()), f"rel err {rel:.1e}"
     )
+    # RoPE on q and RoPE⁻¹ on the output inside the kernel: the RoPE kernel's results around it, bit for bit
+    q, *rest = case
+    positions = torch.randint(0, 1 << 20, (B, T), device=DEVICE)
+    rope = (positions, 10000.0 ** -(torch.arange(0, 64, 2, dtype=torch.float64) / 64))  # the model's 64 dims
+    fused = kernels.sparse_attention(q, *rest, backend="triton", rope=rope)
+    rotated = kernels.rope_rotate(q, *rope, inverse=False, backend="triton")
+    apart = kernels.rope_rotate(kernels.sparse_attention(rotated, *rest, backend="triton"), *rope, inverse=True,
+                                backend="triton")  # fmt: skip
+    differ = int((fused != apart).sum())
+    c.report(f"sparse_attention with RoPE B={B} T={T} N={N}", differ == 0, f"{differ} elements differ from apart")
 
 
 def check_fp8_linear(c: Checks, M: int, N: int, K: int, tuning: dict[str, object] | None = None) -> None:

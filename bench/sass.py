@@ -184,7 +184,7 @@ def indexer_reports(
 
 
 def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
-    """Sparse decode attention, one split, D = 512, bf16 dots."""
+    """Sparse decode attention, one split, D = 512, bf16 dots, RoPE⁻¹ of the last 64 dims on the way out."""
     signature = {
         "q_ptr": "*bf16",
         "swa_ptr": "*u8",
@@ -200,6 +200,9 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
         "po_ptr": "*fp32",
         "pm_ptr": "*fp32",
         "pl_ptr": "*fp32",
+        "pos_ptr": "*i64",
+        "freq_ptr": "*fp64",
+        "rq_ptr": "*bf16",
         "T": "i32",
         "H": "i32",
         "R": "i32",
@@ -211,7 +214,7 @@ def attention_reports(heads: int, keys: int, warps: int) -> list[Report]:
         "qk_scale": "fp32",
         "tiles_per_split": "i32",
     }
-    constexprs = {"D": 512, "DP": 512, "BLOCK_H": heads, "BLOCK_N": keys, "SPLITS": 1, "DOT_F32": False}
+    constexprs = {"D": 512, "DP": 512, "BLOCK_H": heads, "BLOCK_N": keys, "SPLITS": 1, "DOT_F32": False, "RD": 64}
     name = f"attention {heads} heads × {keys} keys"
     strides = ("kv_stride", "kvs_stride")
     return [compile_sm90(name, sparse_attn._sparse_attention_kernel, signature, constexprs, warps, None, strides)]

@@ -153,9 +153,12 @@ class Attention(nn.Module):
 
     def project_out(self, o: Tensor, positions: Tensor) -> Tensor:
         """RoPE⁻¹ on o's rope dims, then the grouped low-rank output projection."""
+        return self.project(self.rope.rotate(o, positions, inverse=True))
+
+    def project(self, o: Tensor) -> Tensor:
+        """The grouped low-rank output projection of the attention output o [B, T, H, D], RoPE⁻¹ applied."""
         a = self.args
-        o = self.rope.rotate(o, positions, inverse=True).to(self.wo_a.weight.dtype)
-        o = o.flatten(-2).unflatten(-1, (a.o_groups, -1))
+        o = o.to(self.wo_a.weight.dtype).flatten(-2).unflatten(-1, (a.o_groups, -1))
         wo_a = self.wo_a.weight.view(a.o_groups, a.o_lora_rank, -1)
         return self.wo_b(torch.einsum("btgd,grd->btgr", o, wo_a).flatten(-2))
 
@@ -201,7 +204,8 @@ class Attention(nn.Module):
         """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
         a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
-        qr, q, kv = self.query_window(self.cast_input(x), positions)
+        xq = self.cast_input(x)
+        (qr, q), kv = self.query_heads(xq), self.window_kv(xq, positions)  # q rotates in the attention kernel
         swa_data, swa_scale = kernels.quantize_swa_fp8(kv, backend=be)
         window = step.window(self.layer, swa_data, swa_scale)
         compressed = None
@@ -224,8 +228,9 @@ class Attention(nn.Module):
         window: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
         compressed: tuple[Tensor, Tensor, Tensor] | None,
     ) -> Tensor:
-        """Sparse attention over [window keys (ring data, scale, new data, scale, slots) ‖ selected compressed entries
-        (data, scale, idx)]."""
+        """Sparse attention of q before RoPE over [window keys (ring data, scale, new data, scale, slots) ‖ selected
+        compressed entries (data, scale, idx)] — RoPE on q and RoPE⁻¹ on its output in the same kernel —, then the
+        output projection."""
         B, T, D = q.shape[0], q.shape[1], self.args.head_dim
         if compressed is None:  # SWA-only layer: no compressed entries, no indices
             compressed = (
@@ -234,10 +239,11 @@ class Attention(nn.Module):
                 torch.full((B, T, 0), -1, dtype=torch.int32, device=q.device),
             )
         kv_data, kv_scale, idx = compressed
+        rope = (positions, self.rope.inv_freq)
         o = kernels.sparse_attention(
-            q, *window, kv_data, kv_scale, idx, self.attn_sink, self.softmax_scale, backend=kernels.backend_for(q)
+            q, *window, kv_data, kv_scale, idx, self.attn_sink, self.softmax_scale, kernels.backend_for(q), rope
         )
-        return self.project_out(o, positions)
+        return self.project(o)
 
     def write_entries(self, x: Tensor, step: Step) -> None:
         """Owner: compress this step's complete groups and write their packed entries ahead into the cache (not

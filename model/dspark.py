@@ -99,7 +99,8 @@ class DSparkBlock(Block):
     def block_attention(self, x: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
         """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
         attn, W = self.attn, self.args.sliding_window
-        _, q, kv = attn.query_window(attn.cast_input(x), positions)
+        xq = attn.cast_input(x)
+        (_, q), kv = attn.query_heads(xq), attn.window_kv(xq, positions)  # q rotates in the attention kernel
         data, scale = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(x))
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p

@@ -229,10 +229,13 @@ def sparse_attention(
     sink: Tensor,
     softmax_scale: float,
     backend: Backend = "torch",
+    rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Attention of q [B,T,H,D] over [its window: FP8 key slots swa_idx [B,T,W] of [ring swa_data [B,R,D] ‖ new keys
     new_data [B,N',D]] (their UE8M0 scales per 32 beside them), oldest position first ‖ FP4 entries idx] (−1 = none)
-    with a sink → q's dtype.
+    with a sink → q's dtype. With `rope` = (positions [B, T], inv_freq), q is before RoPE and the output after
+    RoPE⁻¹ on their last 2·len(inv_freq) dims (a power of two), applied in the same launch as `rope_rotate` applies
+    them; without it q is rotated and the output is not.
 
     The torch reference computes in q's precision (at least fp32), the Triton kernel in fp32. N may be 0 (nothing
     stored yet): then every idx slot must be −1."""
@@ -248,8 +251,17 @@ def sparse_attention(
     _expect("kv_scale", kv_scale, (B, kv_data.shape[1], D // kv_quant.KV_BLOCK), (torch.uint8,))
     _expect("idx", idx, (B, T, None), _INTS)
     _expect("sink", sink, (H,), _WIDE_FLOATS)
+    if rope is not None:
+        positions, inv_freq = rope
+        _expect("rope positions", positions, (None, None), _INTS)
+        _expect("rope inv_freq", inv_freq, (None,))
+        rd = 2 * inv_freq.shape[0]
+        if positions.shape[0] not in (1, B) or positions.shape[1] not in (1, T):
+            raise ValueError(f"rope positions: expected [B, T] = [{B}, {T}], got {list(positions.shape)}")
+        if rd > D or rd & (rd - 1) or rd == 0:
+            raise ValueError(f"rope inv_freq: {rd} rotary dims are not a power of two within the latent dim {D}")
     return _pick(backend, sparse_attn, "sparse_attention")(
-        q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, softmax_scale
+        q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, softmax_scale, rope
     )
 
 

@@ -2,10 +2,13 @@
 
 One softmax per (query, head) over its window's keys and the selected entries, with the head's sink logit in the
 denominator only: o = Σ_i exp(s_i) v_i / (Σ_j exp(s_j) + exp(sink_h)), s = scale · q·k. K = V = the shared
-dequantised latent. The output is before the inverse RoPE. A query's window keys are slots of its row's FP8 keys —
-[the committed ring ‖ this step's new ones], read from each where they lie, never concatenated — named by `swa_idx`,
-oldest position first, −1 where a position has no key: every query meets its keys in the order of their positions,
-whichever step wrote them, so a verify pass sums a position's attention as the plain step of that position does.
+dequantised latent. Given `rope` (positions, inverse frequencies), q arrives before RoPE and the output leaves after
+RoPE⁻¹, both applied in the same launch, bit for bit as `rope_rotate` would apply them to q and to the output;
+without it q is rotated already and the output is before the inverse RoPE. A query's window keys are slots of its
+row's FP8 keys — [the committed ring ‖ this step's new ones], read from each where they lie, never concatenated —
+named by `swa_idx`, oldest position first, −1 where a position has no key: every query meets its keys in the order
+of their positions, whichever step wrote them, so a verify pass sums a position's attention as the plain step of
+that position does.
 
 Triton (flash-decoding): a program takes one query, all its heads (BLOCK_H, up to 64: V4.1-Flash's 64 heads in one
 pass, so each selected entry is read and dequantised once per query) and a contiguous run of key tiles (ring tiles
@@ -13,7 +16,11 @@ first, then tiles of selected entries). Each key tile is dequantised in register
 both exact in bf16), serves as K for q·Kᵀ and as V for P·V, and feeds an online softmax in base 2. With one split
 the program also folds in the sink and writes the output; with several, a combine kernel merges the partial
 (max, sum, accumulator) triples and the sink. Splits follow the number of queries, so under batch invariance
-(model.kernels.invariance) there is one per query, whatever the batch.
+(model.kernels.invariance) there is one per query, whatever the batch. RoPE in the kernel: a program loads its
+query's rotary dims twice, as they are and as their pair partners, rotates them in fp32, rounds them to q's dtype
+(`_rope_pairs`, the RoPE kernel's arithmetic) into a scratch copy and loads its q tile from [q ‖ copy]
+(`_rotate_queries`); the program that writes a query's output then reads its rotary dims back the same way and
+rotates them in place (`_unrotate`): the roundings of the separate RoPE launches, without the launches.
 """
 
 import math
@@ -26,6 +33,7 @@ from torch import Tensor
 from model.kernels.formats import dense_rows, e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
 from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
+from model.kernels.rope import rope_rotate_torch
 
 LOG2E = math.log2(math.e)
 
@@ -51,7 +59,9 @@ def sparse_attention_torch(
     idx: Tensor,
     sink: Tensor,
     softmax_scale: float,
+    rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
+    q = _rotated_queries(q, rope)
     swa_data, swa_scale = torch.cat((swa_data, new_data), 1), torch.cat((swa_scale, new_scale), 1)
     # fp32, or fp64 for a float64 q: the exactness tests compare this with the dense fp64 attention, and an fp32
     # rounding here moves FP8 codes downstream (the QAT cast of the output projection's input)
@@ -72,7 +82,12 @@ def sparse_attention_torch(
     p_slots = torch.zeros_like(s_ring[..., :1]).expand(*s_ring.shape[:3], ring.shape[1]).contiguous()
     p_slots.scatter_add_(3, slots[:, :, None].expand(-1, -1, q.shape[2], -1), p[..., :Wn])  # a −1 key's p is 0
     out = torch.einsum("bths,bsd->bthd", p_slots, ring) + torch.einsum("bthk,btkd->bthd", p[..., Wn:], entries)
-    return (out / denom).to(q.dtype)
+    out = (out / denom).to(q.dtype)
+    return out if rope is None else rope_rotate_torch(out, *rope, inverse=True)
+
+
+def _rotated_queries(q: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    return q if rope is None else rope_rotate_torch(q, *rope, inverse=False)
 
 
 @triton.jit
@@ -120,19 +135,67 @@ def _entry_tile(
 
 
 @triton.jit
+def _rope_pairs(ptr, rows, ok, d, pos, freq_ptr, D: tl.constexpr, RD: tl.constexpr, INVERSE: tl.constexpr):
+    """Dims d (of D) of `rows` [R] (element offsets) at ptr where `ok` [R, len(d)], RoPE (INVERSE: RoPE⁻¹) applied
+    at position pos to those among the last RD, in fp32 as `model.kernels.rope`'s kernel computes it: each value
+    and its pair partner (d ^ 1) loaded, cos / sin of the fp64 angle rounded to fp32. The others as loaded."""
+    rot = (d >= D - RD) & (d < D)
+    x = tl.load(ptr + rows[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + rows[:, None] + (d ^ 1)[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
+    angle = pos.to(tl.float64) * tl.load(freq_ptr + (d - (D - RD)) // 2, mask=rot, other=0.0)
+    cos, sin = tl.cos(angle).to(tl.float32)[None, :], tl.sin(angle).to(tl.float32)[None, :]
+    if INVERSE:
+        sin = -sin
+    rotated = tl.where((d % 2 == 0)[None, :], x * cos - partner * sin, partner * sin + x * cos)
+    return tl.where(rot[None, :], rotated, x)
+
+
+@triton.jit
+def _rotate_queries(q_ptr, rq_ptr, rows, rq_rows, h_ok, pos, freq_ptr, D: tl.constexpr, RD: tl.constexpr):
+    """The last RD dims of q rows `rows` (element offsets) rotated, in q's dtype, to rows `rq_rows` of rq [*, RD];
+    the barrier makes them visible to the program's threads. The q tile the key loop holds is then a plain load,
+    laid out as it is without RoPE. The splits of a query write the same values."""
+    d = (D - RD) + tl.arange(0, RD)
+    rotated = _rope_pairs(q_ptr, rows, h_ok[:, None], d, pos, freq_ptr, D, RD, False)
+    at = rq_ptr + rq_rows[:, None] + (d - (D - RD))[None, :]
+    tl.store(at, rotated.to(rq_ptr.dtype.element_ty), mask=h_ok[:, None])
+    tl.debug_barrier()
+
+
+@triton.jit
+def _unrotate(out_ptr, rows, h_ok, pos_ptr, freq_ptr, bt, D: tl.constexpr, RD: tl.constexpr):
+    """RoPE⁻¹ in place on the last RD dims of the output rows `rows` [BLOCK_H] (element offsets) of query bt, from
+    the stored values. The barriers: the program's stores are visible before it reads them back, and every pair
+    partner is read before any is overwritten."""
+    d = (D - RD) + tl.arange(0, RD)
+    tl.debug_barrier()
+    rotated = _rope_pairs(out_ptr, rows, h_ok[:, None], d, tl.load(pos_ptr + bt), freq_ptr, D, RD, True)
+    tl.debug_barrier()
+    tl.store(out_ptr + rows[:, None] + d[None, :], rotated.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
 def _sparse_attention_kernel(
     q_ptr, swa_ptr, swas_ptr, new_ptr, news_ptr, sidx_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr,
-    pm_ptr, pl_ptr, T, H, R, TN, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
+    pm_ptr, pl_ptr, pos_ptr, freq_ptr, rq_ptr, T, H, R, TN, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, RD: tl.constexpr,
 ):  # fmt: skip
+    """Query bt = program 0, heads BLOCK_H · program 1 …, key-tile split program 2; RD > 0: q's last RD dims read
+    rotated at pos_ptr[bt] × freq_ptr (fp64) from their copy rq_ptr [B·T·H, RD] (`_rotate_queries`), the output's
+    rotated back once written."""
     bt = tl.program_id(0).to(tl.int64)
     b = bt // T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     d = tl.arange(0, DP)
     h_ok = h < H
-    q = tl.load(q_ptr + (bt * H + h[:, None]) * D + d[None, :], mask=h_ok[:, None] & (d[None, :] < D), other=0.0)
+    q_at = q_ptr + (bt * H + h[:, None]) * D + d[None, :]
+    if RD > 0:  # the rotary dims from their rotated copy
+        rq_rows = (bt * H + h) * RD
+        _rotate_queries(q_ptr, rq_ptr, (bt * H + h) * D, rq_rows, h_ok, tl.load(pos_ptr + bt), freq_ptr, D, RD)
+        q_at = tl.where(d[None, :] < D - RD, q_at, rq_ptr + rq_rows[:, None] + (d - (D - RD))[None, :])
+    q = tl.load(q_at, mask=h_ok[:, None] & (d[None, :] < D), other=0.0)
     q = q.to(tl.float32 if DOT_F32 else tl.bfloat16)  # exact for a bf16 q; the scale is applied in fp32 below
     ring_tiles = tl.cdiv(W, BLOCK_N)
     first = split * tiles_per_split
@@ -165,6 +228,8 @@ def _sparse_attention_kernel(
         out = acc * (tl.exp2(m_i - m_f) / denom)[:, None]
         out_ptrs = out_ptr + (bt * H + h[:, None]) * D + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d[None, :] < D))
+        if RD > 0:
+            _unrotate(out_ptr, (bt * H + h) * D, h_ok, pos_ptr, freq_ptr, bt, D, RD)
     else:
         part = (bt * SPLITS + split) * H + h
         tl.store(pm_ptr + part, m_i, mask=h_ok)
@@ -174,8 +239,8 @@ def _sparse_attention_kernel(
 
 @triton.jit
 def _combine_kernel(
-    sink_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, H,
-    D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
+    sink_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, pos_ptr, freq_ptr, H,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, RD: tl.constexpr,
 ):  # fmt: skip
     bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -194,6 +259,8 @@ def _combine_kernel(
         acc += tl.load(po_ptr + part[:, None] * DP + d[None, :], mask=h_ok[:, None], other=0.0) * weight[:, None]
     out_ptrs = out_ptr + (bt * H + h[:, None]) * D + d[None, :]
     tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d[None, :] < D))
+    if RD > 0:
+        _unrotate(out_ptr, (bt * H + h) * D, h_ok, pos_ptr, freq_ptr, bt, D, RD)
 
 
 _MAX_HEADS = 64  # heads per program: a [64, 512] fp32 accumulator is 128 registers a thread at 8 warps
@@ -219,6 +286,7 @@ def sparse_attention_triton(
     idx: Tensor,
     sink: Tensor,
     softmax_scale: float,
+    rope: tuple[Tensor, Tensor] | None = None,
     splits: int | None = None,
     block_n: int | None = None,
     block_h: int | None = None,
@@ -252,14 +320,27 @@ def sparse_attention_triton(
             new_scale.contiguous(), swa_idx.to(torch.int32).contiguous())  # fmt: skip
     kv_data, kv_scale = dense_rows(kv_data), dense_rows(kv_scale)  # the cache's [:, :n] views, never copied
     args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
+    pos, freq, rd = _rotation(rope, q)
+    rotated_q = q.new_empty(B * T * H * rd)
     _sparse_attention_kernel[(B * T, head_groups, n_splits)](
-        *args, out, partial_o, partial_m, partial_l, T, H, R, TN, W, kv_data.stride(0), kv_scale.stride(0), K,
-        softmax_scale * LOG2E, tiles_per_split,
-        D, DP, block_h, block_n, n_splits, interpreting(), num_warps=num_warps,
+        *args, out, partial_o, partial_m, partial_l, pos, freq, rotated_q, T, H, R, TN, W, kv_data.stride(0),
+        kv_scale.stride(0), K, softmax_scale * LOG2E, tiles_per_split,
+        D, DP, block_h, block_n, n_splits, interpreting(), rd, num_warps=num_warps,
     )  # fmt: skip
     if n_splits > 1:  # its own head blocks: a [block_h, DP] fp32 accumulator of 64 heads spills at 4 warps
         combine_h = min(block_h, _COMBINE_HEADS)
         _combine_kernel[(B * T, triton.cdiv(H, combine_h))](
-            sink, partial_o, partial_m, partial_l, out, H, D, DP, combine_h, n_splits
+            sink, partial_o, partial_m, partial_l, out, pos, freq, H, D, DP, combine_h, n_splits, rd
         )
     return out
+
+
+def _rotation(rope: tuple[Tensor, Tensor] | None, q: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The kernels' RoPE⁻¹ arguments: one position per query [B·T], the fp64 frequencies, the rotary dims (0: none;
+    the frequencies are then unread)."""
+    if rope is None:
+        empty = q.new_empty(0, dtype=torch.float64)
+        return empty, empty, 0
+    positions, inv_freq = rope
+    pos = positions.expand(q.shape[:2]).reshape(-1).contiguous()
+    return pos, inv_freq.to(q.device, torch.float64).contiguous(), 2 * inv_freq.shape[0]

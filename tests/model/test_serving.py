@@ -132,17 +132,27 @@ def test_every_packed_attention_equals_the_dense_one_to_fp64_precision(tiny, see
 
 
 def attention_outputs(patch: pytest.MonkeyPatch) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(layer, positions [B, T], attention output [B, T, H, D]) of every target-model attention from now on (a spy:
-    the real projection runs)."""
+    """(layer, positions [B, T], attention output after RoPE⁻¹ [B, T, H, D]) of every target-model attention from
+    now on (spies: the real attention and projection run; the dense forward's positions are 0…T−1)."""
     seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    real = Attention.project_out
+    real_attend, real_project = Attention.attend_packed, Attention.project
+    packed: list[torch.Tensor] = []  # the positions of the packed attention in flight
 
-    def spy(self: Attention, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attend(self: Attention, q: torch.Tensor, positions: torch.Tensor, *rest: object) -> torch.Tensor:
+        packed.append(positions)
+        try:
+            return real_attend(self, q, positions, *rest)
+        finally:
+            packed.pop()
+
+    def project(self: Attention, o: torch.Tensor) -> torch.Tensor:
         if self.layer < self.args.num_hidden_layers:
+            positions = packed[-1] if packed else torch.arange(o.shape[1]).expand(o.shape[:2])
             seen.append((self.layer, positions.clone(), o.clone()))
-        return real(self, o, positions)
+        return real_project(self, o)
 
-    patch.setattr(Attention, "project_out", spy)
+    patch.setattr(Attention, "attend_packed", attend)
+    patch.setattr(Attention, "project", project)
     return seen
 
 

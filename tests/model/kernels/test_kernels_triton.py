@@ -241,6 +241,43 @@ def test_sparse_attention_with_no_entries_stored() -> None:
     torch.testing.assert_close(sparse_attention_triton(*case), kernels.sparse_attention(*case), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_applies_rope_as_its_own_launches_would(splits: int, dtype: torch.dtype) -> None:
+    """RoPE on q and RoPE⁻¹ on the output inside the attention kernel (either output path) equal, bit for bit, the
+    RoPE kernel run on q and on the output around it; the torch reference applies the torch RoPE the same way."""
+    B, T, H, D = 2, 3, 5, 96  # 96 of a 128-wide tile: the padding dims stay out of the rotation
+    q, *rest = attention_case(generator(8), B, T, H, D, 7, 20, 6)
+    q = q.to(dtype)
+    positions = torch.tensor([[9, 10, 11], [70000, 70001, 70002]])
+    inv_freq = 10000.0 ** -(torch.arange(0, 16, 2, dtype=torch.float64) / 16)  # the last 16 dims rotate
+    rope = (positions, inv_freq)
+    got = sparse_attention_triton(q, *rest, rope=rope, splits=splits)
+    plain = sparse_attention_triton(
+        kernels.rope_rotate(q, *rope, inverse=False, backend="triton"), *rest, splits=splits
+    )
+    assert torch.equal(got, kernels.rope_rotate(plain, *rope, inverse=True, backend="triton"))
+    assert not torch.equal(got, sparse_attention_triton(q, *rest, splits=splits))
+    want = kernels.rope_rotate(kernels.sparse_attention(kernels.rope_rotate(q, *rope, inverse=False), *rest), *rope,
+                               inverse=True)  # fmt: skip
+    assert torch.equal(kernels.sparse_attention(q, *rest, rope=rope), want)
+
+
+@pytest.mark.parametrize(
+    ("positions", "inv_freq", "match"),
+    [
+        (torch.zeros(2, 4, dtype=torch.int64), torch.ones(8), "rope positions"),
+        (torch.zeros(2, 3), torch.ones(8), "rope positions"),
+        (torch.zeros(2, 3, dtype=torch.int64), torch.ones(6), "12 rotary dims"),
+        (torch.zeros(2, 3, dtype=torch.int64), torch.ones(64), "128 rotary dims"),
+    ],
+)
+def test_sparse_attention_names_a_bad_rope(positions: torch.Tensor, inv_freq: torch.Tensor, match: str) -> None:
+    case = attention_case(generator(9), 2, 3, 2, 64, 5, 9, 4)
+    with pytest.raises(ValueError, match=match):
+        kernels.sparse_attention(*case, rope=(positions, inv_freq))
+
+
 def test_sparse_attention_keeps_the_query_dtype() -> None:
     case = attention_case(generator(5), 1, 1, 16, 64, 8, 16, 8)
     q = case[0].bfloat16()
