@@ -289,6 +289,13 @@ def check_quantisers(c: Checks, rows: int) -> None:
             bad_back = int((back.view(torch.int16) != back_t.view(torch.int16)).sum())
             c.report(f"quantise {fmt} {name}", bad == 0 and bad_back == 0, f"{len(x)}×512, {bad} bytes differ, "
                      f"{bad_back} dequantised values differ")  # fmt: skip
+    # the window latent's cast with its RoPE in the launch: the RoPE kernel's output cast, bit for bit
+    x = randn(rows, 512, dtype=torch.bfloat16)
+    rope = (torch.randint(0, 1 << 20, (rows,), device=DEVICE), 10000.0 ** -(torch.arange(0, 64, 2.0) / 64).double())
+    fused = kernels.quantize_swa_fp8(x, "triton", rope)
+    apart = kernels.quantize_swa_fp8(kernels.rope_rotate(x, *rope, inverse=False, backend="triton"), "triton")
+    bad = sum(int((f != a).sum()) for f, a in zip(fused, apart, strict=True))
+    c.report("quantise swa_fp8 with RoPE", bad == 0, f"{rows}×512, {bad} bytes differ from RoPE, then the cast")
 
 
 def check_activations(c: Checks, rows: int) -> None:

@@ -135,6 +135,11 @@ class Attention(nn.Module):
         """This layer's rotated K=V latent [B, T, D] (before the FP8 cast); x is the FP8-cast input."""
         return self.rope.rotate(self.window_latent(x), positions)
 
+    def window_entries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """`window_kv` as the SWA ring stores it, FP8 bytes and UE8M0 scales, rotated and cast in one launch."""
+        latent = self.window_latent(x)
+        return kernels.quantize_swa_fp8(latent, kernels.backend_for(latent), (positions, self.rope.inv_freq))
+
     def cast_input(self, x: Tensor) -> Tensor | Fp8Act:
         """The attention input as wq_a and wkv (both FP8 linears) share it: one FP8 cast (`Fp8Linear.share`), plain
         if unquantised."""
@@ -205,9 +210,8 @@ class Attention(nn.Module):
         a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
         xq = self.cast_input(x)
-        (qr, q), kv = self.query_heads(xq), self.window_kv(xq, positions)  # q rotates in the attention kernel
-        swa_data, swa_scale = kernels.quantize_swa_fp8(kv, backend=be)
-        window = step.window(self.layer, swa_data, swa_scale)
+        qr, q = self.query_heads(xq)  # q rotates in the attention kernel
+        window = step.window(self.layer, *self.window_entries(xq, positions))
         compressed = None
         if role.ratio:
             if role.owns_kv and not step.replay:

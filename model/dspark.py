@@ -100,8 +100,7 @@ class DSparkBlock(Block):
         """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
         attn, W = self.attn, self.args.sliding_window
         xq = attn.cast_input(x)
-        (_, q), kv = attn.query_heads(xq), attn.window_kv(xq, positions)  # q rotates in the attention kernel
-        data, scale = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(x))
+        (_, q), (data, scale) = attn.query_heads(xq), attn.window_entries(xq, positions)  # q rotates in attention
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)

@@ -102,9 +102,30 @@ def quantize_index_fp4(x: Tensor, backend: Backend = "torch") -> tuple[Tensor, T
     return _pick(backend, kv_quant, "quantize_index_fp4")(x)
 
 
-def quantize_swa_fp8(x: Tensor, backend: Backend = "torch") -> tuple[Tensor, Tensor]:
-    """SWA ring: [..., D] → (E4M3 bits uint8 [..., D], UE8M0 scales uint8 [..., D/32])."""
-    return _pick(backend, kv_quant, "quantize_swa_fp8")(x)
+def quantize_swa_fp8(
+    x: Tensor, backend: Backend = "torch", rope: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """SWA ring: [..., D] → (E4M3 bits uint8 [..., D], UE8M0 scales uint8 [..., D/32]); with `rope` = (positions
+    over x's leading dims, inv_freq), of x after RoPE on its last 2·len(inv_freq) dims (a power of two), applied in
+    the same launch as `rope_rotate` applies it."""
+    if rope is not None:
+        _check_rope(rope, x.shape[:-1], x.shape[-1])
+    return _pick(backend, kv_quant, "quantize_swa_fp8")(x, rope)
+
+
+def _check_rope(rope: tuple[Tensor, Tensor], lead: Sequence[int], D: int) -> None:
+    """A kernel's `rope` = (integer positions over the leading dims `lead`, inv_freq of a power-of-two count of
+    rotary dims within D): ValueError naming what is wrong."""
+    positions, inv_freq = rope
+    _expect("rope inv_freq", inv_freq, (None,))
+    fits = positions.dim() == len(lead) and all(p in (1, n) for p, n in zip(positions.shape, lead, strict=True))
+    if positions.dtype not in _INTS or not fits:
+        raise ValueError(
+            f"rope positions: expected integers over {list(lead)}, got {positions.dtype} {list(positions.shape)}"
+        )
+    rd = 2 * inv_freq.shape[0]
+    if rd == 0 or rd > D or rd & (rd - 1):
+        raise ValueError(f"rope inv_freq: {rd} rotary dims are not a power of two within the last dim {D}")
 
 
 def dequantize_kv_fp4(data: Tensor, scale: Tensor, dtype: torch.dtype, backend: Backend = "torch") -> Tensor:
@@ -252,14 +273,7 @@ def sparse_attention(
     _expect("idx", idx, (B, T, None), _INTS)
     _expect("sink", sink, (H,), _WIDE_FLOATS)
     if rope is not None:
-        positions, inv_freq = rope
-        _expect("rope positions", positions, (None, None), _INTS)
-        _expect("rope inv_freq", inv_freq, (None,))
-        rd = 2 * inv_freq.shape[0]
-        if positions.shape[0] not in (1, B) or positions.shape[1] not in (1, T):
-            raise ValueError(f"rope positions: expected [B, T] = [{B}, {T}], got {list(positions.shape)}")
-        if rd > D or rd & (rd - 1) or rd == 0:
-            raise ValueError(f"rope inv_freq: {rd} rotary dims are not a power of two within the latent dim {D}")
+        _check_rope(rope, (B, T), D)
     return _pick(backend, sparse_attn, "sparse_attention")(
         q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, softmax_scale, rope
     )

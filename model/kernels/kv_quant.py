@@ -29,6 +29,7 @@ from model.kernels.formats import (
     ue8m0_decode,
     ue8m0_encode,
 )
+from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch
 
 KV_BLOCK = 16
 INDEX_BLOCK = 32
@@ -50,8 +51,8 @@ def quantize_index_fp4_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     return quant.fp4_quant_ue8m0(x, INDEX_BLOCK)
 
 
-def quantize_swa_fp8_torch(x: Tensor) -> tuple[Tensor, Tensor]:
-    return quant.fp8_quant(x, SWA_BLOCK)
+def quantize_swa_fp8_torch(x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    return quant.fp8_quant(x if rope is None else rope_rotate_torch(x, *rope, inverse=False), SWA_BLOCK)
 
 
 def dequantize_kv_fp4_torch(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -91,17 +92,25 @@ def _store_scales(scale_ptr, byte, rows, M, NB: tl.constexpr, NBP: tl.constexpr)
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, M,
+    x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, M,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, FAKE: tl.constexpr,
+    RD: tl.constexpr,
 ):  # fmt: skip
-    """FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead of codes and scales."""
+    """FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead of codes and scales. RD > 0: the
+    rows' last RD dims take RoPE first (row r at pos_ptr[r] × freq_ptr), rounded to x's dtype as the RoPE kernel
+    would store them."""
     BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
     NB: tl.constexpr = D // BLOCK
     NBP: tl.constexpr = DP // BLOCK
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, DP)
     ok = (rows[:, None] < M) & (cols[None, :] < D)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if RD > 0:
+        pos = tl.load(pos_ptr + rows, mask=rows < M, other=0)[:, None]
+        x = rope_pairs(x_ptr, rows.to(tl.int64) * D, ok, cols, pos, freq_ptr, D, RD, False)
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
     scale, byte = block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
     if not FAKE:
@@ -181,8 +190,15 @@ def _launch_shape(M: int, D: int, tile: int = _TILE_ELEMENTS) -> tuple[int, int,
     return DP, block_m, (triton.cdiv(M, block_m),)
 
 
-def quantize_triton(x: Tensor, fmt: int, tile: int = _TILE_ELEMENTS, num_warps: int = 4) -> tuple[Tensor, Tensor]:
-    """`tile` (elements, or bf16 pairs, per program) and `num_warps` override the launch (bench/kernels.py tunes)."""
+def quantize_triton(
+    x: Tensor,
+    fmt: int,
+    tile: int = _TILE_ELEMENTS,
+    num_warps: int = 4,
+    rope: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`tile` (elements, or bf16 pairs, per program) and `num_warps` override the launch (bench/kernels.py tunes);
+    `rope` (positions over x's leading dims, inv_freq): RoPE on x's last dims first (FP8 only)."""
     block = _BLOCKS[fmt]
     quant.check_block(x, block, "quantize")
     D = x.shape[-1]
@@ -198,7 +214,8 @@ def quantize_triton(x: Tensor, fmt: int, tile: int = _TILE_ELEMENTS, num_warps: 
         )
     elif M:
         DP, block_m, grid = _launch_shape(M, D, tile)
-        _quantize_kernel[grid](x2, data, scale, M, D, DP, block_m, fmt, False, num_warps=num_warps)
+        pos, freq, rd = rope_arguments(rope, x.shape[:-1], x.device)
+        _quantize_kernel[grid](x2, data, scale, pos, freq, M, D, DP, block_m, fmt, False, rd, num_warps=num_warps)
     return data, scale
 
 
@@ -215,7 +232,7 @@ def fake_quant_fp8_triton(x: Tensor) -> Tensor:
     out = torch.empty_like(x2)
     if x2.shape[0]:
         DP, block_m, grid = _launch_shape(x2.shape[0], D)
-        _quantize_kernel[grid](x2, out, out, x2.shape[0], D, DP, block_m, FP8_UE8M0, True)
+        _quantize_kernel[grid](x2, out, out, out, out, x2.shape[0], D, DP, block_m, FP8_UE8M0, True, 0)
     return quant.straight_through(x, out.view(x.shape))
 
 
@@ -239,8 +256,8 @@ def quantize_index_fp4_triton(x: Tensor) -> tuple[Tensor, Tensor]:
     return quantize_triton(x, FP4_UE8M0.value)
 
 
-def quantize_swa_fp8_triton(x: Tensor) -> tuple[Tensor, Tensor]:
-    return quantize_triton(x, FP8_UE8M0.value)
+def quantize_swa_fp8_triton(x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    return quantize_triton(x, FP8_UE8M0.value, rope=rope)
 
 
 def dequantize_kv_fp4_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

@@ -40,6 +40,23 @@ def rope_rotate_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: b
 
 
 @triton.jit
+def rope_pairs(ptr, rows, ok, d, pos, freq_ptr, D: tl.constexpr, RD: tl.constexpr, INVERSE: tl.constexpr):
+    """Dims d (of D) of `rows` [R] (element offsets) at ptr where `ok` [R, len(d)], RoPE (INVERSE: RoPE⁻¹) applied
+    at positions `pos` (a scalar, or [R, 1]: one a row) to those among the last RD, in fp32: each value and its pair
+    partner (d ^ 1) loaded, cos / sin of the fp64 angle position × freq_ptr rounded to fp32. The others as loaded.
+    Every kernel that applies RoPE computes it here, so a RoPE inside another kernel rounds as this module's does."""
+    rot = (d >= D - RD) & (d < D)
+    x = tl.load(ptr + rows[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + rows[:, None] + (d ^ 1)[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
+    angle = pos.to(tl.float64) * tl.load(freq_ptr + (d - (D - RD)) // 2, mask=rot, other=0.0)[None, :]
+    cos, sin = tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    rotated = tl.where((d % 2 == 0)[None, :], x * cos - partner * sin, partner * sin + x * cos)  # (re·c − im·s, …)
+    return tl.where(rot[None, :], rotated, x)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr, H,
     D: tl.constexpr, RD: tl.constexpr, KEEP: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
@@ -47,23 +64,30 @@ def _rope_kernel(
     """x, out [P, H, D]: position p = program 0, heads BLOCK_H · program 1 …; the last RD dims rotate."""
     p = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row = (p.to(tl.int64) * H + heads[:, None]) * D
+    row = (p.to(tl.int64) * H + heads) * D
     live = heads[:, None] < H
     if D > RD:  # the non-rotary dims are copied
         k = tl.arange(0, KEEP)
         kept = live & (k[None, :] < D - RD)
-        tl.store(out_ptr + row + k[None, :], tl.load(x_ptr + row + k[None, :], mask=kept), mask=kept)
-    d = tl.arange(0, RD)
-    at = row + (D - RD) + d[None, :]
-    x = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + row + (D - RD) + (d ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
-    angle = tl.load(pos_ptr + p).to(tl.float64) * tl.load(freq_ptr + d // 2)  # [RD]: once for every head
-    cos, sin = tl.cos(angle).to(tl.float32)[None, :], tl.sin(angle).to(tl.float32)[None, :]
-    if INVERSE:
-        sin = -sin
-    even = (d % 2 == 0)[None, :]
-    rotated = tl.where(even, x * cos - partner * sin, partner * sin + x * cos)  # (re·c − im·s, re·s + im·c)
-    tl.store(out_ptr + at, rotated.to(out_ptr.dtype.element_ty), mask=live)
+        at = row[:, None] + k[None, :]
+        tl.store(out_ptr + at, tl.load(x_ptr + at, mask=kept), mask=kept)
+    d = (D - RD) + tl.arange(0, RD)
+    rotated = rope_pairs(x_ptr, row, live, d, tl.load(pos_ptr + p), freq_ptr, D, RD, INVERSE)  # angles once a dim
+    tl.store(out_ptr + row[:, None] + d[None, :], rotated.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def rope_arguments(
+    rope: tuple[Tensor, Tensor] | None, lead: torch.Size, device: torch.device
+) -> tuple[Tensor, Tensor, int]:
+    """The arguments of a kernel that applies RoPE (`rope_pairs`) to rows of leading dims `lead`: their positions,
+    one a row (positions broadcast to `lead`), the fp64 frequencies, and the rotary dims (0 without `rope`: the two
+    tensors are then empty and unread)."""
+    if rope is None:
+        empty = torch.empty(0, dtype=torch.float64, device=device)
+        return empty, empty, 0
+    positions, inv_freq = rope
+    pos = positions.expand(lead).reshape(-1).contiguous()
+    return pos, inv_freq.to(device, torch.float64).contiguous(), 2 * inv_freq.shape[0]
 
 
 def rope_rotate_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool) -> Tensor:

@@ -18,7 +18,7 @@ the program also folds in the sink and writes the output; with several, a combin
 (max, sum, accumulator) triples and the sink. Splits follow the number of queries, so under batch invariance
 (model.kernels.invariance) there is one per query, whatever the batch. RoPE in the kernel: a program loads its
 query's rotary dims twice, as they are and as their pair partners, rotates them in fp32, rounds them to q's dtype
-(`_rope_pairs`, the RoPE kernel's arithmetic) into a scratch copy and loads its q tile from [q ‖ copy]
+(`rope.rope_pairs`, the RoPE kernel's arithmetic) into a scratch copy and loads its q tile from [q ‖ copy]
 (`_rotate_queries`); the program that writes a query's output then reads its rotary dims back the same way and
 rotates them in place (`_unrotate`): the roundings of the separate RoPE launches, without the launches.
 """
@@ -33,7 +33,7 @@ from torch import Tensor
 from model.kernels.formats import dense_rows, e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
 from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
-from model.kernels.rope import rope_rotate_torch
+from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch
 
 LOG2E = math.log2(math.e)
 
@@ -135,28 +135,12 @@ def _entry_tile(
 
 
 @triton.jit
-def _rope_pairs(ptr, rows, ok, d, pos, freq_ptr, D: tl.constexpr, RD: tl.constexpr, INVERSE: tl.constexpr):
-    """Dims d (of D) of `rows` [R] (element offsets) at ptr where `ok` [R, len(d)], RoPE (INVERSE: RoPE⁻¹) applied
-    at position pos to those among the last RD, in fp32 as `model.kernels.rope`'s kernel computes it: each value
-    and its pair partner (d ^ 1) loaded, cos / sin of the fp64 angle rounded to fp32. The others as loaded."""
-    rot = (d >= D - RD) & (d < D)
-    x = tl.load(ptr + rows[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    partner = tl.load(ptr + rows[:, None] + (d ^ 1)[None, :], mask=ok & rot[None, :], other=0.0).to(tl.float32)
-    angle = pos.to(tl.float64) * tl.load(freq_ptr + (d - (D - RD)) // 2, mask=rot, other=0.0)
-    cos, sin = tl.cos(angle).to(tl.float32)[None, :], tl.sin(angle).to(tl.float32)[None, :]
-    if INVERSE:
-        sin = -sin
-    rotated = tl.where((d % 2 == 0)[None, :], x * cos - partner * sin, partner * sin + x * cos)
-    return tl.where(rot[None, :], rotated, x)
-
-
-@triton.jit
 def _rotate_queries(q_ptr, rq_ptr, rows, rq_rows, h_ok, pos, freq_ptr, D: tl.constexpr, RD: tl.constexpr):
     """The last RD dims of q rows `rows` (element offsets) rotated, in q's dtype, to rows `rq_rows` of rq [*, RD];
     the barrier makes them visible to the program's threads. The q tile the key loop holds is then a plain load,
     laid out as it is without RoPE. The splits of a query write the same values."""
     d = (D - RD) + tl.arange(0, RD)
-    rotated = _rope_pairs(q_ptr, rows, h_ok[:, None], d, pos, freq_ptr, D, RD, False)
+    rotated = rope_pairs(q_ptr, rows, h_ok[:, None], d, pos, freq_ptr, D, RD, False)
     at = rq_ptr + rq_rows[:, None] + (d - (D - RD))[None, :]
     tl.store(at, rotated.to(rq_ptr.dtype.element_ty), mask=h_ok[:, None])
     tl.debug_barrier()
@@ -169,7 +153,7 @@ def _unrotate(out_ptr, rows, h_ok, pos_ptr, freq_ptr, bt, D: tl.constexpr, RD: t
     partner is read before any is overwritten."""
     d = (D - RD) + tl.arange(0, RD)
     tl.debug_barrier()
-    rotated = _rope_pairs(out_ptr, rows, h_ok[:, None], d, tl.load(pos_ptr + bt), freq_ptr, D, RD, True)
+    rotated = rope_pairs(out_ptr, rows, h_ok[:, None], d, tl.load(pos_ptr + bt), freq_ptr, D, RD, True)
     tl.debug_barrier()
     tl.store(out_ptr + rows[:, None] + d[None, :], rotated.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
@@ -320,7 +304,7 @@ def sparse_attention_triton(
             new_scale.contiguous(), swa_idx.to(torch.int32).contiguous())  # fmt: skip
     kv_data, kv_scale = dense_rows(kv_data), dense_rows(kv_scale)  # the cache's [:, :n] views, never copied
     args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
-    pos, freq, rd = _rotation(rope, q)
+    pos, freq, rd = rope_arguments(rope, q.shape[:2], q.device)
     rotated_q = q.new_empty(B * T * H * rd)
     _sparse_attention_kernel[(B * T, head_groups, n_splits)](
         *args, out, partial_o, partial_m, partial_l, pos, freq, rotated_q, T, H, R, TN, W, kv_data.stride(0),
@@ -333,14 +317,3 @@ def sparse_attention_triton(
             sink, partial_o, partial_m, partial_l, out, pos, freq, H, D, DP, combine_h, n_splits, rd
         )
     return out
-
-
-def _rotation(rope: tuple[Tensor, Tensor] | None, q: Tensor) -> tuple[Tensor, Tensor, int]:
-    """The kernels' RoPE⁻¹ arguments: one position per query [B·T], the fp64 frequencies, the rotary dims (0: none;
-    the frequencies are then unread)."""
-    if rope is None:
-        empty = q.new_empty(0, dtype=torch.float64)
-        return empty, empty, 0
-    positions, inv_freq = rope
-    pos = positions.expand(q.shape[:2]).reshape(-1).contiguous()
-    return pos, inv_freq.to(q.device, torch.float64).contiguous(), 2 * inv_freq.shape[0]

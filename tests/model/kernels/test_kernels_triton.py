@@ -263,6 +263,23 @@ def test_sparse_attention_applies_rope_as_its_own_launches_would(splits: int, dt
     assert torch.equal(kernels.sparse_attention(q, *rest, rope=rope), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_swa_cast_applies_rope_as_its_own_launch_would(dtype: torch.dtype) -> None:
+    """The window latent's RoPE inside the FP8 cast (rows of their own positions, the rows of one program among
+    them) gives the bytes and scales of the RoPE kernel's output cast; the torch reference likewise."""
+    x = (torch.randn(3, 5, 96, generator=generator(10)) * 4).to(dtype)
+    positions = torch.randint(0, 1 << 20, (3, 5), generator=generator(11))
+    rope = (positions, 10000.0 ** -(torch.arange(0, 32, 2, dtype=torch.float64) / 32))  # the last 32 dims rotate
+    fused = kernels.quantize_swa_fp8(x, "triton", rope)
+    apart = kernels.quantize_swa_fp8(kernels.rope_rotate(x, *rope, inverse=False, backend="triton"), "triton")
+    assert all(torch.equal(a, b) for a, b in zip(fused, apart, strict=True))
+    assert not torch.equal(fused[0], kernels.quantize_swa_fp8(x, "triton")[0])
+    reference = kernels.quantize_swa_fp8(kernels.rope_rotate(x, *rope, inverse=False), "torch")
+    assert all(torch.equal(a, b) for a, b in zip(kernels.quantize_swa_fp8(x, "torch", rope), reference, strict=True))
+    with pytest.raises(ValueError, match=r"rope positions: expected integers over \[3, 5\]"):
+        kernels.quantize_swa_fp8(x, "triton", (positions[:, :4], rope[1]))
+
+
 @pytest.mark.parametrize(
     ("positions", "inv_freq", "match"),
     [
