@@ -180,10 +180,12 @@ class MoEInputs:
     w2: torch.Tensor
     s2: torch.Tensor
 
-    def gate_up(self, backend: str, dtype: torch.dtype = torch.bfloat16, **tuning: object) -> torch.Tensor:
+    def gate_up(self, backend: str, dtype: torch.dtype = torch.bfloat16, fp8: bool = False, **tuning: object):
+        """h [P, I] in dtype, or (`fp8`) its FP8 (bytes, scales) as moe_down reads them."""
         args = (self.x_data, self.x_scale, self.order, self.offsets, self.weights, self.w13, self.s13)
-        return kernels.moe_gate_up(*args, SWIGLU_LIMIT, dtype, backend=backend,
-                                   tuning=kernels.MoEGemmTuning(**tuning) if tuning else None)  # fmt: skip
+        gemm = kernels.moe_gate_up_cast if fp8 else kernels.moe_gate_up
+        return gemm(*args, SWIGLU_LIMIT, dtype, backend=backend,
+                    tuning=kernels.MoEGemmTuning(**tuning) if tuning else None)  # fmt: skip
 
     def down(self, h: tuple[torch.Tensor, torch.Tensor], backend: str, dtype: torch.dtype = torch.bfloat16,
              **tuning: object) -> torch.Tensor:  # fmt: skip
@@ -481,6 +483,11 @@ def check_moe_gemm(
                 rel = float((got.float() - ref).norm() / ref.norm())
                 ok = got.dtype == dtype and rel < tolerance and bool(torch.isfinite(got).all())
                 c.report(f"moe {name} E={E} tokens={N} block {block} {dtype} {tuning or ''}", ok, f"rel err {rel:.1e}")
+        # gate_up's output cast to FP8 in its epilogue: the cast kernel's bytes of its bf16 output
+        cast = m.gate_up("triton", torch.bfloat16, True, **{"cast": True, **tuning})
+        apart = kernels.quantize_swa_fp8(m.gate_up("triton", torch.bfloat16, **tuning), "triton")
+        bad = sum(int((a != b).sum()) for a, b in zip(cast, apart, strict=True))
+        c.report(f"moe gate_up cast E={E} tokens={N} block {block} {tuning or ''}", bad == 0, f"{bad} bytes differ")
 
 
 def run_checks(names: list[str], tiny: bool) -> list[str]:

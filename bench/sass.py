@@ -30,6 +30,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret: decided when t
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -336,7 +337,7 @@ def moe_gemm_reports(
 ) -> list[Report]:
     """The grouped expert GEMMs' default launches (gate_up, down) for `tokens` tokens routed to `top` of `experts`
     (pairs per tile from the average): bf16 dots with the nibbles decoded by the PTX table lookups, or (`dot` fp8)
-    FP8 code dots per 32-input chunk."""
+    FP8 code dots per 32-input chunk; gate_up casting its output to FP8 as the model runs it."""
     t = moe_gemm.MoEGemmTuning(ptx=True, dot=dot).resolved(tokens * top, experts)
     chunked = dot != "bf16"
     signature = {
@@ -348,6 +349,7 @@ def moe_gemm_reports(
         "w_ptr": "*u8",
         "ws_ptr": "*u8",
         "out_ptr": "*bf16",
+        "os_ptr": "*u8",
         "n_out": "i32",
         "limit": "fp32",
         "n_experts": "i32",
@@ -372,9 +374,12 @@ def moe_gemm_reports(
             "SLOTS": top if gated and chunked else 0,
             "X_WORDS": inputs % 128 == 0 and t.block_k % 128 == 0,
             "SCATTER": not gated,
+            "CAST": gated,  # gate_up's output leaves as moe_down's FP8 input
+            "ROUND": tl.bfloat16,
         }
+        types = signature | {"out_ptr": "*u8" if gated else "*bf16"}
         name = f"{name} {t.block_m} pairs × {t.block_n} weight rows × {t.block_k} (block {block}, {dot} dots)"
-        reports.append(compile_sm90(name, moe_gemm._moe_kernel, signature, constexprs, t.num_warps, None, ("n_out",)))
+        reports.append(compile_sm90(name, moe_gemm._moe_kernel, types, constexprs, t.num_warps, None, ("n_out",)))
     return reports
 
 

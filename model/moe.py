@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from model import kernels
 from model.config import ModelArgs
 from model.fused import fused
-from model.linear import Fp8Act, Linear, WeightFormat, fp8_act, packed_param, param_dtype
+from model.linear import Fp8Act, Linear, WeightFormat, packed_param, param_dtype
 from model.parallel import SINGLE, Parallel, answer_round, expert_parallel
 
 
@@ -162,11 +162,10 @@ class PackedExperts(nn.Module):
         them: two grouped GEMMs over the (token, slot) pairs sorted by expert."""
         be = kernels.backend_for(xq.data)
         order, offsets = kernels.moe_pairs(ids, self.n_experts)
-        h = kernels.moe_gate_up(
+        h_data, h_scale = kernels.moe_gate_up_cast(
             xq.data, xq.scale, order, offsets, weights, self.w13, self.w13_scale, self.limit, xq.dtype, backend=be
         )
-        hq = fp8_act(h)
-        out = kernels.moe_down(hq.data, hq.scale, offsets, self.w2, self.w2_scale, xq.dtype, backend=be, order=order)
+        out = kernels.moe_down(h_data, h_scale, offsets, self.w2, self.w2_scale, xq.dtype, backend=be, order=order)
         return out.view(*ids.shape, out.shape[-1])
 
     def extra_repr(self) -> str:

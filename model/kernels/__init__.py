@@ -44,6 +44,7 @@ __all__ = [
     "indexer_scores",
     "moe_down",
     "moe_gate_up",
+    "moe_gate_up_cast",
     "moe_pairs",
     "quantize_index_fp4",
     "quantize_kv_fp4",
@@ -407,15 +408,53 @@ def moe_gate_up(
     0 … I − 1 = W1, I … 2I − 1 = W3) with UE8M0 s13 [E, 2I, C/16] or [E, 2I, C/32] (the block told by the shape).
     Nothing is checked that would need the device's values (a sync). `tuning`: the Triton launch shape (None:
     `MoEGemmTuning()`)."""
+    backend = _check_gate_up(x_data, x_scale, order, offsets, weights, w13, s13, out_dtype, backend)
+    args = (x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype)
+    return _tuned(backend, moe_gemm, "moe_gate_up", tuning, *args)
+
+
+def moe_gate_up_cast(
+    x_data: Tensor,
+    x_scale: Tensor,
+    order: Tensor,
+    offsets: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+    backend: Backend = "torch",
+    tuning: MoEGemmTuning | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`moe_gate_up`'s h rounded to out_dtype, as `moe_down` reads it: FP8 bytes [P, I] and UE8M0 scales per 32
+    [P, I/32], the bytes of `quantize_swa_fp8(h)`. The Triton form casts in the GEMM's epilogue for a few tokens
+    (`MoEGemmTuning.cast`): one launch, not two."""
+    backend = _check_gate_up(x_data, x_scale, order, offsets, weights, w13, s13, out_dtype, backend)
+    if w13.shape[1] // 2 % kv_quant.SWA_BLOCK:
+        raise ValueError(f"w13: {w13.shape[1] // 2} intermediate channels are not groups of {kv_quant.SWA_BLOCK}")
+    args = (x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype)
+    return _tuned(backend, moe_gemm, "moe_gate_up_cast", tuning, *args)
+
+
+def _check_gate_up(
+    x_data: Tensor,
+    x_scale: Tensor,
+    order: Tensor,
+    offsets: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    out_dtype: torch.dtype,
+    backend: Backend,
+) -> Backend:
+    """The arguments of the gate_up GEMM, each named in a ValueError when wrong → the backend that runs it."""
     N, C = _expect_fp8_rows("x_data", x_data)
     _expect("x_scale", x_scale, (N, C // kv_quant.SWA_BLOCK), (torch.uint8,))
     _expect("order", order, (None,), (torch.int64,))
     _expect("weights", weights, (N, None), _WIDE_FLOATS)
     E, _ = _expect_experts("w13", w13, "s13", s13, C, stacked=True)
     _expect_offsets(offsets, E)
-    backend = _gemm_backend(out_dtype, backend)
-    args = (x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype)
-    return _tuned(backend, moe_gemm, "moe_gate_up", tuning, *args)
+    return _gemm_backend(out_dtype, backend)
 
 
 def moe_down(

@@ -40,21 +40,26 @@ from torch import Tensor
 
 from model import quant
 from model.kernels.formats import (
+    abs_bits,
     check_tile_sides,
     e2m1_as_e4m3,
     e2m1_scaled,
     e4m3_decode,
+    e4m3_encode,
     e4m3_scaled,
     interpreting,
     scale_words,
     ue8m0_block_scales,
 )
 from model.kernels.fp8_gemm import _chunk_scales
+from model.kernels.kv_quant import FP8_UE8M0, block_scale, quantize_swa_fp8_torch, quantize_triton
 
 X_BLOCK = 32  # inputs per activation scale
 _X_BLOCK = tl.constexpr(X_BLOCK)  # the same, as kernels read a global
 SCALE_BLOCKS = (16, 32)  # inputs per expert-weight scale: the two layouts of reference §2.9
 DECODE_BLOCK_P, DECODE_BLOCK_K = 16, 512  # the activation decode's tile: rows × inputs
+CAST_BELOW_TOKENS = 32  # gate_up casts its FP8 output in its epilogue below this many tokens (MoEGemmTuning.cast)
+_TRITON_FLOATS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,10 @@ class MoEGemmTuning:
       only): FP8 tensor-core dots of the raw codes per 32-input chunk — each E2M1 nibble widened to the E4M3 byte of
       its value × 2⁻⁶ (sign, magnitude << 2: exact, the subnormal 0.5 included), the activations' E4M3 bytes as
       stored — rescaled by the two scale vectors, as the FP8 linear's chunked dots; "fp32": the same chunks as
-      decoded fp32 codes (the interpreter, which has no FP8 dot)."""
+      decoded fp32 codes (the interpreter, which has no FP8 dot);
+    - `cast`: whether gate_up, asked for its output as FP8 (`moe_gate_up_cast`), casts it in its epilogue (None:
+      below 32 tokens, as the FP8 linear casts its input, where a launch weighs most; the cast's registers lower the
+      programs per SM) — else the cast kernel runs after it. Needs output columns per program in groups of 32."""
 
     block_m: int | None = None
     block_n: int = 128
@@ -84,12 +92,14 @@ class MoEGemmTuning:
     num_stages: int = 3
     ptx: bool | None = None
     dot: Literal["bf16", "fp8", "fp32"] = "bf16"
+    cast: bool | None = None
 
     def resolved(self, pairs: int, experts: int) -> "MoEGemmTuning":
         """These settings with the defaults for `pairs` (token, slot) pairs over `experts` experts filled in."""
         block_m = self.block_m or _block_m(pairs, experts)
         warps = self.num_warps or (4 if block_m * self.block_n < 64 * 128 else 8)
-        return replace(self, block_m=block_m, num_warps=warps, ptx=not interpreting() if self.ptx is None else self.ptx)
+        ptx = not interpreting() if self.ptx is None else self.ptx
+        return replace(self, block_m=block_m, num_warps=warps, ptx=ptx)
 
 
 def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
@@ -148,6 +158,21 @@ def moe_gate_up_torch(
     gate, up = _expert_products(x, offsets, w13, s13).chunk(2, dim=-1)
     h = F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     return (h * weights.flatten()[order].float().to(compute)[:, None]).to(out_dtype)  # fp32 weights, as the kernel
+
+
+def moe_gate_up_cast_torch(
+    x_data: Tensor,
+    x_scale: Tensor,
+    order: Tensor,
+    offsets: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    h = moe_gate_up_torch(x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype)
+    return quantize_swa_fp8_torch(h)
 
 
 def moe_down_torch(
@@ -286,18 +311,29 @@ def _chunked_projection(
 
 
 @triton.jit
+def _cast_columns(h, ROUND: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """Output tile hᵀ [BN columns, BM pairs] (fp32), rounded to the float dtype ROUND first (as it would be stored),
+    cast as `quantize_swa_fp8` casts each pair's 32-column groups → (E4M3 codes [BN, BM], UE8M0 bytes [BN/32, BM])."""
+    h = h.to(ROUND).to(tl.float32)
+    groups = tl.reshape(h, (BN // 32, 32, BM))
+    scale, byte = block_scale(tl.max(abs_bits(groups), axis=1).to(tl.float32, bitcast=True), FP8_UE8M0)
+    return tl.reshape(e4m3_encode(groups * (1.0 / scale[:, None, :])), (BN, BM)), byte  # 1/2^k is exact
+
+
+@triton.jit
 def _moe_kernel(
-    x_ptr, xs_ptr, order_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, n_out, limit, n_experts,
+    x_ptr, xs_ptr, order_ptr, offsets_ptr, pw_ptr, w_ptr, ws_ptr, out_ptr, os_ptr, n_out, limit, n_experts,
     K: tl.constexpr, SB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     GATED: tl.constexpr, COMPACT: tl.constexpr, E_BLOCK: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
     PTX: tl.constexpr, CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, SLOTS: tl.constexpr, X_WORDS: tl.constexpr,
-    SCATTER: tl.constexpr,
+    SCATTER: tl.constexpr, CAST: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
     """Output columns n of expert e's pairs. x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`), or
     with CHUNKED the FP8 activations themselves (E4M3 bytes, UE8M0 scales xs per 32 inputs; pair p's row
     order_ptr[p] // SLOTS if SLOTS, else p). GATED (gate_up): weight rows n (W1) and n_out + n (W3) of the expert's
     2·n_out, SwiGLU and the routing weight pw_ptr[order_ptr[p]] on the way out; otherwise (down) the weight has n_out
-    rows per expert, and with SCATTER pair p's output goes to row order_ptr[p] (the (token, slot) order). The program's
+    rows per expert, and with SCATTER pair p's output goes to row order_ptr[p] (the (token, slot) order). CAST: the
+    output stored as FP8 bytes, its UE8M0 scales per 32 columns to os_ptr [P, n_out/32] (`_cast_columns`). The program's
     expert is program_id(1), or with COMPACT (one column per pair) that of sorted pair j = program_id(1) — the number
     of experts whose pairs all precede j, counted over the E_BLOCK ≥ n_experts offsets —, worked only if j is its
     first pair."""
@@ -343,7 +379,14 @@ def _moe_kernel(
             acc = gate * tl.sigmoid(gate) * up * weight[None, :]
         dest = tl.load(order_ptr + p, mask=p_ok, other=0) if SCATTER else p.to(tl.int64)
         out = out_ptr + dest[None, :] * n_out + n[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[None, :] & n_ok[:, None])
+        if CAST:
+            codes, byte = _cast_columns(acc, ROUND, BN, BM)
+            tl.store(out, codes, mask=p_ok[None, :] & n_ok[:, None])
+            groups = tl.program_id(0) * (BN // 32) + tl.arange(0, BN // 32)
+            at = os_ptr + dest[None, :] * (n_out // 32) + groups[:, None]
+            tl.store(at, byte, mask=p_ok[None, :] & (groups < n_out // 32)[:, None])
+        else:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=p_ok[None, :] & n_ok[:, None])
 
 
 def _block_m(pairs: int, experts: int) -> int:
@@ -384,21 +427,28 @@ def _grouped(
     limit: float,
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning,
-) -> Tensor:
+    cast: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """One launch of `_moe_kernel` for both projections (gate_up when the routing weights [N, k] are given: each
     sorted pair's row order // k of x_data and weight weights.flatten()[order]; down: the rows are the pairs, and
     with `order` each output row goes back to its pair's (token, slot) place) over the pairs' FP8 activations:
-    decoded first (`decoded_rows`), or read as codes by the chunked dots."""
+    decoded first (`decoded_rows`), or read as codes by the chunked dots → (out [P, n_out] in out_dtype, None); with
+    `cast`, (FP8 bytes [P, n_out], UE8M0 scales [P, n_out/32]) of that output, cast in the kernel when a program's
+    columns are whole groups of 32, else by the cast kernel after it."""
     gated = weights is not None
     slots = weights.shape[1] if weights is not None else 0
     E, rows, K = w.shape[0], w.shape[1], 2 * w.shape[2]
     P = x_data.shape[0] if order is None else order.shape[0]
     n_out = rows // 2 if gated else rows
-    out = torch.empty((P, n_out), dtype=out_dtype, device=x_data.device)
-    if P == 0 or n_out == 0:
-        return out
-    sb = scale_block(K, s)
     t = tuning.resolved(P, E)
+    block_n = t.block_n // 2 if gated else t.block_n  # output columns
+    few = P // max(slots, 1) < CAST_BELOW_TOKENS  # tokens
+    in_kernel = cast and block_n % X_BLOCK == 0 and (few if t.cast is None else t.cast)
+    out = torch.empty((P, n_out), dtype=torch.uint8 if in_kernel else out_dtype, device=x_data.device)
+    out_scale = torch.empty((P, n_out // X_BLOCK), dtype=torch.uint8, device=x_data.device) if in_kernel else None
+    if P == 0 or n_out == 0:
+        return (out, out_scale) if in_kernel or not cast else quantize_triton(out, FP8_UE8M0.value)
+    sb = scale_block(K, s)
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 32 if gated else 16), block_k=(t.block_k, 32))
     if t.ptx and interpreting():
         raise ValueError("tuning.ptx: the interpreter runs no inline PTX")
@@ -410,17 +460,19 @@ def _grouped(
     s, x_scale = s.contiguous(), x_scale.contiguous()
     x = x_data.contiguous() if chunked else decoded_rows(x_data, x_scale, order if gated else None, slots)
     order_arg = offsets if order is None else order.contiguous()  # (unread without a gather)
-    block_n = t.block_n // 2 if gated else t.block_n  # output columns
     weight_arg = weights.float().contiguous() if gated else offsets  # (unread when not gated)
     compact = P < E  # one program column per pair: at 1 token, 6 over 384 experts instead of 384 (nearly all empty)
     _moe_kernel[(triton.cdiv(n_out, block_n), P if compact else E)](
-        x, x_scale, order_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out, n_out, float(limit), E, K, sb,
+        x, x_scale, order_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out,
+        out if out_scale is None else out_scale, n_out, float(limit), E, K, sb,
         t.block_m, block_n, t.block_k, t.num_stages, gated, compact, triton.next_power_of_2(E),
         scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked, t.dot == "fp8",
         slots if chunked else 0, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
-        not gated and order is not None, num_warps=t.num_warps,
+        not gated and order is not None, in_kernel, _TRITON_FLOATS[out_dtype], num_warps=t.num_warps,
     )  # fmt: skip
-    return out
+    if cast and not in_kernel:
+        return quantize_triton(out, FP8_UE8M0.value)
+    return out, out_scale
 
 
 def moe_gate_up_triton(
@@ -435,7 +487,24 @@ def moe_gate_up_triton(
     out_dtype: torch.dtype,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype, tuning)
+    return _grouped(x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype, tuning)[0]
+
+
+def moe_gate_up_cast_triton(
+    x_data: Tensor,
+    x_scale: Tensor,
+    order: Tensor,
+    offsets: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    s13: Tensor,
+    limit: float,
+    out_dtype: torch.dtype,
+    tuning: MoEGemmTuning = MoEGemmTuning(),
+) -> tuple[Tensor, Tensor]:
+    data, scale = _grouped(x_data, x_scale, order, offsets, weights, w13, s13, limit, out_dtype, tuning, cast=True)
+    assert scale is not None
+    return data, scale
 
 
 def moe_down_triton(
@@ -448,4 +517,4 @@ def moe_down_triton(
     order: Tensor | None = None,
     tuning: MoEGemmTuning = MoEGemmTuning(),
 ) -> Tensor:
-    return _grouped(h_data, h_scale, order, offsets, None, w2, s2, 0.0, out_dtype, tuning)
+    return _grouped(h_data, h_scale, order, offsets, None, w2, s2, 0.0, out_dtype, tuning)[0]

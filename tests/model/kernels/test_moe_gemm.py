@@ -3,6 +3,7 @@ against the plain dequantised float math (every pair through its expert's dequan
 kernels (in the interpreter: fp32 dots) against the same. Tolerance: fp32 summation order (2^-20 of the largest
 output), plus one rounding to the output dtype."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -107,6 +108,14 @@ def test_moe_gemms_match_the_dequantised_math(
         x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, dtype, backend="triton", tuning=tuning
     )
     assert_close_to_plain(got, plain_h, dtype)
+    # h as moe_down reads it: the cast's bytes of the rounded h, cast in the epilogue (whole 32-column groups per
+    # program) or by the cast kernel after the GEMM
+    for cast in (True, False):
+        fp8 = kernels.moe_gate_up_cast(*case[:2], order, offsets, weights, w13, s13, LIMIT, dtype, "triton",
+                                       dataclasses.replace(tuning, cast=cast))  # fmt: skip
+        assert all(map(torch.equal, fp8, kernels.quantize_swa_fp8(got, "triton")))
+    fp8 = kernels.moe_gate_up_cast(x_data, x_scale, order, offsets, weights, w13, s13, LIMIT, dtype)
+    assert all(map(torch.equal, fp8, kernels.quantize_swa_fp8(h)))
     h_data, h_scale = quant.fp8_quant(h)
     assert_close_to_plain(kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype), plain_out, dtype)
     got = kernels.moe_down(h_data, h_scale, offsets, w2, s2, dtype, backend="triton", tuning=tuning)
