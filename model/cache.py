@@ -82,21 +82,17 @@ class Ring:
     def pos(self) -> Tensor:  # int64 [S, W]
         return self.rings.pos[self.index]
 
-    def window(self, rows: slice, new_data: Tensor, new_scale: Tensor, new_pos: Tensor):
-        """The keys — committed ring (data, scale), this step's T entries (data, scale) — and, per query, its window's
-        key slots of [ring ‖ step], oldest position first (−1: no key), so every step meets a position's keys in the
-        same order (kernels.sparse_attention)."""
-        return self.data[rows], self.scale[rows], new_data, new_scale, _window_slots(self.pos[rows], new_pos)
-
 
 @fused
 def _window_slots(pos: Tensor, new_pos: Tensor) -> Tensor:
     """Query t's window positions q−W+1 … q as slots of [ring ‖ step]: this step's column of a position it writes
-    (W + column: the step's positions are consecutive), else the ring's slot (position mod W) when it holds it."""
-    W = pos.shape[1]
+    (W + column: the step's positions are consecutive), else the ring's slot (position mod W) when it holds it.
+    pos [..., B, W] (the rings of any number of layers) and new_pos [B, T] → [..., B, T, W]."""
+    W = pos.shape[-1]
     want = new_pos.unsqueeze(2) - (W - 1) + torch.arange(W, device=pos.device)  # [B, T, W]
     slot = want.remainder(W)
-    in_ring = pos.gather(1, slot.flatten(1)).view_as(want) == want
+    lead = pos.shape[:-2]
+    in_ring = pos.gather(-1, slot.flatten(1).expand(*lead, -1, -1)).view(*lead, *want.shape) == want
     column = want - new_pos[:, :1, None]
     idx = torch.where(column >= 0, W + column, torch.where(in_ring, slot, -1)).masked_fill(want < 0, -1)
     return idx.to(torch.int32)
@@ -390,6 +386,7 @@ class Step:
     static: bool = False  # shapes independent of positions (a captured step, model.graphs)
     memory: Memory | None = None  # its Engram rows, where a graph stages them (else the model looks them up)
     _visible: dict[int, Tensor] = field(default_factory=dict, repr=False)  # ratio → n_visible
+    _slots: Tensor | None = field(default=None, repr=False)  # every ring layer's window slots [L, B, T, W]
 
     @property
     def batch(self) -> int:
@@ -436,10 +433,21 @@ class Step:
         entries = self.cache.entries[source]
         return entries.view(self.rows, entries.kv_data.shape[1] if self.static else self.max_visible(ratio))
 
-    def window(self, layer: int, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Stage this step's ring entries of a layer; return its attention keys and window mask."""
+    def window(self, layer: int, data: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Stage this step's ring entries (data, scale) [B, T, ·] of a layer; return its attention keys — committed
+        ring (data, scale), the step's entries — and, per query, its window's key slots of [ring ‖ step], oldest
+        position first (−1: no key), so every step meets a position's keys in the same order
+        (kernels.sparse_attention)."""
         self.rings[layer] = (data, scale)
-        return self.cache.rings[layer].window(self.rows, data, scale, self.positions)
+        ring = self.cache.rings[layer]
+        return ring.data[self.rows], ring.scale[self.rows], data, scale, self.window_slots()[ring.index]
+
+    def window_slots(self) -> Tensor:
+        """`_window_slots` of every ring layer [L, B, T, W], computed once a step: every layer asks, and the rings
+        stay as they are until the commit."""
+        if self._slots is None:
+            self._slots = _window_slots(self.cache.ring_stack.pos[:, self.rows], self.positions)
+        return self._slots
 
     def commit(self, keep: list[int] | None = None) -> None:
         """Keep the first keep[b] positions of row b (all by default) and advance the rows' positions."""

@@ -12,7 +12,7 @@ import copy
 import torch
 
 from model import DecodeBatch, Transformer, encode_prefill, serving
-from model.cache import _kept, _write_kept
+from model.cache import _kept, _window_slots, _write_kept
 from model.dspark import Draft
 from model.graphs import StepGraphs
 from model.linear import quantize_input
@@ -86,6 +86,20 @@ def test_kept_writes_equal_writing_only_the_kept_columns(gen):
             assert torch.equal(dst, expected), (T, keep)
     b, t = _kept(torch.tensor([0, 3, 20]), 20, W)
     assert list(zip(b.tolist(), t.tolist(), strict=True)) == [(1, 0), (1, 1), (1, 2), *((2, c) for c in range(12, 20))]
+
+
+def test_window_slots_of_stacked_rings_equal_each_rings(gen):
+    """A step computes the window slots of every ring layer at once: each layer's equal its own ring's, whatever
+    the layers hold (committed positions, gaps, rings of other layers' contents)."""
+    W, B, L, T = 8, 3, 4, 5
+    new_pos = torch.tensor([[3], [20], [40]]) + torch.arange(T)
+    pos = torch.randint(-1, 45, (L, B, W), generator=gen)
+    pos[0] = torch.stack([torch.arange(p - W, p).roll(p % W) for p in (3, 20, 40)])  # a full ring before the step
+    stacked = _window_slots(pos, new_pos)
+    assert stacked.shape == (L, B, T, W)
+    for layer in range(L):
+        assert torch.equal(stacked[layer], _window_slots(pos[layer], new_pos))
+    assert bool((stacked[0, 1, 0, :-1] >= 0).all())  # the full ring's earlier positions are found
 
 
 def test_moe_equals_the_per_expert_loop_bit_for_bit(tiny_float: Transformer, gen):

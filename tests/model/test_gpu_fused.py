@@ -43,7 +43,7 @@ def cases():
     yield "combine", combine, (rand(N, C, seed=11), rand(N, 6, C, seed=12))
     yield "gated_add", gated_add, (X, rand(N, (n + 1) * C, seed=13), rand(n, C, seed=14), rand(n, C, seed=15), 1e-6)
     new_pos = torch.arange(300, 300 + N, device="cuda").unsqueeze(1)
-    yield "_window_slots", _window_slots, (ring, new_pos)
+    yield "_window_slots", _window_slots, (torch.stack((ring, ring.roll(1, 1))), new_pos)  # two layers' rings
     yield "collapse_norm", collapse_norm, (X, mix, rand(C, seed=16), A.rms_norm_eps)
     ngram, layer = NgramHash(A).cuda(), A.engram_layer_ids[0]
     tokens = torch.randint(0, A.vocab_size, (N, 6), device="cuda")
