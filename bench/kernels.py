@@ -483,6 +483,10 @@ def check_moe_gemm(
                 rel = float((got.float() - ref).norm() / ref.norm())
                 ok = got.dtype == dtype and rel < tolerance and bool(torch.isfinite(got).all())
                 c.report(f"moe {name} E={E} tokens={N} block {block} {dtype} {tuning or ''}", ok, f"rel err {rel:.1e}")
+        # the pairs counted into place in one launch: torch's sort and search, exactly
+        counted = kernels.moe_pairs(m.ids, E, "triton")
+        same = all(map(torch.equal, counted, (m.order, m.offsets)))
+        c.report(f"moe pairs E={E} tokens={N}", same, f"order and offsets equal to torch's {same}")
         # gate_up's output cast to FP8 in its epilogue: the cast kernel's bytes of its bf16 output
         cast = m.gate_up("triton", torch.bfloat16, True, **{"cast": True, **tuning})
         apart = kernels.quantize_swa_fp8(m.gate_up("triton", torch.bfloat16, **tuning), "triton")

@@ -110,7 +110,7 @@ class Experts(nn.Module):
         Only the matmuls run expert by expert; the gathers, the activation, the routing weights and the FP8 cast of
         W2's input run once over every (token, slot) pair (each is elementwise or per row: the same values).
         """
-        order, _ = kernels.moe_pairs(ids, len(self))
+        order, _ = kernels.moe_pairs(ids, len(self), kernels.backend_for(ids))
         k = ids.shape[1]
         sizes = torch.bincount(ids.flatten(), minlength=len(self)).tolist()  # the host waits once per layer
         active = [e for e, size in enumerate(sizes) if size]
@@ -161,7 +161,7 @@ class PackedExperts(nn.Module):
         """Weighted routed-expert outputs [N, k, C] of the cast input xq [N, C], slot by slot as `ids` [N, k] lists
         them: two grouped GEMMs over the (token, slot) pairs sorted by expert."""
         be = kernels.backend_for(xq.data)
-        order, offsets = kernels.moe_pairs(ids, self.n_experts)
+        order, offsets = kernels.moe_pairs(ids, self.n_experts, be)
         h_data, h_scale = kernels.moe_gate_up_cast(
             xq.data, xq.scale, order, offsets, weights, self.w13, self.w13_scale, self.limit, xq.dtype, backend=be
         )

@@ -156,7 +156,7 @@ def _exchange(
     """Header → dispatch → compute → return for this rank's tokens: [n, k, C] in (token, slot) order. `received`:
     the pairs each rank sends, when this rank took the round's header already (it idles)."""
     held, group = n_experts // parallel.world_size, parallel.group
-    order, offsets = kernels.moe_pairs(ids, n_experts)
+    order, offsets = kernels.moe_pairs(ids, n_experts, kernels.backend_for(ids))
     sent = (offsets[held::held] - offsets[:-1:held]).long()  # pairs for each rank (experts are contiguous per rank)
     if received is None:  # the split sizes both ways: the host waits once per layer
         received, layers, sent_sizes = _header(sent, layer, parallel)

@@ -376,15 +376,16 @@ def _expect_offsets(offsets: Tensor, experts: int) -> None:
     _expect("offsets", offsets, (experts + 1,), _INTS)
 
 
-def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+def moe_pairs(ids: Tensor, n_experts: int, backend: Backend = "torch") -> tuple[Tensor, Tensor]:
     """Expert ids [N, k] (each in 0 … n_experts − 1, unchecked: that would sync) → the (token, slot) pairs sorted by
     expert, on the device without a host sync: order int64 [N·k] (flat pair indices t·k + s, stable; a sorted
     pair's token is order // k), offsets int32 [n_experts + 1] (expert e's pairs: sorted positions offsets[e] …
-    offsets[e+1] − 1)."""
+    offsets[e+1] − 1). Torch sorts and searches (two launches); Triton counts a decode step's few pairs into place
+    in one."""
     _expect("ids", ids, (None, None), _INTS)
     if ids.shape[1] < 1 or n_experts < 1:
         raise ValueError(f"ids: need k ≥ 1 slots and n_experts ≥ 1, got k={ids.shape[1]}, n_experts={n_experts}")
-    return moe_gemm.moe_pairs(ids, n_experts)
+    return _pick(backend, moe_gemm, "moe_pairs")(ids, n_experts)
 
 
 def moe_gate_up(

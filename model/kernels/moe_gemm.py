@@ -5,6 +5,7 @@
 
 for every (token, slot) pair, W the pair's expert and w its routing weight (applied before W2, as the reference does).
 `moe_pairs` sorts the pairs by expert on the device; expert e owns sorted positions offsets[e] … offsets[e+1] − 1.
+Decode's few pairs are counted into place by one Triton launch (`_pairs_kernel`), more by torch's sort and search.
 Activations come FP8 (E4M3, UE8M0 per 32 inputs: the QAT cast of every quantised linear's input); expert weights
 are the checkpoint's packed E2M1 nibbles [out, in/2] (element 2i in the low nibble) with a UE8M0 scale per 16 or 32
 inputs ([out, in/16] or [out, in/32], told apart by the scale's shape).
@@ -102,7 +103,7 @@ class MoEGemmTuning:
         return replace(self, block_m=block_m, num_warps=warps, ptx=ptx)
 
 
-def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+def moe_pairs_torch(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     """Expert ids [N, k] → the (token, slot) pairs sorted by expert, on the device and without a host sync:
     - order int64 [N·k]: flat pair indices t·k + s, stably sorted by expert (tokens ascending within an expert); the
       GEMMs read each sorted pair's activation row order // k and routing weight weights.flatten()[order] themselves;
@@ -111,6 +112,48 @@ def moe_pairs(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     Two launches: the sort and the search. Ids must lie in 0 … E − 1 (unchecked: a check would sync)."""
     expert, order = torch.sort(ids.flatten(), stable=True)
     return order, torch.searchsorted(expert, _expert_ids(n_experts + 1, ids.device), out_int32=True)
+
+
+PAIRS_COUNTED = 4096  # up to this many pairs, `_pairs_kernel` places them (P² compares); beyond, torch sorts
+_PAIRS_BLOCK, _PAIRS_J, _PAIRS_E = 128, 64, 128  # pairs placed per program, ids compared per step, offsets per step
+
+
+@triton.jit
+def _pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, IB: tl.constexpr, JB: tl.constexpr, EB: tl.constexpr):
+    """A stable counting sort of the pair ids [P] by expert. Pair i of the program's IB goes to sorted place
+    #(pairs of lower experts) + #(earlier pairs of its expert), counted over all P ids: order_ptr[place] = i. Program
+    0 also writes offsets_ptr[e] = #(pairs of experts below e), e = 0 … E. Ids past P read as E: below no expert."""
+    i = tl.program_id(0) * IB + tl.arange(0, IB)
+    i_ok = i < P
+    mine = tl.load(ids_ptr + i, mask=i_ok, other=0)
+    place = tl.zeros((IB,), tl.int32)
+    for j0 in range(0, P, JB):
+        j = j0 + tl.arange(0, JB)
+        theirs = tl.load(ids_ptr + j, mask=j < P, other=E)[None, :]
+        before = (theirs < mine[:, None]) | ((theirs == mine[:, None]) & (j[None, :] < i[:, None]))
+        place += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(order_ptr + place, i.to(tl.int64), mask=i_ok)
+    if tl.program_id(0) == 0:
+        for e0 in range(0, E + 1, EB):
+            e = e0 + tl.arange(0, EB)
+            below = tl.zeros((EB,), tl.int32)
+            for j0 in range(0, P, JB):
+                j = j0 + tl.arange(0, JB)
+                theirs = tl.load(ids_ptr + j, mask=j < P, other=E)[None, :]
+                below += tl.sum((theirs < e[:, None]).to(tl.int32), axis=1)
+            tl.store(offsets_ptr + e, below, mask=e <= E)
+
+
+def moe_pairs_triton(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """`moe_pairs_torch`'s order and offsets in one launch (`_pairs_kernel`) up to PAIRS_COUNTED pairs."""
+    P = ids.numel()
+    if P > PAIRS_COUNTED:
+        return moe_pairs_torch(ids, n_experts)
+    order = torch.empty(P, dtype=torch.int64, device=ids.device)
+    offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
+    grid = (max(1, triton.cdiv(P, _PAIRS_BLOCK)),)
+    _pairs_kernel[grid](ids.flatten().contiguous(), order, offsets, P, n_experts, _PAIRS_BLOCK, _PAIRS_J, _PAIRS_E)
+    return order, offsets
 
 
 @functools.cache
