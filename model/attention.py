@@ -32,7 +32,7 @@ from model.cache import Step
 from model.compressor import Compressor
 from model.config import ModelArgs
 from model.indexer import Indexer, Selection
-from model.linear import Fp8Act, Linear, RMSNorm, param_dtype, quantize_input
+from model.linear import Fp8Act, Linear, RMSNorm, param_dtype, project_together, quantize_input
 from model.rope import Rope
 
 MainKV = Literal["fp4", "bf16"]
@@ -84,6 +84,8 @@ def dense_attention(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor,
 
 
 class Attention(nn.Module):
+    SIBLINGS = (("wq_a", "wkv"),)  # one input: stacked when packed (`model.linear.stack`)
+
     def __init__(self, args: ModelArgs, layer: int, projection_only: bool = False, dtype: torch.dtype | None = None):
         """`projection_only`: the layer-L/2 stub of an encoder-only model (compressor + indexer keys only)."""
         super().__init__()
@@ -117,14 +119,25 @@ class Attention(nn.Module):
     def query_window(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """`query` and `window_kv` of one input: (c^Q, rotated q, rotated K=V latent). The latent rides as one more
         head of q through a single rotation (same positions, same frequencies): half the RoPE ops of every layer."""
-        qr, q = self.query_heads(x)
-        rotated = self.rope.rotate(torch.cat((q, self.window_latent(x).unsqueeze(-2)), -2), positions)
+        q_latent, kv = self.input_latents(x)
+        qr, q = self.heads(q_latent)
+        rotated = self.rope.rotate(torch.cat((q, self.kv_norm(kv).unsqueeze(-2)), -2), positions)
         return qr, rotated[..., :-1, :], rotated[..., -1, :]
 
+    def input_latents(self, x: Tensor | Fp8Act) -> tuple[Tensor, Tensor]:
+        """(wq_a(x), wkv(x)) of the cast input x, before their norms: one GEMM where `pack` stacked the two
+        (`project_together`)."""
+        a, kv = project_together(x, self.wq_a, self.wkv)
+        return a, kv
+
     def query_heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(c^Q [B, T, q_lora] as the linears that read it — wq_b and the indexer's — share it (`Fp8Linear.share`),
-        q [B, T, H, D] before RoPE)."""
-        qr = self.wq_b.share(self.q_norm(self.wq_a(x, True)))
+        """`heads` of the cast input x."""
+        return self.heads(self.wq_a(x, True))
+
+    def heads(self, q_latent: Tensor) -> tuple[Tensor, Tensor]:
+        """wq_a's output → (c^Q [B, T, q_lora] as the linears that read it — wq_b and the indexer's — share it
+        (`Fp8Linear.share`), q [B, T, H, D] before RoPE)."""
+        qr = self.wq_b.share(self.q_norm(q_latent))
         return qr, self.wq_b(qr, True).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
 
     def window_latent(self, x: Tensor) -> Tensor:
@@ -135,9 +148,9 @@ class Attention(nn.Module):
         """This layer's rotated K=V latent [B, T, D] (before the FP8 cast); x is the FP8-cast input."""
         return self.rope.rotate(self.window_latent(x), positions)
 
-    def window_entries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """`window_kv` as the SWA ring stores it, FP8 bytes and UE8M0 scales, rotated and cast in one launch."""
-        latent = self.window_latent(x)
+    def window_entries(self, latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The K=V latent [B, T, D] (`window_latent`) as the SWA ring stores it, FP8 bytes and UE8M0 scales, rotated
+        and cast in one launch."""
         return kernels.quantize_swa_fp8(latent, kernels.backend_for(latent), (positions, self.rope.inv_freq))
 
     def cast_input(self, x: Tensor) -> Tensor | Fp8Act:
@@ -209,9 +222,9 @@ class Attention(nn.Module):
         """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
         a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
-        xq = self.cast_input(x)
-        qr, q = self.query_heads(xq)  # q rotates in the attention kernel
-        window = step.window(self.layer, *self.window_entries(xq, positions))
+        q_latent, kv = self.input_latents(self.cast_input(x))
+        qr, q = self.heads(q_latent)  # q rotates in the attention kernel
+        window = step.window(self.layer, *self.window_entries(self.kv_norm(kv), positions))
         compressed = None
         if role.ratio:
             if role.owns_kv and not step.replay:

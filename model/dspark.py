@@ -99,8 +99,9 @@ class DSparkBlock(Block):
     def block_attention(self, x: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
         """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
         attn, W = self.attn, self.args.sliding_window
-        xq = attn.cast_input(x)
-        (_, q), (data, scale) = attn.query_heads(xq), attn.window_entries(xq, positions)  # q rotates in attention
+        q_latent, kv = attn.input_latents(attn.cast_input(x))
+        _, q = attn.heads(q_latent)  # q rotates in the attention kernel
+        data, scale = attn.window_entries(attn.kv_norm(kv), positions)
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)

@@ -14,6 +14,10 @@ QAT is model semantics (reference §2.10): the input of every FP8/FP4 linear is 
 32) first, in training and in inference alike. `cast` is that cast, in the form the layer consumes: fake-quantised
 floats (gradient straight through) for the float form, an `Fp8Act` (the bytes) for the packed one; layers sharing one
 input share one cast.
+
+Siblings — FP8 linears reading one input (attention's wq_a and wkv, an expert's w1 and w3) — are laid out by `stack`
+as adjacent views of one weight and one scale buffer; `project_together` then runs them as one GEMM over the stacked
+rows, the outputs being column views of its result.
 """
 
 from __future__ import annotations
@@ -127,18 +131,70 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor | Fp8Act, prequantized: bool = False) -> Tensor:
         """x: floats (cast here: by the GEMM itself where it can) or an `Fp8Act` already cast (shared by layers)."""
-        backend = kernels.backend_for(x.data if isinstance(x, Fp8Act) else x)
-        if isinstance(x, Fp8Act):
-            lead = x.data.shape[:-1]
-            data, scale = x.data.reshape(-1, self.in_features), x.scale.reshape(-1, x.scale.shape[-1])
-            y = kernels.fp8_linear(data, scale, self.weight, self.scale, x.dtype, backend=backend)
-        else:
-            lead = x.shape[:-1]
-            y = kernels.fp8_linear_cast(x.reshape(-1, self.in_features), self.weight, self.scale, backend=backend)
-        return y.view(*lead, self.out_features)
+        return fp8_project(x, self.weight, self.scale)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt=fp8 (packed)"
+
+
+def fp8_project(x: Tensor | Fp8Act, weight: Tensor, scale: Tensor) -> Tensor:
+    """x Wᵀ [..., N] for E4M3 weight [N, K] with UE8M0 scale blocks, x floats [..., K] (cast by the GEMM where it
+    can) or an `Fp8Act`."""
+    backend = kernels.backend_for(x.data if isinstance(x, Fp8Act) else x)
+    K = weight.shape[1]
+    if isinstance(x, Fp8Act):
+        lead = x.data.shape[:-1]
+        data, x_scale = x.data.reshape(-1, K), x.scale.reshape(-1, x.scale.shape[-1])
+        y = kernels.fp8_linear(data, x_scale, weight, scale, x.dtype, backend=backend)
+    else:
+        lead = x.shape[:-1]
+        y = kernels.fp8_linear_cast(x.reshape(-1, K), weight, scale, backend=backend)
+    return y.view(*lead, weight.shape[0])
+
+
+def stack(linears: list[Fp8Linear]) -> None:
+    """Lay out FP8 sibling linears (one input, the same in_features) as adjacent rows of one weight and one scale
+    buffer, each keeping its own parameters as views of them; uninitialised (the loader fills the views). Every
+    sibling but the last must hold whole 32-row scale blocks."""
+    K = linears[0].in_features
+    if any(lin.in_features != K for lin in linears) or any(lin.out_features % FP8_BLOCK for lin in linears[:-1]):
+        raise ValueError(f"siblings {[(lin.out_features, lin.in_features) for lin in linears]} do not stack")
+    first = linears[0]
+    rows = sum(lin.out_features for lin in linears)
+    weight = torch.empty(rows, K, dtype=first.weight.dtype, device=first.weight.device)
+    scale = torch.empty(math.ceil(rows / FP8_BLOCK), first.scale.shape[1], dtype=torch.uint8, device=weight.device)
+    top = 0
+    for lin in linears:
+        lin.weight = nn.Parameter(weight[top : top + lin.out_features], requires_grad=False)
+        lin.scale = nn.Parameter(scale[top // FP8_BLOCK : top // FP8_BLOCK + lin.scale.shape[0]], requires_grad=False)
+        top += lin.out_features
+
+
+def _stacked(linears: tuple[nn.Module, ...]) -> tuple[Tensor, Tensor] | None:
+    """The stacked weight and scale of siblings still laid out by `stack` (adjacent, contiguous), else None."""
+    if not all(isinstance(lin, Fp8Linear) for lin in linears):
+        return None
+    weight, scale = linears[0].weight, linears[0].scale
+    w_at, s_at = weight.data_ptr(), scale.data_ptr()
+    for lin in linears:
+        if lin.weight.data_ptr() != w_at or lin.scale.data_ptr() != s_at:
+            return None
+        if not (lin.weight.is_contiguous() and lin.scale.is_contiguous()):
+            return None
+        w_at, s_at = w_at + lin.weight.nbytes, s_at + lin.scale.nbytes
+    rows = sum(lin.weight.shape[0] for lin in linears)
+    K, blocks = weight.shape[1], scale.shape[1]
+    return weight.as_strided((rows, K), (K, 1)), scale.as_strided((math.ceil(rows / FP8_BLOCK), blocks), (blocks, 1))
+
+
+def project_together(x: Tensor | Fp8Act, *linears: nn.Module) -> list[Tensor]:
+    """Each of `linears` applied to their shared input x (cast as they share it: `share`): one GEMM over the stacked
+    weights of packed siblings (`stack`), the outputs column views of its result; else one call each."""
+    stacked = _stacked(linears)
+    if stacked is None:
+        return [lin(x, True) for lin in linears]
+    y = fp8_project(x, *stacked)
+    return list(y.split([lin.weight.shape[0] for lin in linears], dim=-1))
 
 
 class Embedding(nn.Module):

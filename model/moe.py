@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from model import kernels
 from model.config import ModelArgs
 from model.fused import fused
-from model.linear import Fp8Act, Linear, WeightFormat, packed_param, param_dtype
+from model.linear import Fp8Act, Linear, WeightFormat, packed_param, param_dtype, project_together
 from model.parallel import SINGLE, Parallel, answer_round, expert_parallel
 
 
@@ -68,6 +68,8 @@ def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 class Expert(nn.Module):
     """SwiGLU with the released clamps: gate ≤ limit, up in [−limit, limit]."""
 
+    SIBLINGS = (("w1", "w3"),)  # one input: stacked when packed (`model.linear.stack`)
+
     def __init__(self, dim: int, inter: int, limit: float, fmt: WeightFormat, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.limit = limit
@@ -77,7 +79,7 @@ class Expert(nn.Module):
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """x: the input cast (`w1.cast`), shared by every expert of a token."""
-        h = swiglu(self.w1(x, True), self.w3(x, True), self.limit)
+        h = swiglu(*project_together(x, self.w1, self.w3), self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype).unsqueeze(-1)
         return self.w2(h)

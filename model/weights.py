@@ -35,7 +35,7 @@ from model import quant
 from model.config import ModelArgs
 from model.dspark import ConfidenceHead
 from model.engram_store import Placement, engram_tables, place_tables
-from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm
+from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm, stack
 from model.moe import Experts, PackedExperts
 from model.parallel import SINGLE, Parallel
 from model.shared_tables import SharedTables
@@ -147,6 +147,10 @@ def pack(
                 setattr(module, key, nn.Parameter(torch.empty_like(p, device=device), p.requires_grad))
         for key, b in module.named_buffers(recurse=False):
             setattr(module, key, torch.empty_like(b, device=device) if b.is_meta else b.to(device))
+        for group in getattr(module, "SIBLINGS", ()):  # FP8 linears of one input: one GEMM (`project_together`)
+            linears = [getattr(module, name, None) for name in group]
+            if all(isinstance(lin, Fp8Linear) for lin in linears):
+                stack(linears)
     return model
 
 

@@ -1,6 +1,7 @@
 """The packed model on the GPU's path (every kernel op on Triton, run by its interpreter here): where a small batch's
 FP8 linears cast their float inputs inside their GEMMs (`kernels.casts_in_gemm`), a decode step launches fewer cast
-kernels and gives the logits, bit for bit, of the same step with every cast its own launch."""
+kernels and gives the logits, bit for bit, of the same step with every cast its own launch; sibling linears of one
+input run as one GEMM (`linear.project_together`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import triton.runtime.interpreter as interpreter
 
-from model import DecodeBatch, ModelArgs, build_model, encode_prefill, kernels
+from model import DecodeBatch, ModelArgs, build_model, encode_prefill, kernels, linear
 from model.kernels import fp8_gemm
 from model.kernels.kv_quant import FP8_UE8M0, quantize_triton
 
@@ -54,3 +55,20 @@ def test_small_batches_cast_inside_their_gemms_with_the_same_logits(
     # per layer at least: the attention input's cast (wq_a, wkv), c^Q's (wq_b), wo_b's and the shared w2's inputs
     assert apart_launches["_quantize_kernel"] - fused_launches["_quantize_kernel"] >= 4 * layers
     assert fused_launches["_fp8_linear_kernel"] == apart_launches["_fp8_linear_kernel"]
+
+
+def test_sibling_linears_run_as_one_gemm(tiny_args: ModelArgs, monkeypatch: pytest.MonkeyPatch, tokens) -> None:
+    """The packed model's FP8 siblings (attention's wq_a and wkv, the shared expert's w1 and w3) are stacked views of
+    one buffer and run as one GEMM each pair: two GEMM launches a layer fewer, the logits of one GEMM each (bit for
+    bit here, where every GEMM is one K split; on a GPU the splits follow the grid's size)."""
+    model = build_model(tiny_args, seed=0, dtype=torch.float32)
+    attn, shared = model.layers[0].attn, model.layers[0].ffn.shared_experts
+    for first, second in ((attn.wq_a, attn.wkv), (shared.w1, shared.w3)):
+        assert second.weight.data_ptr() == first.weight.data_ptr() + first.weight.nbytes
+    prompts = [tokens(9).tolist(), tokens(12).tolist()]
+    together, together_launches = step(tiny_args, prompts)
+    monkeypatch.setattr(linear, "_stacked", lambda linears: None)
+    apart, apart_launches = step(tiny_args, prompts)
+    assert torch.equal(together, apart)
+    gemms = apart_launches["_fp8_linear_kernel"] - together_launches["_fp8_linear_kernel"]
+    assert gemms == 2 * tiny_args.num_hidden_layers
