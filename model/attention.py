@@ -84,7 +84,7 @@ def dense_attention(q: Tensor, parts: list[tuple[Tensor, Tensor]], sink: Tensor,
 
 
 class Attention(nn.Module):
-    SIBLINGS = (("wq_a", "wkv"),)  # one input: stacked when packed (`model.linear.stack`)
+    SIBLINGS = (("wq_a", "wkv"), ("wq_b", "indexer.wq_b"))  # one input each: stacked when packed (`linear.stack`)
 
     def __init__(self, args: ModelArgs, layer: int, projection_only: bool = False, dtype: torch.dtype | None = None):
         """`projection_only`: the layer-L/2 stub of an encoder-only model (compressor + indexer keys only)."""
@@ -111,18 +111,20 @@ class Attention(nn.Module):
             self.indexer = Indexer(args, self.role, queries, dtype)
 
     # --------------------------------------------------------------------------------------------- pieces
-    def query(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(q latent c^Q [B, T, q_lora], cast, rotated q [B, T, H, D]); x is the FP8-cast input (`quantize_input`)."""
-        qr, q = self.query_heads(x)
-        return qr, self.rope.rotate(q, positions)
+    def query(self, x: Tensor, positions: Tensor) -> tuple[Tensor | None, Tensor]:
+        """(the indexer's query heads before RoPE, or None: `heads`, rotated q [B, T, H, D]); x is the FP8-cast input
+        (`cast_input`)."""
+        q, index_q = self.query_heads(x)
+        return index_q, self.rope.rotate(q, positions)
 
-    def query_window(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`query` and `window_kv` of one input: (c^Q, rotated q, rotated K=V latent). The latent rides as one more
-        head of q through a single rotation (same positions, same frequencies): half the RoPE ops of every layer."""
+    def query_window(self, x: Tensor, positions: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+        """`query` and `window_kv` of one input: (the indexer's query heads or None, rotated q, rotated K=V latent).
+        The latent rides as one more head of q through a single rotation (same positions, same frequencies): half
+        the RoPE ops of every layer."""
         q_latent, kv = self.input_latents(x)
-        qr, q = self.heads(q_latent)
+        q, index_q = self.heads(q_latent)
         rotated = self.rope.rotate(torch.cat((q, self.kv_norm(kv).unsqueeze(-2)), -2), positions)
-        return qr, rotated[..., :-1, :], rotated[..., -1, :]
+        return index_q, rotated[..., :-1, :], rotated[..., -1, :]
 
     def input_latents(self, x: Tensor | Fp8Act) -> tuple[Tensor, Tensor]:
         """(wq_a(x), wkv(x)) of the cast input x, before their norms: one GEMM where `pack` stacked the two
@@ -130,15 +132,20 @@ class Attention(nn.Module):
         a, kv = project_together(x, self.wq_a, self.wkv)
         return a, kv
 
-    def query_heads(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def query_heads(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """`heads` of the cast input x."""
         return self.heads(self.wq_a(x, True))
 
-    def heads(self, q_latent: Tensor) -> tuple[Tensor, Tensor]:
-        """wq_a's output → (c^Q [B, T, q_lora] as the linears that read it — wq_b and the indexer's — share it
-        (`Fp8Linear.share`), q [B, T, H, D] before RoPE)."""
+    def heads(self, q_latent: Tensor) -> tuple[Tensor, Tensor | None]:
+        """wq_a's output → (q [B, T, H, D] before RoPE, the indexer's query heads [B, T, Hᵢ, Dᵢ] before RoPE where
+        this layer has them, else None). wq_b and the indexer's wq_b read c^Q = q_norm(q_latent), cast once
+        (`Fp8Linear.share`): one GEMM where `pack` stacked them."""
         qr = self.wq_b.share(self.q_norm(q_latent))
-        return qr, self.wq_b(qr, True).unflatten(-1, (self.args.num_attention_heads, self.args.head_dim))
+        heads = (self.args.num_attention_heads, self.args.head_dim)
+        if not self.role.owns_index_query:
+            return self.wq_b(qr, True).unflatten(-1, heads), None
+        q, index_q = project_together(qr, self.wq_b, self.indexer.wq_b)
+        return q.unflatten(-1, heads), index_q.unflatten(-1, (self.indexer.n_heads, self.indexer.head_dim))
 
     def window_latent(self, x: Tensor) -> Tensor:
         """This layer's K=V latent [B, T, D] before RoPE and the FP8 cast."""
@@ -163,11 +170,11 @@ class Attention(nn.Module):
         positions = (first.unsqueeze(1) + torch.arange(latent.shape[1], device=latent.device)) * self.role.ratio
         return self.rope.rotate(latent, positions), self.rope.rotate(self.indexer.keys(latent), positions)
 
-    def index_queries(self, x: Tensor, qr: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Packed FP4 indexer queries (data, scale) [B, T, H, ·] and fp32 head weights [B, T, H]."""
-        q, w = self.indexer.queries(x, qr)
+    def index_queries(self, x: Tensor, q: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The indexer's query heads q before RoPE (`heads`) → packed FP4 queries (data, scale) [B, T, H, ·], and the
+        fp32 head weights [B, T, H] of the input x."""
         q_data, q_scale = kernels.quantize_index_fp4(self.rope.rotate(q, positions), backend=kernels.backend_for(q))
-        return q_data, q_scale, w.float()
+        return q_data, q_scale, self.indexer.head_weights(x).float()
 
     def project_out(self, o: Tensor, positions: Tensor) -> Tensor:
         """RoPE⁻¹ on o's rope dims, then the grouped low-rank output projection."""
@@ -186,7 +193,7 @@ class Attention(nn.Module):
         a, role = self.args, self.role
         B, T = x.shape[:2]
         positions = torch.arange(T, device=x.device).expand(B, T)
-        qr, q, kv = self.query_window(self.cast_input(x), positions)
+        index_q, q, kv = self.query_window(self.cast_input(x), positions)
         kv = quantize_input(kv)
         i, j = positions[0].unsqueeze(1), positions[0].unsqueeze(0)
         parts = [(kv, ((j <= i) & (j > i - a.sliding_window) & (j >= window_start)).expand(B, T, T))]
@@ -196,7 +203,8 @@ class Attention(nn.Module):
             n_visible = torch.div(positions + 1, role.ratio, rounding_mode="floor")
             if role.owns_index_query:
                 k_data, k_scale = shared.index_k[role.kv_source]
-                q_data, q_scale, w = self.index_queries(x, qr, positions)
+                assert index_q is not None
+                q_data, q_scale, w = self.index_queries(x, index_q, positions)
                 scores = kernels.indexer_scores(
                     q_data, q_scale, w, k_data, k_scale, n_visible, backend=kernels.backend_for(x)
                 )
@@ -223,7 +231,7 @@ class Attention(nn.Module):
         a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
         q_latent, kv = self.input_latents(self.cast_input(x))
-        qr, q = self.heads(q_latent)  # q rotates in the attention kernel
+        q, index_q = self.heads(q_latent)  # q rotates in the attention kernel
         window = step.window(self.layer, *self.window_entries(self.kv_norm(kv), positions))
         compressed = None
         if role.ratio:
@@ -232,7 +240,8 @@ class Attention(nn.Module):
             n_visible = step.n_visible(role.ratio)
             kv_data, kv_scale, k_data, k_scale = step.entries(role.kv_source, role.ratio)
             if role.owns_index_query:
-                q_data, q_scale, w = self.index_queries(x, qr, positions)
+                assert index_q is not None
+                q_data, q_scale, w = self.index_queries(x, index_q, positions)
                 scores = kernels.indexer_scores(q_data, q_scale, w, k_data, k_scale, n_visible, backend=be)
                 step.selection.select(a, role, scores, n_visible)
             compressed = (kv_data, kv_scale, step.selection.topk[role.index_source])

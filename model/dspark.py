@@ -100,7 +100,7 @@ class DSparkBlock(Block):
         """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
         attn, W = self.attn, self.args.sliding_window
         q_latent, kv = attn.input_latents(attn.cast_input(x))
-        _, q = attn.heads(q_latent)  # q rotates in the attention kernel
+        q, _ = attn.heads(q_latent)  # q rotates in the attention kernel
         data, scale = attn.window_entries(attn.kv_norm(kv), positions)
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p

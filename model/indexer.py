@@ -45,12 +45,11 @@ class Indexer(nn.Module):
         """Pre-RoPE indexer keys [..., Dᵢ] of pre-RoPE compressed latents [..., D]."""
         return self.k_norm(self.wk(latent))
 
-    def queries(self, x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor]:
-        """(pre-RoPE queries [B, T, H, Dᵢ], head weights [B, T, H] fp32) from the input x and the q latent qr, cast
-        (`Linear.cast`: the attention's wq_b reads the same cast)."""
-        q = self.wq_b(qr, True).unflatten(-1, (self.n_heads, self.head_dim))
+    def head_weights(self, x: Tensor) -> Tensor:
+        """The head weights w [B, T, H] (at least fp32) of the input x. The queries, W_qb · c^Q, come with the
+        attention's own (`Attention.heads`: one GEMM over both wq_b)."""
         w = self.weights_proj(x).to(torch.promote_types(x.dtype, torch.float32))
-        return q, w * (1.0 / math.sqrt(self.head_dim * self.n_heads))
+        return w * (1.0 / math.sqrt(self.head_dim * self.n_heads))
 
 
 class Selection:

@@ -148,10 +148,18 @@ def pack(
         for key, b in module.named_buffers(recurse=False):
             setattr(module, key, torch.empty_like(b, device=device) if b.is_meta else b.to(device))
         for group in getattr(module, "SIBLINGS", ()):  # FP8 linears of one input: one GEMM (`project_together`)
-            linears = [getattr(module, name, None) for name in group]
+            linears = [_submodule(module, name) for name in group]
             if all(isinstance(lin, Fp8Linear) for lin in linears):
                 stack(linears)
     return model
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    """module's submodule at the dotted `name`, None where it has none."""
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def place_engram_tables(

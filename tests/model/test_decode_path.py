@@ -141,10 +141,10 @@ def test_query_window_equals_query_and_window_kv(tiny: Transformer, gen):
     attn = tiny.layers[4].attn
     x = quantize_input(torch.randn(2, 5, tiny.args.hidden_size, generator=gen, dtype=torch.float64))
     positions = torch.randint(0, 10_000, (2, 5), generator=gen)
-    qr, q, kv = attn.query_window(x, positions)
-    qr_alone, q_alone = attn.query(x, positions)
-    assert torch.equal(qr.data, qr_alone.data)  # c^Q as the FP8 linears read it (Fp8Act)
-    assert torch.equal(qr.scale, qr_alone.scale)
+    index_q, q, kv = attn.query_window(x, positions)
+    index_q_alone, q_alone = attn.query(x, positions)
+    assert attn.role.owns_index_query  # the indexer's query heads, from the same c^Q
+    assert torch.equal(index_q, index_q_alone)
     assert torch.equal(q, q_alone)
     assert torch.equal(kv, attn.window_kv(x, positions))
 

@@ -58,12 +58,14 @@ def test_small_batches_cast_inside_their_gemms_with_the_same_logits(
 
 
 def test_sibling_linears_run_as_one_gemm(tiny_args: ModelArgs, monkeypatch: pytest.MonkeyPatch, tokens) -> None:
-    """The packed model's FP8 siblings (attention's wq_a and wkv, the shared expert's w1 and w3) are stacked views of
-    one buffer and run as one GEMM each pair: two GEMM launches a layer fewer, the logits of one GEMM each (bit for
-    bit here, where every GEMM is one K split; on a GPU the splits follow the grid's size)."""
+    """The packed model's FP8 siblings (attention's wq_a and wkv, the shared expert's w1 and w3, wq_b and the
+    indexer's wq_b) are stacked views of one buffer and run as one GEMM each pair: two or three GEMM launches a layer
+    fewer, the logits of one GEMM each (bit for bit here, where every GEMM is one K split; on a GPU the splits follow
+    the grid's size)."""
     model = build_model(tiny_args, seed=0, dtype=torch.float32)
-    attn, shared = model.layers[0].attn, model.layers[0].ffn.shared_experts
-    for first, second in ((attn.wq_a, attn.wkv), (shared.w1, shared.w3)):
+    indexed = [block.attn for block in model.layers if block.attn.role.owns_index_query]
+    attn, shared = indexed[0], model.layers[0].ffn.shared_experts
+    for first, second in ((attn.wq_a, attn.wkv), (shared.w1, shared.w3), (attn.wq_b, attn.indexer.wq_b)):
         assert second.weight.data_ptr() == first.weight.data_ptr() + first.weight.nbytes
     prompts = [tokens(9).tolist(), tokens(12).tolist()]
     together, together_launches = step(tiny_args, prompts)
@@ -71,4 +73,4 @@ def test_sibling_linears_run_as_one_gemm(tiny_args: ModelArgs, monkeypatch: pyte
     apart, apart_launches = step(tiny_args, prompts)
     assert torch.equal(together, apart)
     gemms = apart_launches["_fp8_linear_kernel"] - together_launches["_fp8_linear_kernel"]
-    assert gemms == 2 * tiny_args.num_hidden_layers
+    assert gemms == 2 * tiny_args.num_hidden_layers + len(indexed)
