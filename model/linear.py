@@ -15,9 +15,9 @@ QAT is model semantics (reference §2.10): the input of every FP8/FP4 linear is 
 floats (gradient straight through) for the float form, an `Fp8Act` (the bytes) for the packed one; layers sharing one
 input share one cast.
 
-Siblings — FP8 linears reading one input (attention's wq_a and wkv, an expert's w1 and w3) — are laid out by `stack`
-as adjacent views of one weight and one scale buffer; `project_together` then runs them as one GEMM over the stacked
-rows, the outputs being column views of its result.
+Siblings — FP8 linears reading one input (attention's wq_a and wkv, its wq_b and the indexer's, an expert's w1 and
+w3) — are laid out by `stack` as adjacent views of one weight and one scale buffer; `project_together` then runs them
+as one GEMM over the stacked rows, the outputs being column views of its result.
 """
 
 from __future__ import annotations
