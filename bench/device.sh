@@ -33,10 +33,13 @@ for part in "$@"; do
     moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
            --parts "$OUT/kernels/parts" ;;
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
+    fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,moe-gemm --bench attention-1,attention-64 \
+             --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
-    *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 decode engram)" ;;
+    *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 fused" \
+            "decode engram)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"

@@ -648,6 +648,7 @@ def bench_attention(B: int, tiny: bool) -> Iterator[Row]:
                   B * (W * 528 + K * 288 + 2 * H * D * 2), {"B": B, "ctx": context})  # fmt: skip
         print(f"  sparse_attention B={B} ctx={context}: {ours:.4f} ms", flush=True)
         row.peer_ms = median_ms(lambda case=case: kernels.sparse_attention(*case, backend="torch"))
+        row.extra |= rope_timings(case, context)
         del case
         # dense K/V under 2^31 elements per tensor: torch's SDPA kernels index with 32-bit offsets
         dense_elements = B * context * 64 * 128
@@ -662,6 +663,21 @@ def bench_attention(B: int, tiny: bool) -> Iterator[Row]:
         yield row
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def rope_timings(case: tuple, position: int) -> dict[str, float]:
+    """The decode path's attention — RoPE on q and RoPE⁻¹ on the output inside the kernel — against the same with
+    the two RoPE launches around the kernel (the model's 64 rotary dims)."""
+    q, *rest = case
+    rope = (torch.full(q.shape[:2], position, device=DEVICE), 10000.0 ** -(torch.arange(0, 64, 2.0) / 64).double())
+
+    def apart() -> torch.Tensor:
+        rotated = kernels.rope_rotate(q, *rope, inverse=False, backend="triton")
+        out = kernels.sparse_attention(rotated, *rest, backend="triton")
+        return kernels.rope_rotate(out, *rope, inverse=True, backend="triton")
+
+    fused = median_ms(lambda: kernels.sparse_attention(q, *rest, backend="triton", rope=rope))
+    return {"with_rope_ms": fused, "rope_launches_around_ms": median_ms(apart)}
 
 
 def scaled_mm_peers(x_data: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
