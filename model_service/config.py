@@ -66,7 +66,7 @@ class ModelServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: Port = 29500
     rank_timeout_s: PositiveFloat = 5.0
-    stall_timeout_s: PositiveFloat = 30.0
+    stall_timeout_s: PositiveFloat = 60.0
     collective_timeout_s: PositiveFloat = 300.0
 
     def __post_init__(self) -> None:
