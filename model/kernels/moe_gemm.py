@@ -52,14 +52,13 @@ from model.kernels.formats import (
     scale_words,
     ue8m0_block_scales,
 )
-from model.kernels.fp8_gemm import _chunk_scales
+from model.kernels.fp8_gemm import FOLDED_FROM, _chunk_scales
 from model.kernels.kv_quant import FP8_UE8M0, block_scale, quantize_swa_fp8_torch, quantize_triton
 
 X_BLOCK = 32  # inputs per activation scale
 _X_BLOCK = tl.constexpr(X_BLOCK)  # the same, as kernels read a global
 SCALE_BLOCKS = (16, 32)  # inputs per expert-weight scale: the two layouts of reference §2.9
 DECODE_BLOCK_P, DECODE_BLOCK_K = 16, 512  # the activation decode's tile: rows × inputs
-CAST_BELOW_TOKENS = 32  # gate_up casts its FP8 output in its epilogue below this many tokens (MoEGemmTuning.cast)
 _TRITON_FLOATS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -485,7 +484,7 @@ def _grouped(
     n_out = rows // 2 if gated else rows
     t = tuning.resolved(P, E)
     block_n = t.block_n // 2 if gated else t.block_n  # output columns
-    few = P // max(slots, 1) < CAST_BELOW_TOKENS  # tokens
+    few = P // max(slots, 1) < FOLDED_FROM  # tokens: where the FP8 linears cast their own inputs too
     in_kernel = cast and block_n % X_BLOCK == 0 and (few if t.cast is None else t.cast)
     out = torch.empty((P, n_out), dtype=torch.uint8 if in_kernel else out_dtype, device=x_data.device)
     out_scale = torch.empty((P, n_out // X_BLOCK), dtype=torch.uint8, device=x_data.device) if in_kernel else None
