@@ -442,6 +442,7 @@ class RankGroup:
                 elif since is not None and now - max(progress[1], since) > self.cfg.stall_timeout_s:
                     self.fail(self._stalled(store))
                     return
+                    return
             except Exception as exc:  # the store is ours: this process is failing
                 self.fail(f"the group's store failed: {exc}")
                 return
