@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from model.cache import Step
 from model.config import ModelArgs
+from model.fused import fused
 from model.linear import Linear, RMSNorm
 
 
@@ -54,22 +55,30 @@ class Compressor(nn.Module):
         first = torch.div(step.positions[:, 0], m, rounding_mode="floor")
         if m == 1:
             return self.norm(kv), first, max(step.start) + T
-        score = self.wgate(x)
         pending = step.cache.pending[self.layer]
         n_open = step.positions[:, 0] % m
-        L = -(-(m - 1 + T) // m) * m
-        # aligned[b] = [the row's n_open pending tokens, its T new ones, zeros], gathered from one concatenation
-        i = torch.arange(L, device=x.device)
-        o = n_open.unsqueeze(1)
-        take = torch.where(i < o, i, torch.where(i < o + T, m - 1 + i - o, m - 1 + T))
-        take = take.unsqueeze(-1).expand(-1, -1, kv.shape[-1])
-
-        def aligned(open_group: Tensor, new: Tensor) -> Tensor:
-            zero = new.new_zeros(new.shape[0], 1, new.shape[-1])
-            return torch.cat((open_group[step.rows].to(new.dtype), new, zero), dim=1).gather(1, take)
-
-        aligned_kv, aligned_score = aligned(pending.kv, kv), aligned(pending.score, score)
+        open_kv, open_score = pending.kv[step.rows], pending.score[step.rows]
+        aligned_kv, aligned_score = _aligned(open_kv, open_score, kv, self.wgate(x), n_open, m)
         step.groups[self.layer] = (aligned_kv, aligned_score, n_open)
+        L = aligned_kv.shape[1]
         groups = (step.batch, L // m, m, kv.shape[-1])
         latents = self.pool(aligned_kv.view(groups), aligned_score.view(groups))
         return latents, first, max(step.start) // m + L // m
+
+
+@fused
+def _aligned(
+    open_kv: Tensor, open_score: Tensor, kv: Tensor, score: Tensor, n_open: Tensor, m: int
+) -> tuple[Tensor, Tensor]:
+    """Each row's [n_open pending tokens (of its open group, [B, m−1, D]), its T new ones, zeros], group-aligned to
+    L = ⌈(m − 1 + T)/m⌉·m positions, for the kv and the gate logits alike → two [B, L, D], each gathered from one
+    concatenation (one compiled region on a GPU)."""
+    B, T, D = kv.shape
+    L = -(-(m - 1 + T) // m) * m
+    i = torch.arange(L, device=kv.device)
+    o = n_open.unsqueeze(1)
+    take = torch.where(i < o, i, torch.where(i < o + T, m - 1 + i - o, m - 1 + T)).unsqueeze(-1).expand(-1, -1, D)
+    zero = kv.new_zeros(B, 1, D)
+    aligned_kv = torch.cat((open_kv.to(kv.dtype), kv, zero), dim=1).gather(1, take)
+    aligned_score = torch.cat((open_score.to(score.dtype), score, zero.to(score.dtype)), dim=1).gather(1, take)
+    return aligned_kv, aligned_score

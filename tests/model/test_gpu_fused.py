@@ -9,6 +9,7 @@ import torch
 from model import preset, quant
 from model.block import collapse_norm
 from model.cache import _window_slots
+from model.compressor import _aligned
 from model.engram import NgramHash, gated_add, ngram_rows
 from model.linear import _fp8_row_values, rms_norm
 from model.mhc import hc_collapse, hc_expand, hc_mixes
@@ -53,10 +54,14 @@ def cases():
                                      A.engram_n_heads)  # fmt: skip
     rows = quant.fp8_quant(rand(N * 8, A.engram_head_dim, seed=17, dtype=f32) * 30)
     yield "_fp8_row_values", _fp8_row_values, (*rows, torch.bfloat16)
+    f32, D = torch.float32, A.head_dim  # a verify of 3 positions over rows with 0 or 1 pending tokens (m = 2)
+    pending = rand(N, 1, D, seed=18, dtype=f32), rand(N, 1, D, seed=19, dtype=f32)
+    new = rand(N, 3, D, seed=20, dtype=f32), rand(N, 3, D, seed=21, dtype=f32)
+    yield "_aligned", _aligned, (*pending, *new, torch.arange(N, device="cuda") % 2, 2)
 
 
 NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "route", "swiglu", "combine", "gated_add", "_window_slots",
-         "collapse_norm", "ngram_rows", "_fp8_row_values"]  # fmt: skip
+         "collapse_norm", "ngram_rows", "_fp8_row_values", "_aligned"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
