@@ -8,11 +8,12 @@ The model decodes B rows of a JSON-mode prompt (a DecodeBatch, no services), eve
 Schema (an object holding an unbounded array of strings, so the grammar stays open; a row whose grammar completes
 starts a fresh guide, outside the clock). Per step, `plain`: one decode_step, the masks (decode_svc.masking: fill
 the rows' bitmasks on the host, apply them where the logits are), greedy sampling, the guides following the tokens;
-`dspark`: one DSpark draft of γ tokens whose every link is masked by the drafts before it, the chain's close (the
-mask past the last draft, the guides rolled back), one verify over every draft with the chain's masks. The masks'
-share is the time spent in Masks.apply/follow/close (the device synchronised around each), against the whole step
-(also synchronised). Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one,
-against the served tokenizer's 129,280-id vocabulary.
+`dspark`: one DSpark draft of γ tokens (its first link masked), the grammar's judgement of it (`admitted`: each
+row's drafts up to the first its guide refuses), one verify over the admitted drafts with their masks. The masks'
+share is the time spent in the guides and Masks.apply (the device synchronised around each), against the whole
+step (also synchronised); `accepted` is the drafts accepted per row and DSpark step, with and without the constraint.
+Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one, against the served
+tokenizer's 129,280-id vocabulary.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from serve_bench import machine  # noqa: E402
 
 from decode_svc.grammar import Grammars, default_tokenizer, vocabulary  # noqa: E402
 from decode_svc.guide import Guide  # noqa: E402
-from decode_svc.masking import Chain, Masks  # noqa: E402
+from decode_svc.masking import Masks, admitted  # noqa: E402
 from decode_svc.sampler import StepSampling  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model import DecodeBatch, Transformer, encode_prefill  # noqa: E402
@@ -76,21 +77,13 @@ class Clock:
 class TimedMasks(Masks):
     """Masks whose every call is clocked."""
 
-    def __init__(self, clock: Clock, guides: list[Guide | None], chain: Chain | None = None) -> None:
-        super().__init__(guides, chain)
+    def __init__(self, clock: Clock, guides: list[Guide | None], drafts: list[list[int]] | None = None) -> None:
+        super().__init__(guides, drafts)
         self.clock = clock
 
     def apply(self, logits: torch.Tensor) -> None:
         with self.clock.timed():
             super().apply(logits)
-
-    def follow(self, tokens: torch.Tensor) -> None:
-        with self.clock.timed():
-            super().follow(tokens)
-
-    def close(self) -> Chain:
-        with self.clock.timed():
-            return super().close()
 
 
 def greedy(batch: int, masks: Masks | None) -> StepSampling:
@@ -121,40 +114,49 @@ class Rows:
                 if guide is not None and not guide.accept(token):
                     self.guides[b] = self._guide()
 
-    def masks(self, clock: Clock, chain: Chain | None = None) -> Masks | None:
-        return TimedMasks(clock, self.guides, chain) if self.grammar is not None else None
+    def masks(self, clock: Clock, drafts: list[list[int]] | None = None) -> Masks | None:
+        return TimedMasks(clock, self.guides, drafts) if self.grammar is not None else None
 
 
-def plain_step(model: Transformer, rows: Rows, clock: Clock) -> None:
+def plain_step(model: Transformer, rows: Rows, clock: Clock) -> int:
     logits = rows.batch.decode_step(rows.pending)
     rows.pending = greedy(len(rows.pending), rows.masks(clock)).probs(logits).argmax(-1).tolist()
     with clock.timed():
         rows.follow([[t] for t in rows.pending])
+    return 0
 
 
-def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> None:
-    sampling = greedy(len(rows.pending), rows.masks(clock))
-    draft = rows.batch.dspark_draft(rows.pending, sampling)
-    chain = sampling.masks.close() if sampling.masks is not None else None
-    result = rows.batch.verify(rows.pending, draft, greedy(len(rows.pending), rows.masks(clock, chain)))
+def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> int:
+    """One DSpark step; returns the drafts accepted."""
+    draft = rows.batch.dspark_draft(rows.pending, greedy(len(rows.pending), rows.masks(clock)))
+    drafts = draft.tokens.tolist()
+    if rows.grammar is not None:
+        with clock.timed():
+            taken = admitted(rows.guides, drafts)
+        drafts = [row[:n] for row, n in zip(drafts, taken, strict=True)]
+    lengths = torch.tensor([len(row) for row in drafts])
+    result = rows.batch.verify(rows.pending, draft, greedy(len(rows.pending), rows.masks(clock, drafts)), lengths)
     rows.pending = [tokens[-1] for tokens in result.tokens]
     with clock.timed():
         rows.follow(result.tokens)
+    return int(result.accepted.sum())
 
 
 def measure(model: Transformer, prompt: list[int], batch: int, grammar: Any | None, mode: str, steps: int) -> dict:
     """Median step and mask milliseconds over `steps` steps (after two unmeasured ones)."""
     rows = Rows(model, prompt, batch, grammar)
     step = plain_step if mode == "plain" else dspark_step
-    totals, masks = [], []
+    totals, masks, accepted = [], [], 0
     for i in range(steps + 2):
         clock, whole = Clock(model.device), Clock(model.device)
         with whole.timed():
-            step(model, rows, clock)
+            taken = step(model, rows, clock)
         if i >= 2:
             totals.append(whole.seconds * 1e3)
             masks.append(clock.seconds * 1e3)
-    return {"step_ms": statistics.median(totals), "mask_ms": statistics.median(masks)}
+            accepted += taken
+    return {"step_ms": statistics.median(totals), "mask_ms": statistics.median(masks),
+            "accepted_per_row_step": accepted / (steps * batch)}  # fmt: skip
 
 
 def compile_times(grammars: Grammars, count: int) -> list[float]:
@@ -192,15 +194,19 @@ def main() -> int:
             masked = measure(model, prompt, batch, grammar, mode, args.steps)
             results.append({"batch": batch, "mode": mode, "free_step_ms": free["step_ms"],
                             "masked_step_ms": masked["step_ms"], "mask_ms": masked["mask_ms"],
-                            "mask_share": masked["mask_ms"] / masked["step_ms"]})  # fmt: skip
+                            "mask_share": masked["mask_ms"] / masked["step_ms"],
+                            "free_accepted": free["accepted_per_row_step"],
+                            "masked_accepted": masked["accepted_per_row_step"]})  # fmt: skip
     seconds = compile_times(grammars, args.schemas)
 
     table = Table(title=f"token masks per decode step ({args.model}, {model.device}; medians of {args.steps} steps)")
-    for column in ("batch", "step", "step, free (ms)", "step, masked (ms)", "masks (ms)", "masks / step"):
+    for column in ("batch", "step", "step, free (ms)", "step, masked (ms)", "masks (ms)", "masks / step",
+                   "accepted, free", "accepted, masked"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(str(r["batch"]), r["mode"], f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}",
-                      f"{r['mask_ms']:.3f}", f"{r['mask_share']:.1%}")  # fmt: skip
+                      f"{r['mask_ms']:.3f}", f"{r['mask_share']:.1%}", f"{r['free_accepted']:.2f}",
+                      f"{r['masked_accepted']:.2f}")  # fmt: skip
     console.print(table)
     ms = sorted(s * 1e3 for s in seconds)
     compile_summary = {"schemas": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))],

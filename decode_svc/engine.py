@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from decode_svc.local_prefill import OnRank, Prefill, Restorable
+from decode_svc.masking import admitted
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
@@ -404,13 +405,13 @@ class Engine:
             return self._plain_step(batch, rows, pending)
         generators = [seq.generator for seq in rows]
         with self.times.timed(Forward.DRAFT, len(rows)):
-            sampling = batch_sampling(rows)
-            draft = batch.dspark_draft(pending, sampling, generators)
-            chain = sampling.masks.close() if sampling.masks is not None else None  # the guides back at the step
+            draft = batch.dspark_draft(pending, batch_sampling(rows), generators)
             confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
-        caps = draft_caps(draft.tokens[:, : self.max_draft].tolist(), budgets, [s.params.stop_token_ids for s in rows])
-        if chain is not None:  # never past a draft the grammar refused
-            caps = [min(cap, valid) for cap, valid in zip(caps, chain.valid, strict=True)]
+        drafted = draft.tokens[:, : self.max_draft].tolist()
+        caps = draft_caps(drafted, budgets, [s.params.stop_token_ids for s in rows])
+        guides = [seq.guide for seq in rows]
+        if any(g is not None for g in guides):  # never past a draft the constraint refuses
+            caps = [min(cap, n) for cap, n in zip(caps, admitted(guides, drafted), strict=True)]
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
         for r in records:
             self.calibration.drafted(r.last or ())
@@ -421,7 +422,7 @@ class Engine:
             return self._plain_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
-            verify = batch_sampling(rows, chain.trim(width) if chain is not None else None)
+            verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
             result = batch.verify(
                 pending, trim(draft, width), verify, torch.tensor(lengths), generators
             )  # its acceptance is read on the host inside

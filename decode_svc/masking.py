@@ -1,24 +1,27 @@
 """The token masks of one forward's rows, applied to the logits before anything samples from them.
 
 Each row masks by its sequence's guide (guide.py); a row without one, or whose guide allows everything next (it is
-reasoning), is left alone. Three uses, one per kind of forward:
+reasoning), is left alone. Two kinds of forward are masked:
 
 - a plain step or a first token: logits [B, V] at the guides' current state;
-- a DSpark draft chain: link k's logits [B, V] at the state after the pending token and drafts 1..k — `follow` moves
-  the guides along each link's samples, and `close` adds the mask after the last draft, undoes the drafts and returns
-  the chain's masks (`Chain`): one per position, and how many drafts of each row the grammar took;
-- the verify forward: logits [B, 1+W, V], position j masked as link j of the chain was, so the target distribution
-  the drafts are judged against is the constrained one and verification stays lossless.
+- a DSpark verify: logits [B, 1+W, V], position j at the state after the pending token and the row's drafts 1..j,
+  so the target distribution the drafts are judged against is the constrained one and verification stays lossless.
 
-Masks are int32 bitmasks filled on the host by xgrammar (one thread pool for the whole batch) and applied where the
-logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU.
+A DSpark draft chain masks its first link only, at the guides' current state: the masks of link k > 1 depend on the
+drafts before it, and filling them would make the host wait for the device at every link. The grammar judges the
+chain once it has run instead (`admitted`): a row verifies only the drafts its guide takes, and the verify's masks
+are filled after its forward was launched, so on a GPU the fill overlaps the forward. A draft the constraint refuses
+costs its row the drafts after it, never a token of the output; the first link's mask keeps most of the acceptance
+of a chain masked throughout (docs/benchmarks.md).
+
+Masks are int32 bitmasks filled on the host by xgrammar (one thread pool for the whole batch, one fill per position)
+and applied where the logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import xgrammar as xgr
@@ -27,98 +30,84 @@ from torch import Tensor
 from decode_svc.guide import Guide
 
 
-@dataclass(frozen=True)
-class Chain:
-    """A draft chain's masks: bitmask [B, γ+1, words] (position j: after the pending token and drafts 1..j), the
-    positions each row masks (`masked[b][j]`), and how many drafts of each row the grammar accepted."""
-
-    bitmask: Tensor
-    masked: list[list[bool]]
-    valid: list[int]
-
-    def trim(self, width: int) -> Chain:
-        """The masks of a verify over the first `width` drafts."""
-        return Chain(self.bitmask[:, : width + 1], [row[: width + 1] for row in self.masked], self.valid)
-
-
 @functools.cache
 def _filler() -> xgr.BatchGrammarMatcher:
     return xgr.BatchGrammarMatcher()
 
 
 class Masks:
-    """The masks of one forward over rows whose guides are `guides` (None: an unconstrained row)."""
+    """The masks of one forward over rows whose guides are `guides` (None: an unconstrained row); `drafts`: a
+    verify's, per row the drafts it verifies (each taken by the row's guide: `admitted`)."""
 
-    def __init__(self, guides: Sequence[Guide | None], chain: Chain | None = None) -> None:
+    def __init__(self, guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]] | None = None) -> None:
         self.guides = guides
-        self.chain = chain
-        self._vocab, self._pinned = 0, False  # the logits' width and whether they live on a GPU, from the first apply
-        self._links: list[Tensor] = []  # the bitmask of each link so far (a draft chain)
-        self._masked: list[list[bool]] = []
-        self._drafted = [0] * len(guides)  # drafts each guide followed
-        self._refused: set[int] = set()  # rows whose guide refused a draft: the chain is cut there
+        self.drafts = drafts if drafts is not None else [()] * len(guides)
+        self._applied = False
 
     def apply(self, logits: Tensor) -> None:
-        """Mask logits [B, V] (the next position) or [B, T, V] (a verify, from the chain) in place."""
-        if logits.dim() == 3:
-            assert self.chain is not None, "a verify's masks come from its draft chain"
-            bitmask, masked = self.chain.bitmask[:, : logits.shape[1]], self.chain.masked
-            rows = [b * logits.shape[1] + j for b, row in enumerate(masked) for j in range(logits.shape[1]) if row[j]]
-            _apply(logits.view(-1, logits.shape[-1]), bitmask.reshape(-1, bitmask.shape[-1]), rows)
+        """Mask logits [B, V] (the next position) or [B, 1+W, V] (a verify over W ≥ every row's drafts) in place —
+        the first logits given only: the later links of a draft chain stay unmasked."""
+        if self._applied:
             return
-        self._vocab, self._pinned = logits.shape[-1], logits.device.type == "cuda"
-        bitmask, masked = self._fill()
-        self._links.append(bitmask)
-        self._masked.append(masked)
-        _apply(logits, bitmask, [b for b, m in enumerate(masked) if m])
+        self._applied = True
+        T = logits.shape[1] if logits.dim() == 3 else 1
+        widest = max(map(len, self.drafts), default=0)
+        if widest >= T:
+            raise ValueError(f"a verify over {T - 1} drafts cannot mask a row of {widest}")
+        flat = logits.view(-1, logits.shape[-1])
+        bitmask = torch.full((flat.shape[0], -(-flat.shape[1] // 32)), -1, dtype=torch.int32,
+                             pin_memory=logits.is_cuda)  # fmt: skip  # pinned: copied to the GPU without a wait
+        masked: list[int] = []
 
-    def follow(self, tokens: Tensor) -> None:
-        """The tokens [B] sampled from the last link: every guide follows its row's, until one refuses. Only guides
-        whose masks depend on the tokens read them (reading them waits for the device)."""
-        if all(g is None or g.static for g in self.guides):
-            return
-        for b, token in enumerate(tokens.tolist()):
-            guide = self.guides[b]
-            if guide is None or guide.static or b in self._refused:
-                continue
-            if guide.accept(token):
-                self._drafted[b] += 1
-            else:
-                self._refused.add(b)
+        def fill(j: int, rows: list[int]) -> None:
+            masked.extend(_fill(bitmask, {b * T + j: self.guides[b] for b in rows}))  # type: ignore[misc]
 
-    def close(self) -> Chain:
-        """After a draft chain: the mask past its last draft, then every guide back where the step started."""
-        bitmask, masked = self._fill()
-        self._links.append(bitmask)
-        self._masked.append(masked)
-        for guide, drafted in zip(self.guides, self._drafted, strict=True):
-            if guide is not None:
-                guide.rollback(drafted)
-        drafts = len(self._links) - 1
-        valid = [self._drafted[b] if b in self._refused else drafts for b in range(len(self.guides))]
-        per_row = [list(row) for row in zip(*self._masked, strict=True)]
-        stacked = torch.empty((len(self.guides), len(self._links), self._links[0].shape[-1]), dtype=torch.int32,
-                              pin_memory=self._pinned)  # fmt: skip
-        return Chain(torch.stack(self._links, 1, out=stacked), per_row, valid)
+        _walk(self.guides, self.drafts, fill)
+        _apply(flat, bitmask, masked)
 
-    def _fill(self) -> tuple[Tensor, list[bool]]:
-        """The bitmask [B, words] of the next position (in pinned memory for a GPU's logits: copied without a wait),
-        and which rows it restricts."""
-        words = -(-self._vocab // 32)
-        bitmask = torch.full((len(self.guides), words), -1, dtype=torch.int32, pin_memory=self._pinned)
-        live = [
-            g if g is not None and b not in self._refused and g.restricts else None for b, g in enumerate(self.guides)
-        ]
-        grammar = [b for b, g in enumerate(live) if g is not None and g.grammar_active]
-        if grammar:
-            _filler().batch_fill_next_token_bitmask([live[b].matcher for b in grammar], bitmask, grammar)  # type: ignore[union-attr]
-        banned: dict[int, list[int]] = {}  # token → the rows that ban it (every row bans the same few, usually)
-        for b, guide in enumerate(live):
-            for token in guide.banned_now if guide is not None else ():
-                banned.setdefault(token, []).append(b)
-        for token, rows in banned.items():
-            bitmask[rows, token // 32] &= _int32(~(1 << (token % 32)))
-        return bitmask, [g is not None for g in live]
+
+def admitted(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]]) -> list[int]:
+    """How many leading drafts of each row its guide takes (all of an unconstrained row's); the guides are left where
+    they were."""
+    return _walk(guides, drafts)
+
+
+Visit = Callable[[int, list[int]], None]
+
+
+def _walk(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]], visit: Visit | None = None) -> list[int]:
+    """Move every guide along its row's drafts, one position at a time for the whole batch, until it refuses one or
+    they run out; `visit(j, rows)` sees the rows whose guides stand after their j-th draft. Every guide ends where it
+    started. Returns the drafts each row's guide took."""
+    taken = [len(d) if g is None else 0 for g, d in zip(guides, drafts, strict=True)]
+    rows = [b for b, g in enumerate(guides) if g is not None]
+    j = 0
+    while rows:
+        if visit is not None:
+            visit(j, rows)
+        rows = [b for b in rows if j < len(drafts[b]) and guides[b].accept(drafts[b][j])]  # type: ignore[union-attr]
+        for b in rows:
+            taken[b] += 1
+        j += 1
+    for guide, n in zip(guides, taken, strict=True):
+        if guide is not None:
+            guide.rollback(n)
+    return taken
+
+
+def _fill(bitmask: Tensor, guides: dict[int, Guide]) -> list[int]:
+    """Fill bitmask row i with what guides[i] allows next, for each row of `guides`; returns the rows restricted."""
+    live = {i: g for i, g in guides.items() if g.restricts}
+    grammar = [i for i, g in live.items() if g.grammar_active]
+    if grammar:
+        _filler().batch_fill_next_token_bitmask([live[i].matcher for i in grammar], bitmask, grammar)  # type: ignore[misc]
+    banned: dict[int, list[int]] = {}  # token → the rows that ban it (every row bans the same few, usually)
+    for i, guide in live.items():
+        for token in guide.banned_now:
+            banned.setdefault(token, []).append(i)
+    for token, rows in banned.items():
+        bitmask[rows, token // 32] &= _int32(~(1 << (token % 32)))
+    return list(live)
 
 
 def _int32(value: int) -> int:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from decode_svc.masking import Chain, Masks
+from decode_svc.masking import Masks
 from decode_svc.sequence import Sampling, Sequence, TokenLogprob
 from model import SamplingParams, sample
 
@@ -63,14 +63,10 @@ class StepSampling(SamplingParams):
             self.cursor[b] += positions.shape[1]
         return probs
 
-    def sampled(self, tokens: Tensor) -> None:
-        if self.masks is not None:
-            self.masks.follow(tokens)
 
-
-def batch_sampling(rows: Seq[Sequence], chain: Chain | None = None) -> StepSampling:
+def batch_sampling(rows: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> StepSampling:
     """The sampling parameters of a lane's rows, in row order, each from its next output position on (a fresh object
-    per forward: its cursor advances); `chain`: a verify's masks, from its draft chain."""
+    per forward: its cursor advances); `drafts`: a verify's, per row (its masks follow them: masking.py)."""
     s = [row.params.sampling for row in rows]
     guides = [row.guide for row in rows]
     return StepSampling(
@@ -79,7 +75,7 @@ def batch_sampling(rows: Seq[Sequence], chain: Chain | None = None) -> StepSampl
         torch.tensor([x.top_p for x in s]),
         seeds=tuple(x.seed if x.seeded else None for x in s),
         cursor=[len(row.output) for row in rows],
-        masks=Masks(guides, chain) if any(g is not None for g in guides) else None,
+        masks=Masks(guides, drafts) if any(g is not None for g in guides) else None,
         logprobs=tuple(row.params.logprobs for row in rows),
     )
 

@@ -171,8 +171,7 @@ class DecodeBatch:
     ) -> Draft:
         """γ drafts per sequence after its pending token y (not yet committed): one forward of the DSpark blocks over
         [y, noise…] at positions p+1…, then the Markov chain left to right: each link's distribution is
-        `sampling.probs` of its logits, and `sampling.sampled` sees each link's draws before the next link (a grammar
-        masks each link by the drafts before it). Confidences are calibrated by the head's per-position temperatures;
+        `sampling.probs` of its logits. Confidences are calibrated by the head's per-position temperatures;
         `generator`: one for the batch or one per row (model.sampling)."""
         y = self.tokens(tokens, 1)[:, 0]
         x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
@@ -184,7 +183,6 @@ class DecodeBatch:
             q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
             confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
             prev = sample(q, generator)
-            sampling.sampled(prev)
             tokens_out.append(prev)
             probs.append(q)
         return Draft(torch.stack(tokens_out, 1), torch.stack(probs, 1), torch.cat(confidence, -1))

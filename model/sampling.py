@@ -58,10 +58,6 @@ class SamplingParams:
             probs = probs / probs.sum(-1, keepdim=True)
         return torch.where(t > 0, probs, greedy)
 
-    def sampled(self, tokens: Tensor) -> None:
-        """The tokens [B] a draft chain drew from the last `probs`, before its next link asks for the next ones.
-        Nothing here; a subclass whose distributions depend on the tokens before them (a grammar's masks) follows."""
-
 
 def _per_row(generator: Generators, rows: int) -> Sequence[torch.Generator | None] | None:
     """The per-row generators of a `Generators` argument (checked against the batch), None for a single one."""

@@ -1,7 +1,8 @@
 """Grammar-constrained decoding in the engine (tiny model, driven one iteration at a time): a mask changes nothing
 when the free output already conforms and forces the grammar when it does not, each row of a batch on its own; DSpark
-drafts are masked and verified against the masked target, so speculation gives the plain lane's tokens, with drafts
-really accepted; the reasoning is free until its end token; banned tokens never appear in the answer."""
+drafts are judged by the grammar and verified against the masked target, so speculation gives the plain lane's
+tokens, with drafts really accepted; the reasoning is free until its end token; banned tokens never appear in the
+answer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from test_decode_speculation import oracle_drafter
 
 from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
 from decode_svc.guide import Guide
+from decode_svc.masking import Masks, admitted
 from model import Transformer
 from proto.decode.v1 import decode_pb2
 from recipe import load_tokenizer
@@ -193,3 +195,46 @@ def test_a_sequence_ends_where_its_grammar_does_even_without_stop_tokens(
         assert load_tokenizer().decode(seq.output[:-1]) == "Hi"
         assert seq.output[-1] == EOS  # the grammar's terminator, the tokenizer's end of sequence
         assert end.reason == decode_pb2.FINISH_REASON_STOP
+
+
+def test_a_verify_masks_each_position_as_a_plain_step_after_the_drafts_before_it(
+    models: tuple[Transformer, Transformer], grammars: Grammars
+) -> None:
+    """`admitted` takes each row's drafts up to the first its guide refuses (across the reasoning's end, a banned
+    token, a grammar), leaving the guides where they were; a verify's masks at position j are those of a plain step
+    after the row's first j drafts, and the positions past a row's drafts stay unmasked; a draft chain masks its
+    first link only."""
+    think_end, dsml, json_only = 128822, 128825, decode_pb2.OutputConstraint(json_object=True)
+    text = load_tokenizer().encode_plain('{"a": [1, 2]}')
+    guides: list[Guide | None] = [
+        guide(grammars, json_only, reasoning_end=think_end, banned=[dsml]),
+        guide(grammars, json_only, banned=[dsml]),
+        guide(grammars, json_only),
+        None,
+    ]
+    drafts = [[5, think_end, *text[:2], dsml], [*text[:3], *load_tokenizer().encode_plain("hi")], [dsml, 7], [9, 9]]
+    assert admitted(guides, drafts) == [4, 3, 0, 2]
+    assert (guides[0].in_answer, guides[1].in_answer) == (False, True)  # type: ignore[union-attr]
+    assert admitted(guides, drafts) == [4, 3, 0, 2]  # the guides were left where they started
+
+    kept = [row[:n] for row, n in zip(drafts, admitted(guides, drafts), strict=True)]
+    vocab = models[1].args.vocab_size
+    logits = torch.zeros(len(guides), 6, vocab)
+    Masks(guides, kept).apply(logits)
+    for b, (g, row) in enumerate(zip(guides, kept, strict=True)):
+        for j in range(6):
+            expected = torch.zeros(1, vocab)
+            if g is not None and j <= len(row):
+                assert all(g.accept(t) for t in row[:j])
+                Masks([g]).apply(expected)
+                g.rollback(j)
+            assert torch.equal(logits[b, j].isinf(), expected[0].isinf()), (b, j)
+    assert logits[0, 0].isinf().sum() == 1  # in the reasoning only the stop token is refused (JSON must come)
+    chain = Masks(guides)  # a draft chain: its first link is masked, the links after it are not
+    links = torch.zeros(2, len(guides), vocab)
+    chain.apply(links[0])
+    chain.apply(links[1])
+    assert torch.equal(links[0].isinf(), logits[:, 0].isinf())
+    assert not links[1].isinf().any()
+    with pytest.raises(ValueError, match="cannot mask a row of 4"):
+        Masks(guides, kept).apply(torch.zeros(len(guides), 4, vocab))
