@@ -1,11 +1,14 @@
 """Kernel launches of one decode step on the GPU's path, counted on the CPU: an estimate of `bench/step_bench.py`'s
 CUDA kernels per step without a GPU, and where they come from.
 
-    python bench/launch_count.py [--preset tiny] [--batch 1] [--context 4096] [--top 40] [--out F]
+    python bench/launch_count.py [--preset tiny] [--batch 1] [--context 4096] [--step decode|dspark]
+        [--temperature 0] [--per-row-generators] [--top 40] [--out F]
 
 The model is the preset with FP8 weights (the `small` preset's quantisation config, as served), its state
 synthesised as step_bench's is (bench/kernels.py `filled_decode_batch`), every kernel op on its Triton backend (run by
-the interpreter; on a CPU the model would take the torch references). One eager step is counted three ways:
+the interpreter; on a CPU the model would take the torch references). One eager step — a decode step, or a DSpark
+step: the draft and the verify of all its drafts, sampled at `--temperature` from one generator for the batch (as the
+decode engine draws) or from one per row — is counted three ways:
 - Triton launches, by kernel;
 - calls of compiled functions (`model.fused`): one to three kernels each on a GPU, the plain torch ops here;
 - the remaining torch ops by the line of this repository that issued them (a dispatch mode; views and empty
@@ -32,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernels import filled_decode_batch  # noqa: E402
-from model import kernels, preset  # noqa: E402  (sets TRITON_INTERPRET on a CPU, before triton loads)
+from model import SamplingParams, kernels, preset  # noqa: E402  (sets TRITON_INTERPRET on a CPU, before triton loads)
 from model.fused import fused  # noqa: E402
 from model.weights import build_model  # noqa: E402
 
@@ -92,7 +95,8 @@ def fused_functions() -> dict[CodeType, str]:
     return found
 
 
-def count(preset_name: str, B: int, context: int) -> dict:
+def count(preset_name: str, B: int, context: int, kind: str = "decode", temperature: float = 0.0,
+          per_row: bool = False) -> dict:  # fmt: skip
     args = preset(preset_name)
     args = dataclasses.replace(args, quantization_config=preset("small").quantization_config,
                                max_position_embeddings=max(args.max_position_embeddings, 2 * context))  # fmt: skip
@@ -100,6 +104,15 @@ def count(preset_name: str, B: int, context: int) -> dict:
     kernels.backend_for = lambda _t: "triton"  # the GPU's path: every kernel op on Triton (interpreted)
     batch = filled_decode_batch(model, B, context, 4, graphs=False)
     tokens = torch.randint(0, args.vocab_size, (B, 1))
+    sampling = SamplingParams.uniform(B, temperature)
+    generator = [torch.Generator() for _ in range(B)] if per_row else torch.Generator()
+
+    def step() -> None:
+        if kind == "decode":
+            batch.decode_step(tokens)
+        else:
+            batch.verify(tokens, batch.dspark_draft(tokens, sampling, generator), sampling, generator=generator)
+
     codes = fused_functions()
     launches, calls, counting = Counter[str](), Counter[str](), [False]
     run_grid = interpreter.GridExecutor.__call__
@@ -116,16 +129,17 @@ def count(preset_name: str, B: int, context: int) -> dict:
     interpreter.GridExecutor.__call__ = launch
     ops = TorchOps(set(codes))
     with torch.no_grad():
-        batch.decode_step(tokens)  # first calls build lazy state
+        step()  # first calls build lazy state
         counting[0] = True
         sys.setprofile(called)
         with ops:
-            batch.decode_step(tokens)
+            step()
         sys.setprofile(None)
     interpreter.GridExecutor.__call__ = run_grid
     total = sum(launches.values()) + sum(calls.values()) + sum(ops.ops.values())
     return {
-        "preset": preset_name, "layers": args.num_hidden_layers, "batch": B, "context": context, "estimate": total,
+        "preset": preset_name, "layers": args.num_hidden_layers, "batch": B, "context": context, "step": kind,
+        "temperature": temperature, "per_row_generators": per_row, "estimate": total,
         "triton": dict(launches.most_common()), "fused": dict(calls.most_common()),
         "torch_ops": dict(ops.ops.most_common()), "host_syncs": dict(ops.syncs.most_common()),
     }  # fmt: skip
@@ -136,14 +150,18 @@ def main() -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--step", choices=("decode", "dspark"), default="decode")
+    p.add_argument("--temperature", type=float, default=0.0, help="the DSpark step's sampling (0: greedy)")
+    p.add_argument("--per-row-generators", action="store_true", help="the DSpark step draws from one per row")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", type=Path, default=None)
     ns = p.parse_args()
-    result = count(ns.preset, ns.batch, ns.context)
+    result = count(ns.preset, ns.batch, ns.context, ns.step, ns.temperature, ns.per_row_generators)
     if ns.out:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
         ns.out.write_text(json.dumps(result, indent=1))
-    print(f"{result['preset']} ({result['layers']} layers), B={ns.batch}: ≈ {result['estimate']} launches per step")
+    head = f"{result['preset']} ({result['layers']} layers), B={ns.batch}, {ns.step} step"
+    print(f"{head}: ≈ {result['estimate']} launches")
     for part in ("triton", "fused"):
         print(f"{part}: {sum(result[part].values())}  " + ", ".join(f"{k} {v}" for k, v in result[part].items()))
     print(f"torch ops: {sum(result['torch_ops'].values())}; host syncs: {result['host_syncs'] or 'none'}")

@@ -11,11 +11,11 @@
   (local_prefill.py; in a rank group on the rank it will join only); after its last chunk it joins its lane the same
   way.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
-  per step): a request that turns speculation off, or every request under --no-speculation. Every row draws from its
-  own generator, and a seeded sampled row's tokens are fixed by its seed per output position (sampler.py), so seeded
-  and unseeded, greedy and sampled requests share the speculative lane. Whether a speculative step drafts, and how
-  many drafts it verifies, is DSpark's hardware-aware scheduler's call (scheduler.py), on the step times this engine
-  measures (step_times.py: seeded by a short profile when the thread starts, then every step adds a sample):
+  per step): a request that turns speculation off, or every request under --no-speculation. A seeded sampled row's
+  tokens are fixed by its seed per output position, the others draw from the engine's one generator (sampler.py),
+  so seeded and unseeded, greedy and sampled requests share the speculative lane. Whether a speculative step drafts,
+  and how many drafts it verifies, is DSpark's hardware-aware scheduler's call (scheduler.py), on the step times this
+  engine measures (step_times.py: seeded by a short profile when the thread starts, then every step adds a sample):
   speculation must never make decoding slower.
 - **Deliver**: tokens go to the sequence's outbox at once (the stream sends them); a stop token or the output budget
   finishes it. A finished sequence leaves its batch, and its new blocks + end-of-sequence SWA record are handed to
@@ -42,7 +42,7 @@ from torch import Tensor
 from decode_svc.local_prefill import OnRank, Prefill, Restorable
 from decode_svc.masking import admitted
 from decode_svc.metrics import DecodeMetrics
-from decode_svc.sampler import batch_sampling, new_generator, sample_rows, token_logprobs
+from decode_svc.sampler import batch_sampling, random_generator, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
@@ -91,6 +91,7 @@ class Engine:
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
         self.prefilling: dict[Sequence, Prefill] = {}  # PREFILLING sequences, in arrival order
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
+        self.generator = random_generator(model.device)  # every row's noise (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
         metrics.draft_trust.set(self.scheduler.trust)
@@ -350,11 +351,10 @@ class Engine:
             seq.seq_id, seq.lane = seq_id, lane
             self.rows[lane][seq_id] = seq
             self._enter(seq, State.RUNNING)
-            seq.generator = new_generator(seq.params.sampling, self.model.device)
             seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
         try:
             logits = torch.stack([row for _, row in joined])
-            tokens = sample_rows(batch_sampling(seqs).probs(logits), seqs)
+            tokens = sample_rows(batch_sampling(seqs).probs(logits), seqs, self.generator)
             for b, seq in enumerate(seqs):
                 self._deliver(seq, [tokens[b]], logits[b : b + 1])
         except Exception as exc:  # a bug or out of memory: these sequences only
@@ -392,7 +392,7 @@ class Engine:
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):
             logits = batch.decode_step(pending)
-            tokens = sample_rows(batch_sampling(rows).probs(logits), rows)  # on the host: the forward has run
+            tokens = sample_rows(batch_sampling(rows).probs(logits), rows, self.generator)  # the step's one wait
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
@@ -403,9 +403,8 @@ class Engine:
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
             return self._plain_step(batch, rows, pending)
-        generators = [seq.generator for seq in rows]
         with self.times.timed(Forward.DRAFT, len(rows)):
-            draft = batch.dspark_draft(pending, batch_sampling(rows), generators)
+            draft = batch.dspark_draft(pending, batch_sampling(rows), self.generator)
             confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
         drafted = draft.tokens[:, : self.max_draft].tolist()
         caps = draft_caps(drafted, budgets, [s.params.stop_token_ids for s in rows])
@@ -424,7 +423,7 @@ class Engine:
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
             verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
             result = batch.verify(
-                pending, trim(draft, width), verify, torch.tensor(lengths), generators
+                pending, trim(draft, width), verify, torch.tensor(lengths), self.generator
             )  # its acceptance is read on the host inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)

@@ -1,8 +1,8 @@
 """Per-row sampling over a batch and the logprobs the API reports.
 
-Every sequence draws from a generator of its own (model.sampling.Generators): an unseeded sampled row from one
-seeded at random, so its plain samples, DSpark draft and lossless verification never share randomness with a
-neighbour.
+The rows of a forward draw from one generator, seeded at random (`random_generator`): one launch of noise for the
+whole batch, not one per row. An unseeded sampled row needs noise of its own, not a stream of its own: every element
+of the batch's draw is independent of every other, so no two rows share randomness.
 
 A **seeded** sampled row needs more than its own generator to be reproducible. Speculative sampling emits a sample of
 the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from decode_svc.masking import Masks
-from decode_svc.sequence import Sampling, Sequence, TokenLogprob
+from decode_svc.sequence import Sequence, TokenLogprob
 from model import SamplingParams, sample
 
 
@@ -58,8 +58,8 @@ class StepSampling(SamplingParams):
         for b, seed in enumerate(self.seeds):
             for t in range(positions.shape[1] if seed is not None else 0):
                 noise = position_generator(seed, self.cursor[b] + t, probs.device)
-                token = int(sample(positions[b, t : t + 1], [noise])[0])
-                positions[b, t].zero_()[token] = 1.0
+                token = sample(positions[b, t : t + 1], [noise])  # on the device: nothing waits for it
+                positions[b, t].zero_().scatter_(0, token, 1.0)
             self.cursor[b] += positions.shape[1]
         return probs
 
@@ -87,21 +87,17 @@ def position_generator(seed: int, index: int, device: torch.device) -> torch.Gen
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def new_generator(sampling: Sampling, device: torch.device) -> torch.Generator:
-    seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-    return torch.Generator(device=device).manual_seed(seed)
+def random_generator(device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded at random: the noise of unseeded sampled rows."""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
 
-def sample_rows(probs: Tensor, rows: Seq[Sequence]) -> list[int]:
-    """One token per row of probs [B, V] (from `StepSampling.probs`), each unseeded sampled row from its own
-    generator; a greedy or seeded row's distribution is one-hot: its token needs no draw."""
-    picked = probs.argmax(-1).tolist()
-    return [
-        picked[b]
-        if row.params.sampling.greedy or row.params.sampling.seeded
-        else int(sample(probs[b : b + 1], row.generator)[0])
-        for b, row in enumerate(rows)
-    ]
+def sample_rows(probs: Tensor, rows: Seq[Sequence], generator: torch.Generator) -> list[int]:
+    """One token per row of probs [B, V] (from `StepSampling.probs`): one exponential race over the batch, which
+    gives a one-hot row (greedy or seeded) its token; the arg-max alone when every row is one-hot."""
+    if all(row.params.sampling.greedy or row.params.sampling.seeded for row in rows):
+        return probs.argmax(-1).tolist()
+    return sample(probs, generator).tolist()
 
 
 def token_logprobs(logits: Tensor, tokens: Seq[int], top: int) -> list[TokenLogprob]:

@@ -22,7 +22,6 @@ import enum
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from decode_svc.guide import Guide
 from decode_svc.local_prefill import OnRank, Restorable
@@ -157,7 +156,6 @@ class Sequence:
     state: State = State.WAITING
     lane: Lane | None = None
     seq_id: int = -1  # its id in its lane's DecodeBatch
-    generator: torch.Generator | None = None
     limit: int = 0  # most tokens it may emit (its max_tokens, or what the context leaves)
     output: list[int] = field(default_factory=list)
     submitted_at: float | None = None  # when it was handed to the engine thread (time.monotonic); None: not yet

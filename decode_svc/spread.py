@@ -13,8 +13,9 @@ its chunks run on that rank only, the others answering their MoE rounds (`Spread
 Rows are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order,
 so the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
 plain step's logits (a constrained row's masks live in its grammar matcher there), while DSpark's draft and verify
-draw inside the model, on the rank holding the row, from the row's own generator (sent with the plan, its state sent
-back). A draft's distributions stay on the ranks that drew them, for their verify; a verify's accepted tokens come
+draw inside the model, on the rank holding the row, from that rank's generator (a generator's state cannot travel,
+and an unseeded row needs noise of its own, not a particular stream; a seeded row's tokens do not depend on it).
+A draft's distributions stay on the ranks that drew them, for their verify; a verify's accepted tokens come
 back with the plan's report, and its logits only for the rows whose requests report logprobs (rank 0 reads them for
 nothing else).
 """
@@ -33,11 +34,11 @@ from prometheus_client import Gauge
 from torch import Tensor
 
 from decode_svc.local_prefill import LocalPrefill, OnRank, Prefill, Restorable
+from decode_svc.sampler import random_generator
 from decode_svc.speculation import trim
 from model import DecodeBatch, Past, PrefillOutput, SamplingParams, Transformer
 from model.decode import SequenceExport, VerifyResult
 from model.dspark import Draft
-from model.sampling import Generators
 from model_service.ranks import GroupCalls, ModelCalls, Outcome
 
 Part = tuple[Any, list[Tensor] | None, list[int]]  # a rank's part of a call: small results, gathered logits, row order
@@ -121,6 +122,7 @@ class RankRows:
     def __init__(self, model: Transformer, capacity: int) -> None:
         self.model, self.batch = model, DecodeBatch(model, capacity)
         self.draft: Draft | None = None  # the last draft of these rows, for their verify
+        self.generator = random_generator(model.device)  # these rows' noise
 
     def join_many(self, prompts: list[Restorable], rows: int) -> Part:
         """→ (the joined seq ids, in prompt order; their first logits gathered)."""
@@ -137,12 +139,12 @@ class RankRows:
     def decode_step(self, tokens: list[int], rows: int) -> Part:
         return self._forward(lambda: (None, self.batch.decode_step(tokens)), bool(tokens), rows, ())
 
-    def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators) -> Part:
-        """→ ((draft tokens, confidences, the generators' states after the draws), nothing gathered)."""
+    def dspark_draft(self, tokens: list[int], sampling: SamplingParams) -> Part:
+        """→ ((draft tokens, confidences), nothing gathered)."""
 
-        def draft() -> tuple[tuple[Tensor, Tensor, list[Tensor]], None]:
-            self.draft = self.batch.dspark_draft(tokens, sampling, generators)
-            return (self.draft.tokens, self.draft.confidence, _states(generators)), None
+        def draft() -> tuple[tuple[Tensor, Tensor], None]:
+            self.draft = self.batch.dspark_draft(tokens, sampling, self.generator)
+            return (self.draft.tokens, self.draft.confidence), None
 
         return self._forward(draft, bool(tokens))
 
@@ -152,17 +154,16 @@ class RankRows:
         width: int,
         sampling: SamplingParams,
         lengths: Tensor,
-        generators: Generators,
         kept: list[int],
         rows: int,
     ) -> Part:
-        """Verify the first `width` drafts of this rank's last draft → ((accepted, tokens, the generators' states),
-        the target logits of its rows `kept` gathered: none gathered when no rank keeps any)."""
+        """Verify the first `width` drafts of this rank's last draft → ((accepted, tokens), the target logits of its
+        rows `kept` gathered: none gathered when no rank keeps any)."""
 
-        def verify() -> tuple[tuple[Tensor, list[list[int]], list[Tensor]], Tensor]:
+        def verify() -> tuple[tuple[Tensor, list[list[int]]], Tensor]:
             assert self.draft is not None
-            result = self.batch.verify(tokens, trim(self.draft, width), sampling, lengths, generators)
-            return (result.accepted, result.tokens, _states(generators)), result.logits[kept]
+            result = self.batch.verify(tokens, trim(self.draft, width), sampling, lengths, self.generator)
+            return (result.accepted, result.tokens), result.logits[kept]
 
         return self._forward(verify, bool(tokens), rows, (1 + width,))
 
@@ -298,11 +299,13 @@ class SpreadBatch:
         _, gathered = self._each("decode_step", [(t, max(counts)) for (t,) in self._by_rank(list(tokens))])
         return _cat(gathered, counts)
 
-    def dspark_draft(self, tokens: list[int], sampling: SamplingParams, generators: Generators = None) -> Draft:
-        """Each rank drafts for its rows; the distributions stay there (the returned draft's are empty)."""
-        args = self._by_rank(list(tokens), sampling, generators)
+    def dspark_draft(
+        self, tokens: list[int], sampling: SamplingParams, generator: torch.Generator | None = None
+    ) -> Draft:
+        """Each rank drafts for its rows, drawing from its own generator (`generator`, rank 0's, stays here); the
+        distributions stay there (the returned draft's are empty)."""
+        args = self._by_rank(list(tokens), sampling)
         results = [r for r in self._each("dspark_draft", args)[0] if r is not None]
-        self._restore([states for *_, states in results], generators)
         drafts, confidence = torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
         return Draft(drafts, drafts.new_empty(*drafts.shape, 0, dtype=torch.float32), confidence)
 
@@ -312,22 +315,21 @@ class SpreadBatch:
         draft: Draft,
         sampling: SamplingParams,
         lengths: Tensor | None = None,
-        generators: Generators = None,
+        generator: torch.Generator | None = None,
     ) -> VerifyResult:
         """Each rank verifies the first `draft`-width drafts of its own last draft (`draft` is this batch's). The
-        ranks accept and draw the tokens themselves; rank 0 reads a row's logits only for the logprobs its request
-        reports (`StepSampling.logprobs`), so only those rows' logits are gathered — none when no row reports
-        logprobs — and the others' are NaN."""
+        ranks accept and draw the tokens themselves, each from its own generator (`generator` stays here); rank 0
+        reads a row's logits only for the logprobs its request reports (`StepSampling.logprobs`), so only those rows'
+        logits are gathered — none when no row reports logprobs — and the others' are NaN."""
         B, width = draft.tokens.shape
         lengths = torch.full((B,), width, dtype=torch.int64) if lengths is None else lengths
         reported = getattr(sampling, "logprobs", None) or (True,) * B
-        parts = self._by_rank(list(tokens), sampling, lengths, generators, list(reported))
+        parts = self._by_rank(list(tokens), sampling, lengths, list(reported))
         kept = [[i for i, report in enumerate(r) if report] for *_, r in parts]
         rows = max(len(k) for k in kept)
-        args = [(t, width, s, n, g, k, rows) for (t, s, n, g, _), k in zip(parts, kept, strict=True)]
+        args = [(t, width, s, n, k, rows) for (t, s, n, _), k in zip(parts, kept, strict=True)]
         small, gathered = self._each("verify", args)
         results = [r for r in small if r is not None]
-        self._restore([states for *_, states in results], generators)
         emitted = [row for r in results for row in r[1]]
         model = self.calls.model
         logits = _kept(gathered, kept, self.rows_by_rank, (1 + width, model.args.vocab_size), model.device)
@@ -346,18 +348,10 @@ class SpreadBatch:
         starts = [0, *itertools.accumulate(self.rows_by_rank)]
         return [tuple(_rows(b, slice(a, z)) for b in batched) for a, z in itertools.pairwise(starts)]
 
-    @staticmethod
-    def _restore(states: list[list[Tensor]], generators: Generators) -> None:
-        """The row generators as the ranks left them (rank 0's drew in place; the others' drew from copies)."""
-        if generators is None:
-            return
-        for generator, state in zip(generators, [s for rank in states for s in rank], strict=True):
-            generator.set_state(state)
-
 
 def _rows(batched: Any, rows: slice) -> Any:
-    """Some rows of a batched argument: a list, tensor or per-row generators, or sampling parameters (every per-row
-    field sliced; a group spreads no constrained row, whose masks are rank 0's)."""
+    """Some rows of a batched argument: a list, a tensor, or sampling parameters (every per-row field sliced; a group
+    spreads no constrained row, whose masks are rank 0's)."""
     if batched is None:
         return None
     if isinstance(batched, SamplingParams):
@@ -365,8 +359,6 @@ def _rows(batched: Any, rows: slice) -> Any:
             raise ValueError("a constrained row's masks cannot leave rank 0")
         fields = {f.name: getattr(batched, f.name) for f in dataclasses.fields(batched)}
         return dataclasses.replace(batched, **{name: v[rows] for name, v in fields.items() if v is not None})
-    if isinstance(batched, torch.Generator):
-        raise TypeError("a spread batch draws from one generator per row")
     return batched[rows]
 
 
@@ -393,10 +385,6 @@ def _kept(
     logits = torch.full((B, *shape), math.nan, dtype=torch.float32, device=device)
     logits[rows] = torch.cat([g[: len(k)] for g, k in zip(gathered, kept, strict=True)])
     return logits
-
-
-def _states(generators: Generators) -> list[Tensor]:
-    return [g.get_state() for g in generators] if isinstance(generators, list) else []
 
 
 def _values(outcomes: list[Outcome]) -> list[Any]:
