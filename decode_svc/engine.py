@@ -338,10 +338,10 @@ class Engine:
         return seq.prompt.restorable
 
     def _lane(self, seq: Sequence) -> Lane:
-        """Plain for a request that turns speculation off, and in a rank group for a constrained one: its masks live
+        """Plain for a request that turns speculation off, and in a rank group for one under a grammar: its masks live
         in rank 0's grammar matcher, and only a plain step leaves every sampling decision to rank 0 (the other ranks
-        run the tokens it chose)."""
-        grouped_guide = seq.guide is not None and self.calls.world_size > 1
+        run the tokens it chose). A guide without a grammar (banned tokens) travels with the plans instead."""
+        grouped_guide = seq.guide is not None and not seq.guide.portable and self.calls.world_size > 1
         speculate = self.settings.speculation and seq.params.speculate and not grouped_guide
         return Lane.SPECULATIVE if speculate else Lane.PLAIN
 

@@ -76,6 +76,11 @@ class Guide:
         return self.grammar_active or bool(self.banned_now)
 
     @property
+    def portable(self) -> bool:
+        """It holds no grammar matcher: a copy of it can travel to the rank holding its row (a pickle)."""
+        return self.matcher is None
+
+    @property
     def static(self) -> bool:
         """What it allows no longer depends on the tokens to come (an answer with banned tokens and no grammar)."""
         return self.in_answer and self.matcher is None

@@ -12,10 +12,11 @@ running there (the lowest rank on a tie). A token-ids prompt decode prefills its
 its chunks run on that rank only, the others answering their MoE rounds (`SpreadPrefill`), and it joins that rank.
 Rows are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order,
 so the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
-plain step's logits (a constrained row's masks live in its grammar matcher there), while DSpark's draft and verify
-draw inside the model, on the rank holding the row, from that rank's generator (a generator's state cannot travel,
-and an unseeded row needs noise of its own, not a particular stream; a seeded row's tokens do not depend on it).
-A draft's distributions stay on the ranks that drew them, for their verify; a verify's accepted tokens come
+plain step's logits (a row under a grammar decodes in plain steps: its masks live in rank 0's grammar matcher),
+while DSpark's draft and verify draw inside the model, on the rank holding the row, from that rank's generator (a
+generator's state cannot travel, and an unseeded row needs noise of its own, not a particular stream; a seeded row's
+tokens do not depend on it), masked there by a copy of the row's guide when it bans tokens only (it travels with the
+plan). A draft's distributions stay on the ranks that drew them, for their verify; a verify's accepted tokens come
 back with the plan's report, and its logits only for the rows whose requests report logprobs (rank 0 reads them for
 nothing else).
 """
@@ -34,6 +35,7 @@ from prometheus_client import Gauge
 from torch import Tensor
 
 from decode_svc.local_prefill import LocalPrefill, OnRank, Prefill, Restorable
+from decode_svc.masking import Masks
 from decode_svc.sampler import random_generator
 from decode_svc.speculation import trim
 from model import DecodeBatch, Past, PrefillOutput, SamplingParams, Transformer
@@ -350,15 +352,19 @@ class SpreadBatch:
 
 
 def _rows(batched: Any, rows: slice) -> Any:
-    """Some rows of a batched argument: a list, a tensor, or sampling parameters (every per-row field sliced; a group
-    spreads no constrained row, whose masks are rank 0's)."""
+    """Some rows of a batched argument: a list, a tensor, sampling parameters (every per-row field sliced) or their
+    masks (the rows' guides travel; a guide with a grammar matcher cannot, and the engine keeps its row in a plain
+    step, whose masks rank 0 applies)."""
     if batched is None:
         return None
     if isinstance(batched, SamplingParams):
-        if getattr(batched, "masks", None) is not None:
-            raise ValueError("a constrained row's masks cannot leave rank 0")
         fields = {f.name: getattr(batched, f.name) for f in dataclasses.fields(batched)}
-        return dataclasses.replace(batched, **{name: v[rows] for name, v in fields.items() if v is not None})
+        return dataclasses.replace(batched, **{name: _rows(v, rows) for name, v in fields.items() if v is not None})
+    if isinstance(batched, Masks):
+        guides = batched.guides[rows]
+        if any(g is not None and not g.portable for g in guides):
+            raise ValueError("a grammar's matcher cannot leave rank 0")
+        return Masks(guides, batched.drafts[rows])
     return batched[rows]
 
 

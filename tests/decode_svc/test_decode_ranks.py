@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 import httpx
@@ -65,6 +66,13 @@ def generate(
         return [t for m in decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S) for t in m.token_ids]
 
 
+def usage(child: Served, prompt: list[int], max_tokens: int, constraint: decode_pb2.OutputConstraint) -> Any:
+    """The usage of a greedy generation under `constraint`, DSpark on."""
+    with grpc.insecure_channel(child.address) as channel:
+        request = decode_pb2.GenerateRequest(token_ids=token_ids(prompt), max_tokens=max_tokens, constraint=constraint)
+        return list(decode_pb2_grpc.DecodeStub(channel).Generate(request, timeout=WAIT_S))[-1].usage
+
+
 def logprobs(child: Served, prompt: list[int], max_tokens: int) -> list[float]:
     """The logprobs of a greedy generation's tokens, DSpark on."""
     with grpc.insecure_channel(child.address) as channel:
@@ -102,7 +110,8 @@ def test_a_group_over_two_nodes_generates_the_tokens_of_one(serve: Callable[...,
 def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Served], prompt: Callable) -> None:
     """With --max-batch 1 a rank holds one sequence: a group of two runs two streams at once, one on each rank (the
     rank_rows gauge), where one rank runs one and queues the other. Beside a stream on rank 0, rank 1 decodes the
-    greedy tokens one process decodes, DSpark on and off, and under an output constraint, and reports its logprobs
+    greedy tokens one process decodes, DSpark on and off, under an output constraint (a banned token: speculating),
+    and reports its logprobs
     (from its row's logits alone, which a verify gathers to rank 0)."""
     metrics = free_port()
     one = ranked(serve, 1, "--max-batch", "1")
@@ -125,6 +134,11 @@ def test_a_group_spreads_its_sequences_over_its_ranks(serve: Callable[..., Serve
     words = decode_pb2.OutputConstraint(regex="[a-z ]+")  # rank 0 masks what rank 1 decodes
     p = prompt(33)
     assert generate(two, p, 12, False, None, words) == generate(one, p, 12, False, None, words)
+    ban = decode_pb2.OutputConstraint(banned_token_ids=[generate(one, p, 12, True, None)[2]])
+    banned = generate(two, p, 12, True, None, ban)  # rank 1 masks its row's drafts and verify itself
+    assert banned == generate(one, p, 12, True, None, ban)
+    assert ban.banned_token_ids[0] not in banned
+    assert usage(two, p, 12, ban).draft_tokens_proposed > 0  # in the speculative lane
     first.cancel()
 
     alone = [stream(one, prompt(30), speculate=True)]

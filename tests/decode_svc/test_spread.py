@@ -2,7 +2,8 @@
 of a spread call raised comes back to rank 0 naming the rank; a join that one rank cannot take leaves nothing joined
 on the other; a follower failing a replicated call that rank 0 completed fails the group; a follower hung in a plan
 while its process lives fails the group once the plan stalls; a local prefill runs on the rank its sequence joins
-only; a verify gathers the logits of the rows that report logprobs only."""
+only; a verify gathers the logits of the rows that report logprobs only; a row banning tokens is masked on the rank
+holding it."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ from prometheus_client import CollectorRegistry, Gauge
 from service_mesh import free_port
 
 from decode_svc.config import DecodeConfig
+from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
+from decode_svc.guide import Guide
+from decode_svc.masking import Masks, admitted
 from decode_svc.sampler import StepSampling
 from decode_svc.sequence import Lane, State
 from decode_svc.spread import SpreadBatch
 from model import SamplingParams, Transformer, encode_prefill
 from model_service.kvstore import encode_with_past
 from model_service.ranks import GroupCalls, Outcome, RankGroup, RankGroupError, start_group
+from proto.decode.v1 import decode_pb2
 from tests.decode_svc.stall import hang_on_followers
 
 
@@ -161,3 +166,36 @@ def test_a_verify_gathers_the_logits_of_the_rows_that_report_logprobs_only(calls
             assert result.logits.untyped_storage().nbytes() == result.logits.element_size()
             assert result.logits.isnan().all()
         pending = [row[-1] for row in result.tokens]
+
+
+def test_a_row_banning_tokens_is_masked_on_the_rank_holding_it(calls: GroupCalls) -> None:
+    """A guide without a grammar travels with the plans: row 1 (on rank 1) banning the token it emits first when free
+    drafts and verifies around it, while row 0 (free, the same prompt, on rank 0) emits the free tokens; a guide
+    holding a grammar matcher cannot leave rank 0."""
+    prompt = calls.run(encode_prefill, list(range(2, 30)))
+    greedy = SamplingParams.uniform(2)
+
+    def joined() -> tuple[SpreadBatch, list[int]]:
+        batch = spread_batch(calls)
+        (_, logits), _ = batch.join_many([(prompt.blocks, prompt.encoder_state)] * 2)  # one row on each rank
+        return batch, [int(logits.argmax())] * 2
+
+    def sampling(masks: Masks | None) -> StepSampling:
+        return StepSampling(greedy.temperature, greedy.top_k, greedy.top_p, masks=masks)
+
+    batch, pending = joined()
+    free = batch.verify(pending, batch.dspark_draft(pending, sampling(None)), sampling(None))
+    banned = free.tokens[1][0]
+    batch, pending = joined()
+    guides: list[Guide | None] = [None, Guide(None, banned=[banned])]
+    draft = batch.dspark_draft(pending, sampling(Masks(guides)))
+    drafts = draft.tokens.tolist()
+    kept = [row[:n] for row, n in zip(drafts, admitted(guides, drafts), strict=True)]
+    lengths = torch.tensor([len(row) for row in kept])
+    result = batch.verify(pending, draft, sampling(Masks(guides, kept)), lengths)
+    assert result.tokens[0] == free.tokens[0]
+    assert banned not in result.tokens[1]
+    grammars = Grammars(vocabulary(default_tokenizer(), calls.model.args.vocab_size))
+    guides[1] = Guide(grammars.compile_now(decode_pb2.OutputConstraint(json_object=True)))
+    with pytest.raises(ValueError, match="matcher cannot leave rank 0"):
+        batch.dspark_draft(pending, sampling(Masks(guides)))
