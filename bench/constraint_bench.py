@@ -11,9 +11,11 @@ the rows' bitmasks on the host, apply them where the logits are), greedy samplin
 `dspark`: one DSpark draft of γ tokens (its first link masked), the grammar's judgement of it (`admitted`: each
 row's drafts up to the first its guide refuses), one verify over the admitted drafts with their masks. The masks'
 share is the time spent in the guides and Masks.apply (the device synchronised around each), against the whole
-step (also synchronised); `accepted` is the drafts accepted per row and DSpark step, with and without the constraint.
-Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one, against the served
-tokenizer's 129,280-id vocabulary.
+step (also synchronised); those synchronisations also keep the verify's fill from overlapping its forward on a GPU,
+so the masked step runs once more unclocked, as served, and `added` is its excess over the free step, as a share of
+it. `accepted` is the drafts accepted per row and DSpark step, with and without the constraint. Compile: each schema
+compiled once by decode_svc.grammar (no cache), strict every other one, against the served tokenizer's 129,280-id
+vocabulary.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ console = Console(width=140)
 
 
 class Clock:
-    """Seconds spent in timed sections, the device synchronised at both ends of each."""
+    """Seconds spent in timed sections, the device synchronised at both ends of each; a clock that is not `running`
+    times nothing and never synchronises (the masked steps whose masks overlap the forwards as served)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, running: bool = True) -> None:
         self.device = device
+        self.running = running
         self.seconds = 0.0
 
     def sync(self) -> None:
@@ -65,6 +69,9 @@ class Clock:
 
     @contextmanager
     def timed(self) -> Iterator[None]:
+        if not self.running:
+            yield
+            return
         self.sync()
         started = time.perf_counter()
         try:
@@ -142,13 +149,15 @@ def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> int:
     return int(result.accepted.sum())
 
 
-def measure(model: Transformer, prompt: list[int], batch: int, grammar: Any | None, mode: str, steps: int) -> dict:
-    """Median step and mask milliseconds over `steps` steps (after two unmeasured ones)."""
+def measure(
+    model: Transformer, prompt: list[int], batch: int, grammar: Any | None, mode: str, steps: int, clocked: bool = True
+) -> dict:
+    """Median step and mask milliseconds over `steps` steps (after two unmeasured ones); `clocked`: the masks timed."""
     rows = Rows(model, prompt, batch, grammar)
     step = plain_step if mode == "plain" else dspark_step
     totals, masks, accepted = [], [], 0
     for i in range(steps + 2):
-        clock, whole = Clock(model.device), Clock(model.device)
+        clock, whole = Clock(model.device, clocked), Clock(model.device)
         with whole.timed():
             taken = step(model, rows, clock)
         if i >= 2:
@@ -192,21 +201,25 @@ def main() -> int:
         for mode in ("plain", "dspark"):
             free = measure(model, prompt, batch, None, mode, args.steps)
             masked = measure(model, prompt, batch, grammar, mode, args.steps)
+            served = measure(model, prompt, batch, grammar, mode, args.steps, clocked=False)
             results.append({"batch": batch, "mode": mode, "free_step_ms": free["step_ms"],
                             "masked_step_ms": masked["step_ms"], "mask_ms": masked["mask_ms"],
                             "mask_share": masked["mask_ms"] / masked["step_ms"],
+                            "served_step_ms": served["step_ms"],
+                            "added_share": (served["step_ms"] - free["step_ms"]) / served["step_ms"],
                             "free_accepted": free["accepted_per_row_step"],
                             "masked_accepted": masked["accepted_per_row_step"]})  # fmt: skip
     seconds = compile_times(grammars, args.schemas)
 
     table = Table(title=f"token masks per decode step ({args.model}, {model.device}; medians of {args.steps} steps)")
     for column in ("batch", "step", "step, free (ms)", "step, masked (ms)", "masks (ms)", "masks / step",
-                   "accepted, free", "accepted, masked"):  # fmt: skip
+                   "masked, unclocked (ms)", "added / step", "accepted, free", "accepted, masked"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(str(r["batch"]), r["mode"], f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}",
-                      f"{r['mask_ms']:.3f}", f"{r['mask_share']:.1%}", f"{r['free_accepted']:.2f}",
-                      f"{r['masked_accepted']:.2f}")  # fmt: skip
+        figures = (f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}", f"{r['mask_ms']:.3f}",
+                   f"{r['mask_share']:.1%}", f"{r['served_step_ms']:.2f}", f"{r['added_share']:.1%}",
+                   f"{r['free_accepted']:.2f}", f"{r['masked_accepted']:.2f}")  # fmt: skip
+        table.add_row(str(r["batch"]), r["mode"], *figures)
     console.print(table)
     ms = sorted(s * 1e3 for s in seconds)
     compile_summary = {"schemas": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))],

@@ -36,10 +36,12 @@ for part in "$@"; do
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
+    constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 1,64 \
+                  --steps 12 --schemas 52 --out "$OUT/constraint.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 fused" \
-            "decode engram)" ;;
+            "decode constraint engram)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"
