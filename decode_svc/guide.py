@@ -80,11 +80,6 @@ class Guide:
         """It holds no grammar matcher: a copy of it can travel to the rank holding its row (a pickle)."""
         return self.matcher is None
 
-    @property
-    def static(self) -> bool:
-        """What it allows no longer depends on the tokens to come (an answer with banned tokens and no grammar)."""
-        return self.in_answer and self.matcher is None
-
     def accept(self, token: int) -> bool:
         """Follow one more token; False (and nothing followed) when the constraint does not allow it."""
         if not self.in_answer:

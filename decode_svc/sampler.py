@@ -4,8 +4,8 @@ The rows of a forward draw from one generator, seeded at random (`random_generat
 whole batch, not one per row. An unseeded sampled row needs noise of its own, not a stream of its own: every element
 of the batch's draw is independent of every other, so no two rows share randomness.
 
-A **seeded** sampled row needs more than its own generator to be reproducible. Speculative sampling emits a sample of
-the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each
+A **seeded** sampled row needs more than a stream of its own to be reproducible. Speculative sampling emits a sample
+of the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each
 step — and that is the scheduler's call, made on the whole batch and on measured step times. So a seeded row's
 randomness is fixed per output position instead: its token at output index i is the model's own exponential race
 (`model.sample`) over a generator seeded by (seed, i), and `StepSampling.probs` collapses its distribution onto that
