@@ -4,8 +4,8 @@ A dtype mismatch (an fp32 tensor written into a bf16 buffer, a kernel fed the wr
 instead of on the GPU at warm-up. The kernels run their torch references: both backends share the argument checks,
 and tests/model/kernels runs the Triton kernels at these dtypes (this whole path through the interpreted kernels
 takes about a minute on CPU, too long for CI). Accuracy is only sanity-checked: a random tiny model amplifies
-rounding chaotically (its dense bf16 forward is itself at cosine 0.85–0.98 from the fp64 one), so the bound below
-catches a broken path, not a small loss.
+rounding chaotically (its dense bf16 forward is itself at cosine 0.46–0.99 from the fp64 one, by input), so the bound
+below catches a broken path (near 0), not a small loss.
 """
 
 from __future__ import annotations
@@ -52,11 +52,13 @@ def test_serving_path_runs_at_low_precision(low, tiny, tokens, seed):
     assert (first.dtype, second.dtype, second.shape) == (torch.float32, torch.float32, (1, a.vocab_size))
     with torch.no_grad():
         oracle = tiny(ids[None], replay_start=prompt - W)[0, prompt - 1 :]
+        dense = low(ids[None], replay_start=prompt - W)[0, prompt - 1 :]
     served = torch.stack((first, second[0]))
     assert bool(served.isfinite().all())
-    similarity = cosine(served, oracle)
-    print(f"{dtype}: cosine to the fp64 dense forward {similarity.tolist()}")
-    assert bool((similarity > 0.5).all())
+    similarity, reachable = cosine(served, oracle), cosine(dense, oracle)
+    print(f"{dtype}: cosine to the fp64 dense forward {similarity.tolist()}, its own dense {reachable.tolist()}")
+    # 0.5, or within 0.2 of the dense forward at this precision where that is itself further from fp64.
+    assert bool((similarity > (reachable - 0.2).clamp(max=0.5)).all())
 
     # DSpark draft + verification of two sampled rows, each with its own generator.
     other = batch.fork(seq)
