@@ -133,14 +133,6 @@ def rank_device(cfg: ModelServiceConfig, local_rank: int) -> str:
 
 # ------------------------------------------------------------------------------------------- marshalling
 @dataclass(frozen=True)
-class _Generator:
-    """A torch.Generator as it was when the call was made (followers draw the same numbers)."""
-
-    device: str
-    state: torch.Tensor
-
-
-@dataclass(frozen=True)
 class _Device:
     """A device tensor, sent through the host and put on the follower's own device."""
 
@@ -148,18 +140,12 @@ class _Device:
 
 
 def _marshal(value: Any) -> Any:
-    if isinstance(value, torch.Generator):
-        return _Generator(str(value.device), value.get_state())
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         return _Device(value.cpu())
     return _inside(value, _marshal)
 
 
 def _unmarshal(value: Any, device: torch.device) -> Any:
-    if isinstance(value, _Generator):
-        generator = torch.Generator(device if value.device != "cpu" else "cpu")
-        generator.set_state(value.state)
-        return generator
     if isinstance(value, _Device):
         return value.tensor.to(device)
     return _inside(value, lambda v: _unmarshal(v, device))
