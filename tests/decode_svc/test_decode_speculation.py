@@ -251,7 +251,7 @@ def test_a_seeded_sampled_request_emits_the_same_tokens_alone_batched_and_withou
     """T = 1 with a seed: its tokens are fixed per output position by the seed (decode_svc.sampler), so speculation on
     — with its drafts really accepted — emits what speculation off does, alone and between neighbours (greedy, and
     sampled without a seed) that draft and verify other widths. The drafter proposes the plain run's tokens: standard
-    speculative sampling from the row's own generator would reject most of them (at T = 1 the random model's target
+    speculative sampling from a generator would reject most of them (at T = 1 the random model's target
     is spread over the whole vocabulary) and resample others."""
     ids, n = prompt(17), 12
     seeded = decode_pb2.SamplingParams(temperature=1.0, seed=7)
