@@ -48,7 +48,7 @@ from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
-from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer
+from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer, read_back
 from model_service.ranks import LocalCalls, ModelCalls
 from model_service.runtime import RequestError
 from proto.decode.v1 import decode_pb2
@@ -405,8 +405,8 @@ class Engine:
             return self._plain_step(batch, rows, pending)
         with self.times.timed(Forward.DRAFT, len(rows)):
             draft = batch.dspark_draft(pending, batch_sampling(rows), self.generator)
-            confidence = draft.confidence[:, : self.max_draft].tolist()  # on the host: the draft has run
-        drafted = draft.tokens[:, : self.max_draft].tolist()
+            head = slice(None), slice(0, self.max_draft)
+            confidence, drafted = read_back(draft.confidence[head], draft.tokens[head])  # one wait: the draft has run
         caps = draft_caps(drafted, budgets, [s.params.stop_token_ids for s in rows])
         guides = [seq.guide for seq in rows]
         if any(g is not None for g in guides):  # never past a draft the constraint refuses

@@ -222,7 +222,7 @@ class DecodeBatch:
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts
         step.write(keep)
-        n, next_tokens, drafted = _read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
+        n, next_tokens, drafted = read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
         step.advance([k + 1 for k in n], keep)
         emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
         return VerifyResult(torch.tensor(n), emitted, logits)
@@ -239,7 +239,7 @@ class DecodeBatch:
         return self.graphs is not None and self.graphs.covers(len(self))
 
 
-def _read_back(*tensors: Tensor) -> list[list]:
+def read_back(*tensors: Tensor) -> list[list]:
     """Device tensors → Python lists, waiting for the device once: non-blocking copies into pinned host memory, then
     one event, instead of a stream synchronisation per tensor."""
     if not tensors[0].is_cuda:
