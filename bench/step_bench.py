@@ -63,7 +63,8 @@ def ms_per_step(fn: Step, steps: int) -> float:
 
 
 def kernel_profile(fn: Step, steps: int) -> dict[str, float]:
-    """CUDA kernels per step and the GPU's busy share of the wall time, over `steps` steps."""
+    """CUDA kernels per step, the GPU's busy share of the wall time and the kernels taking most of it (µs per
+    step, by name), over `steps` steps."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -74,9 +75,13 @@ def kernel_profile(fn: Step, steps: int) -> dict[str, float]:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name]
     busy_us = sum(e.device_time for e in kernels)
     names = Counter(e.name[:80] for e in kernels).most_common(30)
+    times: Counter[str] = Counter()
+    for e in kernels:
+        times[e.name[:80]] += e.device_time
     return {
         "kernels_per_step": len(kernels) / steps, "gpu_busy": busy_us / wall_us, "wall_ms": wall_us / 1e3 / steps,
         "top_kernels": [(name, count / steps) for name, count in names],
+        "top_kernel_us": [(name, round(us / steps, 1)) for name, us in times.most_common(30)],
     }  # fmt: skip
 
 
