@@ -301,18 +301,33 @@ def check_quantisers(c: Checks, rows: int) -> None:
 
 
 def check_activations(c: Checks, rows: int) -> None:
-    """The per-step activation kernels: the FP8 QAT cast bit for bit, the mHC Sinkhorn within fp32 rounding, RoPE
-    within a bf16 ulp."""
+    """The per-step activation kernels: the FP8 QAT cast bit for bit, the mHC coefficients within fp32 rounding, the MoE
+    routing's experts exactly (ties included) and its weights within fp32 rounding, RoPE within a bf16 ulp."""
     from model import mhc
 
     x = (randn(rows, 4096) * 2.0 ** torch.randint(-20, 20, (rows, 1), device=DEVICE).float()).to(torch.bfloat16)
     want = kernels.fake_quant_fp8(x, backend="torch")
     bad = int((kernels.fake_quant_fp8(x, backend="triton").view(torch.int16) != want.view(torch.int16)).sum())
     c.report("fake_quant_fp8 bf16", bad == 0, f"{rows}×4096, {bad} values differ")
-    case = (randn(rows, 24) * 3.0, torch.rand(3, device=DEVICE) + 0.5, randn(24))
-    got = kernels.hc_split_sinkhorn(*case, 4, 20, 1e-6, backend="triton")
-    worst = max(float((g - w).abs().max()) for g, w in zip(got, mhc.hc_split_sinkhorn(*case, 4, 20, 1e-6), strict=True))
-    c.report("hc_split_sinkhorn n=4", worst < 1e-5, f"{rows} rows, worst |Δ| {worst:.2e} (values ≤ 2)")
+    X, fn = randn(rows, 4, 1024, dtype=torch.bfloat16) * 4.0, randn(24, 4096) / 64.0
+    case = (X, fn, torch.rand(3, device=DEVICE) + 0.5, randn(24))
+    got = kernels.hc_coefficients(*case, 4, 20, 1e-6, 1e-6, backend="triton")
+    want = mhc.hc_split_sinkhorn(mhc.hc_mixes(X, fn, 1e-6), *case[2:], 4, 20, 1e-6)
+    worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    c.report("hc_coefficients n=4 C=1024", worst < 1e-4, f"{rows} rows, worst |Δ| {worst:.2e} (values ≤ 2)")
+    x, gate, bias = randn(rows, 4096, dtype=torch.bfloat16), randn(384, 4096) / 64.0, randn(384) * 0.1
+    gate[192:] = gate[:192]  # tied scores
+    (got_w, got_ids), (want_w, want_ids) = (kernels.moe_route(x, gate, bias, 6, True, 2.5, backend=be)
+                                            for be in ("triton", "torch"))  # fmt: skip
+    differ = (got_ids != want_ids).any(1)  # allowed only where the 6th and 7th biased scores tie to fp32 rounding
+    biased = torch.nn.functional.softplus(x.float() @ gate.T).sqrt() + bias
+    best = biased.topk(7, dim=1).values
+    unexplained = int((differ & (best[:, 5] - best[:, 6] > 1e-5)).sum())
+    same = ~differ
+    worst = float((got_w[same] - want_w[same]).abs().max())
+    c.report("moe_route E=384 k=6", unexplained == 0 and worst < 1e-5,
+             f"{rows} rows ({int(differ.sum())} choose otherwise at a near-tie, {unexplained} elsewhere), "
+             f"worst weight |Δ| {worst:.2e}")  # fmt: skip
     x = randn(rows, 8, 512, dtype=torch.bfloat16)
     positions = torch.randint(0, 1 << 20, (rows,), device=DEVICE)
     inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64, device=DEVICE) / 64))

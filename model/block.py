@@ -19,7 +19,7 @@ from model.config import ModelArgs
 from model.engram import Engram
 from model.fused import fused
 from model.linear import RMSNorm, param_dtype, rms_norm
-from model.mhc import hc_collapse, hc_expand, hc_mixes
+from model.mhc import hc_collapse, hc_expand
 from model.moe import MoE
 from model.parallel import SINGLE, Parallel
 
@@ -54,10 +54,10 @@ class Block(nn.Module):
 
     def mixes(self, site: str, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         a = self.args
-        m = hc_mixes(X, getattr(self, f"hc_{site}_fn"), a.rms_norm_eps)
-        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
-        be = kernels.backend_for(m)
-        return kernels.hc_split_sinkhorn(m, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, backend=be)
+        fn, scale, base = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "scale", "base"))
+        return kernels.hc_coefficients(
+            X, fn, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps, a.hc_eps, backend=kernels.backend_for(X)
+        )
 
     def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
         return collapse_norm(X, pre, self.attn_norm.weight, self.attn_norm.eps)

@@ -497,15 +497,27 @@ class Step:
 
     def _commit_group(self, layer: int, kv: Tensor, score: Tensor, n_open: Tensor, keep: Tensor | None) -> None:
         """New open group = the kept tokens after the last complete group (kv/score are group-aligned [B, L, D])."""
-        m = self.cache.args.compress_ratios[layer]
         pending = self.cache.pending[layer]
-        end = n_open + (self.length if keep is None else keep)  # [B]
-        j = torch.arange(m - 1, device=end.device)
-        lo = end - end % m
-        take = (lo.unsqueeze(1) + j).clamp_max(kv.shape[1] - 1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
-        open_ = (j < (end - lo).unsqueeze(1)).unsqueeze(-1)
-        for dst, src in ((pending.kv, kv), (pending.score, score)):
-            dst[self.rows] = torch.where(open_, src.gather(1, take).to(dst.dtype), dst[self.rows])
+        kept = self.length if keep is None else keep
+        m = self.cache.args.compress_ratios[layer]
+        opened = _open_group(kv, score, n_open, kept, pending.kv[self.rows], pending.score[self.rows], m)
+        pending.kv[self.rows], pending.score[self.rows] = opened
+
+
+@fused
+def _open_group(
+    kv: Tensor, score: Tensor, n_open: Tensor, kept: Tensor | int, open_kv: Tensor, open_score: Tensor, m: int
+) -> tuple[Tensor, Tensor]:
+    """The open groups after a step: row b's tokens past its last complete group of m, out of the group-aligned
+    kv/score [B, L, D] (n_open[b] open tokens before the step, kept[b] kept by it); slots past them keep
+    open_kv/open_score's values."""
+    end = n_open + kept  # [B]
+    j = torch.arange(m - 1, device=end.device)
+    lo = end - end % m
+    take = (lo.unsqueeze(1) + j).clamp_max(kv.shape[1] - 1).unsqueeze(-1).expand(-1, -1, kv.shape[-1])
+    open_ = (j < (end - lo).unsqueeze(1)).unsqueeze(-1)
+    return (torch.where(open_, kv.gather(1, take).to(open_kv.dtype), open_kv),
+            torch.where(open_, score.gather(1, take).to(open_score.dtype), open_score))  # fmt: skip
 
 
 def _keep_last(history: Tensor, rows: slice, before: Tensor, tokens: Tensor, keep: Tensor | None) -> None:

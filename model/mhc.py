@@ -63,7 +63,7 @@ def hc_collapse(X: Tensor, pre: Tensor) -> Tensor:
 def hc_expand(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Copy k ← postₖ·out + Σⱼ comb[j, k]·Xⱼ: out [..., C], X [..., n, C] → [..., n, C]."""
     compute = torch.promote_types(X.dtype, torch.float32)
-    mixed = torch.einsum("...jk,...jc->...kc", comb.to(compute), X.to(compute))
+    mixed = (comb.to(compute).unsqueeze(-1) * X.to(compute).unsqueeze(-2)).sum(-3)  # n ≤ 8 terms: one fused pass
     return (post.to(compute).unsqueeze(-1) * out.to(compute).unsqueeze(-2) + mixed).to(X.dtype)
 
 

@@ -44,19 +44,8 @@ class Gate(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, C] → (weights [N, k] fp32, expert ids [N, k]) with each row's slots in ascending expert id; the
         choice keeps the k best scores, ties to the lower expert id."""
-        return route(x, self.weight, self.bias, self.topk, self.norm and self.topk > 1, self.scale)
-
-
-@fused
-def route(x: Tensor, weight: Tensor, bias: Tensor, topk: int, norm: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """The gate's choice: sqrt(softplus) scores, the k best (biased) kept in ascending id, their weights."""
-    scores = F.softplus(F.linear(x.to(weight.dtype), weight)).sqrt()
-    ids = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :topk]
-    ids = ids.sort(-1).values
-    weights = scores.gather(-1, ids)
-    if norm:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
+        norm, be = self.norm and self.topk > 1, kernels.backend_for(x)
+        return kernels.moe_route(x, self.weight, self.bias, self.topk, norm, self.scale, backend=be)
 
 
 @fused

@@ -18,7 +18,7 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.kernels import candidates, fp8_gemm, hc_mixes, indexer, kv_quant, moe_gemm, rope, sparse_attn, topk
+from model.kernels import candidates, fp8_gemm, hc_mixes, indexer, kv_quant, moe_gemm, rope, route, sparse_attn, topk
 from model.kernels.fp8_gemm import FP8GemmTuning
 from model.kernels.invariance import batch_invariant, set_batch_invariant
 from model.kernels.moe_gemm import MoEGemmTuning
@@ -40,12 +40,13 @@ __all__ = [
     "fake_quant_fp8",
     "fp8_linear",
     "fp8_linear_cast",
-    "hc_split_sinkhorn",
+    "hc_coefficients",
     "indexer_scores",
     "moe_down",
     "moe_gate_up",
     "moe_gate_up_cast",
     "moe_pairs",
+    "moe_route",
     "quantize_index_fp4",
     "quantize_kv_fp4",
     "quantize_swa_fp8",
@@ -153,19 +154,29 @@ def fake_quant_fp8(x: Tensor, backend: Backend = "torch") -> Tensor:
 # ------------------------------------------------------------------------------------------- mHC
 
 
-def hc_split_sinkhorn(
-    mixes: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, eps: float, backend: Backend = "torch"
+def hc_coefficients(
+    X: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    n: int,
+    iters: int,
+    rms_eps: float,
+    hc_eps: float,
+    backend: Backend = "torch",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """mixes [..., (2+n)n] → pre [..., n], post [..., n], comb [..., n, n] (`model.mhc.hc_split_sinkhorn`). The
-    Triton kernel has no backward and computes in fp32: a gradient to carry or fp64 mixes keep the torch form."""
-    _expect("mixes", mixes, (*mixes.shape[:-1], (2 + n) * n), _WIDE_FLOATS)
+    """A sublayer site's mHC coefficients from its stream X [..., n, C] and projection fn [(2+n)n, nC] → pre [..., n],
+    post [..., n], comb [..., n, n] (`model.mhc.hc_mixes` then `model.mhc.hc_split_sinkhorn`). The Triton kernels
+    have no backward and compute in fp32: a gradient to carry or fp64 keep the torch form."""
+    _expect("X", X, (*X.shape[:-2], n, X.shape[-1]), _WIDE_FLOATS)
+    _expect("fn", fn, ((2 + n) * n, n * X.shape[-1]), _WIDE_FLOATS)
     _expect("scale", scale, (3,))
     _expect("base", base, ((2 + n) * n,))
     if n & (n - 1) or iters < 1:
         raise ValueError(f"n must be a power of two and iters ≥ 1, got n={n}, iters={iters}")
-    if _carries_grad(mixes, scale, base) or mixes.dtype != torch.float32:
+    if _carries_grad(X, fn, scale, base) or fn.dtype != torch.float32 or X.dtype == torch.float64:
         backend = "torch"
-    return _pick(backend, hc_mixes, "hc_split_sinkhorn")(mixes, scale, base, n, iters, eps)
+    return _pick(backend, hc_mixes, "hc_coefficients")(X, fn, scale, base, n, iters, rms_eps, hc_eps)
 
 
 # ------------------------------------------------------------------------------------------- RoPE
@@ -374,6 +385,23 @@ def _expect_experts(
 
 def _expect_offsets(offsets: Tensor, experts: int) -> None:
     _expect("offsets", offsets, (experts + 1,), _INTS)
+
+
+def moe_route(
+    x: Tensor, weight: Tensor, bias: Tensor, topk: int, norm: bool, scale: float, backend: Backend = "torch"
+) -> tuple[Tensor, Tensor]:
+    """The MoE gate's choice for x [N, C] with gate weight [E, C] and bias [E] → (weights [N, k] fp32, expert ids
+    [N, k] int64): √softplus scores, the k best biased scores (ties to the lower id) in ascending id, their scores
+    (over their sum if `norm`) times `scale`. The Triton kernels have no backward and compute in fp32: a gradient to
+    carry or fp64 keep the torch form."""
+    _expect("x", x, (None, None), _WIDE_FLOATS)
+    _expect("gate weight", weight, (None, x.shape[1]), _WIDE_FLOATS)
+    _expect("gate bias", bias, (weight.shape[0],))
+    if not 1 <= topk <= weight.shape[0]:
+        raise ValueError(f"topk must be in 1 … {weight.shape[0]} (the experts), got {topk}")
+    if _carries_grad(x, weight) or weight.dtype != torch.float32 or x.dtype == torch.float64:
+        backend = "torch"
+    return _pick(backend, route, "moe_route")(x, weight, bias, topk, norm, scale)
 
 
 def moe_pairs(ids: Tensor, n_experts: int, backend: Backend = "torch") -> tuple[Tensor, Tensor]:

@@ -1,8 +1,15 @@
-"""mHC coefficients from the projected mixes: pre, post and the Sinkhorn-normalised comb (model/mhc.py).
+"""mHC coefficients of a sublayer site: X → pre, post and the Sinkhorn-normalised comb (model/mhc.py).
 
-The torch form is ≈ 115 tiny ops per sublayer site (20 Sinkhorn iterations of two normalisations each on [.., n, n]
-matrices), 24+ sites per decode step: on a GPU, thousands of launches for a few hundred bytes. Triton: one program
-takes BLOCK_R rows and runs the whole split, softmax and Sinkhorn loop in registers.
+The torch form is a projection of the flattened stream, an RMS, then ≈ 115 tiny ops on [.., n, n] matrices
+(20 Sinkhorn iterations of two normalisations each), 24+ sites per decode step. Triton, in two launches:
+
+1. `_mix_partials_kernel`: a split-K projection. Program (row block, split) takes BLOCK_R rows and n·C / 16
+   channels of the flattened stream and writes their dot products with fn's (2+n)n rows and their sum of squares
+   to a partial slot; the splits spread the projection over the GPU at batch 1 (a single program per row block
+   takes ≈ 100× longer), and their count depends on the channel count alone, so a row's value is the same
+   whatever the batch.
+2. `_coefficients_kernel`: per BLOCK_R rows, loads every split's partials at once and sums them (a fixed tree
+   over MAX_SPLITS), scales by 1/rms and runs the split, softmax and Sinkhorn loop in registers.
 """
 
 import torch
@@ -13,32 +20,65 @@ from torch import Tensor
 from model import mhc
 
 _BLOCK_R = 16
+_BLOCK_K = 64
+_MAX_SPLITS = 16  # the projection's split count: n·C / 16 channels a split, rounded up to BLOCK_K
 
 
-def hc_split_sinkhorn_torch(
-    mixes: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, eps: float
+def hc_coefficients_torch(
+    X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return mhc.hc_split_sinkhorn(mixes, scale, base, n, iters, eps)
+    return mhc.hc_split_sinkhorn(mhc.hc_mixes(X, fn, rms_eps), scale, base, n, iters, hc_eps)
 
 
 @triton.jit
-def _hc_split_sinkhorn_kernel(
-    m_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, iters, eps,
-    N: tl.constexpr, BLOCK_R: tl.constexpr,
+def _mix_partials_kernel(
+    x_ptr, fn_ptr, part_ptr, sq_ptr, R, K, x_stride, split_k,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    WIDTH: tl.constexpr = (2 + N) * N
+    split = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < R
+    r = rows.to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    acc = tl.zeros((BLOCK_R, M_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(split * split_k, split * split_k + split_k, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + r[:, None] * x_stride + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        sq += tl.sum(x * x, axis=1)
+    slot = split.to(tl.int64) * R + r
+    tl.store(part_ptr + slot[:, None] * M_PAD + m[None, :], acc, mask=ok[:, None])
+    tl.store(sq_ptr + slot, sq, mask=ok)
+
+
+@triton.jit
+def _coefficients_kernel(
+    part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, K, splits, iters, rms_eps, eps,
+    N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
     r = rows.to(tl.int64)
     i = tl.arange(0, N)
     jk = i[:, None] * N + i[None, :]  # [N, N]: row j (source copy), column k (target)
-    mix = m_ptr + r * WIDTH
-    pre = tl.load(mix[:, None] + i[None, :], mask=ok[:, None], other=0.0) * tl.load(scale_ptr)
+    s = tl.arange(0, MAX_SPLITS)
+    live = ok[:, None] & (s < splits)[None, :]  # [BLOCK_R, MAX_SPLITS]: every split's partials in one load
+    slot = s[None, :].to(tl.int64) * R + r[:, None]
+    mix = part_ptr + slot * M_PAD
+    pre = tl.sum(tl.load(mix[:, :, None] + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
+    post = tl.sum(tl.load(mix[:, :, None] + N + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
+    logits = tl.load(mix[:, :, None, None] + 2 * N + jk[None, None], mask=live[:, :, None, None], other=0.0)
+    logits = tl.sum(logits, axis=1)
+    sq = tl.sum(tl.load(sq_ptr + slot, mask=live, other=0.0), axis=1)
+    inv_rms = 1.0 / tl.sqrt(sq / K + rms_eps)
+    pre = pre * inv_rms[:, None] * tl.load(scale_ptr)
     pre = tl.sigmoid(pre + tl.load(base_ptr + i)[None, :]) + eps
-    post = tl.load(mix[:, None] + N + i[None, :], mask=ok[:, None], other=0.0) * tl.load(scale_ptr + 1)
+    post = post * inv_rms[:, None] * tl.load(scale_ptr + 1)
     post = 2.0 * tl.sigmoid(post + tl.load(base_ptr + N + i)[None, :])
-    logits = tl.load(mix[:, None, None] + 2 * N + jk[None], mask=ok[:, None, None], other=0.0) * tl.load(scale_ptr + 2)
-    logits += tl.load(base_ptr + 2 * N + jk)[None]
+    logits = logits * inv_rms[:, None, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + jk)[None]
     e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
     comb = e / tl.sum(e, axis=2)[:, :, None] + eps
     comb = comb / (tl.sum(comb, axis=1)[:, None, :] + eps)
@@ -50,20 +90,29 @@ def _hc_split_sinkhorn_kernel(
     tl.store(comb_ptr + r[:, None, None] * (N * N) + jk[None], comb, mask=ok[:, None, None])
 
 
-def hc_split_sinkhorn_triton(
-    mixes: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, eps: float
+def hc_coefficients_triton(
+    X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32 mixes only (a bf16 model's mixes are fp32; a float64 model stays on the torch form)."""
-    lead = mixes.shape[:-1]
-    m = mixes.reshape(-1, mixes.shape[-1]).contiguous()
-    R = m.shape[0]
-    pre = torch.empty((*lead, n), dtype=mixes.dtype, device=mixes.device)
+    """fp32 fn, a float X (the coefficients are fp32: a float64 model stays on the torch form)."""
+    lead = X.shape[:-2]
+    x = X.reshape(-1, X.shape[-2] * X.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    (R, K), M = x.shape, fn.shape[0]
+    M_PAD, split_k = triton.next_power_of_2(M), _BLOCK_K * triton.cdiv(K, _BLOCK_K * _MAX_SPLITS)
+    splits = triton.cdiv(K, split_k)
+    pre = torch.empty((*lead, n), dtype=fn.dtype, device=X.device)
     post = torch.empty_like(pre)
-    comb = torch.empty((*lead, n, n), dtype=mixes.dtype, device=mixes.device)
+    comb = torch.empty((*lead, n, n), dtype=fn.dtype, device=X.device)
     if R:
-        grid = (triton.cdiv(R, _BLOCK_R),)
-        _hc_split_sinkhorn_kernel[grid](
-            m, scale.to(mixes.dtype).contiguous(), base.to(mixes.dtype).contiguous(), pre, post, comb, R, iters, eps,
-            n, _BLOCK_R,
+        part = torch.empty((splits, R, M_PAD), dtype=torch.float32, device=X.device)
+        sq = torch.empty((splits, R), dtype=torch.float32, device=X.device)
+        blocks = triton.cdiv(R, _BLOCK_R)
+        _mix_partials_kernel[(blocks, splits)](
+            x, fn.contiguous(), part, sq, R, K, x.stride(0), split_k, M, M_PAD, _BLOCK_R, _BLOCK_K
+        )  # fmt: skip
+        _coefficients_kernel[(blocks,)](
+            part, sq, scale.to(fn.dtype).contiguous(), base.to(fn.dtype).contiguous(), pre, post, comb, R, K, splits,
+            iters, rms_eps, hc_eps, n, M_PAD, _BLOCK_R, _MAX_SPLITS,
         )  # fmt: skip
     return pre, post, comb

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import preset, quant
+from model import kernels, preset, quant
 from model.block import collapse_norm
-from model.cache import _window_slots
+from model.cache import _open_group, _window_slots
 from model.compressor import _aligned
 from model.engram import NgramHash, gated_add, ngram_rows
+from model.kernels.route import moe_route_torch
 from model.linear import _fp8_row_values, rms_norm
-from model.mhc import hc_collapse, hc_expand, hc_mixes
-from model.moe import combine, route, swiglu
+from model.mhc import hc_collapse, hc_expand, hc_mixes, hc_split_sinkhorn
+from model.moe import combine, swiglu
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +40,7 @@ def cases():
     yield "hc_expand", hc_expand, (rand(N, C, seed=5), X, mix, comb)
     f32 = torch.float32
     gate = rand(64, C, seed=7, dtype=f32), rand(64, seed=8, dtype=f32)
-    yield "route", route, (rand(N, C, seed=6), *gate, 6, True, 2.5)
+    yield "moe_route_torch", moe_route_torch, (rand(N, C, seed=6), *gate, 6, True, 2.5)
     yield "swiglu", swiglu, (rand(N, 256, seed=9) * 8, rand(N, 256, seed=10) * 8, A.swiglu_limit)
     yield "combine", combine, (rand(N, C, seed=11), rand(N, 6, C, seed=12))
     yield "gated_add", gated_add, (X, rand(N, (n + 1) * C, seed=13), rand(n, C, seed=14), rand(n, C, seed=15), 1e-6)
@@ -58,10 +59,16 @@ def cases():
     pending = rand(N, 1, D, seed=18, dtype=f32), rand(N, 1, D, seed=19, dtype=f32)
     new = rand(N, 3, D, seed=20, dtype=f32), rand(N, 3, D, seed=21, dtype=f32)
     yield "_aligned", _aligned, (*pending, *new, torch.arange(N, device="cuda") % 2, 2)
+    m = 4  # a step's group-aligned kv and scores [N, 8, D] after 0–3 open tokens; 1–4 kept, or all 3
+    aligned, opened = (rand(N, 8, D, seed=22, dtype=f32), rand(N, 8, D, seed=23, dtype=f32)), rand(N, m - 1, D, seed=24)
+    n_open, kept = torch.arange(N, device="cuda") % m, torch.arange(N, device="cuda") % 4 + 1
+    yield "_open_group", _open_group, (*aligned, n_open, kept, opened.float(), opened.float() * 2, m)
+    yield "_open_group all", _open_group, (*aligned, n_open, 3, opened.float(), opened.float() * 2, m)
 
 
-NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "route", "swiglu", "combine", "gated_add", "_window_slots",
-         "collapse_norm", "ngram_rows", "_fp8_row_values", "_aligned"]  # fmt: skip
+NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "moe_route_torch", "swiglu", "combine", "gated_add",
+         "_window_slots", "collapse_norm", "ngram_rows", "_fp8_row_values", "_aligned", "_open_group",
+         "_open_group all"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -74,3 +81,19 @@ def test_compiled_equals_plain(name: str) -> None:
             torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * float(w.float().abs().max()))
         else:
             assert torch.equal(g, w), name
+
+
+def test_mhc_coefficient_kernels_equal_the_torch_form() -> None:
+    """A site's coefficients on the step's path (split-K projection + Sinkhorn, two Triton launches) against the
+    compiled mixes and the torch split, at a decode batch and a verify's rows."""
+    fn = rand((2 + n) * n, n * C, seed=4, dtype=torch.float32) / (n * C) ** 0.5
+    scale, base = rand(3, seed=22, dtype=torch.float32).abs() + 0.5, rand((2 + n) * n, seed=23, dtype=torch.float32)
+    for rows in (1, 64, 64 * 6):
+        X = rand(rows, n, C, seed=rows) * 4
+        with torch.no_grad():
+            got = kernels.hc_coefficients(X, fn, scale, base, n, A.hc_sinkhorn_iters, A.rms_norm_eps, A.hc_eps,
+                                          backend="triton")  # fmt: skip
+            mixes = hc_mixes(X, fn, A.rms_norm_eps)
+            want = hc_split_sinkhorn(mixes, scale, base, n, A.hc_sinkhorn_iters, A.hc_eps)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

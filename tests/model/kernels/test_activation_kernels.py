@@ -1,4 +1,4 @@
-"""The per-step activation kernels (FP8 QAT cast, mHC split + Sinkhorn) against their torch forms, in Triton's
+"""The per-step activation kernels (FP8 QAT cast, mHC coefficients) against their torch forms, in Triton's
 interpreter, and the rules that keep the torch form where the kernels do not apply (gradients, fp64)."""
 
 import pytest
@@ -51,47 +51,68 @@ def test_fake_quant_fp8_names_a_bad_width() -> None:
         kernels.fake_quant_fp8(torch.zeros(2, 48), backend="triton")
 
 
-def sinkhorn_case(lead: tuple[int, ...], n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def coefficients_case(lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
     g = generator(seed)
-    mixes = torch.randn(*lead, (2 + n) * n, generator=g) * 3.0
+    X = (torch.randn(*lead, n, C, generator=g) * 4.0).to(dtype)
+    fn = torch.randn((2 + n) * n, n * C, generator=g) / (n * C) ** 0.5 * 3.0
     scale = torch.rand(3, generator=g) + 0.5
     base = torch.randn((2 + n) * n, generator=g)
-    return mixes, scale, base
+    return X, fn, scale, base
 
 
-@pytest.mark.parametrize(("lead", "n", "iters"), [((1, 1), 4, 20), ((3, 5), 4, 20), ((37,), 2, 7), ((2, 3), 8, 1)])
-def test_hc_split_sinkhorn_matches_the_torch_form(lead: tuple[int, ...], n: int, iters: int) -> None:
-    case = sinkhorn_case(lead, n, seed=n * iters + len(lead))
-    want = mhc.hc_split_sinkhorn(*case, n, iters, 1e-6)
-    got = kernels.hc_split_sinkhorn(*case, n, iters, 1e-6, backend="triton")
+@pytest.mark.parametrize(
+    ("lead", "n", "C", "iters", "dtype"),
+    [((1, 1), 4, 64, 20, torch.bfloat16), ((3, 5), 4, 96, 20, torch.float32), ((37,), 2, 320, 7, torch.bfloat16),
+     ((2, 3), 8, 32, 1, torch.float16)],
+)  # fmt: skip
+def test_hc_coefficients_match_the_torch_form(
+    lead: tuple[int, ...], n: int, C: int, iters: int, dtype: torch.dtype
+) -> None:
+    """Split-K projection (channel counts off the split width included) + split + Sinkhorn against mixes → split."""
+    case = coefficients_case(lead, n, C, dtype, seed=n * iters + C)
+    want = mhc.hc_split_sinkhorn(mhc.hc_mixes(case[0], case[1], 1e-6), *case[2:], n, iters, 1e-6)
+    got = kernels.hc_coefficients(*case, n, iters, 1e-6, 1e-6, backend="triton")
     for g_part, w_part in zip(got, want, strict=True):
         assert g_part.shape == w_part.shape
-        assert g_part.dtype == w_part.dtype
-        torch.testing.assert_close(g_part, w_part, rtol=2e-6, atol=1e-7)  # fp32 exp and reduction order only
-    assert torch.allclose(got[2].sum(-2), torch.ones(*lead, n), atol=1e-5)  # ends on a column normalisation
+        assert g_part.dtype == w_part.dtype == torch.float32
+        torch.testing.assert_close(g_part, w_part, rtol=2e-5, atol=1e-6)  # fp32 sums in another order only
+    assert torch.allclose(got[2].sum(-2), torch.ones(*lead, n), atol=1e-4)  # ends on a column normalisation
 
 
-def test_hc_split_sinkhorn_keeps_the_torch_form_for_gradients_and_fp64() -> None:
-    """The kernel has no backward and computes in fp32: with a gradient to carry, or on fp64 mixes, the op runs the
-    torch form, so the result carries the gradient / stays fp64 bit for bit."""
-    mixes, scale, base = sinkhorn_case((2,), 4, seed=3)
+def test_hc_coefficients_of_a_row_do_not_depend_on_the_batch() -> None:
+    """The split count follows the channel count alone: a row's coefficients are the same bits in a batch of 1 or 40."""
+    X, fn, scale, base = coefficients_case((40,), 4, 128, torch.bfloat16, seed=11)
+    alone = kernels.hc_coefficients(X[7:8], fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
+    batch = kernels.hc_coefficients(X, fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
+    for a, b in zip(alone, batch, strict=True):
+        assert torch.equal(a[0], b[7])
+
+
+def test_hc_coefficients_keep_the_torch_form_for_gradients_and_fp64() -> None:
+    """The kernels have no backward and compute in fp32: with a gradient to carry, or on an fp64 model, the op runs
+    the torch form, so the result carries the gradient / stays fp64 bit for bit."""
+    X, fn, scale, base = coefficients_case((2,), 4, 32, torch.float32, seed=3)
     scale.requires_grad_(True)
-    _pre, post, comb = kernels.hc_split_sinkhorn(mixes, scale, base, 4, 20, 1e-6, backend="triton")
+    _pre, post, comb = kernels.hc_coefficients(X, fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
     (post.sum() + comb.sum()).backward()
     assert scale.grad is not None
-    wide = [t.double() for t in sinkhorn_case((2,), 4, seed=4)]
-    got = kernels.hc_split_sinkhorn(*wide, 4, 20, 1e-6, backend="triton")
-    for g_part, w_part in zip(got, mhc.hc_split_sinkhorn(*wide, 4, 20, 1e-6), strict=True):
+    wide = [t.double() for t in coefficients_case((2,), 4, 32, torch.float32, seed=4)]
+    got = kernels.hc_coefficients(*wide, 4, 20, 1e-6, 1e-6, backend="triton")
+    want = mhc.hc_split_sinkhorn(mhc.hc_mixes(wide[0], wide[1], 1e-6), *wide[2:], 4, 20, 1e-6)
+    for g_part, w_part in zip(got, want, strict=True):
         assert g_part.dtype == torch.float64
         assert torch.equal(g_part, w_part)
 
 
-def test_hc_split_sinkhorn_names_bad_shapes() -> None:
-    mixes, scale, base = sinkhorn_case((2,), 4, seed=5)
-    with pytest.raises(ValueError, match="mixes"):
-        kernels.hc_split_sinkhorn(mixes[..., :-1], scale, base, 4, 20, 1e-6, backend="triton")
+def test_hc_coefficients_name_bad_shapes() -> None:
+    X, fn, scale, base = coefficients_case((2,), 4, 32, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="fn"):
+        kernels.hc_coefficients(X, fn[:, :-1], scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="X"):
+        kernels.hc_coefficients(X[..., :3, :], fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
+    odd = coefficients_case((2,), 3, 32, torch.float32, seed=6)
     with pytest.raises(ValueError, match="power of two"):
-        kernels.hc_split_sinkhorn(torch.zeros(2, 15), torch.ones(3), torch.zeros(15), 3, 20, 1e-6, backend="triton")
+        kernels.hc_coefficients(*odd, 3, 20, 1e-6, 1e-6, backend="triton")
 
 
 def rope_case(shape: tuple[int, ...], pos_dims: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
