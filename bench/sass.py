@@ -9,6 +9,7 @@ the SASS of each loop, per launch shape. Triton's wheel ships ptxas and cuobjdum
     python bench/sass.py fp8-gemm --tokens 64 --weight-rows 5120 --inputs 8192   # the FP8 linear's default launch
     python bench/sass.py moe-gemm --tokens 256 --experts 48 --block 32    # gate_up and down, default launches
     python bench/sass.py moe-gemm --tokens 256 --dot fp8                  # ... with FP8 code dots per chunk
+    python bench/sass.py step-glue --experts 384          # mHC coefficients and the MoE routing, per layer
 
 What the H200 cannot tell you cheaply, this does: an instruction count per loop trip (what a tile loop's cost is
 cut by), and registers per thread → programs per SM (65 536 / (registers × threads)).
@@ -34,7 +35,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from model.kernels import fp8_gemm, indexer, moe_gemm, sparse_attn, topk
+from model.kernels import fp8_gemm, hc_mixes, indexer, moe_gemm, route, sparse_attn, topk
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 REGISTERS_PER_SM = 65_536
@@ -383,9 +384,66 @@ def moe_gemm_reports(
     return reports
 
 
+def step_glue_reports(experts: int, hc: int = 4) -> list[Report]:
+    """A decode step's per-site kernels at their launch constants: the mHC coefficients' split-K projection and
+    Sinkhorn (n = hc), the MoE routing's scores and top-k (E = experts)."""
+    M = (2 + hc) * hc
+    f32, i32 = "*fp32", "i32"
+    part = {"part_ptr": f32, "sq_ptr": f32}
+    return [
+        compile_sm90(
+            "mHC mix partials",
+            hc_mixes._mix_partials_kernel,
+            {"x_ptr": "*bf16", "fn_ptr": f32} | part | {"R": i32, "K": i32, "x_stride": i32, "split_k": i32},
+            {"M": M, "M_PAD": triton.next_power_of_2(M), "BLOCK_R": hc_mixes._BLOCK_R, "BLOCK_K": hc_mixes._BLOCK_K},
+            4,
+            multiples_of_16=("K", "x_stride", "split_k"),
+        ),
+        compile_sm90(
+            "mHC coefficients",
+            hc_mixes._coefficients_kernel,
+            part
+            | dict.fromkeys(("scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr"), f32)
+            | dict.fromkeys(("R", "K", "splits", "iters"), i32)
+            | {"rms_eps": "fp32", "eps": "fp32"},
+            {
+                "N": hc,
+                "M_PAD": triton.next_power_of_2(M),
+                "BLOCK_R": hc_mixes._BLOCK_R,
+                "MAX_SPLITS": hc_mixes._MAX_SPLITS,
+            },
+            4,
+        ),
+        compile_sm90(
+            "MoE gate scores",
+            route._gate_scores_kernel,
+            {"x_ptr": "*bf16", "w_ptr": f32, "s_ptr": f32, "R": i32, "C": i32, "E": i32, "x_stride": i32},
+            {"BLOCK_R": route._BLOCK_R, "BLOCK_E": route._BLOCK_E, "BLOCK_K": route._BLOCK_K},
+            4,
+            multiples_of_16=("C", "x_stride"),
+        ),
+        compile_sm90(
+            "MoE top-k",
+            route._route_select_kernel,
+            {
+                "s_ptr": f32,
+                "bias_ptr": f32,
+                "w_ptr": f32,
+                "ids_ptr": "*i64",
+                "R": i32,
+                "E": i32,
+                "topk": i32,
+                "scale": "fp32",
+            },
+            {"NORM": True, "BLOCK_R": route._SELECT_ROWS, "E_PAD": triton.next_power_of_2(experts)},
+            4,
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kernel", choices=["indexer", "attention", "topk", "fp8-gemm", "moe-gemm"])
+    parser.add_argument("kernel", choices=["indexer", "attention", "topk", "fp8-gemm", "moe-gemm", "step-glue"])
     parser.add_argument("--block-s", type=int, default=128, help="indexer: positions per K tile")
     parser.add_argument("--tiles", type=int, default=64, help="indexer: K tiles per program")
     parser.add_argument(
@@ -405,7 +463,7 @@ def main() -> None:
         "--dot", choices=["fp8", "fp32", "bf16"], help="fp8-gemm: the dots (default: by tokens); moe-gemm: (bf16)"
     )
     parser.add_argument("--cast", action="store_true", help="fp8-gemm: bf16 activations cast inside the GEMM")
-    parser.add_argument("--experts", type=int, default=48, help="moe-gemm: experts")
+    parser.add_argument("--experts", type=int, default=48, help="moe-gemm, step-glue: experts")
     parser.add_argument("--block", type=int, default=32, choices=[16, 32], help="moe-gemm: inputs per weight scale")
     parser.add_argument("--top", type=int, default=12, help="opcodes listed per loop")
     args = parser.parse_args()
@@ -417,8 +475,10 @@ def main() -> None:
         reports = topk_reports(args.rows, args.length, args.k)
     elif args.kernel == "fp8-gemm":
         reports = fp8_gemm_reports(args.tokens, args.weight_rows, args.inputs, args.dot, args.cast)
-    else:
+    elif args.kernel == "moe-gemm":
         reports = moe_gemm_reports(args.tokens, args.experts, args.block, args.dot or "bf16")
+    else:
+        reports = step_glue_reports(args.experts)
     for report in reports:
         print("\n".join(report.lines(args.top)), flush=True)
 

@@ -70,8 +70,9 @@ def _coefficients_kernel(
     mix = part_ptr + slot * M_PAD
     pre = tl.sum(tl.load(mix[:, :, None] + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
     post = tl.sum(tl.load(mix[:, :, None] + N + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
-    logits = tl.load(mix[:, :, None, None] + 2 * N + jk[None, None], mask=live[:, :, None, None], other=0.0)
-    logits = tl.sum(logits, axis=1)
+    flat = tl.arange(0, N * N)  # comb's logits row-major, summed as [BLOCK_R, MAX_SPLITS, N·N] (no 4-D block)
+    logits = tl.sum(tl.load(mix[:, :, None] + 2 * N + flat[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
+    logits = tl.reshape(logits, (BLOCK_R, N, N))
     sq = tl.sum(tl.load(sq_ptr + slot, mask=live, other=0.0), axis=1)
     inv_rms = 1.0 / tl.sqrt(sq / K + rms_eps)
     pre = pre * inv_rms[:, None] * tl.load(scale_ptr)

@@ -7,7 +7,7 @@ The torch form is a cast, a GEMM, two sorts and a gather (five launches per MoE 
 1. `_gate_scores_kernel`: program (row block, expert block) takes BLOCK_R rows against BLOCK_E experts' gate rows
    over every channel (fp32 `tl.dot`), then √softplus; the expert blocks spread the gate's weights (the largest
    read of the layer at batch 1) over the GPU.
-2. `_route_select_kernel`: per BLOCK_R rows, k rounds of an argmax over the biased scores (the first maximum: the
+2. `_route_select_kernel`: per 4 rows, k rounds of an argmax over the biased scores (the first maximum: the
    lower id) mark the chosen experts; a chosen expert's slot is the number of chosen experts below it (a cumulative
    sum), so the ids come out ascending without a sort; the weights are its scores over their sum, times the scale.
 """
@@ -23,6 +23,7 @@ from model.fused import fused
 _BLOCK_R = 16
 _BLOCK_E = 16
 _BLOCK_K = 64
+_SELECT_ROWS = 4  # rows per top-k program: 4 × E_PAD scores in registers (no spills at 384 experts)
 
 
 @fused
@@ -96,7 +97,7 @@ def moe_route_triton(
         _gate_scores_kernel[(blocks, triton.cdiv(E, _BLOCK_E))](
             x, weight.contiguous(), scores, R, C, E, x.stride(0), _BLOCK_R, _BLOCK_E, _BLOCK_K
         )  # fmt: skip
-        _route_select_kernel[(blocks,)](
-            scores, bias.contiguous(), weights, ids, R, E, topk, scale, norm, _BLOCK_R, triton.next_power_of_2(E)
+        _route_select_kernel[(triton.cdiv(R, _SELECT_ROWS),)](
+            scores, bias.contiguous(), weights, ids, R, E, topk, scale, norm, _SELECT_ROWS, triton.next_power_of_2(E)
         )  # fmt: skip
     return weights, ids
