@@ -82,7 +82,7 @@ def candidate_mask_triton(scores: Tensor, n_visible: Tensor, block_size: int, to
     if R == 0 or S == 0:
         return mask
     tile = 64 if interpreting() else 1024
-    nv = n_visible.to(torch.int32).contiguous()
+    nv = n_visible.contiguous()  # int32 or int64: the kernels only compare with it
     blocks = torch.empty((R, NB), dtype=torch.float32, device=scores.device)
     block_tile = max(1, tile // triton.next_power_of_2(block_size))
     _block_max_kernel[(R, triton.cdiv(NB, block_tile))](

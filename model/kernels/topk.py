@@ -96,8 +96,9 @@ def _order_key(x, valid, LOW_BIT: tl.constexpr):
 
 @triton.jit
 def _row_length(len_ptr, r, L, HAS_LENGTHS: tl.constexpr):
+    """Row r's length clamped to [0, L], as int32 whether the lengths come int32 or int64 (no cast launch)."""
     if HAS_LENGTHS:
-        return tl.maximum(tl.minimum(tl.load(len_ptr + r), L), 0)
+        return tl.maximum(tl.minimum(tl.load(len_ptr + r), L), 0).to(tl.int32)
     return L
 
 
@@ -603,7 +604,7 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
         return out
     x = scores.contiguous()
     has_lengths = lengths is not None
-    lengths = lengths.to(torch.int32).contiguous() if has_lengths else out  # out: an unread placeholder
+    lengths = lengths.contiguous() if has_lengths else out  # out: an unread placeholder
     KP, low_bit = triton.next_power_of_2(k), _low_bit(scores.dtype)
     t = tuning.resolved(R, L, k)
     direct = t.direct(L)

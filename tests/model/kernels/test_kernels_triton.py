@@ -134,6 +134,8 @@ def test_candidate_mask_is_exact(S: int, block_size: int, topk_blocks: int, tied
     scores, n_visible = candidate_case(generator(S), S, tied)
     want = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks)
     got = kernels.candidate_mask(scores, n_visible, block_size, topk_blocks, backend="triton")
+    narrow = kernels.candidate_mask(scores, n_visible.int(), block_size, topk_blocks, backend="triton")
+    assert torch.equal(narrow, got)  # int32 counts read alike
     assert torch.equal(got, want)
 
 
@@ -168,6 +170,7 @@ def test_topk_indices(R: int, L: int, k: int, dtype: torch.dtype, paths: TopKTun
     scores, lengths = topk_case(generator(L + k), R, L, dtype)
     got = topk_indices_triton(scores, k, lengths, paths)
     assert torch.equal(got, kernels.topk_indices(scores, k, lengths))  # bf16 / fp16 rows hold ties: the same ones
+    assert torch.equal(topk_indices_triton(scores, k, lengths.int(), paths), got)  # int32 lengths read alike
     assert torch.equal(topk_indices_triton(scores, k, None, paths), kernels.topk_indices(scores, k))
 
 
