@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import kernels
 from model.config import LayerRole, ModelArgs
+from model.fused import fused
 from model.linear import Linear, RMSNorm
 
 
@@ -48,8 +50,13 @@ class Indexer(nn.Module):
     def head_weights(self, x: Tensor) -> Tensor:
         """The head weights w [B, T, H] (at least fp32) of the input x. The queries, W_qb · c^Q, come with the
         attention's own (`Attention.heads`: one GEMM over both wq_b)."""
-        w = self.weights_proj(x).to(torch.promote_types(x.dtype, torch.float32))
-        return w * (1.0 / math.sqrt(self.head_dim * self.n_heads))
+        return _scaled_weights(x, self.weights_proj.weight, 1.0 / math.sqrt(self.head_dim * self.n_heads))
+
+
+@fused
+def _scaled_weights(x: Tensor, weight: Tensor, scale: float) -> Tensor:
+    """x Wᵀ (in W's dtype, as `Linear` computes it), widened to at least fp32 and scaled: the GEMM and one kernel."""
+    return F.linear(x.to(weight.dtype), weight).to(torch.promote_types(x.dtype, torch.float32)) * scale
 
 
 class Selection:

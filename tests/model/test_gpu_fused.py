@@ -11,6 +11,7 @@ from model.block import collapse_norm
 from model.cache import _open_group, _window_slots
 from model.compressor import _aligned
 from model.engram import NgramHash, gated_add, ngram_rows
+from model.indexer import _scaled_weights
 from model.kernels.route import moe_route_torch
 from model.linear import _fp8_row_values, rms_norm
 from model.mhc import hc_collapse, hc_expand, hc_mixes, hc_split_sinkhorn
@@ -63,12 +64,13 @@ def cases():
     aligned, opened = (rand(N, 8, D, seed=22, dtype=f32), rand(N, 8, D, seed=23, dtype=f32)), rand(N, m - 1, D, seed=24)
     n_open, kept = torch.arange(N, device="cuda") % m, torch.arange(N, device="cuda") % 4 + 1
     yield "_open_group", _open_group, (*aligned, n_open, kept, opened.float(), opened.float() * 2, m)
+    yield "_scaled_weights", _scaled_weights, (rand(N, C, seed=25), rand(A.index_n_heads, C, seed=26), 0.05)
     yield "_open_group all", _open_group, (*aligned, n_open, 3, opened.float(), opened.float() * 2, m)
 
 
 NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "moe_route_torch", "swiglu", "combine", "gated_add",
          "_window_slots", "collapse_norm", "ngram_rows", "_fp8_row_values", "_aligned", "_open_group",
-         "_open_group all"]  # fmt: skip
+         "_open_group all", "_scaled_weights"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
