@@ -5,8 +5,8 @@ The torch form is a projection of the flattened stream, an RMS, then ≈ 115 tin
 
 1. `_mix_partials_kernel`: a split-K projection. Program (row block, split) takes BLOCK_R rows and n·C / 16
    channels of the flattened stream and writes their dot products with fn's (2+n)n rows and their sum of squares
-   to a partial slot; the splits spread the projection over the GPU at batch 1 (a single program per row block
-   takes ≈ 100× longer), and their count depends on the channel count alone, so a row's value is the same
+   to a partial slot; the splits spread the projection over the GPU at batch 1 (one program per row block would
+   read all of fn alone), and their count depends on the channel count alone, so a row's value is the same
    whatever the batch.
 2. `_coefficients_kernel`: per BLOCK_R rows, loads every split's partials at once and sums them (a fixed tree
    over MAX_SPLITS), scales by 1/rms and runs the split, softmax and Sinkhorn loop in registers.
