@@ -64,8 +64,8 @@ def cases():
     aligned, opened = (rand(N, 8, D, seed=22, dtype=f32), rand(N, 8, D, seed=23, dtype=f32)), rand(N, m - 1, D, seed=24)
     n_open, kept = torch.arange(N, device="cuda") % m, torch.arange(N, device="cuda") % 4 + 1
     yield "_open_group", _open_group, (*aligned, n_open, kept, opened.float(), opened.float() * 2, m)
-    yield "_scaled_weights", _scaled_weights, (rand(N, C, seed=25), rand(A.index_n_heads, C, seed=26), 0.05)
     yield "_open_group all", _open_group, (*aligned, n_open, 3, opened.float(), opened.float() * 2, m)
+    yield "_scaled_weights", _scaled_weights, (rand(N, C, seed=25), rand(A.index_n_heads, C, seed=26), 0.05)
 
 
 NAMES = ["rms_norm", "hc_mixes", "hc_collapse", "hc_expand", "moe_route_torch", "swiglu", "combine", "gated_add",
