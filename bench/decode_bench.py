@@ -46,7 +46,6 @@ from serve_bench import machine  # noqa: E402
 
 from decode_svc.config import DecodeConfig  # noqa: E402
 from decode_svc.server import DecodeServer  # noqa: E402
-from decode_svc.step_times import Forward  # noqa: E402
 from mesh.logging import configure_logging  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model import kernels  # noqa: E402
@@ -100,8 +99,7 @@ class Replicas:
             self._call(server.start())
             engine = server.engine
             assert engine is not None
-            while cfg.speculation and cfg.draft_policy == "measured" and not engine.times.measured(*Forward):
-                time.sleep(0.05)  # its start-up profile: alone on the machine, not beside another replica's runs
+            engine.warmed.wait()  # its start-up captures and profile: alone on the GPU, not beside another replica's
             self.stubs[name] = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
 
     def _call(self, coro: Any) -> Any:

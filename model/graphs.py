@@ -22,8 +22,8 @@ What a captured forward needs, and how it is given:
   and the positions of the real rows (a device mask, not the padding) advance inside it; the host then follows
   (`KVCache.advanced`).
 
-Padding rows beyond the batch are rows of the cache no sequence holds: they run at position 0 and never advance,
-their writes land in rows a joining sequence overwrites, and their outputs are not returned.
+Padding rows beyond the batch are rows of the cache no sequence holds: they run at position 0, keep none of their
+writes, never advance, and their outputs are not returned.
 
 Engram tables in host memory (model.engram_store) take part through fixed buffers: before a replay the host hashes
 the step's rows and gathers them into pinned staging; the graph's first work copies them to the device on a side
@@ -225,6 +225,7 @@ class StepGraphs:
         if key in self.graphs:
             return self.graphs[key]
         assert step is not None, "a verify graph holds its step"
+        step.write(self._nothing(key[1]))  # the warm-up: the commit's kernels compile, nothing is kept
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._commit(key[1], step)
@@ -243,6 +244,11 @@ class StepGraphs:
     def _real(self, b: int) -> Tensor:
         return torch.arange(b, device=self.cache.device) < self.active
 
+    def _nothing(self, b: int) -> Tensor:
+        """A commit's keep that keeps no token of any row: a warm-up's, which writes every kept slot back as it was
+        (kernels compile — a capture cannot — and no state changes)."""
+        return torch.zeros(b, dtype=torch.int64, device=self.cache.device)
+
     # ---------------------------------------------------------------------------------------- what is captured
     def _static_step(self, b: int, T: int) -> Step:
         step = self.cache.step(self.tokens[:b, :T], slice(0, b), static=True)
@@ -253,9 +259,10 @@ class StepGraphs:
     def _decode(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         step = self._static_step(b, T)
         logits = forward_full(self.model, step, last_only=True)[:, -1]
+        keep = self._real(b).long() if commit else self._nothing(b)
+        step.write(keep)
         if commit:
-            step.write()
-            self.cache.advance_device(slice(0, b), self._real(b).long())
+            self.cache.advance_device(slice(0, b), keep)
         return (logits,), None
 
     def _draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:

@@ -159,12 +159,12 @@ def _commit_free_drafts(batch: DecodeBatch, pending: list[int]) -> torch.Tensor:
     return drafts
 
 
-def _twin_batches(model: Transformer, tokens) -> tuple[DecodeBatch, DecodeBatch]:
+def _twin_batches(model: Transformer, tokens, capacity: int = 8) -> tuple[DecodeBatch, DecodeBatch]:
     """Two batches of the same three prompts: one plain, one running the static forwards the graphs capture
     (model.graphs, uncaptured: rows padded to a bucket of 4, every reserved entry in view, the commit's device half
     and the positions advanced on the device for the real rows only, the host following)."""
     prompts = [_prefill(model, tokens(n)) for n in (23, 9, 40)]
-    plain, static = DecodeBatch(model, capacity=8), DecodeBatch(model, capacity=8)
+    plain, static = DecodeBatch(model, capacity=capacity), DecodeBatch(model, capacity=capacity)
     static.graphs = StepGraphs(model, static.cache, buckets=(4, 8), capture=False)
     for batch in (plain, static):
         for prompt in prompts:
@@ -217,11 +217,12 @@ def test_static_verifies_over_padded_rows_equal_plain_verifies(tiny: Transformer
 
 def test_capturing_every_bucket_ahead_commits_nothing(tiny: Transformer, tokens):
     """A start-up capture (`DecodeBatch.capture`; uncaptured here: the warm-up forwards a capture runs) reports each
-    bucket, moves no position, and the steps after it give the plain twin's logits."""
-    plain, static = _twin_batches(tiny, tokens)
+    bucket, moves no position, and the steps after it give the plain twin's logits. The capacity lies between two
+    buckets: the last one grows the cache, its device positions with it."""
+    plain, static = _twin_batches(tiny, tokens, capacity=6)
     reported: list[tuple[int, int]] = []
     static.capture((1, 3), lambda done, total: reported.append((done, total)))
-    assert reported == [(1, 2), (2, 2)]  # buckets 4 and 8: the capacity
+    assert reported == [(1, 2), (2, 2)]  # buckets 4 and 8, the first past the capacity
     assert static.positions() == plain.positions()
     greedy, pending = SamplingParams.uniform(3), tokens(3).tolist()
     for batch_logits in zip(plain.decode_step(pending), static.decode_step(pending), strict=True):
