@@ -11,11 +11,12 @@ the rows' bitmasks on the host, apply them where the logits are), greedy samplin
 `dspark`: one DSpark draft of γ tokens (its first link masked), the grammar's judgement of it (`admitted`: each
 row's drafts up to the first its guide refuses), one verify over the admitted drafts with their masks. The masks'
 share is the time spent in the guides and Masks.apply (the device synchronised around each), against the whole
-step (also synchronised); those synchronisations also keep the verify's fill from overlapping its forward on a GPU,
-so the masked step runs once more unclocked, as served, and `added` is its excess over the free step, as a share of
-it. `accepted` is the drafts accepted per row and DSpark step, with and without the constraint. Compile: each schema
-compiled once by decode_svc.grammar (no cache), strict every other one, against the served tokenizer's 129,280-id
-vocabulary.
+step (also synchronised); its parts are the bitmasks filled on the host, their copy and application, and the guides
+following the tokens (and judging the drafts). Those synchronisations also keep the verify's fill from overlapping
+its forward on a GPU, so the masked step runs once more unclocked, as served, and `added` is its excess over the
+free step, as a share of it. `accepted` is the drafts accepted per row and DSpark step, with and without the
+constraint. Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one, against
+the served tokenizer's 129,280-id vocabulary.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import json
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rich.console import Console
@@ -81,16 +83,34 @@ class Clock:
             self.seconds += time.perf_counter() - started
 
 
-class TimedMasks(Masks):
-    """Masks whose every call is clocked."""
+class Clocks(NamedTuple):
+    """What a masked step spends on its constraint, in three parts: the bitmasks filled on the host (`fill`), their
+    copy and application where the logits are (`apply`), the guides taking the emitted tokens and judging the drafts
+    (`follow`)."""
 
-    def __init__(self, clock: Clock, guides: list[Guide | None], drafts: list[list[int]] | None = None) -> None:
+    fill: Clock
+    apply: Clock
+    follow: Clock
+
+    @classmethod
+    def on(cls, device: torch.device, running: bool) -> Clocks:
+        return cls(*(Clock(device, running) for _ in cls._fields))
+
+
+class TimedMasks(Masks):
+    """Masks whose every call is clocked: the fill apart from the rest of the apply."""
+
+    def __init__(self, clocks: Clocks, guides: list[Guide | None], drafts: list[list[int]] | None = None) -> None:
         super().__init__(guides, drafts)
-        self.clock = clock
+        self.clocks = clocks
 
     def apply(self, logits: torch.Tensor) -> None:
-        with self.clock.timed():
+        with self.clocks.apply.timed():
             super().apply(logits)
+
+    def fill(self, T: int, vocab: int, pinned: bool) -> tuple[torch.Tensor, list[int]]:
+        with self.clocks.fill.timed():
+            return super().fill(T, vocab, pinned)
 
 
 def greedy(batch: int, masks: Masks | None) -> StepSampling:
@@ -121,30 +141,30 @@ class Rows:
                 if guide is not None and not guide.accept(token):
                     self.guides[b] = self._guide()
 
-    def masks(self, clock: Clock, drafts: list[list[int]] | None = None) -> Masks | None:
-        return TimedMasks(clock, self.guides, drafts) if self.grammar is not None else None
+    def masks(self, clocks: Clocks, drafts: list[list[int]] | None = None) -> Masks | None:
+        return TimedMasks(clocks, self.guides, drafts) if self.grammar is not None else None
 
 
-def plain_step(model: Transformer, rows: Rows, clock: Clock) -> int:
+def plain_step(model: Transformer, rows: Rows, clocks: Clocks) -> int:
     logits = rows.batch.decode_step(rows.pending)
-    rows.pending = greedy(len(rows.pending), rows.masks(clock)).probs(logits).argmax(-1).tolist()
-    with clock.timed():
+    rows.pending = greedy(len(rows.pending), rows.masks(clocks)).probs(logits).argmax(-1).tolist()
+    with clocks.follow.timed():
         rows.follow([[t] for t in rows.pending])
     return 0
 
 
-def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> int:
+def dspark_step(model: Transformer, rows: Rows, clocks: Clocks) -> int:
     """One DSpark step; returns the drafts accepted."""
-    draft = rows.batch.dspark_draft(rows.pending, greedy(len(rows.pending), rows.masks(clock)))
+    draft = rows.batch.dspark_draft(rows.pending, greedy(len(rows.pending), rows.masks(clocks)))
     drafts = draft.tokens.tolist()
     if rows.grammar is not None:
-        with clock.timed():
+        with clocks.follow.timed():
             taken = admitted(rows.guides, drafts)
         drafts = [row[:n] for row, n in zip(drafts, taken, strict=True)]
     lengths = torch.tensor([len(row) for row in drafts])
-    result = rows.batch.verify(rows.pending, draft, greedy(len(rows.pending), rows.masks(clock, drafts)), lengths)
+    result = rows.batch.verify(rows.pending, draft, greedy(len(rows.pending), rows.masks(clocks, drafts)), lengths)
     rows.pending = [tokens[-1] for tokens in result.tokens]
-    with clock.timed():
+    with clocks.follow.timed():
         rows.follow(result.tokens)
     return int(result.accepted.sum())
 
@@ -152,20 +172,24 @@ def dspark_step(model: Transformer, rows: Rows, clock: Clock) -> int:
 def measure(
     model: Transformer, prompt: list[int], batch: int, grammar: Any | None, mode: str, steps: int, clocked: bool = True
 ) -> dict:
-    """Median step and mask milliseconds over `steps` steps (after two unmeasured ones); `clocked`: the masks timed."""
+    """Median milliseconds over `steps` steps (after two unmeasured ones) of the step and of the constraint's parts
+    (`Clocks`: `apply` without the fill inside it; `mask` all three); `clocked`: the parts timed."""
     rows = Rows(model, prompt, batch, grammar)
     step = plain_step if mode == "plain" else dspark_step
-    totals, masks, accepted = [], [], 0
+    totals, parts, accepted = [], defaultdict(list), 0
     for i in range(steps + 2):
-        clock, whole = Clock(model.device, clocked), Clock(model.device)
+        clocks, whole = Clocks.on(model.device, clocked), Clock(model.device)
         with whole.timed():
-            taken = step(model, rows, clock)
+            taken = step(model, rows, clocks)
         if i >= 2:
             totals.append(whole.seconds * 1e3)
-            masks.append(clock.seconds * 1e3)
+            fill, follow = clocks.fill.seconds * 1e3, clocks.follow.seconds * 1e3
+            apply = clocks.apply.seconds * 1e3 - fill
+            for name, ms in (("fill", fill), ("apply", apply), ("follow", follow), ("mask", fill + apply + follow)):
+                parts[name].append(ms)
             accepted += taken
-    return {"step_ms": statistics.median(totals), "mask_ms": statistics.median(masks),
-            "accepted_per_row_step": accepted / (steps * batch)}  # fmt: skip
+    medians = {f"{name}_ms": statistics.median(ms) for name, ms in parts.items()}
+    return {"step_ms": statistics.median(totals), **medians, "accepted_per_row_step": accepted / (steps * batch)}
 
 
 def compile_times(grammars: Grammars, count: int) -> list[float]:
@@ -204,7 +228,8 @@ def main() -> int:
             served = measure(model, prompt, batch, grammar, mode, args.steps, clocked=False)
             results.append({"batch": batch, "mode": mode, "free_step_ms": free["step_ms"],
                             "masked_step_ms": masked["step_ms"], "mask_ms": masked["mask_ms"],
-                            "mask_share": masked["mask_ms"] / masked["step_ms"],
+                            "fill_ms": masked["fill_ms"], "apply_ms": masked["apply_ms"],
+                            "follow_ms": masked["follow_ms"], "mask_share": masked["mask_ms"] / masked["step_ms"],
                             "served_step_ms": served["step_ms"],
                             "added_share": (served["step_ms"] - free["step_ms"]) / served["step_ms"],
                             "free_accepted": free["accepted_per_row_step"],
@@ -212,11 +237,24 @@ def main() -> int:
     seconds = compile_times(grammars, args.schemas)
 
     table = Table(title=f"token masks per decode step ({args.model}, {model.device}; medians of {args.steps} steps)")
-    for column in ("batch", "step", "step, free (ms)", "step, masked (ms)", "masks (ms)", "masks / step",
-                   "masked, unclocked (ms)", "added / step", "accepted, free", "accepted, masked"):  # fmt: skip
+    columns = (
+        "batch",
+        "step",
+        "step, free (ms)",
+        "step, masked (ms)",
+        "masks (ms)",
+        "fill, apply, follow (ms)",
+        "masks / step",
+        "masked, unclocked (ms)",
+        "added / step",
+        "accepted, free",
+        "accepted, masked",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     for r in results:
-        figures = (f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}", f"{r['mask_ms']:.3f}",
+        parts = f"{r['fill_ms']:.2f}, {r['apply_ms']:.2f}, {r['follow_ms']:.2f}"
+        figures = (f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}", f"{r['mask_ms']:.3f}", parts,
                    f"{r['mask_share']:.1%}", f"{r['served_step_ms']:.2f}", f"{r['added_share']:.1%}",
                    f"{r['free_accepted']:.2f}", f"{r['masked_accepted']:.2f}")  # fmt: skip
         table.add_row(str(r["batch"]), r["mode"], *figures)

@@ -55,15 +55,19 @@ class Masks:
         if widest >= T:
             raise ValueError(f"a verify over {T - 1} drafts cannot mask a row of {widest}")
         flat = logits.view(-1, logits.shape[-1])
-        bitmask = torch.full((flat.shape[0], -(-flat.shape[1] // 32)), -1, dtype=torch.int32,
-                             pin_memory=logits.is_cuda)  # fmt: skip  # pinned: copied to the GPU without a wait
+        _apply(flat, *self.fill(T, flat.shape[1], pinned=logits.is_cuda))
+
+    def fill(self, T: int, vocab: int, pinned: bool) -> tuple[Tensor, list[int]]:
+        """The host half of `apply`: the bitmask [B·T, ⌈vocab/32⌉] of T positions per row (`pinned`: page-locked,
+        copied to a GPU without a wait) and the rows of it that restrict anything."""
+        bitmask = torch.full((len(self.guides) * T, -(-vocab // 32)), -1, dtype=torch.int32, pin_memory=pinned)
         masked: list[int] = []
 
         def fill(j: int, rows: list[int]) -> None:
             masked.extend(_fill(bitmask, {b * T + j: self.guides[b] for b in rows}))  # type: ignore[misc]
 
         _walk(self.guides, self.drafts, fill)
-        _apply(flat, bitmask, masked)
+        return bitmask, masked
 
 
 def admitted(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]]) -> list[int]:
