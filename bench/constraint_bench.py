@@ -134,11 +134,12 @@ class Rows:
         return Guide(self.grammar, banned=[128825], stop_ids=[1]) if self.grammar is not None else None
 
     def follow(self, emitted: list[list[int]]) -> None:
-        """Every guide takes its row's emitted tokens; a grammar that refuses one (it is complete) starts again."""
+        """Every guide follows its row's emitted tokens (as the engine does: its matcher takes them in the next
+        step's fill); a grammar that refuses one (it is complete) starts again."""
         for b, tokens in enumerate(emitted):
             for token in tokens:
                 guide = self.guides[b]
-                if guide is not None and not guide.accept(token):
+                if guide is not None and not guide.follow(token):
                     self.guides[b] = self._guide()
 
     def masks(self, clocks: Clocks, drafts: list[list[int]] | None = None) -> Masks | None:

@@ -443,22 +443,26 @@ class Engine:
     def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
         """Emit a step's tokens up to a stop token, the end of its output constraint's grammar (nothing may follow
         it, even where the request stops at no token) or the budget; finish the sequence there. A token its output
-        constraint refuses (the masks make it impossible: a bug) fails the sequence before it is sent."""
+        constraint refuses (the masks make it impossible: a bug) fails the sequence: before it is sent where the
+        guide can tell at once, else before the step's next tokens (the grammar's matcher takes a step's tokens while
+        the next forward runs: guide.py)."""
         out: list[int] = []
         reason = None
+        guide = seq.guide
         for token in tokens:
-            if seq.guide is not None and not seq.guide.accept(token):
-                self.log.error("constraint_broken", request_id=seq.request_id, token=token, position=len(seq.output))
-                self._leave(seq, State.FAILED)
-                self._fail([seq], f"token {token} breaks the output constraint")
+            if guide is not None and (guide.broken is not None or not guide.follow(token)):
+                self._refused(seq, token if guide.broken is None else guide.broken)
                 return
             out.append(token)
-            if token in seq.params.stop_token_ids or (seq.guide is not None and seq.guide.complete):
+            if token in seq.params.stop_token_ids or (guide is not None and guide.complete):
                 reason = decode_pb2.FINISH_REASON_STOP  # a stop token, or the one that completed the grammar
                 break
             if len(seq.output) + len(out) >= seq.limit:
                 reason = decode_pb2.FINISH_REASON_LENGTH
                 break
+        if reason is not None and guide is not None and (refused := guide.settle()) is not None:
+            self._refused(seq, refused)  # the last tokens, taken now: no step follows them
+            return
         seq.output += out
         p = seq.params
         logprobs = token_logprobs(logits, out, p.top_logprobs) if p.logprobs else None
@@ -466,6 +470,11 @@ class Engine:
         seq.outbox.put(Delta(out, logprobs))
         if reason is not None:
             self._finish(seq, reason)
+
+    def _refused(self, seq: Sequence, token: int) -> None:
+        self.log.error("constraint_broken", request_id=seq.request_id, token=token, position=len(seq.output))
+        self._leave(seq, State.FAILED)
+        self._fail([seq], f"token {token} breaks the output constraint")
 
     def _finish(self, seq: Sequence, reason: decode_pb2.FinishReason.ValueType) -> None:
         export = self._leave(seq, State.FINISHED)

@@ -15,7 +15,8 @@ costs its row the drafts after it, never a token of the output; the first link's
 of a chain masked throughout (docs/benchmarks.md).
 
 Masks are int32 bitmasks filled on the host by xgrammar (one thread pool for the whole batch, one fill per position)
-and applied where the logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU.
+and applied where the logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU. A fill first lets each
+guide's matcher take the tokens its sequence emitted since (`Guide.follow`), so that work overlaps the forward too.
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ import json
 
 import pytest
 import torch
+import xgrammar as xgr
 from driven import GREEDY, Driven, driven_engine
 from test_decode_speculation import oracle_drafter
 
 from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
 from decode_svc.guide import Guide
 from decode_svc.masking import Masks, admitted
+from decode_svc.sequence import Failure, State
 from model import Transformer
 from proto.decode.v1 import decode_pb2
 from recipe import load_tokenizer
@@ -170,6 +172,46 @@ def test_a_guide_undoes_drafts_across_the_reasoning_end(grammars: Grammars) -> N
     assert g.accept(128825)  # the reasoning is free
 
 
+def _allowed(g: Guide, vocab: int) -> list[int]:
+    """The tokens g's grammar allows next (xgrammar's bitmask, as masking.py fills it)."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    g.matcher.fill_next_token_bitmask(bitmask)  # type: ignore[union-attr]
+    words = bitmask[0].tolist()
+    return [t for t in range(vocab) if words[t // 32] >> (t % 32) & 1]
+
+
+def test_followed_tokens_reach_the_matcher_on_its_next_read(
+    models: tuple[Transformer, Transformer], grammars: Grammars
+) -> None:
+    """`follow` (the engine's emitted tokens) leaves the matcher's step for later: the next read of the guide sees
+    the state an eager `accept` gives, drafts walk and roll back past followed tokens, only the grammar's stop token
+    completes it, and a token the matcher refuses is named by `broken` and leaves the state before it."""
+    vocab, text = models[1].args.vocab_size, load_tokenizer().encode_plain('{"a": 1}')
+    lazy, eager = guide(grammars, exactly('{"a": 1}')), guide(grammars, exactly('{"a": 1}'))
+    for token in text[:-1]:
+        assert (lazy.follow(token), eager.accept(token)) == (True, True)
+    assert lazy._unsettled == text[:-1]  # nothing taken yet
+    assert not lazy.complete  # not a stop token: the matcher is not asked
+    assert (lazy.grammar_active, lazy._unsettled) == (True, [])  # a read: the matcher took them
+    assert _allowed(lazy, vocab) == _allowed(eager, vocab) == [text[-1]]
+    assert (lazy.accept(text[-1]), lazy.accept(EOS)) == (True, True)
+    lazy.rollback(2)  # drafts judged: the followed tokens stay taken
+    assert _allowed(lazy, vocab) == [text[-1]]
+    assert (lazy.follow(text[-1]), lazy.follow(EOS)) == (True, True)
+    assert (lazy.complete, lazy.follow(text[0])) == (True, False)  # nothing follows the end
+    assert (lazy.broken, lazy.settle()) == (None, None)
+
+    refused, before = guide(grammars, exactly('{"a": 1}')), guide(grammars, exactly('{"a": 1}'))
+    assert (refused.follow(text[0]), before.accept(text[0])) == (True, True)
+    assert refused.follow(text[0])  # taken on its face; the grammar refuses a second one
+    assert (refused.broken, refused.settle(), refused.broken) == (None, text[0], text[0])
+    assert _allowed(refused, vocab) == _allowed(before, vocab)
+    with pytest.raises(ValueError, match="only the last 1"):
+        refused.rollback(2)  # the refused token left no trace to undo
+    refused.rollback(1)
+    assert _allowed(refused, vocab) == _allowed(guide(grammars, exactly('{"a": 1}')), vocab)
+
+
 def test_a_reasoning_may_stop_only_where_an_empty_answer_conforms(grammars: Grammars) -> None:
     """Where the grammar takes the stop token at once (an empty answer conforms: here, banned tokens only, or an
     empty literal), the reasoning may end the sequence; under a grammar that needs an answer it may not."""
@@ -195,6 +237,27 @@ def test_a_sequence_ends_where_its_grammar_does_even_without_stop_tokens(
         assert load_tokenizer().decode(seq.output[:-1]) == "Hi"
         assert seq.output[-1] == EOS  # the grammar's terminator, the tokenizer's end of sequence
         assert end.reason == decode_pb2.FINISH_REASON_STOP
+
+
+def test_a_followed_token_the_grammar_refuses_fails_its_sequence_only(
+    models: tuple[Transformer, Transformer], grammars: Grammars, conforming: tuple[list[int], list[int], str]
+) -> None:
+    """A token the guide took on its face and its matcher refuses when it next reads it (a mask that let it through:
+    a bug) fails that sequence before its next tokens are sent; the row beside it decodes on."""
+    prompt, free, _ = conforming
+    compiled = asyncio.run(grammars.compile(exactly("Hi")))
+    bad = load_tokenizer().encode_plain("Ho")[0]
+    for speculate in (False, True):
+        with driven_engine(models[1], speculation=speculate, max_draft=3, draft_policy="full") as d:
+            broken, beside = Guide(compiled), None
+            assert broken.follow(bad)  # as if a step had emitted it
+            seqs = [d.submit(prompt, LIMIT, sampling=GREEDY, speculate=speculate, guide=g) for g in (broken, beside)]
+            d.run_to_end(*seqs)
+            (failure,) = d.received(seqs[0])
+        assert (seqs[0].state, seqs[0].output) == (State.FAILED, [])
+        assert isinstance(failure, Failure)
+        assert failure.message == f"token {bad} breaks the output constraint"
+        assert seqs[1].output == free[:LIMIT]
 
 
 def test_a_verify_masks_each_position_as_a_plain_step_after_the_drafts_before_it(
