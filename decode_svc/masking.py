@@ -60,8 +60,9 @@ class Masks:
 
     def fill(self, T: int, vocab: int, pinned: bool) -> tuple[Tensor, list[int]]:
         """The host half of `apply`: the bitmask [B·T, ⌈vocab/32⌉] of T positions per row (`pinned`: page-locked,
-        copied to a GPU without a wait) and the rows of it that restrict anything."""
-        bitmask = torch.full((len(self.guides) * T, -(-vocab // 32)), -1, dtype=torch.int32, pin_memory=pinned)
+        copied to a GPU without a wait) and the rows of it that restrict anything — the only rows written (the
+        others are never applied)."""
+        bitmask = torch.empty((len(self.guides) * T, -(-vocab // 32)), dtype=torch.int32, pin_memory=pinned)
         masked: list[int] = []
 
         def fill(j: int, rows: list[int]) -> None:
@@ -103,9 +104,14 @@ def _walk(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]], visit
 def _fill(bitmask: Tensor, guides: dict[int, Guide]) -> list[int]:
     """Fill bitmask row i with what guides[i] allows next, for each row of `guides`; returns the rows restricted."""
     live = {i: g for i, g in guides.items() if g.restricts}
-    grammar = [i for i, g in live.items() if g.grammar_active]
+    grammar: list[int] = []
+    banned_only: list[int] = []
+    for i, guide in live.items():
+        (grammar if guide.grammar_active else banned_only).append(i)
     if grammar:
         _filler().batch_fill_next_token_bitmask([live[i].matcher for i in grammar], bitmask, grammar)  # type: ignore[misc]
+    if banned_only:
+        bitmask[banned_only] = -1  # every token, less the banned ones below
     banned: dict[int, list[int]] = {}  # token → the rows that ban it (every row bans the same few, usually)
     for i, guide in live.items():
         for token in guide.banned_now:
