@@ -39,10 +39,13 @@ class SamplingParams:
 
     def probs(self, logits: Tensor) -> Tensor:
         """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
+        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        greedy = one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        if not bool((self.temperature > 0).any()):  # every row greedy (asked on the host): nothing to scale
+            return greedy
         logits = logits.float()
         shape = (-1,) + (1,) * (logits.dim() - 1)
         t = self.temperature.to(logits.device, non_blocking=True).view(shape)
-        greedy = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         scaled = logits / t.clamp_min(1e-6)
         k = self.top_k.to(logits.device, non_blocking=True).view(shape)
         if bool((self.top_k > 0).any()):  # asked of the parameters where they live (the host), not of the device

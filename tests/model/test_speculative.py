@@ -80,6 +80,19 @@ def test_sampling_params_filters(gen):
     torch.testing.assert_close(probs.sum(-1), torch.ones(3))
 
 
+def test_an_all_greedy_batch_gives_the_one_hots_of_a_mixed_one(gen):
+    """A batch of greedy rows alone (which skips the tempered distribution) gives, in fp32 whatever the logits'
+    dtype, the one-hot rows a mixed batch gives its greedy rows, ties to the lower id."""
+    logits = torch.randn(3, 2, 100, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    logits[0, 0, 7] = logits[0, 0, 9] = logits[0, 0].max() + 1  # a tie
+    greedy = SamplingParams.uniform(3).probs(logits)
+    mixed = SamplingParams(torch.tensor([0.0, 1.0, 0.0]), torch.zeros(3, dtype=torch.long), torch.ones(3)).probs(logits)
+    assert greedy.dtype == torch.float32
+    assert torch.equal(greedy[[0, 2]], mixed[[0, 2]])
+    assert torch.equal(greedy, torch.nn.functional.one_hot(logits.float().argmax(-1), 100).float())
+    assert greedy[0, 0, 7] == 1
+
+
 def test_greedy_speculation_emits_plain_greedy_tokens(tiny, tokens, gen):
     out = encode_prefill(tiny, tokens(23))
     greedy = SamplingParams.uniform(1)
