@@ -96,10 +96,7 @@ class Replicas:
                 model=model_spec, port=0, metrics_port=0, max_batch=max_batch, log_level="warning", **fields
             )
             server = self.servers[name] = DecodeServer(cfg, model=self.model)
-            self._call(server.start())
-            engine = server.engine
-            assert engine is not None
-            engine.warmed.wait()  # its start-up captures and profile: alone on the GPU, not beside another replica's
+            self._call(server.start())  # its start-up captures and profile: alone on the GPU, before the next's
             self.stubs[name] = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
 
     def _call(self, coro: Any) -> Any:

@@ -186,9 +186,11 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- the engine thread
     def _run(self) -> None:
-        self._capture()
-        self._profile()
-        self.warmed.set()
+        try:
+            self._capture()
+            self._profile()
+        finally:
+            self.warmed.set()
         while self.iterate():
             pass
         with self._cond:
@@ -231,9 +233,10 @@ class Engine:
         return True
 
     def _capture(self) -> None:
-        """Capture every lane's step graphs before the first request (requests that arrive meanwhile wait in the
-        queue): a lane's batch sizes up to max_batch, and the speculative lane's drafts and verify widths. A rank
-        group's forwards run eagerly (their all-to-all sizes reach the host): nothing to capture."""
+        """Capture every lane's step graphs before the first request (the replica reports SERVING once they and the
+        profile are done: `warmed`): a lane's batch sizes up to max_batch, and the speculative lane's drafts and
+        verify widths. A rank group's forwards run eagerly (their all-to-all sizes reach the host): nothing to
+        capture."""
         if self.calls.world_size > 1:
             return
         for lane, batch in self.batches.items():
@@ -250,7 +253,7 @@ class Engine:
                 self.log.exception("capture_failed", lane=lane.value)
 
     def _profile(self) -> None:
-        """Seed the step times DSpark's scheduler reads (requests that arrive meanwhile wait in the queue)."""
+        """Seed the step times DSpark's scheduler reads, before the first request."""
         if not self.settings.speculation or self.scheduler.full or self.times.measured(*Forward):
             return
         started = time.monotonic()

@@ -61,6 +61,12 @@ class DecodeServer(ModelServer):
         servicer = DecodeService(model, info, store, self.engine, grammars, metrics, self.log)
         return servicer, decode_pb2_grpc.add_DecodeServicer_to_server
 
+    async def ready(self) -> None:
+        """The engine's start-up: its step graphs captured and its step times profiled (minutes on a large model:
+        a replica is not SERVING before it can serve at speed)."""
+        assert self.engine is not None
+        await asyncio.to_thread(self.engine.warmed.wait)
+
     def fail_all(self, error: RequestError) -> None:
         if self.engine is not None:
             self.engine.fail_all(error)

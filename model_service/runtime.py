@@ -229,7 +229,8 @@ class ModelServer:
     """The life cycle every model service shares (prefill_svc.server, decode_svc.server).
 
     `start()` loads and warms the model (unless one is given) before the gRPC server starts, so health turns
-    SERVING only when the replica is ready; `build()` (the service's own) makes the servicer. `stop()` is graceful:
+    SERVING only when the replica is ready; `build()` (the service's own) makes the servicer and `ready()` waits
+    for the service's own start-up work. `stop()` is graceful:
     the servicer reports draining, health turns NOT_SERVING, in-flight RPCs get the grace period, then `release()`
     (the service's own) frees what the service holds, and the cache client closes.
 
@@ -268,6 +269,9 @@ class ModelServer:
     async def release(self) -> None:
         """Free what the service holds, after the last RPC ended."""
 
+    async def ready(self) -> None:
+        """Wait for the service's own start-up work (called after `build()`, before health turns SERVING)."""
+
     async def start(self) -> None:
         cfg = self.cfg
         if cfg.world_size > 1:
@@ -279,6 +283,7 @@ class ModelServer:
             self.calls = LocalCalls(self.model)
         self.cache = AsyncCacheClient(cfg.cache, timeout_s=cfg.cache_timeout_s) if cfg.cache else None
         self.servicer, register = self.build()
+        await self.ready()
         self._grpc = GrpcServer([(register, self.servicer, self.service)], cfg.host, cfg.port)
         self.port = self._grpc.port
         await self._grpc.start()

@@ -1,5 +1,5 @@
-"""`python -m decode_svc serve`: configuration from flags and environment, health, metrics, and SIGTERM: a running
-stream is drained to its end before the process exits 0."""
+"""`python -m decode_svc serve`: configuration from flags and environment, health (SERVING once the engine's start-up
+is done), metrics, and SIGTERM: a running stream is drained to its end before the process exits 0."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from collections.abc import Callable
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2
-from service_mesh import WAIT_S, Served, free_port, token_ids
+from service_mesh import WAIT_S, Loop, Served, free_port, token_ids
 
+from decode_svc.config import DecodeConfig
+from decode_svc.server import DecodeServer
+from decode_svc.step_times import Forward
+from model import Transformer
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 
@@ -34,3 +38,21 @@ def test_sigterm_drains_a_running_stream_then_exits_0(serve: Callable[..., Serve
     assert len(tokens) == 8
     assert child.proc.wait(timeout=WAIT_S) == 0
     child.wait_for("stopped")
+
+
+def test_a_replica_serves_once_its_engine_has_warmed(loop: Loop, models: tuple[Transformer, Transformer]) -> None:
+    """Health turns SERVING (the gRPC server starts) only after the engine's start-up: its graphs (on a GPU) and the
+    profile that seeds DSpark's step times, which a router's first request must not wait behind."""
+    cfg = DecodeConfig(port=0, metrics_port=0, draft_policy="measured", log_level="warning")
+    server = DecodeServer(cfg, model=models[1])
+    loop.call(server.start())
+    try:
+        assert server.engine is not None
+        assert server.engine.warmed.is_set()
+        assert server.engine.times.measured(*Forward)  # profiled before the first request could arrive
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            request = decode_pb2.GenerateRequest(token_ids=token_ids([5, 6, 7]), max_tokens=2)
+            assert sum(len(m.token_ids) for m in stub.Generate(request, timeout=WAIT_S)) == 2
+    finally:
+        loop.call(server.stop(1))
