@@ -230,9 +230,9 @@ class ModelServer:
 
     `start()` loads and warms the model (unless one is given) before the gRPC server starts, so health turns
     SERVING only when the replica is ready; `build()` (the service's own) makes the servicer and `ready()` waits
-    for the service's own start-up work. `stop()` is graceful:
-    the servicer reports draining, health turns NOT_SERVING, in-flight RPCs get the grace period, then `release()`
-    (the service's own) frees what the service holds, and the cache client closes.
+    for the service's own start-up work. `stop()` is graceful: the servicer reports draining, health turns
+    NOT_SERVING, in-flight RPCs get the grace period, then `release()` (the service's own) frees what the service
+    holds, and the cache client closes.
 
     With `--ranks`/`--nodes` making W > 1 the replica is a rank group (model_service.ranks): on node 0 this process
     is rank 0 and makes its model calls through `self.calls` (every rank runs them); on another node it only follows
