@@ -330,7 +330,8 @@ class KVCache:
         if self._next_of != self.pos or self._next.shape[0] != self.capacity:  # rows joined, left, forked or grew
             pos = torch.zeros(self.capacity, dtype=torch.int64)  # rows without a sequence: position 0
             pos[: self.n_rows] = torch.tensor(self.pos, dtype=torch.int64)
-            self._next = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+            if self._next.shape[0] != self.capacity:  # else in place: captured graphs read this very tensor
+                self._next = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
             self._next.copy_(pos)
             self._next_of = list(self.pos)
         return self._next[rows]

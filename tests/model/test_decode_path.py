@@ -215,6 +215,22 @@ def test_static_verifies_over_padded_rows_equal_plain_verifies(tiny: Transformer
     _assert_same_state(plain, static)
 
 
+def test_the_device_positions_stay_in_place_until_the_cache_grows(tiny: Transformer, tokens):
+    """Captured graphs read and advance the cache's device positions in place: a row joining or leaving rewrites the
+    same tensor; only a growth (which drops the graphs) replaces it."""
+    batch = DecodeBatch(tiny, capacity=2)
+    first = batch.join(*_prefill(tiny, tokens(9)))[0]
+    batch.join(*_prefill(tiny, tokens(23)))
+    held = batch.cache.next_positions(slice(0, 2))
+    batch.leave(first)
+    assert batch.cache.next_positions(slice(0, 2)).data_ptr() == held.data_ptr()
+    assert held.tolist() == [*batch.cache.pos, 0]
+    batch.join(*_prefill(tiny, tokens(5)))
+    batch.join(*_prefill(tiny, tokens(7)))  # a third row: the cache grows
+    assert batch.cache.next_positions(slice(0, 3)).tolist() == batch.cache.pos
+    assert batch.cache.next_positions(slice(0, 3)).data_ptr() != held.data_ptr()
+
+
 def test_capturing_every_bucket_ahead_commits_nothing(tiny: Transformer, tokens):
     """A start-up capture (`DecodeBatch.capture`; uncaptured here: the warm-up forwards a capture runs) reports each
     bucket, moves no position, and the steps after it give the plain twin's logits. The capacity lies between two
