@@ -4,12 +4,18 @@
 
 The torch form is a cast, a GEMM, two sorts and a gather (five launches per MoE layer, compiled). Triton, two launches:
 
-1. `_gate_scores_kernel`: program (row block, expert block) takes BLOCK_R rows against BLOCK_E experts' gate rows
-   over every channel (fp32 `tl.dot`), then √softplus; the expert blocks spread the gate's weights (the largest
-   read of the layer at batch 1) over the GPU.
-2. `_route_select_kernel`: per 4 rows, k rounds of an argmax over the biased scores (the first maximum: the
-   lower id) mark the chosen experts; a chosen expert's slot is the number of chosen experts below it (a cumulative
-   sum), so the ids come out ascending without a sort; the weights are its scores over their sum, times the scale.
+1. `_gate_logits_kernel`: program (row block, expert block, K split) takes BLOCK_R rows against BLOCK_E experts'
+   gate rows over its split's channels (fp32 `tl.dot`) and writes those partial logits. The expert blocks and the
+   K splits spread the gate's weights (the largest read of the layer at batch 1) over the GPU: at one row block
+   there are only E / 16 programs (one at the small preset's 8 experts), so K is split until the grid has about one
+   program per SM.
+2. `_route_select_kernel`: per 4 rows, the splits' partial logits added in split order and √softplus give the
+   scores; k rounds of an argmax over the biased scores (the first maximum: the lower id) mark the chosen experts;
+   a chosen expert's slot is the number of chosen experts below it (a cumulative sum), so the ids come out ascending
+   without a sort; the weights are its scores over their sum, times the scale.
+
+Under batch invariance (kernels/invariance.py) the splits are those of one row block whatever the rows, so a row's
+scores are summed in one order at every batch size.
 """
 
 import torch
@@ -19,6 +25,8 @@ import triton.language as tl
 from torch import Tensor
 
 from model.fused import fused
+from model.kernels.formats import multiprocessors
+from model.kernels.invariance import batch_invariant
 
 _BLOCK_R = 16
 _BLOCK_E = 16
@@ -40,27 +48,29 @@ def moe_route_torch(
 
 
 @triton.jit
-def _gate_scores_kernel(
-    x_ptr, w_ptr, s_ptr, R, C, E, x_stride,
+def _gate_logits_kernel(
+    x_ptr, w_ptr, p_ptr, R, C, E, x_stride, k_per_split,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(2)
     ok, live = rows < R, experts < E
     r, e = rows.to(tl.int64), experts.to(tl.int64)
     acc = tl.zeros((BLOCK_R, BLOCK_E), dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
+    first = split * k_per_split
+    for k0 in range(first, tl.minimum(first + k_per_split, C), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + r[:, None] * x_stride + k[None, :], mask=ok[:, None] & (k < C)[None, :], other=0.0)
         w = tl.load(w_ptr + e[:, None] * C + k[None, :], mask=live[:, None] & (k < C)[None, :], other=0.0)
         acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-    softplus = tl.where(acc > 20.0, acc, tl.log(1.0 + tl.exp(tl.minimum(acc, 20.0))))  # torch's threshold
-    tl.store(s_ptr + r[:, None] * E + e[None, :], tl.sqrt(softplus), mask=ok[:, None] & live[None, :])
+    out = p_ptr + split.to(tl.int64) * R * E + r[:, None] * E + e[None, :]
+    tl.store(out, acc, mask=ok[:, None] & live[None, :])
 
 
 @triton.jit
 def _route_select_kernel(
-    s_ptr, bias_ptr, w_ptr, ids_ptr, R, E, topk, scale, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+    p_ptr, bias_ptr, w_ptr, ids_ptr, R, E, splits, topk, scale, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
     E_PAD: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -68,7 +78,12 @@ def _route_select_kernel(
     r = rows.to(tl.int64)
     col = tl.arange(0, E_PAD)
     live = col < E
-    s = tl.load(s_ptr + r[:, None] * E + col[None, :], mask=ok[:, None] & live[None, :], other=0.0)
+    at, here = r[:, None] * E + col[None, :], ok[:, None] & live[None, :]
+    logits = tl.load(p_ptr + at, mask=here, other=0.0)
+    for split in range(1, splits):
+        logits += tl.load(p_ptr + split * R * E + at, mask=here, other=0.0)
+    softplus = tl.where(logits > 20.0, logits, tl.log(1.0 + tl.exp(tl.minimum(logits, 20.0))))  # torch's threshold
+    s = tl.sqrt(softplus)
     biased = tl.where(live[None, :], s + tl.load(bias_ptr + col, mask=live, other=0.0)[None, :], -float("inf"))
     chosen = tl.zeros((BLOCK_R, E_PAD), dtype=tl.int32)
     for _ in range(topk):
@@ -84,20 +99,27 @@ def _route_select_kernel(
 
 
 def moe_route_triton(
-    x: Tensor, weight: Tensor, bias: Tensor, topk: int, norm: bool, scale: float
+    x: Tensor, weight: Tensor, bias: Tensor, topk: int, norm: bool, scale: float, splits: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """fp32 gate weights and bias (a float64 model stays on the torch form)."""
+    """fp32 gate weights and bias (a float64 model stays on the torch form); `splits`: the gate's K splits (None:
+    as many as bring the grid to about one program per SM, each ≥ 2 K blocks)."""
     (R, C), E = x.shape, weight.shape[0]
-    scores = torch.empty((R, E), dtype=torch.float32, device=x.device)
     weights = torch.empty((R, topk), dtype=torch.float32, device=x.device)
     ids = torch.empty((R, topk), dtype=torch.int64, device=x.device)
     if R:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        blocks = triton.cdiv(R, _BLOCK_R)
-        _gate_scores_kernel[(blocks, triton.cdiv(E, _BLOCK_E))](
-            x, weight.contiguous(), scores, R, C, E, x.stride(0), _BLOCK_R, _BLOCK_E, _BLOCK_K
+        row_blocks, expert_blocks = triton.cdiv(R, _BLOCK_R), triton.cdiv(E, _BLOCK_E)
+        programs = expert_blocks if batch_invariant() else row_blocks * expert_blocks
+        k_blocks = triton.cdiv(C, _BLOCK_K)
+        splits = splits or max(1, min(multiprocessors() // programs, k_blocks // 2))
+        k_per_split = triton.cdiv(k_blocks, splits) * _BLOCK_K
+        splits = triton.cdiv(C, k_per_split)
+        logits = torch.empty((splits, R, E), dtype=torch.float32, device=x.device)
+        _gate_logits_kernel[(row_blocks, expert_blocks, splits)](
+            x, weight.contiguous(), logits, R, C, E, x.stride(0), k_per_split, _BLOCK_R, _BLOCK_E, _BLOCK_K
         )  # fmt: skip
         _route_select_kernel[(triton.cdiv(R, _SELECT_ROWS),)](
-            scores, bias.contiguous(), weights, ids, R, E, topk, scale, norm, _SELECT_ROWS, triton.next_power_of_2(E)
+            logits, bias.contiguous(), weights, ids, R, E, splits, topk, scale, norm, _SELECT_ROWS,
+            triton.next_power_of_2(E),
         )  # fmt: skip
     return weights, ids

@@ -6,6 +6,7 @@ import torch
 from kernel_cases import generator
 
 from model import kernels
+from model.kernels.route import moe_route_triton
 
 
 def gate_case(rows: int, C: int, E: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
@@ -26,6 +27,16 @@ def test_routing_matches_the_torch_form(rows: int, C: int, E: int, topk: int, no
     got_w, got_ids = kernels.moe_route(x, weight, bias, topk, norm, 2.5, backend="triton")
     assert got_ids.dtype == want_ids.dtype
     assert got_w.dtype == want_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "C", "splits"), [(1, 192, 3), (19, 320, 2), (4, 100, 2)])
+def test_routing_split_over_the_channels_matches_the_torch_form(rows: int, C: int, splits: int) -> None:
+    """The gate's K split into partial logits (as on a GPU with few row blocks), added back before √softplus."""
+    x, weight, bias = gate_case(rows, C, 40, seed=C + splits)
+    want_w, want_ids = kernels.moe_route(x, weight, bias, 6, True, 2.5, backend="torch")
+    got_w, got_ids = moe_route_triton(x, weight, bias, 6, True, 2.5, splits=splits)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
