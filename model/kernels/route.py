@@ -70,8 +70,8 @@ def _gate_logits_kernel(
 
 @triton.jit
 def _route_select_kernel(
-    p_ptr, bias_ptr, w_ptr, ids_ptr, R, E, splits, topk, scale, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-    E_PAD: tl.constexpr,
+    p_ptr, bias_ptr, w_ptr, ids_ptr, R, E, topk, scale, SPLITS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, E_PAD: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
@@ -80,7 +80,7 @@ def _route_select_kernel(
     live = col < E
     at, here = r[:, None] * E + col[None, :], ok[:, None] & live[None, :]
     logits = tl.load(p_ptr + at, mask=here, other=0.0)
-    for split in range(1, splits):
+    for split in tl.static_range(1, SPLITS):  # unrolled: every split's load in flight at once
         logits += tl.load(p_ptr + split * R * E + at, mask=here, other=0.0)
     softplus = tl.where(logits > 20.0, logits, tl.log(1.0 + tl.exp(tl.minimum(logits, 20.0))))  # torch's threshold
     s = tl.sqrt(softplus)
@@ -119,7 +119,7 @@ def moe_route_triton(
             x, weight.contiguous(), logits, R, C, E, x.stride(0), k_per_split, _BLOCK_R, _BLOCK_E, _BLOCK_K
         )  # fmt: skip
         _route_select_kernel[(triton.cdiv(R, _SELECT_ROWS),)](
-            logits, bias.contiguous(), weights, ids, R, E, splits, topk, scale, norm, _SELECT_ROWS,
+            logits, bias.contiguous(), weights, ids, R, E, topk, scale, splits, norm, _SELECT_ROWS,
             triton.next_power_of_2(E),
         )  # fmt: skip
     return weights, ids
