@@ -41,7 +41,7 @@ for part in "$@"; do
   start=$(date +%s)
   case $name in
     graphs) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
-              tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py ;;
+              tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py tests/decode_svc/test_gpu_masking.py ;;
     native) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
               tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;
     logits) timeout "$limit" python3 tests/model/test_gpu_invariance.py logits 24 ;;

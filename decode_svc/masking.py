@@ -15,7 +15,8 @@ costs its row the drafts after it, never a token of the output; the first link's
 of a chain masked throughout (docs/benchmarks.md).
 
 Masks are int32 bitmasks filled on the host by xgrammar (one thread pool for the whole batch, one fill per position)
-and applied where the logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU. A fill first lets each
+and applied where the logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU (the bitmask copied there
+on a side stream, beside the forward still running). A fill first lets each
 guide's matcher take the tokens its sequence emitted since (`Guide.follow`), so that work overlaps the forward too.
 """
 
@@ -131,5 +132,21 @@ def _apply(logits: Tensor, bitmask: Tensor, rows: list[int]) -> None:
     if not rows:
         return
     if logits.device.type == "cuda":
-        bitmask = (bitmask if bitmask.is_pinned() else bitmask.pin_memory()).to(logits.device, non_blocking=True)
+        bitmask = _to_gpu(bitmask if bitmask.is_pinned() else bitmask.pin_memory(), logits.device)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def _to_gpu(bitmask: Tensor, device: torch.device) -> Tensor:
+    """The page-locked bitmask copied to `device` on a side stream: the copy runs while the forward that makes the
+    logits is still on the current stream (not queued behind it), which waits for the copy only where it applies."""
+    current, side = torch.cuda.current_stream(device), _copy_stream(device)
+    with torch.cuda.stream(side):  # its destination comes from the side stream's own pool
+        copied = bitmask.to(device, non_blocking=True)
+    current.wait_stream(side)
+    copied.record_stream(current)  # reused only once the current stream's work on it is done
+    return copied
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
