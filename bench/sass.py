@@ -384,9 +384,9 @@ def moe_gemm_reports(
     return reports
 
 
-def step_glue_reports(experts: int, hc: int = 4) -> list[Report]:
+def step_glue_reports(experts: int, hc: int = 4, splits: int = 4) -> list[Report]:
     """A decode step's per-site kernels at their launch constants: the mHC coefficients' split-K projection and
-    Sinkhorn (n = hc), the MoE routing's scores and top-k (E = experts)."""
+    Sinkhorn (n = hc), the MoE routing's gate logits and top-k (E = experts, the gate's K in `splits`)."""
     M = (2 + hc) * hc
     f32, i32 = "*fp32", "i32"
     part = {"part_ptr": f32, "sq_ptr": f32}
@@ -415,18 +415,19 @@ def step_glue_reports(experts: int, hc: int = 4) -> list[Report]:
             4,
         ),
         compile_sm90(
-            "MoE gate scores",
-            route._gate_scores_kernel,
-            {"x_ptr": "*bf16", "w_ptr": f32, "s_ptr": f32, "R": i32, "C": i32, "E": i32, "x_stride": i32},
+            "MoE gate logits",
+            route._gate_logits_kernel,
+            {"x_ptr": "*bf16", "w_ptr": f32, "p_ptr": f32}
+            | dict.fromkeys(("R", "C", "E", "x_stride", "k_per_split"), i32),
             {"BLOCK_R": route._BLOCK_R, "BLOCK_E": route._BLOCK_E, "BLOCK_K": route._BLOCK_K},
             4,
-            multiples_of_16=("C", "x_stride"),
+            multiples_of_16=("C", "x_stride", "k_per_split"),
         ),
         compile_sm90(
             "MoE top-k",
             route._route_select_kernel,
             {
-                "s_ptr": f32,
+                "p_ptr": f32,
                 "bias_ptr": f32,
                 "w_ptr": f32,
                 "ids_ptr": "*i64",
@@ -435,7 +436,7 @@ def step_glue_reports(experts: int, hc: int = 4) -> list[Report]:
                 "topk": i32,
                 "scale": "fp32",
             },
-            {"NORM": True, "BLOCK_R": route._SELECT_ROWS, "E_PAD": triton.next_power_of_2(experts)},
+            {"SPLITS": splits, "NORM": True, "BLOCK_R": route._SELECT_ROWS, "E_PAD": triton.next_power_of_2(experts)},
             4,
         ),
     ]

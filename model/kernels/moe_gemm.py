@@ -114,25 +114,16 @@ def moe_pairs_torch(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
 
 
 PAIRS_COUNTED = 4096  # up to this many pairs, `_pairs_kernel` places them (P² compares); beyond, torch sorts
-_PAIRS_BLOCK, _PAIRS_J, _PAIRS_E = 128, 64, 128  # pairs placed per program, ids compared per step, offsets per step
+_PAIRS_PROGRAMS = 8  # placing programs the pairs are spread over (more only where a program would hold > 128 pairs)
 
 
 @triton.jit
 def _pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, IB: tl.constexpr, JB: tl.constexpr, EB: tl.constexpr):
-    """A stable counting sort of the pair ids [P] by expert. Pair i of the program's IB goes to sorted place
-    #(pairs of lower experts) + #(earlier pairs of its expert), counted over all P ids: order_ptr[place] = i. Program
-    0 also writes offsets_ptr[e] = #(pairs of experts below e), e = 0 … E. Ids past P read as E: below no expert."""
-    i = tl.program_id(0) * IB + tl.arange(0, IB)
-    i_ok = i < P
-    mine = tl.load(ids_ptr + i, mask=i_ok, other=0)
-    place = tl.zeros((IB,), tl.int32)
-    for j0 in range(0, P, JB):
-        j = j0 + tl.arange(0, JB)
-        theirs = tl.load(ids_ptr + j, mask=j < P, other=E)[None, :]
-        before = (theirs < mine[:, None]) | ((theirs == mine[:, None]) & (j[None, :] < i[:, None]))
-        place += tl.sum(before.to(tl.int32), axis=1)
-    tl.store(order_ptr + place, i.to(tl.int64), mask=i_ok)
-    if tl.program_id(0) == 0:
+    """A stable counting sort of the pair ids [P] by expert. Pair i of program p's IB goes to sorted place
+    #(pairs of lower experts) + #(earlier pairs of its expert), counted over all P ids: order_ptr[place] = i. The
+    last program writes offsets_ptr[e] = #(pairs of experts below e), e = 0 … E, beside them. Ids past P read as
+    E: below no expert."""
+    if tl.program_id(0) == tl.num_programs(0) - 1:
         for e0 in range(0, E + 1, EB):
             e = e0 + tl.arange(0, EB)
             below = tl.zeros((EB,), tl.int32)
@@ -141,17 +132,33 @@ def _pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, IB: tl.constexpr, JB: t
                 theirs = tl.load(ids_ptr + j, mask=j < P, other=E)[None, :]
                 below += tl.sum((theirs < e[:, None]).to(tl.int32), axis=1)
             tl.store(offsets_ptr + e, below, mask=e <= E)
+    else:
+        i = tl.program_id(0) * IB + tl.arange(0, IB)
+        i_ok = i < P
+        mine = tl.load(ids_ptr + i, mask=i_ok, other=0)
+        place = tl.zeros((IB,), tl.int32)
+        for j0 in range(0, P, JB):
+            j = j0 + tl.arange(0, JB)
+            theirs = tl.load(ids_ptr + j, mask=j < P, other=E)[None, :]
+            before = (theirs < mine[:, None]) | ((theirs == mine[:, None]) & (j[None, :] < i[:, None]))
+            place += tl.sum(before.to(tl.int32), axis=1)
+        tl.store(order_ptr + place, i.to(tl.int64), mask=i_ok)
 
 
 def moe_pairs_triton(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
-    """`moe_pairs_torch`'s order and offsets in one launch (`_pairs_kernel`) up to PAIRS_COUNTED pairs."""
+    """`moe_pairs_torch`'s order and offsets in one launch (`_pairs_kernel`) up to PAIRS_COUNTED pairs: the pairs
+    placed by up to `_PAIRS_PROGRAMS` programs of 16–128 pairs (a decode step's 2–512 pairs in parallel, each
+    program's compare tiles no larger than its pairs need), the offsets by one more."""
     P = ids.numel()
     if P > PAIRS_COUNTED:
         return moe_pairs_torch(ids, n_experts)
     order = torch.empty(P, dtype=torch.int64, device=ids.device)
     offsets = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
-    grid = (max(1, triton.cdiv(P, _PAIRS_BLOCK)),)
-    _pairs_kernel[grid](ids.flatten().contiguous(), order, offsets, P, n_experts, _PAIRS_BLOCK, _PAIRS_J, _PAIRS_E)
+    IB = min(128, max(16, triton.next_power_of_2(triton.cdiv(P, _PAIRS_PROGRAMS))))
+    JB = min(64, max(16, triton.next_power_of_2(P)))
+    EB = min(128, max(16, triton.next_power_of_2(n_experts + 1)))
+    grid = (triton.cdiv(P, IB) + 1,)
+    _pairs_kernel[grid](ids.flatten().contiguous(), order, offsets, P, n_experts, IB, JB, EB)
     return order, offsets
 
 

@@ -26,10 +26,13 @@ def python_pairs(ids: torch.Tensor, n_experts: int) -> tuple[list[int], list[int
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize(("N", "k", "E"), [(7, 3, 5), (1, 1, 1), (4, 2, 16), (0, 2, 3), (70, 6, 200), (700, 6, 8)])
+@pytest.mark.parametrize(
+    ("N", "k", "E"), [(7, 3, 5), (1, 1, 1), (4, 2, 16), (0, 2, 3), (64, 2, 8), (70, 6, 200), (700, 6, 8)]
+)
 def test_moe_pairs_match_the_definition(N: int, k: int, E: int, backend: str) -> None:
     """Repeated experts in a token and experts without pairs included; Triton's counting sort over several programs
-    and several blocks of offsets (420 pairs, 200 experts), and torch's sort past its reach (4,200 pairs)."""
+    (a batch-64 step's 128 pairs over eight) and several blocks of offsets (420 pairs, 200 experts), and torch's sort
+    past its reach (4,200 pairs)."""
     ids = torch.randint(0, E, (N, k), generator=generator(N * k + E))
     order, offsets = kernels.moe_pairs(ids, E, backend)
     assert (order.dtype, offsets.dtype) == (torch.int64, torch.int32)
