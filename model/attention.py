@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from model import kernels, quant
-from model.cache import Step
+from model.cache import Step, counting
 from model.compressor import Compressor
 from model.config import ModelArgs
 from model.indexer import Indexer, Selection
@@ -167,7 +167,7 @@ class Attention(nn.Module):
 
     def entry_latents(self, latent: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
         """Pre-RoPE latents [B, G, D] of entries first.. → (rotated main KV, rotated indexer K), entry j at j·m."""
-        positions = (first.unsqueeze(1) + torch.arange(latent.shape[1], device=latent.device)) * self.role.ratio
+        positions = (first.unsqueeze(1) + counting(latent.shape[1], latent.device)) * self.role.ratio
         return self.rope.rotate(latent, positions), self.rope.rotate(self.indexer.keys(latent), positions)
 
     def index_queries(self, x: Tensor, q: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,6 +22,7 @@ history are written only on commit, since a ring write would overwrite slots tha
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -84,6 +85,17 @@ class Ring:
 
 
 @fused
+def _visible(positions: Tensor, ratio: int) -> Tensor:
+    return torch.div(positions + 1, ratio, rounding_mode="floor")
+
+
+@functools.cache
+def counting(n: int, device: torch.device) -> Tensor:
+    """0 … n − 1 (int64) on `device`, made once: an index a step adds to costs no launch of its own."""
+    return torch.arange(n, device=device)
+
+
+@fused
 def _window_slots(pos: Tensor, new_pos: Tensor) -> Tensor:
     """Query t's window positions q−W+1 … q as slots of [ring ‖ step]: this step's column of a position it writes
     (W + column: the step's positions are consecutive), else the ring's slot (position mod W) when it holds it.
@@ -112,9 +124,9 @@ def _write_kept(pairs, rows: slice, pos: Tensor, keep: Tensor | None, W: int) ->
         for dst, src in pairs:
             dst[at] = src[:, b, t]
         return
-    b = torch.arange(rows.start, rows.start + B, device=pos.device).unsqueeze(1)
+    b = counting(rows.start + B, pos.device)[rows.start :].unsqueeze(1)
     slots = pos % W
-    kept = None if keep is None else torch.arange(T, device=pos.device) < keep.unsqueeze(1)
+    kept = None if keep is None else counting(T, pos.device) < keep.unsqueeze(1)
     for dst, src in pairs:
         dst[:, b, slots] = src if kept is None else _kept_or_old(src, dst, b, slots, kept)
 
@@ -156,8 +168,8 @@ class Entries:
         """
         self.reserve(end)
         G = packed[0].shape[1]
-        b = torch.arange(rows.start, rows.start + first.shape[0], device=first.device).unsqueeze(1)
-        at = (b, first.unsqueeze(1) + torch.arange(G, device=first.device))
+        b = counting(rows.start + first.shape[0], first.device)[rows.start :].unsqueeze(1)
+        at = (b, first.unsqueeze(1) + counting(G, first.device))
         for name, value in zip(self.FIELDS, packed, strict=True):
             getattr(self, name)[at] = value
 
@@ -313,7 +325,7 @@ class KVCache:
         rows = slice(0, self.n_rows) if rows is None else rows
         if positions is None:
             start = self.pos[rows] + [0] * (rows.stop - max(rows.start, self.n_rows))  # rows past n_rows: padding
-            positions = self.next_positions(rows).unsqueeze(1) + torch.arange(tokens.shape[1], device=self.device)
+            positions = self.next_positions(rows).unsqueeze(1) + counting(tokens.shape[1], self.device)
         else:
             start = positions[:, 0].tolist()
         host = None
@@ -424,7 +436,7 @@ class Step:
         """[B, T] compressed entries visible to each query: entry j once j < ⌊(t+1)/m⌋ (computed once per step and
         ratio: every layer of the ratio asks)."""
         if ratio not in self._visible:
-            self._visible[ratio] = torch.div(self.positions + 1, ratio, rounding_mode="floor")
+            self._visible[ratio] = _visible(self.positions, ratio)
         return self._visible[ratio]
 
     def max_visible(self, ratio: int) -> int:
@@ -531,4 +543,4 @@ def _keep_last(history: Tensor, rows: slice, before: Tensor, tokens: Tensor, kee
     if keep is None:
         history[rows] = seen[:, seen.shape[1] - h :]
     else:
-        history[rows] = seen.gather(1, keep.unsqueeze(1) + torch.arange(h, device=keep.device))
+        history[rows] = seen.gather(1, keep.unsqueeze(1) + counting(h, keep.device))

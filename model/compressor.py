@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from model.cache import Step
 from model.config import ModelArgs
 from model.fused import fused
-from model.linear import Linear, RMSNorm
+from model.linear import Linear, RMSNorm, rms_norm
 
 
 class Compressor(nn.Module):
@@ -31,7 +31,7 @@ class Compressor(nn.Module):
 
     def pool(self, kv: Tensor, score: Tensor) -> Tensor:
         """kv, score [..., G, m, D] → pre-RoPE latents [..., G, D]: per-channel softmax over the m tokens."""
-        return self.norm((kv * score.softmax(dim=-2)).sum(-2))
+        return _pool(kv, score, self.norm.weight, self.norm.eps)
 
     def forward(self, x: Tensor) -> Tensor:
         """Whole sequences from position 0: x [B, T, C] → latents [B, ⌊T/m⌋, D] of the complete groups."""
@@ -82,3 +82,9 @@ def _aligned(
     aligned_kv = torch.cat((open_kv.to(kv.dtype), kv, zero), dim=1).gather(1, take)
     aligned_score = torch.cat((open_score.to(score.dtype), score, zero.to(score.dtype)), dim=1).gather(1, take)
     return aligned_kv, aligned_score
+
+
+@fused
+def _pool(kv: Tensor, score: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm(Σₜ softmaxₜ(score) ⊙ kv) over the m tokens of each group (dim −2): one compiled region on a GPU."""
+    return rms_norm.__wrapped__((kv * score.softmax(dim=-2)).sum(-2), weight, eps)

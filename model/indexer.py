@@ -73,7 +73,7 @@ class Selection:
             block, top = args.candidate_block_size, args.candidate_topk_blocks
             self.candidates = kernels.candidate_mask(scores, n_visible, block, top, backend=be)
         elif role.uses_candidates:
-            scores = scores.masked_fill(~self.candidates, -math.inf)
+            scores = torch.where(self.candidates, scores, -math.inf)
         B, T, S = scores.shape
         idx = kernels.topk_indices(scores.reshape(B * T, S), args.index_topk, n_visible.reshape(-1), backend=be)
         self.topk[role.layer_id] = idx.view(B, T, -1)

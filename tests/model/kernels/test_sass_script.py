@@ -81,6 +81,6 @@ def test_the_step_glue_kernels_compile_without_spills_at_the_released_expert_cou
     report = sass("step-glue", "--experts", "384")
     heads = [line for line in report.splitlines() if not line.startswith(" ")]
     assert [head.split(":")[0] for head in heads] == [
-        "mHC mix partials", "mHC coefficients", "MoE gate scores", "MoE top-k"
+        "mHC mix partials", "mHC coefficients", "MoE gate logits", "MoE top-k"
     ], report  # fmt: skip
     assert all(" 0 spill loads" in head for head in heads), report
