@@ -89,9 +89,14 @@ def _visible(positions: Tensor, ratio: int) -> Tensor:
     return torch.div(positions + 1, ratio, rounding_mode="floor")
 
 
-@functools.cache
 def counting(n: int, device: torch.device) -> Tensor:
-    """0 … n − 1 (int64) on `device`, made once: an index a step adds to costs no launch of its own."""
+    """0 … n − 1 (int64) on `device` without a launch: a view of a range made once per power of two (never freed,
+    as captured graphs read it; under four times the longest range asked for, in all)."""
+    return _range(1 << max(n - 1, 0).bit_length(), device)[:n]
+
+
+@functools.cache
+def _range(n: int, device: torch.device) -> Tensor:
     return torch.arange(n, device=device)
 
 

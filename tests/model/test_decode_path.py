@@ -12,7 +12,7 @@ import copy
 import torch
 
 from model import DecodeBatch, Transformer, encode_prefill, serving
-from model.cache import _kept, _window_slots, _write_kept
+from model.cache import _kept, _window_slots, _write_kept, counting
 from model.dspark import Draft
 from model.graphs import StepGraphs
 from model.linear import quantize_input
@@ -229,6 +229,16 @@ def test_the_device_positions_stay_in_place_until_the_cache_grows(tiny: Transfor
     batch.join(*_prefill(tiny, tokens(7)))  # a third row: the cache grows
     assert batch.cache.next_positions(slice(0, 3)).tolist() == batch.cache.pos
     assert batch.cache.next_positions(slice(0, 3)).data_ptr() != held.data_ptr()
+
+
+def test_counting_views_one_range_per_power_of_two_and_keeps_it():
+    """A step's index ranges are views of ranges made once (no launch, and memory a captured graph may go on
+    reading): lengths up to the same power of two share one, each view its own length."""
+    cpu = torch.device("cpu")
+    for n in (0, 1, 2, 3, 5, 8, 9, 33):
+        assert torch.equal(counting(n, cpu), torch.arange(n))
+    assert counting(5, cpu).data_ptr() == counting(8, cpu).data_ptr() != counting(9, cpu).data_ptr()
+    assert counting(9, cpu).untyped_storage().nbytes() == 16 * 8
 
 
 def test_capturing_every_bucket_ahead_commits_nothing(tiny: Transformer, tokens):
