@@ -53,7 +53,7 @@ for part in "$@"; do
     moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
            --parts "$OUT/kernels/parts" ;;
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
-    fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,moe-gemm --bench attention-1,attention-64 \
+    fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
     constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 1,64 \

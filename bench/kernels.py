@@ -301,8 +301,9 @@ def check_quantisers(c: Checks, rows: int) -> None:
 
 
 def check_activations(c: Checks, rows: int) -> None:
-    """The per-step activation kernels: the FP8 QAT cast bit for bit, the mHC coefficients within fp32 rounding, the MoE
-    routing's experts exactly (ties included) and its weights within fp32 rounding, RoPE within a bf16 ulp."""
+    """The per-step activation kernels: the FP8 QAT cast bit for bit, a site's norm within two bf16 ulps and its cast
+    bit for bit, the mHC coefficients within fp32 rounding, the MoE routing's experts exactly (ties included) and its
+    weights within fp32 rounding, RoPE within a bf16 ulp."""
     from model import mhc
 
     x = (randn(rows, 4096) * 2.0 ** torch.randint(-20, 20, (rows, 1), device=DEVICE).float()).to(torch.bfloat16)
@@ -310,6 +311,15 @@ def check_activations(c: Checks, rows: int) -> None:
     bad = int((kernels.fake_quant_fp8(x, backend="triton").view(torch.int16) != want.view(torch.int16)).sum())
     c.report("fake_quant_fp8 bf16", bad == 0, f"{rows}×4096, {bad} values differ")
     X, fn = randn(rows, 4, 1024, dtype=torch.bfloat16) * 4.0, randn(24, 4096) / 64.0
+    pre, weight = torch.rand(rows, 4, device=DEVICE) + 0.2, (torch.rand(1024, device=DEVICE) + 0.5).bfloat16()
+    (x, data, scale), (want_x, _, _) = (
+        kernels.norm_cast(X, pre, weight, 1e-6, backend=be) for be in ("triton", "torch")
+    )
+    # two bf16 ulps: the collapse's sum may round the other way, then the norm's (Triton's interpreter truncates)
+    off = int(((x.float() - want_x.float()).abs() > want_x.float().abs() * 2.0**-6).sum())
+    bad = sum(int((a != b).sum()) for a, b in zip((data, scale), quant.fp8_quant(x, 32), strict=True))
+    c.report("norm_cast n=4 C=1024", off == 0 and bad == 0,
+             f"{rows} rows, {off} values off by more than two bf16 ulps, {bad} cast bytes differ")  # fmt: skip
     case = (X, fn, torch.rand(3, device=DEVICE) + 0.5, randn(24))
     got = kernels.hc_coefficients(*case, 4, 20, 1e-6, 1e-6, backend="triton")
     want = mhc.hc_split_sinkhorn(mhc.hc_mixes(X, fn, 1e-6), *case[2:], 4, 20, 1e-6)
@@ -993,9 +1003,9 @@ def dense_decode_step(model, tokens: torch.Tensor, position: int, history: torch
     is one buffer that every layer reads (each read is far beyond the L2, so it costs what 12 buffers would)."""
     positions = torch.full(tokens.shape, position, device=DEVICE)
 
-    def attend(block, x: torch.Tensor) -> torch.Tensor:
+    def attend(block, x: torch.Tensor, xq) -> torch.Tensor:
         attn = block.attn
-        _qr, q = attn.query(attn.cast_input(x), positions)  # [B, 1, H, D]
+        _qr, q = attn.query(xq, positions)  # [B, 1, H, D]
         logits = torch.bmm(q[:, 0], kv.transpose(1, 2)).float() * attn.softmax_scale  # [B, H, ctx]
         o = torch.bmm(logits.softmax(-1).to(kv.dtype), kv)  # [B, H, D]
         return attn.project_out(o[:, None], positions)

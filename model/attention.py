@@ -32,7 +32,8 @@ from model.cache import Step, counting
 from model.compressor import Compressor
 from model.config import ModelArgs
 from model.indexer import Indexer, Selection
-from model.linear import Fp8Act, Linear, RMSNorm, param_dtype, project_together, quantize_input
+from model.linear import Fp8Act, Linear, norm_share, param_dtype, project_together, quantize_input
+from model.norm import RMSNorm
 from model.rope import Rope
 
 MainKV = Literal["fp4", "bf16"]
@@ -140,7 +141,7 @@ class Attention(nn.Module):
         """wq_a's output → (q [B, T, H, D] before RoPE, the indexer's query heads [B, T, Hᵢ, Dᵢ] before RoPE where
         this layer has them, else None). wq_b and the indexer's wq_b read c^Q = q_norm(q_latent), cast once
         (`Fp8Linear.share`): one GEMM where `pack` stacked them."""
-        qr = self.wq_b.share(self.q_norm(q_latent))
+        _, qr = norm_share(q_latent, None, self.q_norm, self.wq_b)
         heads = (self.args.num_attention_heads, self.args.head_dim)
         if not self.role.owns_index_query:
             return self.wq_b(qr, True).unflatten(-1, heads), None
@@ -162,7 +163,7 @@ class Attention(nn.Module):
 
     def cast_input(self, x: Tensor) -> Tensor | Fp8Act:
         """The attention input as wq_a and wkv (both FP8 linears) share it: one FP8 cast (`Fp8Linear.share`), plain
-        if unquantised."""
+        if unquantised. A block takes it from the input's norm instead (`model.linear.norm_share`)."""
         return self.wq_a.share(x)
 
     def entry_latents(self, latent: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
@@ -188,12 +189,13 @@ class Attention(nn.Module):
         return self.wo_b(torch.einsum("btgd,grd->btgr", o, wo_a).flatten(-2))
 
     # ------------------------------------------------------------------------------------------ dense path
-    def forward(self, x: Tensor, shared: SharedEntries, window_start: int = 0) -> Tensor:
-        """Whole sequences x [B, T, C] from position 0. `window_start` truncates the window (bounded replay)."""
+    def forward(self, x: Tensor, xq: Tensor | Fp8Act, shared: SharedEntries, window_start: int = 0) -> Tensor:
+        """Whole sequences x [B, T, C] from position 0, xq their cast (`cast_input`). `window_start` truncates the
+        window (bounded replay)."""
         a, role = self.args, self.role
         B, T = x.shape[:2]
         positions = torch.arange(T, device=x.device).expand(B, T)
-        index_q, q, kv = self.query_window(self.cast_input(x), positions)
+        index_q, q, kv = self.query_window(xq, positions)
         kv = quantize_input(kv)
         i, j = positions[0].unsqueeze(1), positions[0].unsqueeze(0)
         parts = [(kv, ((j <= i) & (j > i - a.sliding_window) & (j >= window_start)).expand(B, T, T))]
@@ -226,11 +228,12 @@ class Attention(nn.Module):
         shared.index_k[self.layer] = kernels.quantize_index_fp4(k, backend=kernels.backend_for(k))
 
     # ----------------------------------------------------------------------------------------- packed path
-    def forward_step(self, x: Tensor, step: Step) -> Tensor:
-        """x [B, T, C] at step.positions over the packed cache; stages this layer's writes in `step`."""
+    def forward_step(self, x: Tensor, xq: Tensor | Fp8Act, step: Step) -> Tensor:
+        """x [B, T, C] at step.positions over the packed cache, xq its cast (`cast_input`); stages this layer's
+        writes in `step`."""
         a, role, be = self.args, self.role, kernels.backend_for(x)
         positions = step.positions
-        q_latent, kv = self.input_latents(self.cast_input(x))
+        q_latent, kv = self.input_latents(xq)
         q, index_q = self.heads(q_latent)  # q rotates in the attention kernel
         window = step.window(self.layer, *self.window_entries(self.kv_norm(kv), positions))
         compressed = None

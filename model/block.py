@@ -17,10 +17,10 @@ from model import kernels
 from model.attention import Attention
 from model.config import ModelArgs
 from model.engram import Engram
-from model.fused import fused
-from model.linear import RMSNorm, param_dtype, rms_norm
-from model.mhc import hc_collapse, hc_expand
+from model.linear import Fp8Act, norm_share, param_dtype
+from model.mhc import hc_expand
 from model.moe import MoE
+from model.norm import RMSNorm, collapse_norm
 from model.parallel import SINGLE, Parallel
 
 
@@ -62,19 +62,17 @@ class Block(nn.Module):
     def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
         return collapse_norm(X, pre, self.attn_norm.weight, self.attn_norm.eps)
 
-    def forward(self, X: Tensor, pre: Tensor, attend: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, X: Tensor, pre: Tensor, attend: Callable[[Tensor, Tensor | Fp8Act], Tensor]
+    ) -> tuple[Tensor, Tensor]:
         """X [B, T, n, C], pre [B, T, n] (the previous FFN site's input mix) → (X, this FFN site's pre-mix).
 
-        `attend` runs this layer's attention on the collapsed, normed input (dense or packed-cache form).
+        `attend(x, xq)` runs this layer's attention (dense or packed-cache form) on the collapsed, normed input x and
+        its FP8 cast xq, which come from one pass (`norm_share`), as the FFN's do.
         """
         a_pre, a_post, a_comb = self.mixes("attn", X)
-        X = hc_expand(attend(self.attention_input(X, pre)), X, a_post, a_comb)
+        X = hc_expand(attend(*norm_share(X, pre, self.attn_norm, self.attn.wq_a)), X, a_post, a_comb)
         f_pre, f_post, f_comb = self.mixes("ffn", X)
-        X = hc_expand(self.ffn(collapse_norm(X, a_pre, self.ffn_norm.weight, self.ffn_norm.eps)), X, f_post, f_comb)
+        x, xq = norm_share(X, a_pre, self.ffn_norm, self.ffn.shared_experts.w1)
+        X = hc_expand(self.ffn(x, xq), X, f_post, f_comb)
         return X, f_pre
-
-
-@fused
-def collapse_norm(X: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm(collapse(X, pre)) with `weight`: a sublayer site's (or the head's) input, in one pass over X."""
-    return rms_norm.__wrapped__(hc_collapse.__wrapped__(X, pre), weight, eps)

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from model.cache import Step
 from model.config import ModelArgs
 from model.fused import fused
-from model.linear import Linear, RMSNorm, rms_norm
+from model.linear import Linear
+from model.norm import RMSNorm, rms_norm
 
 
 class Compressor(nn.Module):

@@ -28,8 +28,9 @@ from model.attention import dense_attention
 from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
-from model.linear import Embedding, Linear, RMSNorm, param_dtype, quantize_input
+from model.linear import Embedding, Fp8Act, Linear, param_dtype, quantize_input
 from model.mhc import hc_collapse
+from model.norm import RMSNorm
 from model.parallel import SINGLE, Parallel
 
 if TYPE_CHECKING:
@@ -96,10 +97,11 @@ class DSparkBlock(Block):
             self.markov_head = MarkovHead(args, dtype)
             self.confidence_head = ConfidenceHead(args, dtype)
 
-    def block_attention(self, x: Tensor, cache: KVCache, positions: Tensor) -> Tensor:
-        """Draft rows x [B, γ, C] at positions p+1…: attend the ring at ≤ p and every row of the block."""
+    def block_attention(self, x: Tensor, xq: Tensor | Fp8Act, cache: KVCache, positions: Tensor) -> Tensor:
+        """Draft rows x [B, γ, C] (xq: their cast) at positions p+1…: attend the ring at ≤ p and every row of the
+        block."""
         attn, W = self.attn, self.args.sliding_window
-        q_latent, kv = attn.input_latents(attn.cast_input(x))
+        q_latent, kv = attn.input_latents(xq)
         q, _ = attn.heads(q_latent)  # q rotates in the attention kernel
         data, scale = attn.window_entries(attn.kv_norm(kv), positions)
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
@@ -110,10 +112,12 @@ class DSparkBlock(Block):
         window = (ring.data[:B], ring.scale[:B], data, scale, keys[:, None].expand(-1, g, -1))
         return attn.attend_packed(q, positions, window, None)
 
-    def dense_block_attention(self, x: Tensor, positions: Tensor, ring: Tensor, ring_mask: Tensor) -> Tensor:
+    def dense_block_attention(
+        self, x: Tensor, xq: Tensor, positions: Tensor, ring: Tensor, ring_mask: Tensor
+    ) -> Tensor:
         """Dense, differentiable form of `block_attention`: ring keys [N, W, D] (fake-quantised) with their mask."""
         attn = self.attn
-        _, q, kv = attn.query_window(attn.cast_input(x), positions)
+        _, q, kv = attn.query_window(xq, positions)
         kv = quantize_input(kv)
         block = torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
         o = dense_attention(q, [(ring, ring_mask.unsqueeze(1).expand(-1, x.shape[1], -1)), (kv, block)],
@@ -146,7 +150,7 @@ def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tenso
     positions = cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(ids.shape[1], device=y.device)
     X, pre = model.embed_stream(ids)
     for block in model.mtp:
-        X, pre = block(X, pre, lambda x, block=block: block.block_attention(x, cache, positions))
+        X, pre = block(X, pre, lambda x, xq, block=block: block.block_attention(x, xq, cache, positions))
     last = model.mtp[-1]
     x = hc_collapse(X, pre)
     return x, model.head(last.norm(x)).float()
@@ -184,7 +188,9 @@ def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tens
         ring_kv = quantize_input(block.attn.window_kv(main_xq, every))  # [B, T, D]
         ring = ring_kv.gather(1, rows.expand(-1, -1, ring_kv.shape[-1])).view(B * A, W, -1)
         X, pre = block(
-            X, pre, lambda x, b=block, r=ring: b.dense_block_attention(x, block_pos.view(B * A, g), r, ring_mask)
+            X,
+            pre,
+            lambda x, xq, b=block, r=ring: b.dense_block_attention(x, xq, block_pos.view(B * A, g), r, ring_mask),
         )
     last = model.mtp[-1]
     x = hc_collapse(X, pre)

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from model import kernels
 from model.config import LayerRole, ModelArgs
 from model.fused import fused
-from model.linear import Linear, RMSNorm
+from model.linear import Linear
+from model.norm import RMSNorm
 
 
 class Indexer(nn.Module):

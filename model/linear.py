@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from model import kernels, quant
 from model.fused import fused
+from model.norm import RMSNorm, collapse_norm
 
 WeightFormat = Literal["fp8", "fp4", "bf16", "fp32"]
 FP8_BLOCK = 32  # FP8 weights: 32×32 blocks (quantization_config.weight_block_size); activations: 32 channels
@@ -235,26 +236,17 @@ class Fp8Rows(nn.Module):
         return _fp8_row_values(data, scale, dtype)
 
 
-class RMSNorm(nn.Module):
-    """w ⊙ x / rms(x), computed in at least fp32 and returned in x's dtype."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype or torch.get_default_dtype()))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 @fused
 def _fp8_row_values(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return quant.fp8_dequant(data, scale, FP8_BLOCK, dtype)
 
 
-@fused
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(compute)
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (weight.to(compute) * y).to(x.dtype)
+def norm_share(X: Tensor, pre: Tensor | None, norm: RMSNorm, first: nn.Module) -> tuple[Tensor, Tensor | Fp8Act]:
+    """(x = norm(collapse(X, pre)) — norm(X) without pre —, x as the linear `first` and its siblings share it
+    (`share`)). For a packed FP8 `first` one kernel gives both (`kernels.norm_cast`): the cast takes no launch of its
+    own, and the GEMMs read its bytes at every batch size."""
+    if isinstance(first, Fp8Linear):
+        x, data, scale = kernels.norm_cast(X, pre, norm.weight, norm.eps, backend=kernels.backend_for(X))
+        return x, Fp8Act(data, scale, x.dtype)
+    x = norm(X) if pre is None else collapse_norm(X, pre, norm.weight, norm.eps)
+    return x, first.share(x)

@@ -211,11 +211,18 @@ class MoE(nn.Module):
         xq = self.shared_experts.w1.cast(x)
         answer_round(self.experts, self.n_experts, xq, weights, ids, self.parallel, received)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, xq: Tensor | Fp8Act | None = None) -> Tensor:
+        """x [..., C] → [..., C]; xq: x's FP8 cast, one for every expert (`model.linear.norm_share`; None: cast
+        here)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
-        xq = self.shared_experts.w1.cast(x)  # one FP8 cast for every expert
+        if xq is None:
+            xq = self.shared_experts.w1.cast(x)
+        elif isinstance(xq, Fp8Act):
+            xq = Fp8Act(xq.data.reshape(x.shape), xq.scale.reshape(x.shape[0], -1), xq.dtype)
+        else:
+            xq = xq.reshape(x.shape)
         return combine(self.shared_experts(xq), self.routed(xq, weights, ids)).view(shape)
 
 

@@ -23,15 +23,16 @@ import torch
 from torch import Tensor, nn
 
 from model.attention import SharedEntries
-from model.block import Block, collapse_norm
+from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
 from model.dspark import DSparkBlock
 from model.engram import NgramHash
 from model.engram_store import DeviceMemory, EngramFetch, Memory
-from model.linear import Embedding, Linear, RMSNorm
+from model.linear import Embedding, Fp8Act, Linear
 from model.mhc import identity_pre
 from model.moe import MoE
+from model.norm import RMSNorm, collapse_norm
 from model.parallel import SINGLE, Parallel, serve_idle
 
 Part = Literal["full", "encoder"]
@@ -123,18 +124,19 @@ class Transformer(nn.Module):
         layers: Iterable[int],
         X: Tensor,
         pre: Tensor,
-        attend: Callable[[Block, Tensor], Tensor],
+        attend: Callable[[Block, Tensor, Tensor | Fp8Act], Tensor],
         memory: Memory | None = None,
         taps: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Layers in order; `attend(block, x)` runs a block's attention; collects DSpark taps when asked."""
+        """Layers in order; `attend(block, x, xq)` runs a block's attention on its input x and x's cast xq; collects
+        DSpark taps when asked."""
         for i in layers:
             block = self.layers[i]
             if hasattr(block, "engram"):
                 X = block.engram(X, memory.values(i))
             if taps is not None and self.args.role(i).dspark_tap:
                 taps.append(X.mean(-2))  # hc-mean of the stream entering the target layer
-            X, pre = block(X, pre, lambda x, block=block: attend(block, x))
+            X, pre = block(X, pre, lambda x, xq, block=block: attend(block, x, xq))
         return X, pre
 
     def serve_idle(self) -> None:
@@ -160,8 +162,8 @@ class Transformer(nn.Module):
         history = torch.full((tokens.shape[0], self.ngram.history_len), -1, dtype=torch.int64, device=self.device)
         shared, L2, taps = SharedEntries(), self.args.n_encoder_layers, []
 
-        def attend(block: Block, x: Tensor) -> Tensor:
-            return block.attn(x, shared, replay_start if block.layer >= L2 else 0)
+        def attend(block: Block, x: Tensor, xq: Tensor | Fp8Act) -> Tensor:
+            return block.attn(x, xq, shared, replay_start if block.layer >= L2 else 0)
 
         memory = DeviceMemory(self, tokens, history)
         X, pre = self.run_layers(range(len(self.layers)), X, pre, attend, memory, taps)
@@ -193,4 +195,4 @@ class Transformer(nn.Module):
         """Run layers over a Step of the packed cache."""
         layers = list(layers)
         memory = self.engram_memory(step) if any(self.args.role(i).engram for i in layers) else None
-        return self.run_layers(layers, X, pre, lambda block, x: block.attn.forward_step(x, step), memory, taps)
+        return self.run_layers(layers, X, pre, lambda block, x, xq: block.attn.forward_step(x, xq, step), memory, taps)

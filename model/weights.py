@@ -35,8 +35,9 @@ from model import quant
 from model.config import ModelArgs
 from model.dspark import ConfidenceHead
 from model.engram_store import Placement, engram_tables, place_tables
-from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, RMSNorm, stack
+from model.linear import Embedding, Fp8Linear, Fp8Rows, Linear, stack
 from model.moe import Experts, PackedExperts
+from model.norm import RMSNorm
 from model.parallel import SINGLE, Parallel
 from model.shared_tables import SharedTables
 from model.transformer import Part, Transformer

@@ -18,7 +18,19 @@ from torch import Tensor
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model.kernels import candidates, fp8_gemm, hc_mixes, indexer, kv_quant, moe_gemm, rope, route, sparse_attn, topk
+from model.kernels import (
+    candidates,
+    fp8_gemm,
+    hc_mixes,
+    indexer,
+    kv_quant,
+    moe_gemm,
+    rope,
+    route,
+    site_input,
+    sparse_attn,
+    topk,
+)
 from model.kernels.fp8_gemm import FP8GemmTuning
 from model.kernels.invariance import batch_invariant, set_batch_invariant
 from model.kernels.moe_gemm import MoEGemmTuning
@@ -47,6 +59,7 @@ __all__ = [
     "moe_gate_up_cast",
     "moe_pairs",
     "moe_route",
+    "norm_cast",
     "quantize_index_fp4",
     "quantize_kv_fp4",
     "quantize_swa_fp8",
@@ -177,6 +190,27 @@ def hc_coefficients(
     if _carries_grad(X, fn, scale, base) or fn.dtype != torch.float32 or X.dtype == torch.float64:
         backend = "torch"
     return _pick(backend, hc_mixes, "hc_coefficients")(X, fn, scale, base, n, iters, rms_eps, hc_eps)
+
+
+def norm_cast(
+    X: Tensor, pre: Tensor | None, weight: Tensor, eps: float, backend: Backend = "torch"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A sublayer site's input and its FP8 cast: x = RMSNorm(collapse(X, pre)) with `weight` — X [..., n, C], pre
+    [..., n] —, or RMSNorm(X) of X [..., C] without pre → (x in X's dtype, E4M3 bits uint8 [..., C], UE8M0 scales
+    uint8 [..., C/32]: `quantize_swa_fp8(x)`), one launch on the Triton side. fp64 or a gradient to carry keep the
+    torch form."""
+    lead = X.shape[:-1] if pre is None else X.shape[:-2]
+    if pre is not None:
+        _expect("X", X, (*lead, None, None), _WIDE_FLOATS)
+        _expect("pre", pre, X.shape[:-1], _WIDE_FLOATS)
+    _expect("X", X, (*X.shape[:-1], None), _WIDE_FLOATS)
+    C = X.shape[-1]
+    _expect("weight", weight, (C,), _WIDE_FLOATS)
+    if C % kv_quant.SWA_BLOCK:
+        raise ValueError(f"X: channels must be a multiple of {kv_quant.SWA_BLOCK}, got {C}")
+    if X.dtype == torch.float64 or _carries_grad(X, weight, *(() if pre is None else (pre,))):
+        backend = "torch"
+    return _pick(backend, site_input, "norm_cast")(X, pre, weight, eps)
 
 
 # ------------------------------------------------------------------------------------------- RoPE

@@ -91,6 +91,25 @@ def _store_scales(scale_ptr, byte, rows, M, NB: tl.constexpr, NBP: tl.constexpr)
 
 
 @triton.jit
+def store_fp8(x, data_ptr, scale_ptr, rows, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+              FAKE: tl.constexpr):  # fmt: skip
+    """The FP8 cast (E4M3, UE8M0 per 32) of fp32 rows x [BLOCK_M, DP] (rows `rows` of [M, D], columns ≥ D padding)
+    stored as codes at data_ptr and scales at scale_ptr, or (FAKE) as the values they decode to at data_ptr."""
+    NB: tl.constexpr = D // 32
+    NBP: tl.constexpr = DP // 32
+    xb = tl.reshape(x, (BLOCK_M, NBP, 32))
+    scale, byte = block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FP8_UE8M0)
+    stored = e4m3_encode(xb * (1.0 / scale[:, :, None]))  # the codes (1/2^k is exact) …
+    if FAKE:  # … or the values they decode to
+        stored = (e4m3_decode(stored) * scale[:, :, None]).to(data_ptr.dtype.element_ty)
+    else:
+        _store_scales(scale_ptr, byte, rows, M, NB, NBP)
+    cols = tl.arange(0, DP)
+    ok = (rows[:, None] < M) & (cols[None, :] < D)
+    tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(stored, (BLOCK_M, DP)), mask=ok)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, M,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, FAKE: tl.constexpr,
@@ -111,16 +130,12 @@ def _quantize_kernel(
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
-    scale, byte = block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
-    if not FAKE:
-        _store_scales(scale_ptr, byte, rows, M, NB, NBP)
     if FORMAT == FP8_UE8M0:
-        stored = e4m3_encode(xb * (1.0 / scale[:, :, None]))  # the codes (1/2^k is exact) …
-        if FAKE:  # … or the values they decode to
-            stored = (e4m3_decode(stored) * scale[:, :, None]).to(data_ptr.dtype.element_ty)
-        tl.store(data_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tl.reshape(stored, (BLOCK_M, DP)), mask=ok)
+        store_fp8(x, data_ptr, scale_ptr, rows, M, D, DP, BLOCK_M, FAKE)
     else:
+        xb = tl.reshape(x, (BLOCK_M, NBP, BLOCK))
+        scale, byte = block_scale(tl.max(abs_bits(xb), axis=2).to(tl.float32, bitcast=True), FORMAT)
+        _store_scales(scale_ptr, byte, rows, M, NB, NBP)
         # E4M3 scales need a correctly rounded division (as torch divides); 1/2^k is exact, so UE8M0 multiplies
         q = tl.math.div_rn(xb, scale[:, :, None]) if FORMAT == FP4_E4M3 else xb * (1.0 / scale[:, :, None])
         even, odd = tl.split(tl.reshape(e2m1_encode(q), (BLOCK_M, DP // 2, 2)))

@@ -1,5 +1,6 @@
-"""The per-step activation kernels (FP8 QAT cast, mHC coefficients) against their torch forms, in Triton's
-interpreter, and the rules that keep the torch form where the kernels do not apply (gradients, fp64)."""
+"""The per-step activation kernels (FP8 QAT cast, a site's norm and cast, mHC coefficients) against their torch
+forms, in Triton's interpreter, and the rules that keep the torch form where the kernels do not apply (gradients,
+fp64)."""
 
 import pytest
 import torch
@@ -49,6 +50,49 @@ def test_fake_quant_fp8_passes_the_gradient_straight_through() -> None:
 def test_fake_quant_fp8_names_a_bad_width() -> None:
     with pytest.raises(ValueError, match="fake_quant_fp8"):
         kernels.fake_quant_fp8(torch.zeros(2, 48), backend="triton")
+
+
+def site_case(lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """A stream X [*lead, n, C] (or [*lead, C] for n = 0) with its input mix and a norm weight."""
+    g = generator(seed)
+    X = (torch.randn(*lead, *((n,) if n else ()), C, generator=g) * 3.0).to(dtype)
+    pre = (torch.rand(*lead, n, generator=g) + 0.2) if n else None
+    return X, pre, torch.rand(C, generator=g).to(dtype) + 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lead", "n", "C"), [((2, 3), 4, 64), ((5,), 0, 96), ((1, 1), 4, 512), ((0,), 4, 32)])
+def test_norm_cast_matches_the_norm_and_casts_what_it_returns(
+    lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype
+) -> None:
+    """The kernel's x is the torch form's up to rounding (one sum order for the mean), and its bytes are exactly the
+    FP8 cast of the x it returns, so the linears read the cast of the floats every other reader sees."""
+    X, pre, weight = site_case(lead, n, C, dtype, seed=C + n)
+    want_x, _, _ = kernels.norm_cast(X, pre, weight, 1e-6, backend="torch")
+    x, data, scale = kernels.norm_cast(X, pre, weight, 1e-6, backend="triton")
+    assert x.dtype == dtype
+    assert x.shape == (*lead, C)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(x, want_x, rtol=tolerance, atol=tolerance)
+    want_data, want_scale = quant.fp8_quant(x, 32)
+    assert torch.equal(data, want_data)
+    assert torch.equal(scale, want_scale)
+
+
+def test_norm_cast_keeps_the_torch_form_for_gradients_and_fp64_and_names_bad_shapes() -> None:
+    X, pre, weight = site_case((3,), 4, 64, torch.float64, seed=5)
+    x, data, scale = kernels.norm_cast(X, pre, weight, 1e-6, backend="triton")  # fp64: the torch form
+    assert x.dtype == torch.float64
+    assert all(torch.equal(a, b) for a, b in zip((data, scale), quant.fp8_quant(x, 32), strict=True))
+    weight = weight.float().requires_grad_()
+    x, _, _ = kernels.norm_cast(X.float(), pre.float(), weight, 1e-6, backend="triton")
+    assert x.requires_grad
+    with pytest.raises(ValueError, match="pre: expected shape"):
+        kernels.norm_cast(X, pre[:, :2], weight, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="weight: expected shape"):
+        kernels.norm_cast(X, pre, weight[:32], 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.norm_cast(torch.zeros(2, 48), None, torch.ones(48), 1e-6, backend="triton")
 
 
 def coefficients_case(lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
