@@ -302,9 +302,10 @@ def check_quantisers(c: Checks, rows: int) -> None:
 
 def check_activations(c: Checks, rows: int) -> None:
     """The per-step activation kernels: the FP8 QAT cast bit for bit, a site's norm within two bf16 ulps and its cast
-    bit for bit, the mHC coefficients within fp32 rounding, the MoE routing's experts exactly (ties included) and its
-    weights within fp32 rounding, RoPE within a bf16 ulp."""
+    bit for bit, the shared expert's SwiGLU cast within an E4M3 step, the mHC coefficients within fp32 rounding, the
+    MoE routing's experts exactly (ties included) and its weights within fp32 rounding, RoPE within a bf16 ulp."""
     from model import mhc
+    from model.activation import swiglu
 
     x = (randn(rows, 4096) * 2.0 ** torch.randint(-20, 20, (rows, 1), device=DEVICE).float()).to(torch.bfloat16)
     want = kernels.fake_quant_fp8(x, backend="torch")
@@ -320,6 +321,14 @@ def check_activations(c: Checks, rows: int) -> None:
     bad = sum(int((a != b).sum()) for a, b in zip((data, scale), quant.fp8_quant(x, 32), strict=True))
     c.report("norm_cast n=4 C=1024", off == 0 and bad == 0,
              f"{rows} rows, {off} values off by more than two bf16 ulps, {bad} cast bytes differ")  # fmt: skip
+    # h may round otherwise than the compiled SwiGLU's (and the interpreter truncates): its values within an E4M3 step
+    gate, up = (randn(rows, 2 * 2048, dtype=torch.bfloat16) * 4.0).split(2048, dim=1)
+    got, want = kernels.swiglu_cast(gate, up, 10.0, backend="triton"), quant.fp8_quant(swiglu(gate, up, 10.0), 32)
+    differ = int((got[0] != want[0]).sum()) + int((got[1] != want[1]).sum())
+    error = (quant.fp8_dequant(*got) - quant.fp8_dequant(*want)).abs()
+    off = int((error > quant.fp8_dequant(*want).abs() * 2.0**-3 + 2.0**-12).sum())
+    c.report("swiglu_cast I=2048", off == 0, f"{rows} rows, {differ} bytes differ from the compiled SwiGLU's cast, "
+             f"{off} values more than an E4M3 step off")  # fmt: skip
     case = (X, fn, torch.rand(3, device=DEVICE) + 0.5, randn(24))
     got = kernels.hc_coefficients(*case, 4, 20, 1e-6, 1e-6, backend="triton")
     want = mhc.hc_split_sinkhorn(mhc.hc_mixes(X, fn, 1e-6), *case[2:], 4, 20, 1e-6)

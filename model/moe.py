@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import kernels
+from model.activation import swiglu
 from model.config import ModelArgs
 from model.fused import fused
-from model.linear import Fp8Act, Linear, WeightFormat, packed_param, param_dtype, project_together
+from model.linear import Fp8Act, Fp8Linear, Linear, WeightFormat, packed_param, param_dtype, project_together
 from model.parallel import SINGLE, Parallel, answer_round, expert_parallel
 
 
@@ -48,12 +48,6 @@ class Gate(nn.Module):
         return kernels.moe_route(x, self.weight, self.bias, self.topk, norm, self.scale, backend=be)
 
 
-@fused
-def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
-    """silu(min(gate, limit)) · clamp(up, ±limit): the released clamps."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
 class Expert(nn.Module):
     """SwiGLU with the released clamps: gate ≤ limit, up in [−limit, limit]."""
 
@@ -67,8 +61,13 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, fmt, dtype)
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
-        """x: the input cast (`w1.cast`), shared by every expert of a token."""
-        h = swiglu(*project_together(x, self.w1, self.w3), self.limit)
+        """x: the input cast (`w1.cast`), shared by every expert of a token. A packed W2 reads its input as SwiGLU's
+        kernel casts it (`kernels.swiglu_cast`)."""
+        gate, up = project_together(x, self.w1, self.w3)
+        if weight is None and isinstance(self.w2, Fp8Linear):
+            data, scale = kernels.swiglu_cast(gate, up, self.limit, backend=kernels.backend_for(gate))
+            return self.w2(Fp8Act(data, scale, gate.dtype), True)
+        h = swiglu(gate, up, self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype).unsqueeze(-1)
         return self.w2(h)

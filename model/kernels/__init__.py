@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from model.kernels import (
+    act_cast,
     candidates,
     fp8_gemm,
     hc_mixes,
@@ -27,7 +28,6 @@ from model.kernels import (
     moe_gemm,
     rope,
     route,
-    site_input,
     sparse_attn,
     topk,
 )
@@ -66,6 +66,7 @@ __all__ = [
     "rope_rotate",
     "set_batch_invariant",
     "sparse_attention",
+    "swiglu_cast",
     "topk_indices",
 ]
 
@@ -210,7 +211,20 @@ def norm_cast(
         raise ValueError(f"X: channels must be a multiple of {kv_quant.SWA_BLOCK}, got {C}")
     if X.dtype == torch.float64 or _carries_grad(X, weight, *(() if pre is None else (pre,))):
         backend = "torch"
-    return _pick(backend, site_input, "norm_cast")(X, pre, weight, eps)
+    return _pick(backend, act_cast, "norm_cast")(X, pre, weight, eps)
+
+
+def swiglu_cast(gate: Tensor, up: Tensor, limit: float, backend: Backend = "torch") -> tuple[Tensor, Tensor]:
+    """The shared expert's hidden h = silu(min(gate, limit)) · clamp(up, ±limit) of gate, up [M, I] (column views of
+    one GEMM output are read in place) as W2 reads it: E4M3 bits uint8 [M, I] and UE8M0 scales uint8 [M, I/32] of h
+    in gate's dtype, one launch on the Triton side. fp64 or a gradient to carry keep the torch form."""
+    _expect("gate", gate, (None, None), _WIDE_FLOATS)
+    _expect("up", up, gate.shape, (gate.dtype,))
+    if gate.shape[1] % kv_quant.SWA_BLOCK:
+        raise ValueError(f"gate: width must be a multiple of {kv_quant.SWA_BLOCK}, got {gate.shape[1]}")
+    if gate.dtype == torch.float64 or _carries_grad(gate, up):
+        backend = "torch"
+    return _pick(backend, act_cast, "swiglu_cast")(gate, up, limit)
 
 
 # ------------------------------------------------------------------------------------------- RoPE

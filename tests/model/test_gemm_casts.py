@@ -1,8 +1,9 @@
 """The packed model on the GPU's path (every kernel op on Triton, run by its interpreter here): where a small batch's
 FP8 linears cast their float inputs inside their GEMMs (`kernels.casts_in_gemm`), a decode step launches fewer cast
 kernels and gives the logits, bit for bit, of the same step with every cast its own launch; a sublayer site's input
-and c^Q are cast by their norm's kernel (`linear.norm_share`), with the logits of the norm and the cast apart; sibling
-linears of one input run as one GEMM (`linear.project_together`)."""
+and c^Q are cast by their norm's kernel (`linear.norm_share`), with the logits of the norm and the cast apart, and
+the shared expert's hidden by its SwiGLU's; sibling linears of one input run as one GEMM
+(`linear.project_together`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import triton.runtime.interpreter as interpreter
 
 from model import DecodeBatch, ModelArgs, build_model, encode_prefill, kernels, linear
-from model.kernels import fp8_gemm, site_input
+from model.kernels import act_cast, fp8_gemm
 from model.kernels.kv_quant import FP8_UE8M0, quantize_triton
 
 
@@ -53,15 +54,16 @@ def test_small_batches_cast_inside_their_gemms_with_the_same_logits(
     apart, apart_launches = step(tiny_args, prompts)
     assert torch.equal(fused, apart)
     layers = tiny_args.num_hidden_layers
-    # per layer at least wo_b's and the shared w2's inputs (the sites' and c^Q's casts come with their norms)
-    assert apart_launches["_quantize_kernel"] - fused_launches["_quantize_kernel"] >= 2 * layers
+    # per layer at least wo_b's input (the sites', c^Q's and the shared W2's come with their producers)
+    assert apart_launches["_quantize_kernel"] - fused_launches["_quantize_kernel"] >= layers
+    assert fused_launches["_swiglu_cast_kernel"] == apart_launches["_swiglu_cast_kernel"] == layers
     assert fused_launches["_norm_cast_kernel"] == apart_launches["_norm_cast_kernel"] == 3 * layers
     assert fused_launches["_fp8_linear_kernel"] == apart_launches["_fp8_linear_kernel"]
 
 
 def norm_then_cast(X: torch.Tensor, pre: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """`kernels.norm_cast` as the torch norm, then the cast's own launch."""
-    x, _, _ = site_input.norm_cast_torch(X, pre, weight, eps)
+    x, _, _ = act_cast.norm_cast_torch(X, pre, weight, eps)
     return x, *quantize_triton(x, FP8_UE8M0.value)
 
 
@@ -70,7 +72,7 @@ def test_sites_cast_in_their_norms_kernel_with_the_logits_of_the_cast_apart(
 ) -> None:
     prompts = [tokens(9).tolist(), tokens(12).tolist()]
     fused, fused_launches = step(tiny_args, prompts)
-    monkeypatch.setattr(site_input, "norm_cast_triton", norm_then_cast)
+    monkeypatch.setattr(act_cast, "norm_cast_triton", norm_then_cast)
     apart, apart_launches = step(tiny_args, prompts)
     torch.testing.assert_close(fused, apart, rtol=1e-4, atol=1e-4)  # the norms' sums in another order
     sites, layers = fused_launches["_norm_cast_kernel"], tiny_args.num_hidden_layers

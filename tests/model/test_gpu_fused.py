@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import kernels, preset, quant
+from model.activation import swiglu
 from model.cache import _open_group, _window_slots
 from model.compressor import _aligned
 from model.engram import NgramHash, gated_add, ngram_rows
@@ -14,7 +15,7 @@ from model.indexer import _scaled_weights
 from model.kernels.route import moe_route_torch
 from model.linear import _fp8_row_values
 from model.mhc import hc_collapse, hc_expand, hc_mixes, hc_split_sinkhorn
-from model.moe import combine, swiglu
+from model.moe import combine
 from model.norm import collapse_norm, rms_norm
 
 pytestmark = [

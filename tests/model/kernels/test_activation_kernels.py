@@ -1,6 +1,6 @@
-"""The per-step activation kernels (FP8 QAT cast, a site's norm and cast, mHC coefficients) against their torch
-forms, in Triton's interpreter, and the rules that keep the torch form where the kernels do not apply (gradients,
-fp64)."""
+"""The per-step activation kernels (FP8 QAT cast, a site's norm and cast, SwiGLU and cast, mHC coefficients) against
+their torch forms, in Triton's interpreter, and the rules that keep the torch form where the kernels do not apply
+(gradients, fp64)."""
 
 import pytest
 import torch
@@ -93,6 +93,29 @@ def test_norm_cast_keeps_the_torch_form_for_gradients_and_fp64_and_names_bad_sha
         kernels.norm_cast(X, pre, weight[:32], 1e-6, backend="triton")
     with pytest.raises(ValueError, match="multiple of 32"):
         kernels.norm_cast(torch.zeros(2, 48), None, torch.ones(48), 1e-6, backend="triton")
+
+
+def test_swiglu_cast_reads_column_views_and_casts_the_torch_forms_values() -> None:
+    """fp32: the bytes of the torch form exactly. bf16: h rounds once here (the torch form rounds silu first, and the
+    interpreter truncates), so the values agree to an E4M3 step."""
+    g = generator(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = (torch.randn(6, 2 * 96, generator=g) * 6.0).to(dtype)  # one GEMM's gate ‖ up columns; beyond the limit
+        gate, up = y.split(96, dim=1)
+        got = kernels.swiglu_cast(gate, up, 10.0, backend="triton")
+        want = kernels.swiglu_cast(gate.contiguous(), up.contiguous(), 10.0, backend="torch")
+        if dtype == torch.float32:
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        else:
+            torch.testing.assert_close(quant.fp8_dequant(*got), quant.fp8_dequant(*want), rtol=2.0**-3, atol=1e-3)
+    assert kernels.swiglu_cast(torch.zeros(0, 64), torch.zeros(0, 64), 10.0, backend="triton")[0].shape == (0, 64)
+
+
+def test_swiglu_cast_names_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="up: expected shape"):
+        kernels.swiglu_cast(torch.zeros(2, 64), torch.zeros(2, 32), 10.0, backend="triton")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.swiglu_cast(torch.zeros(2, 48), torch.zeros(2, 48), 10.0, backend="triton")
 
 
 def coefficients_case(lead: tuple[int, ...], n: int, C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
