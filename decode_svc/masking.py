@@ -23,6 +23,7 @@ guide's matcher take the tokens its sequence emitted since (`Guide.follow`), so 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,7 +64,8 @@ class Masks:
         """The host half of `apply`: the bitmask [B·T, ⌈vocab/32⌉] of T positions per row (`pinned`: page-locked,
         copied to a GPU without a wait) and the rows of it that restrict anything — the only rows written (the
         others are never applied)."""
-        bitmask = torch.empty((len(self.guides) * T, -(-vocab // 32)), dtype=torch.int32, pin_memory=pinned)
+        shape = (len(self.guides) * T, -(-vocab // 32))
+        bitmask = _STAGING.rows(*shape) if pinned else torch.empty(shape, dtype=torch.int32)
         masked: list[int] = []
 
         def fill(j: int, rows: list[int]) -> None:
@@ -142,6 +144,7 @@ def _to_gpu(bitmask: Tensor, device: torch.device) -> Tensor:
     current, side = torch.cuda.current_stream(device), _copy_stream(device)
     with torch.cuda.stream(side):  # its destination comes from the side stream's own pool
         copied = bitmask.to(device, non_blocking=True)
+        _STAGING.copied(bitmask)
     current.wait_stream(side)
     copied.record_stream(current)  # reused only once the current stream's work on it is done
     return copied
@@ -150,3 +153,32 @@ def _to_gpu(bitmask: Tensor, device: torch.device) -> Tensor:
 @functools.cache
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
+
+
+class _Staging(threading.local):
+    """A page-locked bitmask buffer per thread, reused by every fill of its forwards: a fresh pinned allocation per
+    step would cost more than the fill it serves. A fill waits for the copy from the buffer issued before it (long
+    done by then: it ran beside the forward that came before)."""
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.done: torch.cuda.Event | None = None  # the last copy from the buffer
+
+    def rows(self, n: int, words: int) -> Tensor:
+        """The buffer's first n rows of `words` int32 each (grown, never shrunk)."""
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        if self.buffer is None or self.buffer.shape[0] < n or self.buffer.shape[1] != words:
+            rows = max(n, 0 if self.buffer is None else self.buffer.shape[0])
+            self.buffer = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
+        return self.buffer[:n]
+
+    def copied(self, bitmask: Tensor) -> None:
+        """On the stream that copied it: note the copy of `bitmask`, when it is rows of the buffer."""
+        if self.buffer is not None and bitmask.data_ptr() == self.buffer.data_ptr():
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+
+_STAGING = _Staging()

@@ -30,18 +30,19 @@ def norm_cast_torch(X: Tensor, pre: Tensor | None, weight: Tensor, eps: float) -
 
 @triton.jit
 def _norm_cast_kernel(
-    X_ptr, pre_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, eps,
+    X_ptr, pre_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, stride, eps,
     N: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Rows BLOCK_M · program …: y = RMSNorm(Σₖ pre[r, k] X[r, k]) (N streams; N = 0: X [M, C] itself), each sum
-    and the norm in fp32, rounded to X's dtype where the torch forms round (the collapse's result, then y)."""
+    """Rows BLOCK_M · program …: y = RMSNorm(Σₖ pre[r, k] X[r, k]) (N streams, X [M, N, C]; N = 0: X [M, C] itself,
+    rows `stride` apart), each sum and the norm in fp32, rounded to X's dtype where the torch forms round (the
+    collapse's result, then y)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, CP)
     row_ok = rows < M
     ok = row_ok[:, None] & (cols[None, :] < C)
     r64 = rows.to(tl.int64)
     if N == 0:
-        x = tl.load(X_ptr + r64[:, None] * C + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(X_ptr + r64[:, None] * stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
         x = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
         for k in tl.static_range(N):
@@ -67,9 +68,10 @@ def norm_cast_triton(X: Tensor, pre: Tensor | None, weight: Tensor, eps: float) 
     if M:
         CP = triton.next_power_of_2(C)
         block_m = max(1, _TILE_ELEMENTS // CP)
+        X = _rows(X.reshape(-1, C)) if pre is None else X.contiguous()  # a column view of a GEMM output stays one
         pre_rows = X if pre is None else pre.contiguous()
         _norm_cast_kernel[(triton.cdiv(M, block_m),)](
-            X.contiguous(), pre_rows, weight.contiguous(), y, data, scale, M, eps, N, C, CP, block_m, num_warps=4
+            X, pre_rows, weight.contiguous(), y, data, scale, M, X.stride(0), eps, N, C, CP, block_m, num_warps=4
         )
     return y, data, scale
 

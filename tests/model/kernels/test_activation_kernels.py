@@ -79,6 +79,16 @@ def test_norm_cast_matches_the_norm_and_casts_what_it_returns(
     assert torch.equal(scale, want_scale)
 
 
+def test_norm_cast_takes_a_column_view() -> None:
+    """c^Q's norm reads wq_a's output, a column view of the stacked wq_a ‖ wkv GEMM, by its row stride: the results
+    of the same rows made contiguous."""
+    latents, _, weight = site_case((5, 1), 0, 160, torch.float32, seed=9)
+    view = latents[..., :96]
+    got = kernels.norm_cast(view, None, weight[:96], 1e-6, backend="triton")
+    want = kernels.norm_cast(view.contiguous(), None, weight[:96], 1e-6, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_norm_cast_keeps_the_torch_form_for_gradients_and_fp64_and_names_bad_shapes() -> None:
     X, pre, weight = site_case((3,), 4, 64, torch.float64, seed=5)
     x, data, scale = kernels.norm_cast(X, pre, weight, 1e-6, backend="triton")  # fp64: the torch form
