@@ -316,8 +316,9 @@ def check_activations(c: Checks, rows: int) -> None:
     (x, data, scale), (want_x, _, _) = (
         kernels.norm_cast(X, pre, weight, 1e-6, backend=be) for be in ("triton", "torch")
     )
-    # two bf16 ulps: the collapse's sum may round the other way, then the norm's (Triton's interpreter truncates)
-    off = int(((x.float() - want_x.float()).abs() > want_x.float().abs() * 2.0**-6).sum())
+    # two bf16 ulps: the collapse's sum may round the other way, then the norm's (Triton's interpreter truncates);
+    # plus 2^-14 where the collapse cancels to near 0 (its fp32 sums in another order, normed values are O(1))
+    off = int(((x.float() - want_x.float()).abs() > want_x.float().abs() * 2.0**-6 + 2.0**-14).sum())
     bad = sum(int((a != b).sum()) for a, b in zip((data, scale), quant.fp8_quant(x, 32), strict=True))
     c.report("norm_cast n=4 C=1024", off == 0 and bad == 0,
              f"{rows} rows, {off} values off by more than two bf16 ulps, {bad} cast bytes differ")  # fmt: skip
