@@ -302,8 +302,9 @@ def check_quantisers(c: Checks, rows: int) -> None:
 
 def check_activations(c: Checks, rows: int) -> None:
     """The per-step activation kernels: the FP8 QAT cast bit for bit, a site's norm within two bf16 ulps and its cast
-    bit for bit, the shared expert's SwiGLU cast within an E4M3 step, the mHC coefficients within fp32 rounding, the
-    MoE routing's experts exactly (ties included) and its weights within fp32 rounding, RoPE within a bf16 ulp."""
+    bit for bit, the shared expert's SwiGLU cast within an E4M3 step, the mHC coefficients within fp32 rounding (with
+    the update before them: its X' within a bf16 ulp), the MoE routing's experts exactly (ties included) and its
+    weights within fp32 rounding, RoPE within a bf16 ulp."""
     from model import mhc
     from model.activation import swiglu
 
@@ -335,6 +336,14 @@ def check_activations(c: Checks, rows: int) -> None:
     want = mhc.hc_split_sinkhorn(mhc.hc_mixes(X, fn, 1e-6), *case[2:], 4, 20, 1e-6)
     worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
     c.report("hc_coefficients n=4 C=1024", worst < 1e-4, f"{rows} rows, worst |Δ| {worst:.2e} (values ≤ 2)")
+    out, post, comb = randn(rows, 1024, dtype=torch.bfloat16), got[1], got[2]  # the site's update, its mixes
+    fused = kernels.hc_expand_coefficients(out, *case[:1], post, comb, *case[1:], 4, 20, 1e-6, 1e-6, backend="triton")
+    apart = mhc.hc_expand(out, X, post, comb).float()
+    off = int(((fused[0].float() - apart).abs() > apart.abs() * 2.0**-7 + 2.0**-14).sum())
+    again = kernels.hc_coefficients(fused[0], *case[1:], 4, 20, 1e-6, 1e-6, backend="triton")
+    same = all(torch.equal(a, b) for a, b in zip(fused[1:], again, strict=True))
+    c.report("hc_expand_coefficients n=4 C=1024", off == 0 and same, f"{rows} rows, {off} of X' off by more than a "
+             f"bf16 ulp, coefficients {'' if same else 'not '}those of the X' returned")  # fmt: skip
     x, gate, bias = randn(rows, 4096, dtype=torch.bfloat16), randn(384, 4096) / 64.0, randn(384) * 0.1
     gate[192:] = gate[:192]  # tied scores
     (got_w, got_ids), (want_w, want_ids) = (kernels.moe_route(x, gate, bias, 6, True, 2.5, backend=be)

@@ -390,15 +390,23 @@ def step_glue_reports(experts: int, hc: int = 4, splits: int = 4) -> list[Report
     M = (2 + hc) * hc
     f32, i32 = "*fp32", "i32"
     part = {"part_ptr": f32, "sq_ptr": f32}
-    return [
+    partials = [
         compile_sm90(
-            "mHC mix partials",
+            f"mHC mix partials{' of the update' if expand else ''}",
             hc_mixes._mix_partials_kernel,
-            {"x_ptr": "*bf16", "fn_ptr": f32} | part | {"R": i32, "K": i32, "x_stride": i32, "split_k": i32},
-            {"M": M, "M_PAD": triton.next_power_of_2(M), "BLOCK_R": hc_mixes._BLOCK_R, "BLOCK_K": hc_mixes._BLOCK_K},
+            {"x_ptr": "*bf16", "fn_ptr": f32}
+            | part
+            | {"R": i32, "K": i32, "x_stride": i32, "split_k": i32}
+            | {"out_ptr": "*bf16", "post_ptr": f32, "comb_ptr": f32, "new_ptr": "*bf16", "C": i32},
+            {"M": M, "M_PAD": triton.next_power_of_2(M), "BLOCK_R": hc_mixes._BLOCK_R, "BLOCK_K": hc_mixes._BLOCK_K}
+            | {"EXPAND": expand, "N": hc},
             4,
-            multiples_of_16=("K", "x_stride", "split_k"),
-        ),
+            multiples_of_16=("K", "x_stride", "split_k", "C"),
+        )
+        for expand in (False, True)
+    ]
+    return [
+        *partials,
         compile_sm90(
             "mHC coefficients",
             hc_mixes._coefficients_kernel,

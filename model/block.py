@@ -4,6 +4,8 @@ a_pre, a_post, a_comb = mixes(hc_attn, X)
 X ← hc_expand(attn(attn_norm(collapse(X, pre_prev))), X, a_post, a_comb)     pre_prev: previous FFN site's pre
 f_pre, f_post, f_comb = mixes(hc_ffn, X)
 X ← hc_expand(ffn(ffn_norm(collapse(X, a_pre))), X, f_post, f_comb)          → hands f_pre to the next layer
+
+The attention site's update and the FFN site's coefficients run as one pass over X (`expand_mixes`).
 """
 
 from __future__ import annotations
@@ -53,11 +55,26 @@ class Block(nn.Module):
             self.engram = Engram(args, layer, dtype)
 
     def mixes(self, site: str, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The site's mHC coefficients (pre, post, comb) of its input stream X."""
         a = self.args
-        fn, scale, base = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "scale", "base"))
         return kernels.hc_coefficients(
-            X, fn, scale, base, a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps, a.hc_eps, backend=kernels.backend_for(X)
-        )
+            X, *self._mix_params(site), a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps, a.hc_eps,
+            backend=kernels.backend_for(X),
+        )  # fmt: skip
+
+    def expand_mixes(
+        self, site: str, out: Tensor, X: Tensor, post: Tensor, comb: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """X' = hc_expand(out, X, post, comb), the site before's residual update, and `mixes(site, X')` in one pass
+        (Single-Pass mHC: the update and the next prediction fused) → (X', pre, post, comb)."""
+        a = self.args
+        return kernels.hc_expand_coefficients(
+            out, X, post, comb, *self._mix_params(site), a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps, a.hc_eps,
+            backend=kernels.backend_for(X),
+        )  # fmt: skip
+
+    def _mix_params(self, site: str) -> tuple[Tensor, Tensor, Tensor]:
+        return tuple(getattr(self, f"hc_{site}_{name}") for name in ("fn", "scale", "base"))  # type: ignore[return-value]
 
     def attention_input(self, X: Tensor, pre: Tensor) -> Tensor:
         return collapse_norm(X, pre, self.attn_norm.weight, self.attn_norm.eps)
@@ -71,8 +88,8 @@ class Block(nn.Module):
         its FP8 cast xq, which come from one pass (`norm_share`), as the FFN's do.
         """
         a_pre, a_post, a_comb = self.mixes("attn", X)
-        X = hc_expand(attend(*norm_share(X, pre, self.attn_norm, self.attn.wq_a)), X, a_post, a_comb)
-        f_pre, f_post, f_comb = self.mixes("ffn", X)
+        out = attend(*norm_share(X, pre, self.attn_norm, self.attn.wq_a))
+        X, f_pre, f_post, f_comb = self.expand_mixes("ffn", out, X, a_post, a_comb)
         x, xq = norm_share(X, a_pre, self.ffn_norm, self.ffn.shared_experts.w1)
         X = hc_expand(self.ffn(x, xq), X, f_post, f_comb)
         return X, f_pre

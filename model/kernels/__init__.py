@@ -53,6 +53,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_cast",
     "hc_coefficients",
+    "hc_expand_coefficients",
     "indexer_scores",
     "moe_down",
     "moe_gate_up",
@@ -182,6 +183,41 @@ def hc_coefficients(
     """A sublayer site's mHC coefficients from its stream X [..., n, C] and projection fn [(2+n)n, nC] → pre [..., n],
     post [..., n], comb [..., n, n] (`model.mhc.hc_mixes` then `model.mhc.hc_split_sinkhorn`). The Triton kernels
     have no backward and compute in fp32: a gradient to carry or fp64 keep the torch form."""
+    if _coefficients_backend(X, fn, scale, base, n, iters) == "torch":
+        backend = "torch"
+    return _pick(backend, hc_mixes, "hc_coefficients")(X, fn, scale, base, n, iters, rms_eps, hc_eps)
+
+
+def hc_expand_coefficients(
+    out: Tensor,
+    X: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    n: int,
+    iters: int,
+    rms_eps: float,
+    hc_eps: float,
+    backend: Backend = "torch",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The residual update of a site and the next site's coefficients in one pass: X' = `model.mhc.hc_expand`(out
+    [..., C], X [..., n, C], post [..., n], comb [..., n, n]) → (X', `hc_coefficients`(X', …)). The Triton side makes
+    X' inside the coefficients' projection (two launches in all, not three); the rules of `hc_coefficients` apply."""
+    _expect("out", out, (*X.shape[:-2], X.shape[-1]), (X.dtype,))
+    _expect("post", post, X.shape[:-1])
+    _expect("comb", comb, (*X.shape[:-1], n))
+    if _coefficients_backend(X, fn, scale, base, n, iters) == "torch" or _carries_grad(out, post, comb):
+        backend = "torch"
+    return _pick(backend, hc_mixes, "hc_expand_coefficients")(
+        out, X, post, comb, fn, scale, base, n, iters, rms_eps, hc_eps
+    )
+
+
+def _coefficients_backend(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int) -> Backend | None:
+    """Check the coefficients' arguments; "torch" where the kernels do not apply (a gradient to carry, a non-fp32
+    projection, an fp64 stream), else None (the caller's choice)."""
     _expect("X", X, (*X.shape[:-2], n, X.shape[-1]), _WIDE_FLOATS)
     _expect("fn", fn, ((2 + n) * n, n * X.shape[-1]), _WIDE_FLOATS)
     _expect("scale", scale, (3,))
@@ -189,8 +225,8 @@ def hc_coefficients(
     if n & (n - 1) or iters < 1:
         raise ValueError(f"n must be a power of two and iters ≥ 1, got n={n}, iters={iters}")
     if _carries_grad(X, fn, scale, base) or fn.dtype != torch.float32 or X.dtype == torch.float64:
-        backend = "torch"
-    return _pick(backend, hc_mixes, "hc_coefficients")(X, fn, scale, base, n, iters, rms_eps, hc_eps)
+        return "torch"
+    return None
 
 
 def norm_cast(

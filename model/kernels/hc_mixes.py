@@ -7,7 +7,9 @@ The torch form is a projection of the flattened stream, an RMS, then ≈ 115 tin
    channels of the flattened stream and writes their dot products with fn's (2+n)n rows and their sum of squares
    to a partial slot; the splits spread the projection over the GPU at batch 1 (one program per row block would
    read all of fn alone), and their count depends on the channel count alone, so a row's value is the same
-   whatever the batch.
+   whatever the batch. With EXPAND it first makes those channels of the stream: the residual update of the site
+   before, X' = post ⊗ out + combᵀ X (`mhc.hc_expand`), stored and projected in the same pass — Single-Pass mHC's
+   fusion of the update with the next site's coefficient prediction (`hc_expand_coefficients`).
 2. `_coefficients_kernel`: per BLOCK_R rows, loads every split's partials at once and sums them (a fixed tree
    over MAX_SPLITS), scales by 1/rms and runs the split, softmax and Sinkhorn loop in registers.
 """
@@ -30,11 +32,39 @@ def hc_coefficients_torch(
     return mhc.hc_split_sinkhorn(mhc.hc_mixes(X, fn, rms_eps), scale, base, n, iters, hc_eps)
 
 
+def hc_expand_coefficients_torch(
+    out: Tensor, X: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
+    rms_eps: float, hc_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    X = mhc.hc_expand(out, X, post, comb)
+    return X, *hc_coefficients_torch(X, fn, scale, base, n, iters, rms_eps, hc_eps)
+
+
+@triton.jit
+def _expanded(x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, r, ok, k, K, x_stride, C, N: tl.constexpr):
+    """Channels k (of the flattened n·C) of rows r of X' = post ⊗ out + combᵀ X, in fp32 and rounded to X's dtype as
+    `mhc.hc_expand` rounds them, stored at new_ptr (rows of K) → their values as fp32."""
+    mask = ok[:, None] & (k < K)[None, :]
+    copy, c = k // C, k % C  # X'ₖ's copy and channel
+    mixed = tl.zeros(mask.shape, dtype=tl.float32)
+    for j in tl.static_range(N):
+        weight = tl.load(comb_ptr + r[:, None] * (N * N) + j * N + copy[None, :], mask=mask, other=0.0)
+        stream = tl.load(x_ptr + r[:, None] * x_stride + j * C + c[None, :], mask=mask, other=0.0)
+        mixed += weight.to(tl.float32) * stream.to(tl.float32)
+    post = tl.load(post_ptr + r[:, None] * N + copy[None, :], mask=mask, other=0.0).to(tl.float32)
+    update = tl.load(out_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = (post * update + mixed).to(new_ptr.dtype.element_ty)
+    tl.store(new_ptr + r[:, None] * K + k[None, :], x, mask=mask)
+    return x.to(tl.float32)
+
+
 @triton.jit
 def _mix_partials_kernel(
-    x_ptr, fn_ptr, part_ptr, sq_ptr, R, K, x_stride, split_k,
-    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, fn_ptr, part_ptr, sq_ptr, R, K, x_stride, split_k, out_ptr, post_ptr, comb_ptr, new_ptr, C,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr,
+    N: tl.constexpr,
 ):  # fmt: skip
+    """EXPAND: x_ptr holds the site before's stream X [R, N·C]: X' (`_expanded`) is made, stored and projected."""
     split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
@@ -44,8 +74,11 @@ def _mix_partials_kernel(
     sq = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(split * split_k, split * split_k + split_k, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + r[:, None] * x_stride + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0)
-        x = x.to(tl.float32)
+        if EXPAND:
+            x = _expanded(x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, r, ok, k, K, x_stride, C, N)
+        else:
+            x = tl.load(x_ptr + r[:, None] * x_stride + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0)
+            x = x.to(tl.float32)
         w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         sq += tl.sum(x * x, axis=1)
@@ -95,6 +128,23 @@ def hc_coefficients_triton(
     X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """fp32 fn, a float X (the coefficients are fp32: a float64 model stays on the torch form)."""
+    return _coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps)
+
+
+def hc_expand_coefficients_triton(
+    out: Tensor, X: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
+    rms_eps: float, hc_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """`hc_coefficients_triton` of X' = `mhc.hc_expand`(out, X, post, comb), made in the projection's pass."""
+    new = torch.empty_like(X, memory_format=torch.contiguous_format)
+    expand = (out.reshape(-1, out.shape[-1]).contiguous(), post.contiguous(), comb.contiguous(), new)
+    return new, *_coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps, expand)
+
+
+def _coefficients(
+    X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float,
+    expand: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     lead = X.shape[:-2]
     x = X.reshape(-1, X.shape[-2] * X.shape[-1])
     if x.stride(-1) != 1:
@@ -109,8 +159,10 @@ def hc_coefficients_triton(
         part = torch.empty((splits, R, M_PAD), dtype=torch.float32, device=X.device)
         sq = torch.empty((splits, R), dtype=torch.float32, device=X.device)
         blocks = triton.cdiv(R, _BLOCK_R)
+        update, old_post, old_comb, new = expand if expand is not None else (x, x, x, x)
         _mix_partials_kernel[(blocks, splits)](
-            x, fn.contiguous(), part, sq, R, K, x.stride(0), split_k, M, M_PAD, _BLOCK_R, _BLOCK_K
+            x, fn.contiguous(), part, sq, R, K, x.stride(0), split_k, update, old_post, old_comb, new, X.shape[-1],
+            M, M_PAD, _BLOCK_R, _BLOCK_K, expand is not None, n,
         )  # fmt: skip
         _coefficients_kernel[(blocks,)](
             part, sq, scale.to(fn.dtype).contiguous(), base.to(fn.dtype).contiguous(), pre, post, comb, R, K, splits,

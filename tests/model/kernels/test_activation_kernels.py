@@ -156,6 +156,42 @@ def test_hc_coefficients_match_the_torch_form(
     assert torch.allclose(got[2].sum(-2), torch.ones(*lead, n), atol=1e-4)  # ends on a column normalisation
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lead", "C"), [((3,), 64), ((2, 5), 96), ((1,), 512), ((0,), 64)])
+def test_hc_expand_coefficients_match_the_update_then_the_coefficients(
+    lead: tuple[int, ...], C: int, dtype: torch.dtype
+) -> None:
+    """X' = hc_expand(out, X, post, comb) made in the projection's pass: X' within its rounding to X's dtype (the
+    interpreter truncates where torch rounds to nearest), and the coefficients those of the X' returned, bit for bit;
+    a row's results do not depend on the batch."""
+    X, fn, scale, base = coefficients_case(lead, 4, C, dtype, seed=C + len(lead))
+    g = generator(C)
+    out = torch.randn(*lead, C, generator=g).to(dtype)
+    post, comb = torch.rand(*lead, 4, generator=g) * 2.0, torch.rand(*lead, 4, 4, generator=g)
+    got = kernels.hc_expand_coefficients(out, X, post, comb, fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
+    want = kernels.hc_expand_coefficients(out, X, post, comb, fn, scale, base, 4, 20, 1e-6, 1e-6, backend="torch")
+    assert got[0].dtype == dtype
+    assert got[0].shape == X.shape
+    rounding = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}[dtype]
+    torch.testing.assert_close(got[0], want[0], rtol=rounding, atol=rounding)
+    of_returned = kernels.hc_coefficients(got[0], fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], of_returned, strict=True))
+    if lead[0] > 1:
+        alone = kernels.hc_expand_coefficients(
+            out[:1], X[:1], post[:1], comb[:1], fn, scale, base, 4, 20, 1e-6, 1e-6, backend="triton"
+        )
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(alone, got, strict=True))
+
+
+def test_hc_expand_coefficients_name_bad_shapes() -> None:
+    X, fn, scale, base = coefficients_case((2,), 4, 32, torch.float32, seed=5)
+    out, post, comb = torch.zeros(2, 32), torch.zeros(2, 4), torch.zeros(2, 4, 4)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        kernels.hc_expand_coefficients(out[:, :16], X, post, comb, fn, scale, base, 4, 20, 1e-6, 1e-6, "triton")
+    with pytest.raises(ValueError, match="comb: expected shape"):
+        kernels.hc_expand_coefficients(out, X, post, comb[..., :2], fn, scale, base, 4, 20, 1e-6, 1e-6, "triton")
+
+
 def test_hc_coefficients_of_a_row_do_not_depend_on_the_batch() -> None:
     """The split count follows the channel count alone: a row's coefficients are the same bits in a batch of 1 or 40."""
     X, fn, scale, base = coefficients_case((40,), 4, 128, torch.bfloat16, seed=11)

@@ -76,11 +76,12 @@ def test_the_moe_gemms_fp8_chunks_compile_onto_fp8_tensor_cores() -> None:
 
 
 def test_the_step_glue_kernels_compile_without_spills_at_the_released_expert_count() -> None:
-    """The mHC coefficients' and the MoE routing's kernels compile for sm_90; the top-k keeps its rows' scores in
-    registers at 384 experts (a spill there is paid once per MoE layer per step)."""
+    """The mHC coefficients' kernels (the projection alone and with the update before it) and the MoE routing's
+    compile for sm_90 without spills; the top-k keeps its rows' scores in registers at 384 experts (a spill there is
+    paid once per MoE layer per step)."""
     report = sass("step-glue", "--experts", "384")
     heads = [line for line in report.splitlines() if not line.startswith(" ")]
     assert [head.split(":")[0] for head in heads] == [
-        "mHC mix partials", "mHC coefficients", "MoE gate logits", "MoE top-k"
+        "mHC mix partials", "mHC mix partials of the update", "mHC coefficients", "MoE gate logits", "MoE top-k"
     ], report  # fmt: skip
     assert all(" 0 spill loads" in head for head in heads), report
