@@ -5,7 +5,8 @@ X ← hc_expand(attn(attn_norm(collapse(X, pre_prev))), X, a_post, a_comb)     p
 f_pre, f_post, f_comb = mixes(hc_ffn, X)
 X ← hc_expand(ffn(ffn_norm(collapse(X, a_pre))), X, f_post, f_comb)          → hands f_pre to the next layer
 
-The attention site's update and the FFN site's coefficients run as one pass over X (`expand_mixes`).
+Each update is made in the next site's coefficient pass over X (`expand_mixes`): the attention site's in the FFN
+mixes', the FFN site's in the next block's attention mixes' (the block hands it on as an `Update`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from model.attention import Attention
 from model.config import ModelArgs
 from model.engram import Engram
 from model.linear import Fp8Act, norm_share, param_dtype
-from model.mhc import hc_expand
+from model.mhc import Update
 from model.moe import MoE
 from model.norm import RMSNorm, collapse_norm
 from model.parallel import SINGLE, Parallel
@@ -62,15 +63,15 @@ class Block(nn.Module):
             backend=kernels.backend_for(X),
         )  # fmt: skip
 
-    def expand_mixes(
-        self, site: str, out: Tensor, X: Tensor, post: Tensor, comb: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """X' = hc_expand(out, X, post, comb), the site before's residual update, and `mixes(site, X')` in one pass
+    def expand_mixes(self, site: str, X: Tensor, update: Update | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The site before's residual `update` made on X (none to make: X as it is) and `mixes(site, X')`, in one pass
         (Single-Pass mHC: the update and the next prediction fused) → (X', pre, post, comb)."""
+        if update is None:
+            return X, *self.mixes(site, X)
         a = self.args
         return kernels.hc_expand_coefficients(
-            out, X, post, comb, *self._mix_params(site), a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps, a.hc_eps,
-            backend=kernels.backend_for(X),
+            *update[:1], X, *update[1:], *self._mix_params(site), a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps,
+            a.hc_eps, backend=kernels.backend_for(X),
         )  # fmt: skip
 
     def _mix_params(self, site: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -80,16 +81,21 @@ class Block(nn.Module):
         return collapse_norm(X, pre, self.attn_norm.weight, self.attn_norm.eps)
 
     def forward(
-        self, X: Tensor, pre: Tensor, attend: Callable[[Tensor, Tensor | Fp8Act], Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        """X [B, T, n, C], pre [B, T, n] (the previous FFN site's input mix) → (X, this FFN site's pre-mix).
+        self,
+        X: Tensor,
+        pre: Tensor,
+        attend: Callable[[Tensor, Tensor | Fp8Act], Tensor],
+        update: Update | None = None,
+    ) -> tuple[Tensor, Tensor, Update]:
+        """X [B, T, n, C] with `update`, the block before's FFN update not yet made on it (None: none), and pre
+        [B, T, n] (that FFN site's input mix) → (X, this FFN site's pre-mix, this FFN site's update, not yet made:
+        the next block makes it in its first pass over X, or `Update.apply`).
 
         `attend(x, xq)` runs this layer's attention (dense or packed-cache form) on the collapsed, normed input x and
         its FP8 cast xq, which come from one pass (`norm_share`), as the FFN's do.
         """
-        a_pre, a_post, a_comb = self.mixes("attn", X)
+        X, a_pre, a_post, a_comb = self.expand_mixes("attn", X, update)
         out = attend(*norm_share(X, pre, self.attn_norm, self.attn.wq_a))
-        X, f_pre, f_post, f_comb = self.expand_mixes("ffn", out, X, a_post, a_comb)
+        X, f_pre, f_post, f_comb = self.expand_mixes("ffn", X, Update(out, a_post, a_comb))
         x, xq = norm_share(X, a_pre, self.ffn_norm, self.ffn.shared_experts.w1)
-        X = hc_expand(self.ffn(x, xq), X, f_post, f_comb)
-        return X, f_pre
+        return X, f_pre, Update(self.ffn(x, xq), f_post, f_comb)

@@ -17,6 +17,7 @@ The decode engine may truncate a row's drafts where the running product of confi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,10 +150,13 @@ def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tenso
     ids = torch.cat((y.unsqueeze(1), noise), dim=1)
     positions = cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(ids.shape[1], device=y.device)
     X, pre = model.embed_stream(ids)
+    update = None
     for block in model.mtp:
-        X, pre = block(X, pre, lambda x, xq, block=block: block.block_attention(x, xq, cache, positions))
+        X, pre, update = block(
+            X, pre, lambda x, xq, block=block: block.block_attention(x, xq, cache, positions), update
+        )
     last = model.mtp[-1]
-    x = hc_collapse(X, pre)
+    x = hc_collapse(update.apply(X), pre)
     return x, model.head(last.norm(x)).float()
 
 
@@ -184,16 +188,15 @@ def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tens
     every = torch.arange(T, device=dev).expand(B, T)
     rows = ring_pos.clamp_min(0).unsqueeze(-1)
     main_xq = model.mtp[0].attn.cast_input(main_x)  # one FP8 cast for every block's wkv, as in `absorb`
+    update = None
     for block in model.mtp:
         ring_kv = quantize_input(block.attn.window_kv(main_xq, every))  # [B, T, D]
         ring = ring_kv.gather(1, rows.expand(-1, -1, ring_kv.shape[-1])).view(B * A, W, -1)
-        X, pre = block(
-            X,
-            pre,
-            lambda x, xq, b=block, r=ring: b.dense_block_attention(x, xq, block_pos.view(B * A, g), r, ring_mask),
-        )
+        attend = functools.partial(block.dense_block_attention, positions=block_pos.view(B * A, g), ring=ring,
+                                   ring_mask=ring_mask)  # fmt: skip
+        X, pre, update = block(X, pre, attend, update)
     last = model.mtp[-1]
-    x = hc_collapse(X, pre)
+    x = hc_collapse(update.apply(X), pre)
     prev = tokens.gather(1, block_pos.flatten(1)).view(B * A, g)  # true predecessors
     e = last.markov_head.embed(prev)
     logits = model.head(last.norm(x)).float() + last.markov_head.head(e).float()

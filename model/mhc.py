@@ -14,6 +14,8 @@ coefficient prediction fuse into one pass over X.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -65,6 +67,18 @@ def hc_expand(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     compute = torch.promote_types(X.dtype, torch.float32)
     mixed = (comb.to(compute).unsqueeze(-1) * X.to(compute).unsqueeze(-2)).sum(-3)  # n ≤ 8 terms: one fused pass
     return (post.to(compute).unsqueeze(-1) * out.to(compute).unsqueeze(-2) + mixed).to(X.dtype)
+
+
+class Update(NamedTuple):
+    """A site's residual update X ← post ⊗ out + combᵀ X, not yet made: the next site makes it in its coefficients'
+    pass (Single-Pass mHC; `model.block.Block`), or `apply` does."""
+
+    out: Tensor  # the sublayer's output [..., C]
+    post: Tensor  # [..., n]
+    comb: Tensor  # [..., n, n]
+
+    def apply(self, X: Tensor) -> Tensor:
+        return hc_expand(self.out, X, self.post, self.comb)
 
 
 def mix_dtype(stream: torch.dtype) -> torch.dtype:

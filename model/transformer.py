@@ -130,14 +130,18 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Layers in order; `attend(block, x, xq)` runs a block's attention on its input x and x's cast xq; collects
         DSpark taps when asked."""
+        update = None  # the last block's FFN update, made in the next block's first pass
         for i in layers:
             block = self.layers[i]
+            tap = taps is not None and self.args.role(i).dspark_tap
+            if update is not None and (hasattr(block, "engram") or tap):
+                X, update = update.apply(X), None
             if hasattr(block, "engram"):
                 X = block.engram(X, memory.values(i))
-            if taps is not None and self.args.role(i).dspark_tap:
+            if tap:
                 taps.append(X.mean(-2))  # hc-mean of the stream entering the target layer
-            X, pre = block(X, pre, lambda x, xq, block=block: attend(block, x, xq))
-        return X, pre
+            X, pre, update = block(X, pre, lambda x, xq, block=block: attend(block, x, xq), update)
+        return (X if update is None else update.apply(X)), pre
 
     def serve_idle(self) -> None:
         """Data-parallel attention: once this rank has run its forwards of a group call (or had none to run), answer
