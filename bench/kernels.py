@@ -298,6 +298,14 @@ def check_quantisers(c: Checks, rows: int) -> None:
     apart = kernels.quantize_swa_fp8(kernels.rope_rotate(x, *rope, inverse=False, backend="triton"), "triton")
     bad = sum(int((f != a).sum()) for f, a in zip(fused, apart, strict=True))
     c.report("quantise swa_fp8 with RoPE", bad == 0, f"{rows}×512, {bad} bytes differ from RoPE, then the cast")
+    # and with kv_norm before the RoPE: the norm kernel's rows, rotated by the RoPE kernel, then cast
+    norm = ((torch.rand(512, device=DEVICE) + 0.5).bfloat16(), 1e-6)
+    fused = kernels.quantize_swa_fp8(x, "triton", rope, norm)
+    normed = kernels.norm_cast(x, None, *norm, backend="triton")[0]
+    apart = kernels.quantize_swa_fp8(kernels.rope_rotate(normed, *rope, inverse=False, backend="triton"), "triton")
+    bad = sum(int((f != a).sum()) for f, a in zip(fused, apart, strict=True))
+    c.report("quantise swa_fp8 with norm and RoPE", bad == 0, f"{rows}×512, {bad} bytes differ from the norm, RoPE, "
+             "then the cast")  # fmt: skip
 
 
 def check_activations(c: Checks, rows: int) -> None:

@@ -156,10 +156,11 @@ class Attention(nn.Module):
         """This layer's rotated K=V latent [B, T, D] (before the FP8 cast); x is the FP8-cast input."""
         return self.rope.rotate(self.window_latent(x), positions)
 
-    def window_entries(self, latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The K=V latent [B, T, D] (`window_latent`) as the SWA ring stores it, FP8 bytes and UE8M0 scales, rotated
-        and cast in one launch."""
-        return kernels.quantize_swa_fp8(latent, kernels.backend_for(latent), (positions, self.rope.inv_freq))
+    def window_entries(self, kv: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """wkv's output [B, T, D] as the SWA ring stores its K=V latent (`window_latent`), FP8 bytes and UE8M0
+        scales: normed, rotated and cast in one launch."""
+        norm = (self.kv_norm.weight, self.kv_norm.eps)
+        return kernels.quantize_swa_fp8(kv, kernels.backend_for(kv), (positions, self.rope.inv_freq), norm)
 
     def cast_input(self, x: Tensor) -> Tensor | Fp8Act:
         """The attention input as wq_a and wkv (both FP8 linears) share it: one FP8 cast (`Fp8Linear.share`), plain
@@ -235,7 +236,7 @@ class Attention(nn.Module):
         positions = step.positions
         q_latent, kv = self.input_latents(xq)
         q, index_q = self.heads(q_latent)  # q rotates in the attention kernel
-        window = step.window(self.layer, *self.window_entries(self.kv_norm(kv), positions))
+        window = step.window(self.layer, *self.window_entries(kv, positions))
         compressed = None
         if role.ratio:
             if role.owns_kv and not step.replay:

@@ -104,7 +104,7 @@ class DSparkBlock(Block):
         attn, W = self.attn, self.args.sliding_window
         q_latent, kv = attn.input_latents(xq)
         q, _ = attn.heads(q_latent)  # q rotates in the attention kernel
-        data, scale = attn.window_entries(attn.kv_norm(kv), positions)
+        data, scale = attn.window_entries(kv, positions)
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
         anchor = positions[:, :1] - 1  # the newest committed position p
         in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)

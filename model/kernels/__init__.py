@@ -120,14 +120,20 @@ def quantize_index_fp4(x: Tensor, backend: Backend = "torch") -> tuple[Tensor, T
 
 
 def quantize_swa_fp8(
-    x: Tensor, backend: Backend = "torch", rope: tuple[Tensor, Tensor] | None = None
+    x: Tensor,
+    backend: Backend = "torch",
+    rope: tuple[Tensor, Tensor] | None = None,
+    norm: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """SWA ring: [..., D] → (E4M3 bits uint8 [..., D], UE8M0 scales uint8 [..., D/32]); with `rope` = (positions
     over x's leading dims, inv_freq), of x after RoPE on its last 2·len(inv_freq) dims (a power of two), applied in
-    the same launch as `rope_rotate` applies it."""
+    the same launch as `rope_rotate` applies it; with `norm` = (weight [D], eps), of RMSNorm(x) (`model.norm.rms_norm`,
+    rounded to x's dtype) first, in that launch too."""
     if rope is not None:
         _check_rope(rope, x.shape[:-1], x.shape[-1])
-    return _pick(backend, kv_quant, "quantize_swa_fp8")(x, rope)
+    if norm is not None:
+        _expect("norm weight", norm[0], (x.shape[-1],), _WIDE_FLOATS)
+    return _pick(backend, kv_quant, "quantize_swa_fp8")(x, rope, norm)
 
 
 def _check_rope(rope: tuple[Tensor, Tensor], lead: Sequence[int], D: int) -> None:

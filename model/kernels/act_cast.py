@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model import activation, norm, quant
-from model.kernels.kv_quant import SWA_BLOCK, store_fp8
+from model.kernels.kv_quant import SWA_BLOCK, rms_norm_rows, store_fp8
 
 _TILE_ELEMENTS = 4096  # fp32 values per program held in registers
 
@@ -50,9 +50,7 @@ def _norm_cast_kernel(
             stream = tl.load(X_ptr + (r64[:, None] * N + k) * C + cols[None, :], mask=ok, other=0.0)
             x += mix[:, None] * stream.to(tl.float32)
         x = x.to(X_ptr.dtype.element_ty).to(tl.float32)
-    rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / C + eps)
-    w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
-    y = (w[None, :] * (x * rms[:, None])).to(y_ptr.dtype.element_ty)
+    y = rms_norm_rows(x, w_ptr, C, CP, eps).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + r64[:, None] * C + cols[None, :], y, mask=ok)
     store_fp8(y.to(tl.float32), data_ptr, scale_ptr, rows, M, C, CP, BLOCK_M, False)
 

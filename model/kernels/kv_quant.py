@@ -29,7 +29,8 @@ from model.kernels.formats import (
     ue8m0_decode,
     ue8m0_encode,
 )
-from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch
+from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch, rope_values
+from model.norm import rms_norm
 
 KV_BLOCK = 16
 INDEX_BLOCK = 32
@@ -51,7 +52,11 @@ def quantize_index_fp4_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     return quant.fp4_quant_ue8m0(x, INDEX_BLOCK)
 
 
-def quantize_swa_fp8_torch(x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def quantize_swa_fp8_torch(
+    x: Tensor, rope: tuple[Tensor, Tensor] | None = None, norm: tuple[Tensor, float] | None = None
+) -> tuple[Tensor, Tensor]:
+    if norm is not None:
+        x = rms_norm(x, *norm)
     return quant.fp8_quant(x if rope is None else rope_rotate_torch(x, *rope, inverse=False), SWA_BLOCK)
 
 
@@ -91,6 +96,15 @@ def _store_scales(scale_ptr, byte, rows, M, NB: tl.constexpr, NBP: tl.constexpr)
 
 
 @triton.jit
+def rms_norm_rows(x, w_ptr, D: tl.constexpr, DP: tl.constexpr, eps):
+    """RMSNorm of fp32 rows x [·, DP] (dims ≥ D zero) with weight w_ptr [D], in fp32 as `model.norm.rms_norm`
+    computes it (rounding to the rows' dtype is the caller's)."""
+    cols = tl.arange(0, DP)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return w[None, :] * (x * tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None])
+
+
+@triton.jit
 def store_fp8(x, data_ptr, scale_ptr, rows, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
               FAKE: tl.constexpr):  # fmt: skip
     """The FP8 cast (E4M3, UE8M0 per 32) of fp32 rows x [BLOCK_M, DP] (rows `rows` of [M, D], columns ≥ D padding)
@@ -111,13 +125,14 @@ def store_fp8(x, data_ptr, scale_ptr, rows, M, D: tl.constexpr, DP: tl.constexpr
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, M,
+    x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, w_ptr, M, eps,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, FAKE: tl.constexpr,
-    RD: tl.constexpr,
+    RD: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead of codes and scales. RD > 0: the
     rows' last RD dims take RoPE first (row r at pos_ptr[r] × freq_ptr), rounded to x's dtype as the RoPE kernel
-    would store them."""
+    would store them. NORM: before that, RMSNorm with weight w_ptr (`rms_norm_rows`), rounded to x's dtype as the
+    norm would store it."""
     BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
     NB: tl.constexpr = D // BLOCK
     NBP: tl.constexpr = DP // BLOCK
@@ -126,6 +141,12 @@ def _quantize_kernel(
     ok = (rows[:, None] < M) & (cols[None, :] < D)
     if RD > 0:
         pos = tl.load(pos_ptr + rows, mask=rows < M, other=0)[:, None]
+    if NORM:
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = rms_norm_rows(x, w_ptr, D, DP, eps).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if RD > 0:
+            x = rope_values(x, pos, freq_ptr, D, DP, RD, BLOCK_M).to(x_ptr.dtype.element_ty).to(tl.float32)
+    elif RD > 0:
         x = rope_pairs(x_ptr, rows.to(tl.int64) * D, ok, cols, pos, freq_ptr, D, RD, False)
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
@@ -211,9 +232,11 @@ def quantize_triton(
     tile: int = _TILE_ELEMENTS,
     num_warps: int = 4,
     rope: tuple[Tensor, Tensor] | None = None,
+    norm: tuple[Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`tile` (elements, or bf16 pairs, per program) and `num_warps` override the launch (bench/kernels.py tunes);
-    `rope` (positions over x's leading dims, inv_freq): RoPE on x's last dims first (FP8 only)."""
+    `rope` (positions over x's leading dims, inv_freq): RoPE on x's last dims first; `norm` (weight, eps): RMSNorm
+    before that (FP8 only)."""
     block = _BLOCKS[fmt]
     quant.check_block(x, block, "quantize")
     D = x.shape[-1]
@@ -230,7 +253,11 @@ def quantize_triton(
     elif M:
         DP, block_m, grid = _launch_shape(M, D, tile)
         pos, freq, rd = rope_arguments(rope, x.shape[:-1], x.device)
-        _quantize_kernel[grid](x2, data, scale, pos, freq, M, D, DP, block_m, fmt, False, rd, num_warps=num_warps)
+        weight, eps = (x2, 0.0) if norm is None else (norm[0].contiguous(), norm[1])
+        _quantize_kernel[grid](
+            x2, data, scale, pos, freq, weight, M, eps, D, DP, block_m, fmt, False, rd, norm is not None,
+            num_warps=num_warps,
+        )  # fmt: skip
     return data, scale
 
 
@@ -247,7 +274,7 @@ def fake_quant_fp8_triton(x: Tensor) -> Tensor:
     out = torch.empty_like(x2)
     if x2.shape[0]:
         DP, block_m, grid = _launch_shape(x2.shape[0], D)
-        _quantize_kernel[grid](x2, out, out, out, out, x2.shape[0], D, DP, block_m, FP8_UE8M0, True, 0)
+        _quantize_kernel[grid](x2, out, out, out, out, out, x2.shape[0], 0.0, D, DP, block_m, FP8_UE8M0, True, 0, False)
     return quant.straight_through(x, out.view(x.shape))
 
 
@@ -271,8 +298,10 @@ def quantize_index_fp4_triton(x: Tensor) -> tuple[Tensor, Tensor]:
     return quantize_triton(x, FP4_UE8M0.value)
 
 
-def quantize_swa_fp8_triton(x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    return quantize_triton(x, FP8_UE8M0.value, rope=rope)
+def quantize_swa_fp8_triton(
+    x: Tensor, rope: tuple[Tensor, Tensor] | None = None, norm: tuple[Tensor, float] | None = None
+) -> tuple[Tensor, Tensor]:
+    return quantize_triton(x, FP8_UE8M0.value, rope=rope, norm=norm)
 
 
 def dequantize_kv_fp4_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

@@ -57,6 +57,20 @@ def rope_pairs(ptr, rows, ok, d, pos, freq_ptr, D: tl.constexpr, RD: tl.constexp
 
 
 @triton.jit
+def rope_values(x, pos, freq_ptr, D: tl.constexpr, DP: tl.constexpr, RD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """RoPE on fp32 rows x [BLOCK_M, DP] held in registers (dims ≥ D padding) at positions `pos` [BLOCK_M, 1]: the
+    last RD of D dims rotate pair by pair, as `rope_pairs` computes them (the same angles and products)."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_M, DP // 2, 2)))
+    d = 2 * tl.arange(0, DP // 2)  # each pair's even dim
+    rot = (d >= D - RD) & (d < D)
+    angle = pos.to(tl.float64) * tl.load(freq_ptr + (d - (D - RD)) // 2, mask=rot, other=0.0)[None, :]
+    cos, sin = tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
+    rotated_even = tl.where(rot[None, :], even * cos - odd * sin, even)
+    rotated_odd = tl.where(rot[None, :], even * sin + odd * cos, odd)
+    return tl.reshape(tl.join(rotated_even, rotated_odd), (BLOCK_M, DP))
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr, H,
     D: tl.constexpr, RD: tl.constexpr, KEEP: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,

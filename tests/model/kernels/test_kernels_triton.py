@@ -26,6 +26,7 @@ from model.graphs import StepGraphs
 from model.kernels.formats import dense_rows
 from model.kernels.sparse_attn import sparse_attention_triton
 from model.kernels.topk import TopKTuning, topk_indices_triton
+from model.norm import rms_norm
 
 FORMATS = ["kv_fp4", "index_fp4", "swa_fp8"]
 
@@ -281,6 +282,26 @@ def test_the_swa_cast_applies_rope_as_its_own_launch_would(dtype: torch.dtype) -
     assert all(torch.equal(a, b) for a, b in zip(kernels.quantize_swa_fp8(x, "torch", rope), reference, strict=True))
     with pytest.raises(ValueError, match=r"rope positions: expected integers over \[3, 5\]"):
         kernels.quantize_swa_fp8(x, "triton", (positions[:, :4], rope[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_swa_cast_norms_and_rotates_as_their_own_launches_would(dtype: torch.dtype) -> None:
+    """kv_norm, RoPE and the cast in one launch (the norm and the rotation in registers) give the bytes of the norm
+    kernel's rows, rotated by the RoPE kernel, then cast; the torch reference is rms_norm, RoPE, cast."""
+    x = (torch.randn(3, 5, 96, generator=generator(12)) * 4).to(dtype)
+    positions = torch.randint(0, 1 << 20, (3, 5), generator=generator(13))
+    rope = (positions, 10000.0 ** -(torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    norm = ((torch.rand(96, generator=generator(14)) + 0.5).to(dtype), 1e-6)
+    fused = kernels.quantize_swa_fp8(x, "triton", rope, norm)
+    normed, _, _ = kernels.norm_cast(x, None, *norm, backend="triton")
+    apart = kernels.quantize_swa_fp8(kernels.rope_rotate(normed, *rope, inverse=False, backend="triton"), "triton")
+    assert all(torch.equal(a, b) for a, b in zip(fused, apart, strict=True))
+    reference = kernels.quantize_swa_fp8(kernels.rope_rotate(rms_norm(x, *norm), *rope, inverse=False), "torch")
+    assert all(
+        torch.equal(a, b) for a, b in zip(kernels.quantize_swa_fp8(x, "torch", rope, norm), reference, strict=True)
+    )
+    with pytest.raises(ValueError, match="norm weight: expected shape"):
+        kernels.quantize_swa_fp8(x, "triton", rope, (norm[0][:64], 1e-6))
 
 
 @pytest.mark.parametrize(
