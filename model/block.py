@@ -70,8 +70,8 @@ class Block(nn.Module):
             return X, *self.mixes(site, X)
         a = self.args
         return kernels.hc_expand_coefficients(
-            *update[:1], X, *update[1:], *self._mix_params(site), a.hc_mult, a.hc_sinkhorn_iters, a.rms_norm_eps,
-            a.hc_eps, backend=kernels.backend_for(X),
+            update.out, X, update.post, update.comb, *self._mix_params(site), a.hc_mult, a.hc_sinkhorn_iters,
+            a.rms_norm_eps, a.hc_eps, backend=kernels.backend_for(X),
         )  # fmt: skip
 
     def _mix_params(self, site: str) -> tuple[Tensor, Tensor, Tensor]:
