@@ -40,8 +40,8 @@ for part in "$@"; do
   name=${part%%:*}; limit=${part#*:}; [ "$limit" = "$part" ] && limit=300
   start=$(date +%s)
   case $name in
-    graphs) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
-              tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py tests/decode_svc/test_gpu_masking.py ;;
+    graphs) timeout "$limit" python3 -m pytest -v --durations=0 --noconftest -p no:cacheprovider \
+              tests/decode_svc/test_gpu_masking.py tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py ;;
     native) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
               tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;
     logits) timeout "$limit" python3 tests/model/test_gpu_invariance.py logits 24 ;;

@@ -10,32 +10,44 @@ reasoning), is left alone. Two kinds of forward are masked:
 A DSpark draft chain masks its first link only, at the guides' current state: the masks of link k > 1 depend on the
 drafts before it, and filling them would make the host wait for the device at every link. The grammar judges the
 chain once it has run instead (`admitted`): a row verifies only the drafts its guide takes, and the verify's masks
-are filled after its forward was launched, so on a GPU the fill overlaps the forward. A draft the constraint refuses
-costs its row the drafts after it, never a token of the output; the first link's mask keeps most of the acceptance
-of a chain masked throughout (docs/benchmarks.md).
+are filled beside its forward. A draft the constraint refuses costs its row the drafts after it, never a token of
+the output; the first link's mask keeps most of the acceptance of a chain masked throughout (docs/benchmarks.md).
 
-Masks are int32 bitmasks filled on the host by xgrammar (one thread pool for the whole batch, one fill per position)
-and applied where the logits are, by xgrammar's CPU kernel or its Triton kernel on a GPU (the bitmask copied there
-on a side stream, beside the forward still running). A fill first lets each
-guide's matcher take the tokens its sequence emitted since (`Guide.follow`), so that work overlaps the forward too.
+Masks are int32 bitmasks filled on the host by xgrammar and applied where the logits are, by xgrammar's CPU kernel
+or its Triton kernel on a GPU (the bitmask copied there on a side stream, beside the forward still running). A
+position's rows are filled in shares on a pool of threads kept for the process (xgrammar lets go of the GIL while it
+fills), each share one call of xgrammar's batch fill on its thread: xgrammar's own threaded fill starts a fresh pool
+per call, which costs more than a batch's fill on some hosts. A fill first lets each guide's matcher take the tokens
+its sequence emitted since (`Guide.follow`), so that work overlaps the forward too.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import xgrammar as xgr
 from torch import Tensor
 
 from decode_svc.guide import Guide
 
+SHARE_ROWS = 8  # the fewest rows a fill thread takes: a hand-off costs about what a few rows' fill does
 
-@functools.cache
-def _filler() -> xgr.BatchGrammarMatcher:
-    return xgr.BatchGrammarMatcher()
+
+class Bitmask(NamedTuple):
+    """A forward's filled masks: `words` [B·T, ⌈vocab/32⌉] int32 (row b·T + j: row b's position j), `rows` the ones
+    that restrict anything (the only ones written: the others are never applied), `staging` the buffer `words` lies
+    in."""
+
+    words: Tensor
+    rows: list[int]
+    staging: _Staging
 
 
 class Masks:
@@ -58,21 +70,21 @@ class Masks:
         if widest >= T:
             raise ValueError(f"a verify over {T - 1} drafts cannot mask a row of {widest}")
         flat = logits.view(-1, logits.shape[-1])
-        _apply(flat, *self.fill(T, flat.shape[1], pinned=logits.is_cuda))
+        _apply(flat, self.fill(T, flat.shape[1], pinned=logits.is_cuda))
 
-    def fill(self, T: int, vocab: int, pinned: bool) -> tuple[Tensor, list[int]]:
-        """The host half of `apply`: the bitmask [B·T, ⌈vocab/32⌉] of T positions per row (`pinned`: page-locked,
-        copied to a GPU without a wait) and the rows of it that restrict anything — the only rows written (the
-        others are never applied)."""
+    def fill(self, T: int, vocab: int, pinned: bool) -> Bitmask:
+        """The host half of `apply`: the bitmask of T positions per row (`pinned`: page-locked, copied to a GPU
+        without a wait)."""
         shape = (len(self.guides) * T, -(-vocab // 32))
-        bitmask = _STAGING.rows(*shape) if pinned else torch.empty(shape, dtype=torch.int32)
+        staging = _staging(pinned)
+        words = staging.rows(*shape)
         masked: list[int] = []
 
         def fill(j: int, rows: list[int]) -> None:
-            masked.extend(_fill(bitmask, {b * T + j: self.guides[b] for b in rows}))  # type: ignore[misc]
+            masked.extend(_fill(words, {b * T + j: self.guides[b] for b in rows}))  # type: ignore[misc]
 
         _walk(self.guides, self.drafts, fill)
-        return bitmask, masked
+        return Bitmask(words, masked, staging)
 
 
 def admitted(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -109,19 +121,38 @@ def _fill(bitmask: Tensor, guides: dict[int, Guide]) -> list[int]:
     live = {i: g for i, g in guides.items() if g.restricts}
     grammar: list[int] = []
     banned_only: list[int] = []
-    for i, guide in live.items():
-        (grammar if guide.grammar_active else banned_only).append(i)
-    if grammar:
-        _filler().batch_fill_next_token_bitmask([live[i].matcher for i in grammar], bitmask, grammar)  # type: ignore[misc]
-    if banned_only:
-        bitmask[banned_only] = -1  # every token, less the banned ones below
     banned: dict[int, list[int]] = {}  # token → the rows that ban it (every row bans the same few, usually)
     for i, guide in live.items():
+        (grammar if guide.grammar_active else banned_only).append(i)
         for token in guide.banned_now:
             banned.setdefault(token, []).append(i)
+    if grammar:
+        _fill_grammar(bitmask, [live[i].matcher for i in grammar], grammar)  # type: ignore[misc]
+    words = bitmask.numpy()
+    words[banned_only] = -1  # every token, less the banned ones below
     for token, rows in banned.items():
-        bitmask[rows, token // 32] &= _int32(~(1 << (token % 32)))
+        words[rows, token // 32] &= np.int32(_int32(~(1 << (token % 32))))
     return list(live)
+
+
+def _fill_grammar(bitmask: Tensor, matchers: list[xgr.GrammarMatcher], rows: list[int]) -> None:
+    """Fill bitmask row rows[k] with what matchers[k] allows next, in interleaved shares of at least SHARE_ROWS rows,
+    one per fill thread (the first share on this one)."""
+    shares = max(1, min(_threads(), len(rows) // SHARE_ROWS))
+    others = [_pool().submit(_batch_fill, bitmask, matchers[k::shares], rows[k::shares]) for k in range(1, shares)]
+    try:
+        _batch_fill(bitmask, matchers[::shares], rows[::shares])
+    finally:
+        futures.wait(others)
+    for other in others:
+        other.result()
+
+
+def _batch_fill(bitmask: Tensor, matchers: list[xgr.GrammarMatcher], rows: list[int]) -> None:
+    """xgrammar's batch fill on this thread alone (its batch fill object is the thread's own)."""
+    if not hasattr(_LOCAL, "filler"):
+        _LOCAL.filler = xgr.BatchGrammarMatcher(1)
+    _LOCAL.filler.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
 def _int32(value: int) -> int:
@@ -129,25 +160,29 @@ def _int32(value: int) -> int:
     return (value + 2**31) % 2**32 - 2**31
 
 
-def _apply(logits: Tensor, bitmask: Tensor, rows: list[int]) -> None:
-    """Set the logits of every disallowed token of `rows` to −inf."""
-    if not rows:
+def _apply(logits: Tensor, bitmask: Bitmask) -> None:
+    """Set the logits of every disallowed token of the bitmask's restricted rows to −inf."""
+    if not bitmask.rows:
         return
+    words = bitmask.words
     if logits.device.type == "cuda":
-        bitmask = _to_gpu(bitmask if bitmask.is_pinned() else bitmask.pin_memory(), logits.device)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+        words = _to_gpu(words, logits.device, bitmask.staging)
+    xgr.apply_token_bitmask_inplace(logits, words, vocab_size=logits.shape[-1], indices=bitmask.rows)
 
 
-def _to_gpu(bitmask: Tensor, device: torch.device) -> Tensor:
+def _to_gpu(words: Tensor, device: torch.device, staging: _Staging) -> Tensor:
     """The page-locked bitmask copied to `device` on a side stream: the copy runs while the forward that makes the
     logits is still on the current stream (not queued behind it), which waits for the copy only where it applies."""
     current, side = torch.cuda.current_stream(device), _copy_stream(device)
     with torch.cuda.stream(side):  # its destination comes from the side stream's own pool
-        copied = bitmask.to(device, non_blocking=True)
-        _STAGING.copied(bitmask)
+        copied = words.to(device, non_blocking=True)
+        staging.copied()
     current.wait_stream(side)
     copied.record_stream(current)  # reused only once the current stream's work on it is done
     return copied
+
+
+_LOCAL = threading.local()  # per thread: its batch fill object and bitmask buffers
 
 
 @functools.cache
@@ -155,12 +190,27 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-class _Staging(threading.local):
-    """A page-locked bitmask buffer per thread, reused by every fill of its forwards: a fresh pinned allocation per
-    step would cost more than the fill it serves. A fill waits for the copy from the buffer issued before it (long
-    done by then: it ran beside the forward that came before)."""
+@functools.cache
+def _threads() -> int:
+    """The threads a fill spreads its rows over, its own included: half the cores this process may use, as xgrammar
+    advises for its own."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
 
-    def __init__(self) -> None:
+
+@functools.cache
+def _pool() -> futures.ThreadPoolExecutor:
+    """The fill threads besides the filling one."""
+    return futures.ThreadPoolExecutor(max(1, _threads() - 1), thread_name_prefix="mask-fill")
+
+
+class _Staging:
+    """A bitmask buffer, reused by every fill of its thread's forwards (page-locked where the masks go to a GPU): a
+    fresh allocation per step would cost more than the fill it serves (a megabyte's page faults at batch 64; for
+    page-locked memory, a wait for the device). Its rows are a fill's until that thread's next fill, which waits for
+    the copy from the buffer issued before it (long done by then: it ran beside the forward that came before)."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
         self.buffer: Tensor | None = None
         self.done: torch.cuda.Event | None = None  # the last copy from the buffer
 
@@ -171,14 +221,18 @@ class _Staging(threading.local):
             self.done = None
         if self.buffer is None or self.buffer.shape[0] < n or self.buffer.shape[1] != words:
             rows = max(n, 0 if self.buffer is None else self.buffer.shape[0])
-            self.buffer = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
+            self.buffer = torch.empty((rows, words), dtype=torch.int32, pin_memory=self.pinned)
         return self.buffer[:n]
 
-    def copied(self, bitmask: Tensor) -> None:
-        """On the stream that copied it: note the copy of `bitmask`, when it is rows of the buffer."""
-        if self.buffer is not None and bitmask.data_ptr() == self.buffer.data_ptr():
-            self.done = torch.cuda.Event()
-            self.done.record()
+    def copied(self) -> None:
+        """On the stream that copied from the buffer: note the copy."""
+        self.done = torch.cuda.Event()
+        self.done.record()
 
 
-_STAGING = _Staging()
+def _staging(pinned: bool) -> _Staging:
+    """This thread's bitmask buffer (`pinned`: its page-locked one)."""
+    buffers = _LOCAL.__dict__.setdefault("staging", {})
+    if pinned not in buffers:
+        buffers[pinned] = _Staging(pinned)
+    return buffers[pinned]

@@ -15,6 +15,7 @@ import xgrammar as xgr
 from driven import GREEDY, Driven, driven_engine
 from test_decode_speculation import oracle_drafter
 
+from decode_svc import masking
 from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
 from decode_svc.guide import Guide
 from decode_svc.masking import Masks, admitted
@@ -284,14 +285,7 @@ def test_a_verify_masks_each_position_as_a_plain_step_after_the_drafts_before_it
     vocab = models[1].args.vocab_size
     logits = torch.zeros(len(guides), 6, vocab)
     Masks(guides, kept).apply(logits)
-    for b, (g, row) in enumerate(zip(guides, kept, strict=True)):
-        for j in range(6):
-            expected = torch.zeros(1, vocab)
-            if g is not None and j <= len(row):
-                assert all(g.accept(t) for t in row[:j])
-                Masks([g]).apply(expected)
-                g.rollback(j)
-            assert torch.equal(logits[b, j].isinf(), expected[0].isinf()), (b, j)
+    assert_each_position_masked_alone(logits, guides, kept)
     assert logits[0, 0].isinf().sum() == 1  # in the reasoning only the stop token is refused (JSON must come)
     chain = Masks(guides)  # a draft chain: its first link is masked, the links after it are not
     links = torch.zeros(2, len(guides), vocab)
@@ -301,3 +295,42 @@ def test_a_verify_masks_each_position_as_a_plain_step_after_the_drafts_before_it
     assert not links[1].isinf().any()
     with pytest.raises(ValueError, match="cannot mask a row of 4"):
         Masks(guides, kept).apply(torch.zeros(len(guides), 4, vocab))
+
+
+def assert_each_position_masked_alone(logits: torch.Tensor, guides: list[Guide | None], kept: list[list[int]]) -> None:
+    """Verify logits [B, T, V] masked as each row's position j is alone after its first j drafts (unmasked past
+    them)."""
+    for b, (g, row) in enumerate(zip(guides, kept, strict=True)):
+        for j in range(logits.shape[1]):
+            expected = torch.zeros(1, logits.shape[-1])
+            if g is not None and j <= len(row):
+                assert all(g.accept(t) for t in row[:j])
+                Masks([g]).apply(expected)
+                g.rollback(j)
+            assert torch.equal(logits[b, j].isinf(), expected[0].isinf()), (b, j)
+
+
+def test_masks_filled_over_several_threads_equal_each_rows_own(
+    models: tuple[Transformer, Transformer], grammars: Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verify's masks filled over several threads (each filling its share of a position's rows) are every row's
+    own at every position."""
+    monkeypatch.setattr(masking, "_threads", lambda: 3)
+    tokenizer, dsml = load_tokenizer(), 128825
+    texts = ['{"a": [1, 2]}', '{"b": "xy', "[true, null", '{"c": {"d": 3.5}}', "  [", '{"e"']
+    guides: list[Guide | None] = []
+    drafts: list[list[int]] = []
+    for i in range(3 * masking.SHARE_ROWS + 2):
+        text = tokenizer.encode_plain(texts[i % len(texts)])
+        if i % 5 == 4:
+            guides.append(None if i % 2 else Guide(None, banned=[dsml, 7 + i]))
+        else:
+            g = guide(grammars, decode_pb2.OutputConstraint(json_object=True), banned=[dsml])
+            assert all(g.follow(t) for t in text[: i % 3])
+            guides.append(g)
+        drafts.append(text[i % 3 : i % 3 + 3])
+    kept = [row[:n] for row, n in zip(drafts, admitted(guides, drafts), strict=True)]
+    assert len({len(row) for row in kept}) > 1  # rows stop at different drafts
+    logits = torch.zeros(len(guides), 4, models[1].args.vocab_size)
+    Masks(guides, kept).apply(logits)
+    assert_each_position_masked_alone(logits, guides, kept)
