@@ -20,7 +20,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from recipe_strategies import cuts, examples, outputs, parse_requests
 
-from recipe import APIS, DONE, Event, StreamProcessor, Tokenizer, convert
+from recipe import APIS, DONE, Event, StreamProcessor, Tokenizer, convert, pyjson
 from tests.open_responses.schema import check, check_event
 
 
@@ -107,9 +107,20 @@ def check_messages(events: list[Event], response: dict[str, Any]) -> None:
         )
     ours = Message.model_validate(response)
     assert snapshot is not None
-    assert [block.model_dump() for block in snapshot.content] == [block.model_dump() for block in ours.content]
+    assert [rebuilt(block) for block in snapshot.content] == [block.model_dump() for block in ours.content]
     assert (snapshot.stop_reason, snapshot.stop_sequence) == (ours.stop_reason, ours.stop_sequence)
     assert snapshot.usage == ours.usage
+
+
+def rebuilt(block: Any) -> dict[str, Any]:
+    """A content block the SDK rebuilt from the stream, as the complete response holds it: a tool call's integers
+    outside 64 bits as floats. The SDK reads the streamed digits exactly, and the complete response's `input` holds
+    what the reference's JSON reader gives — the reference's own stream and response differ there
+    (test_parse_conformance::test_wide_integer_arguments_match_reference)."""
+    fields = block.model_dump()
+    if block.type == "tool_use":
+        fields["input"] = pyjson.narrow_integers(fields["input"])
+    return fields
 
 
 CHECKS = {"chat.completions": check_chat, "responses": check_responses, "messages": check_messages}
@@ -124,6 +135,26 @@ def test_sdk_parses_events_and_rebuilds_our_response(api: str, data: st.DataObje
     output = data.draw(outputs(stops=parsing.stop_sequences, json_mode=parsing.parse_json_output))
     events, response = stream(api, body, data.draw(cuts(output)), data.draw(st.sampled_from(["stop", "length", None])))
     CHECKS[api](events, response)
+
+
+@pytest.mark.parametrize("value", ["-9223372036854775809", "[1, 100000000000000000000]"])
+def test_sdk_rebuilds_a_tool_call_with_integers_outside_64_bits(value: str) -> None:
+    """The Messages stream of a call whose arguments hold an integer outside 64 bits: the SDK rebuilds the response,
+    the integer read exactly from the stream where the response holds it as a float."""
+    body = {
+        "model": "DeepSeek-V4.1-Flash",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "q"}],
+        "tools": [{"name": "a", "input_schema": {"type": "object"}}],
+    }
+    output = (
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="a">\n'
+        f'<｜DSML｜parameter name="a" string="false">{value}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    events, response = stream("messages", body, list(output), "stop")
+    assert response["content"][-1]["input"]["a"] == pyjson.narrow_integers(json.loads(value))
+    check_messages(events, response)
 
 
 def test_chat_logprobs_and_usage_parse(tokenizer: Tokenizer) -> None:
