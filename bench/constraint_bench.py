@@ -47,7 +47,7 @@ from decode_svc.guide import Guide  # noqa: E402
 from decode_svc.masking import Masks, admitted  # noqa: E402
 from decode_svc.sampler import StepSampling  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
-from model import DecodeBatch, Transformer, encode_prefill  # noqa: E402
+from model import DecodeBatch, PrefillOutput, encode_prefill  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
 from proto.decode.v1 import decode_pb2  # noqa: E402
 from recipe import Conversation, ModelVersion, ResponseFormat, User, load_tokenizer, render  # noqa: E402
@@ -119,16 +119,21 @@ def greedy(batch: int, masks: Masks | None) -> StepSampling:
 
 
 class Rows:
-    """B rows of one prompt in a DecodeBatch, their pending tokens and (when constrained) their guides."""
+    """B rows of one prompt joined to a DecodeBatch (`leave` takes them out: the batch and its captured graphs serve
+    every measurement of that batch size), their pending tokens and (when constrained) their guides."""
 
-    def __init__(self, model: Transformer, prompt: list[int], batch: int, grammar: Any | None) -> None:
-        prefill = encode_prefill(model, prompt, None)
-        self.batch = DecodeBatch(model, capacity=batch)
-        joined = self.batch.join_many([(prefill.blocks, prefill.encoder_state)] * batch)
+    def __init__(self, batch: DecodeBatch, prompt: PrefillOutput, rows: int, grammar: Any | None) -> None:
+        self.batch = batch
+        joined = batch.join_many([(prompt.blocks, prompt.encoder_state)] * rows)
+        self.seq_ids = [seq_id for seq_id, _ in joined]
         self.pending = [int(logits.argmax()) for _, logits in joined]
         self.grammar = grammar
-        self.guides: list[Guide | None] = [self._guide() for _ in range(batch)]
+        self.guides: list[Guide | None] = [self._guide() for _ in range(rows)]
         self.follow([[t] for t in self.pending])
+
+    def leave(self) -> None:
+        for seq_id in self.seq_ids:
+            self.batch.leave(seq_id)
 
     def _guide(self) -> Guide | None:
         return Guide(self.grammar, banned=[128825], stop_ids=[1]) if self.grammar is not None else None
@@ -146,7 +151,7 @@ class Rows:
         return TimedMasks(clocks, self.guides, drafts) if self.grammar is not None else None
 
 
-def plain_step(model: Transformer, rows: Rows, clocks: Clocks) -> int:
+def plain_step(rows: Rows, clocks: Clocks) -> int:
     logits = rows.batch.decode_step(rows.pending)
     rows.pending = greedy(len(rows.pending), rows.masks(clocks)).probs(logits).argmax(-1).tolist()
     with clocks.follow.timed():
@@ -154,7 +159,7 @@ def plain_step(model: Transformer, rows: Rows, clocks: Clocks) -> int:
     return 0
 
 
-def dspark_step(model: Transformer, rows: Rows, clocks: Clocks) -> int:
+def dspark_step(rows: Rows, clocks: Clocks) -> int:
     """One DSpark step; returns the drafts accepted."""
     draft = rows.batch.dspark_draft(rows.pending, greedy(len(rows.pending), rows.masks(clocks)))
     drafts = draft.tokens.tolist()
@@ -171,17 +176,24 @@ def dspark_step(model: Transformer, rows: Rows, clocks: Clocks) -> int:
 
 
 def measure(
-    model: Transformer, prompt: list[int], batch: int, grammar: Any | None, mode: str, steps: int, clocked: bool = True
+    batch: DecodeBatch,
+    prompt: PrefillOutput,
+    rows: int,
+    grammar: Any | None,
+    mode: str,
+    steps: int,
+    clocked: bool = True,
 ) -> dict:
     """Median milliseconds over `steps` steps (after two unmeasured ones) of the step and of the constraint's parts
     (`Clocks`: `apply` without the fill inside it; `mask` all three); `clocked`: the parts timed."""
-    rows = Rows(model, prompt, batch, grammar)
+    started = time.perf_counter()
+    lanes = Rows(batch, prompt, rows, grammar)
     step = plain_step if mode == "plain" else dspark_step
     totals, parts, accepted = [], defaultdict(list), 0
     for i in range(steps + 2):
-        clocks, whole = Clocks.on(model.device, clocked), Clock(model.device)
+        clocks, whole = Clocks.on(batch.model.device, clocked), Clock(batch.model.device)
         with whole.timed():
-            taken = step(model, rows, clocks)
+            taken = step(lanes, clocks)
         if i >= 2:
             totals.append(whole.seconds * 1e3)
             fill, follow = clocks.fill.seconds * 1e3, clocks.follow.seconds * 1e3
@@ -189,8 +201,11 @@ def measure(
             for name, ms in (("fill", fill), ("apply", apply), ("follow", follow), ("mask", fill + apply + follow)):
                 parts[name].append(ms)
             accepted += taken
+    lanes.leave()
+    kind = "free" if grammar is None else "masked" if clocked else "masked, unclocked"
+    console.log(f"batch {rows} {mode} {kind}: {time.perf_counter() - started:.1f} s")
     medians = {f"{name}_ms": statistics.median(ms) for name, ms in parts.items()}
-    return {"step_ms": statistics.median(totals), **medians, "accepted_per_row_step": accepted / (steps * batch)}
+    return {"step_ms": statistics.median(totals), **medians, "accepted_per_row_step": accepted / (steps * rows)}
 
 
 def compile_times(grammars: Grammars, count: int) -> list[float]:
@@ -222,11 +237,13 @@ def main() -> int:
     prompt = render(conversation, ModelVersion.V41, load_tokenizer()).token_ids or []
 
     results: list[dict[str, Any]] = []
+    prefill = encode_prefill(model, prompt, None)
     for batch in (int(b) for b in args.batches.split(",")):
+        decode = DecodeBatch(model, capacity=batch)
         for mode in ("plain", "dspark"):
-            free = measure(model, prompt, batch, None, mode, args.steps)
-            masked = measure(model, prompt, batch, grammar, mode, args.steps)
-            served = measure(model, prompt, batch, grammar, mode, args.steps, clocked=False)
+            free = measure(decode, prefill, batch, None, mode, args.steps)
+            masked = measure(decode, prefill, batch, grammar, mode, args.steps)
+            served = measure(decode, prefill, batch, grammar, mode, args.steps, clocked=False)
             results.append({"batch": batch, "mode": mode, "free_step_ms": free["step_ms"],
                             "masked_step_ms": masked["step_ms"], "mask_ms": masked["mask_ms"],
                             "fill_ms": masked["fill_ms"], "apply_ms": masked["apply_ms"],
@@ -235,6 +252,11 @@ def main() -> int:
                             "added_share": (served["step_ms"] - free["step_ms"]) / served["step_ms"],
                             "free_accepted": free["accepted_per_row_step"],
                             "masked_accepted": masked["accepted_per_row_step"]})  # fmt: skip
+            r = results[-1]  # logged at once: a run cut short still shows what it measured
+            console.log(
+                f"batch {batch} {mode}: free {r['free_step_ms']:.2f} ms, masked as served {r['served_step_ms']:.2f} "
+                f"ms ({r['added_share']:.1%} added), fill {r['fill_ms']:.2f} ms"
+            )
     seconds = compile_times(grammars, args.schemas)
 
     table = Table(title=f"token masks per decode step ({args.model}, {model.device}; medians of {args.steps} steps)")

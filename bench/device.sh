@@ -56,7 +56,7 @@ for part in "$@"; do
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
-    constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 1,64 \
+    constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 64,1 \
                   --steps 12 --schemas 52 --out "$OUT/constraint.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
