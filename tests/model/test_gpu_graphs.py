@@ -114,17 +114,17 @@ def test_graph_drafts_and_verifies_give_the_eager_ones(small):
             batch.join(out.blocks, out.encoder_state)
     greedy, V = SamplingParams.uniform(3), small.args.vocab_size
     pending = torch.randint(0, V, (3, 1), device="cuda")
-    worst = 0.0
+    gaps: dict[str, list[float]] = {"draft probabilities": [], "verify logits (relative)": []}
     for width in (5, 2, 5, 1, 3):
         g, e = graphed.dspark_draft(pending, greedy), eager.dspark_draft(pending, greedy)
-        worst = max(worst, float((g.probs - e.probs).abs().max()))
+        gaps["draft probabilities"].append(float((g.probs - e.probs).abs().max()))
         draft = Draft(e.tokens[:, :width], e.probs[:, :width], e.confidence[:, :width])
         rg, re = graphed.verify(pending, draft, greedy), eager.verify(pending, draft, greedy)
-        worst = max(worst, float((rg.logits - re.logits).abs().max() / re.logits.abs().max()))
+        gaps["verify logits (relative)"].append(float((rg.logits - re.logits).abs().max() / re.logits.abs().max()))
         assert rg.tokens == re.tokens
         pending = torch.tensor([[row[-1]] for row in re.tokens], device="cuda")
     assert graphed.positions() == eager.positions()
-    assert worst < 2e-2, worst
+    assert all(gap < 2e-2 for widths in gaps.values() for gap in widths), gaps  # per width 5, 2, 5, 1, 3
 
 
 def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile_nothing(small):
