@@ -49,8 +49,9 @@ class SamplingParams:
         scaled = logits / t.clamp_min(1e-6)
         k = self.top_k.to(logits.device, non_blocking=True).view(shape)
         if bool((self.top_k > 0).any()):  # asked of the parameters where they live (the host), not of the device
+            widest = int(self.top_k.clamp(0, logits.shape[-1]).max())  # the host's copy: no wait for the device
             k = k.clamp(0, logits.shape[-1]).expand(*scaled.shape[:-1], 1)
-            kth = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).clamp_min(0))
+            kth = scaled.topk(widest, dim=-1).values.gather(-1, (k - 1).clamp_min(0))
             scaled = torch.where((k > 0) & (scaled < kth), -torch.inf, scaled)
         probs = scaled.softmax(-1)
         p = self.top_p.to(logits.device, non_blocking=True).view(shape)
