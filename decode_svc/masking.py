@@ -164,23 +164,21 @@ def _apply(logits: Tensor, bitmask: Bitmask) -> None:
     """Set the logits of every disallowed token of the bitmask's restricted rows to −inf."""
     if not bitmask.rows:
         return
-    words, indices = bitmask.words, bitmask.rows
-    if logits.device.type == "cuda":  # the indices too: copied from pageable memory, they would wait for the forward
-        words, indices = _to_gpu(logits.device, bitmask.staging, words, bitmask.staging.indices(bitmask.rows))
-    xgr.apply_token_bitmask_inplace(logits, words, vocab_size=logits.shape[-1], indices=indices)
+    words = bitmask.words
+    if logits.device.type == "cuda":
+        words = _to_gpu(words, logits.device, bitmask.staging)
+    xgr.apply_token_bitmask_inplace(logits, words, vocab_size=logits.shape[-1], indices=bitmask.rows)
 
 
-def _to_gpu(device: torch.device, staging: _Staging, *tensors: Tensor) -> list[Tensor]:
-    """Page-locked tensors of `staging` copied to `device` on a side stream: the copies run while the forward that
-    makes the logits is still on the current stream (not queued behind it), which waits for them only where it
-    applies them."""
+def _to_gpu(words: Tensor, device: torch.device, staging: _Staging) -> Tensor:
+    """The page-locked bitmask copied to `device` on a side stream: the copy runs while the forward that makes the
+    logits is still on the current stream (not queued behind it), which waits for the copy only where it applies."""
     current, side = torch.cuda.current_stream(device), _copy_stream(device)
-    with torch.cuda.stream(side):  # their destinations come from the side stream's own pool
-        copied = [tensor.to(device, non_blocking=True) for tensor in tensors]
+    with torch.cuda.stream(side):  # its destination comes from the side stream's own pool
+        copied = words.to(device, non_blocking=True)
         staging.copied()
     current.wait_stream(side)
-    for tensor in copied:
-        tensor.record_stream(current)  # reused only once the current stream's work on it is done
+    copied.record_stream(current)  # reused only once the current stream's work on it is done
     return copied
 
 
@@ -206,17 +204,15 @@ def _pool() -> futures.ThreadPoolExecutor:
 
 
 class _Staging:
-    """A bitmask buffer and a buffer of row indices, reused by every fill of its thread's forwards (page-locked where
-    the masks go to a GPU): a fresh allocation per step would cost more than the fill it serves (a megabyte's page
-    faults at batch 64; for page-locked memory, a wait for the device). They are a fill's until that thread's next
-    fill, which waits for the copies from them issued before it (long done by then: they ran beside the forward that
-    came before)."""
+    """A bitmask buffer, reused by every fill of its thread's forwards (page-locked where the masks go to a GPU): a
+    fresh allocation per step would cost more than the fill it serves (a megabyte's page faults at batch 64; for
+    page-locked memory, a wait for the device). Its rows are a fill's until that thread's next fill, which waits for
+    the copy from the buffer issued before it (long done by then: it ran beside the forward that came before)."""
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self.buffer: Tensor | None = None
-        self.rows_buffer = torch.empty(0, dtype=torch.int32)  # the indices of a fill's restricted rows
-        self.done: torch.cuda.Event | None = None  # the last copy from the buffers
+        self.done: torch.cuda.Event | None = None  # the last copy from the buffer
 
     def rows(self, n: int, words: int) -> Tensor:
         """The buffer's first n rows of `words` int32 each (grown, never shrunk)."""
@@ -228,17 +224,8 @@ class _Staging:
             self.buffer = torch.empty((rows, words), dtype=torch.int32, pin_memory=self.pinned)
         return self.buffer[:n]
 
-    def indices(self, rows: list[int]) -> Tensor:
-        """`rows` as int32 in the buffer of indices (grown, never shrunk): after the fill that waited for the last
-        copy."""
-        if self.rows_buffer.numel() < len(rows):
-            self.rows_buffer = torch.empty(len(rows), dtype=torch.int32, pin_memory=self.pinned)
-        indices = self.rows_buffer[: len(rows)]
-        indices.numpy()[:] = rows
-        return indices
-
     def copied(self) -> None:
-        """On the stream that copied from the buffers: note the copies."""
+        """On the stream that copied from the buffer: note the copy."""
         self.done = torch.cuda.Event()
         self.done.record()
 
