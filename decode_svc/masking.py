@@ -28,7 +28,6 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,16 +37,6 @@ from torch import Tensor
 from decode_svc.guide import Guide
 
 SHARE_ROWS = 8  # the fewest rows a fill thread takes: a hand-off costs about what a few rows' fill does
-
-
-class Bitmask(NamedTuple):
-    """A forward's filled masks: `words` [B·T, ⌈vocab/32⌉] int32 (row b·T + j: row b's position j), `rows` the ones
-    that restrict anything (the only ones written: the others are never applied), `staging` the buffer `words` lies
-    in."""
-
-    words: Tensor
-    rows: list[int]
-    staging: _Staging
 
 
 class Masks:
@@ -70,21 +59,21 @@ class Masks:
         if widest >= T:
             raise ValueError(f"a verify over {T - 1} drafts cannot mask a row of {widest}")
         flat = logits.view(-1, logits.shape[-1])
-        _apply(flat, self.fill(T, flat.shape[1], pinned=logits.is_cuda))
+        _apply(flat, *self.fill(T, flat.shape[1], pinned=logits.is_cuda))
 
-    def fill(self, T: int, vocab: int, pinned: bool) -> Bitmask:
-        """The host half of `apply`: the bitmask of T positions per row (`pinned`: page-locked, copied to a GPU
-        without a wait)."""
+    def fill(self, T: int, vocab: int, pinned: bool) -> tuple[Tensor, list[int]]:
+        """The host half of `apply`: the bitmask [B·T, ⌈vocab/32⌉] of T positions per row (row b·T + j: row b's
+        position j; `pinned`: page-locked, in this thread's buffer until its next fill, copied to a GPU without a
+        wait) and the rows of it that restrict anything — the only rows written (the others are never applied)."""
         shape = (len(self.guides) * T, -(-vocab // 32))
-        staging = _staging(pinned)
-        words = staging.rows(*shape)
+        words = _staging().rows(*shape) if pinned else torch.empty(shape, dtype=torch.int32)
         masked: list[int] = []
 
         def fill(j: int, rows: list[int]) -> None:
             masked.extend(_fill(words, {b * T + j: self.guides[b] for b in rows}))  # type: ignore[misc]
 
         _walk(self.guides, self.drafts, fill)
-        return Bitmask(words, masked, staging)
+        return words, masked
 
 
 def admitted(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]]) -> list[int]:
@@ -160,29 +149,29 @@ def _int32(value: int) -> int:
     return (value + 2**31) % 2**32 - 2**31
 
 
-def _apply(logits: Tensor, bitmask: Bitmask) -> None:
-    """Set the logits of every disallowed token of the bitmask's restricted rows to −inf."""
-    if not bitmask.rows:
+def _apply(logits: Tensor, bitmask: Tensor, rows: list[int]) -> None:
+    """Set the logits of every disallowed token of `rows` to −inf."""
+    if not rows:
         return
-    words = bitmask.words
     if logits.device.type == "cuda":
-        words = _to_gpu(words, logits.device, bitmask.staging)
-    xgr.apply_token_bitmask_inplace(logits, words, vocab_size=logits.shape[-1], indices=bitmask.rows)
+        bitmask = _to_gpu(bitmask, logits.device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
-def _to_gpu(words: Tensor, device: torch.device, staging: _Staging) -> Tensor:
-    """The page-locked bitmask copied to `device` on a side stream: the copy runs while the forward that makes the
-    logits is still on the current stream (not queued behind it), which waits for the copy only where it applies."""
+def _to_gpu(bitmask: Tensor, device: torch.device) -> Tensor:
+    """This thread's page-locked bitmask copied to `device` on a side stream: the copy runs while the forward that
+    makes the logits is still on the current stream (not queued behind it), which waits for the copy only where it
+    applies."""
     current, side = torch.cuda.current_stream(device), _copy_stream(device)
     with torch.cuda.stream(side):  # its destination comes from the side stream's own pool
-        copied = words.to(device, non_blocking=True)
-        staging.copied()
+        copied = bitmask.to(device, non_blocking=True)
+        _staging().copied()
     current.wait_stream(side)
     copied.record_stream(current)  # reused only once the current stream's work on it is done
     return copied
 
 
-_LOCAL = threading.local()  # per thread: its batch fill object and bitmask buffers
+_LOCAL = threading.local()  # per thread: its batch fill object and page-locked bitmask buffer
 
 
 @functools.cache
@@ -204,13 +193,11 @@ def _pool() -> futures.ThreadPoolExecutor:
 
 
 class _Staging:
-    """A bitmask buffer, reused by every fill of its thread's forwards (page-locked where the masks go to a GPU): a
-    fresh allocation per step would cost more than the fill it serves (a megabyte's page faults at batch 64; for
-    page-locked memory, a wait for the device). Its rows are a fill's until that thread's next fill, which waits for
-    the copy from the buffer issued before it (long done by then: it ran beside the forward that came before)."""
+    """A page-locked bitmask buffer, reused by every fill of its thread's forwards: a fresh pinned allocation per step
+    would cost more than the fill it serves. A fill waits for the copy from the buffer issued before it (long done by
+    then: it ran beside the forward that came before)."""
 
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
+    def __init__(self) -> None:
         self.buffer: Tensor | None = None
         self.done: torch.cuda.Event | None = None  # the last copy from the buffer
 
@@ -221,7 +208,7 @@ class _Staging:
             self.done = None
         if self.buffer is None or self.buffer.shape[0] < n or self.buffer.shape[1] != words:
             rows = max(n, 0 if self.buffer is None else self.buffer.shape[0])
-            self.buffer = torch.empty((rows, words), dtype=torch.int32, pin_memory=self.pinned)
+            self.buffer = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
         return self.buffer[:n]
 
     def copied(self) -> None:
@@ -230,9 +217,8 @@ class _Staging:
         self.done.record()
 
 
-def _staging(pinned: bool) -> _Staging:
-    """This thread's bitmask buffer (`pinned`: its page-locked one)."""
-    buffers = _LOCAL.__dict__.setdefault("staging", {})
-    if pinned not in buffers:
-        buffers[pinned] = _Staging(pinned)
-    return buffers[pinned]
+def _staging() -> _Staging:
+    """This thread's page-locked bitmask buffer."""
+    if not hasattr(_LOCAL, "staging"):
+        _LOCAL.staging = _Staging()
+    return _LOCAL.staging
