@@ -142,6 +142,7 @@ class StepGraphs:
         `capture`, those warm-up forwards run. `progress(done, total)` after each bucket."""
         last = next(b for b in self.buckets if b >= rows)
         buckets = [b for b in self.buckets if b <= last]
+        self.prepare(last)  # the cache's rows for the widest bucket first: a growth later would drop the graphs
         self.active.fill_(0)
         for done, b in enumerate(buckets, 1):
             self.prepare(b)
@@ -203,9 +204,17 @@ class StepGraphs:
         cache = self.cache
         cache.reserve(b, max([MIN_CONTEXT, *cache.pos]) + self.tokens.shape[1])
         if cache.layout() != self.layout:
-            self.graphs.clear()
+            self._drop()
             self.layout = cache.layout()
         cache.next_positions(slice(0, b))
+
+    def _drop(self) -> None:
+        """Forget every graph; later captures take a fresh memory pool: the allocator refuses to capture into a pool
+        whose graphs are all gone while memory of it is still held, and a refused capture leaves the CUDA generator
+        in capture mode, which fails every later random draw of the process."""
+        self.graphs.clear()
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def _capture(self, key: tuple[str, int, int], run: Forward) -> Captured:
         """Warm up `run` at the key's bucket (kernels compile; nothing is committed), then capture it, committing."""

@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 from model import DecodeBatch, build_model, encode_prefill, preset
 from model.dspark import Draft
+from model.graphs import MIN_CONTEXT
 from model.sampling import SamplingParams
 
 pytestmark = [
@@ -166,6 +167,30 @@ def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile
             batch.leave(seqs.pop(rng.randrange(len(seqs))))
         step(rng.choice((0, 1, 3, 5)))
     assert (batch.graphs.captures, counters["stats"]["unique_graphs"]) == (captures, compiled)
+
+
+def test_steps_after_the_cache_moves_capture_anew_and_give_the_eager_logits(small):
+    """A growth of the cache's buffers (here its rows for the widest bucket, then a row's entries past the reserved
+    context) drops every graph; the next step captures again, into a fresh memory pool, and gives the eager step's
+    logits — and the process's random draws still work after it."""
+    graphed, eager = DecodeBatch(small, 3, graphs=True), DecodeBatch(small, 3, graphs=False)
+    graphed.capture(())  # buckets 1, 2 and 4 of a cache made for 3 rows
+    assert graphed.graphs.captures == 3
+    pending = []
+    for out in _prompts(small, 3, 7):
+        (_, first), _ = graphed.join(out.blocks, out.encoder_state), eager.join(out.blocks, out.encoder_state)
+        pending.append(int(first.argmax()))
+    worst = 0.0
+    for grow in (False, True, False):
+        if grow:
+            graphed.cache.reserve(len(graphed), 4 * MIN_CONTEXT)
+        tokens = torch.tensor(pending, device="cuda").unsqueeze(1)
+        g, e = graphed.decode_step(tokens).float(), eager.decode_step(tokens).float()
+        worst = max(worst, float((g - e).abs().max() / e.abs().max()))
+        pending = e.argmax(-1).tolist()
+    assert graphed.graphs.captures == 4  # bucket 4 once more, after the growth
+    assert worst < 2e-2, worst
+    assert torch.randn(8, device="cuda").isfinite().all()
 
 
 def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
