@@ -111,8 +111,17 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, dtype=dtype)
 
 
+def random_ints(low: int, high: int, *shape: int) -> torch.Tensor:
+    """Uniform uint8 values in [low, high), drawn a leading row at a time: torch's CUDA random kernels fault on a
+    draw of 2^32 elements (B=64 × 256 K packed entries)."""
+    out = torch.empty(shape, dtype=torch.uint8, device=DEVICE)
+    for row in out.view(shape[0], -1):
+        row.random_(low, high)
+    return out
+
+
 def random_bytes(*shape: int) -> torch.Tensor:
-    return torch.randint(0, 256, shape, dtype=torch.uint8, device=DEVICE)  # every byte is two valid E2M1 codes
+    return random_ints(0, 256, *shape)  # every byte is two valid E2M1 codes
 
 
 def valid_e4m3(*shape: int) -> torch.Tensor:
@@ -122,11 +131,11 @@ def valid_e4m3(*shape: int) -> torch.Tensor:
 
 
 def valid_e4m3_scales(*shape: int) -> torch.Tensor:
-    return torch.randint(0x20, 0x48, shape, dtype=torch.uint8, device=DEVICE)
+    return random_ints(0x20, 0x48, *shape)
 
 
 def valid_ue8m0_scales(*shape: int) -> torch.Tensor:
-    return torch.randint(122, 131, shape, dtype=torch.uint8, device=DEVICE)
+    return random_ints(122, 131, *shape)
 
 
 def indexer_inputs(B: int, T: int, H: int, Di: int, S: int, ragged: bool) -> tuple[torch.Tensor, ...]:
