@@ -2,7 +2,7 @@
 compile time of the structured-output tests' JSON Schemas.
 
     python bench/constraint_bench.py [--model model/checkpoints/v41-demo] [--device cpu|cuda] [--batches 1,64]
-        [--steps 24] [--schemas 52] [--out bench/out/constraint_bench.json]
+        [--steps 24] [--rounds 3] [--fill-threads 0] [--schemas 52] [--out bench/out/constraint_bench.json]
 
 The model decodes B rows of a JSON-mode prompt (a DecodeBatch, no services), every row under the same compiled JSON
 Schema (an object holding an unbounded array of strings, so the grammar stays open; a row whose grammar completes
@@ -14,8 +14,10 @@ share is the time spent in the guides and Masks.apply (the device synchronised a
 step (also synchronised); its parts are the bitmasks filled on the host, their copy and application, and the guides
 following the tokens (and judging the drafts). Those synchronisations also keep the verify's fill from overlapping
 its forward on a GPU, so the masked step runs once more unclocked, as served, and `added` is its excess over the
-free step, as a share of it. `accepted` is the drafts accepted per row and DSpark step, with and without the
-constraint. Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one, against
+free step, as a share of it. Each round runs the free step, then for each count of mask fill threads
+(`--fill-threads`, decode_svc.masking.set_fill_threads) the masked step clocked and as served; figures are medians
+over the rounds, `added` with its range. `accepted` is the drafts accepted per row and DSpark step, with and without
+the constraint. Compile: each schema compiled once by decode_svc.grammar (no cache), strict every other one, against
 the served tokenizer's 129,280-id vocabulary.
 """
 
@@ -44,7 +46,7 @@ from serve_bench import machine  # noqa: E402
 
 from decode_svc.grammar import Grammars, default_tokenizer, vocabulary  # noqa: E402
 from decode_svc.guide import Guide  # noqa: E402
-from decode_svc.masking import Masks, admitted  # noqa: E402
+from decode_svc.masking import Masks, admitted, set_fill_threads  # noqa: E402
 from decode_svc.sampler import StepSampling  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model import DecodeBatch, PrefillOutput, encode_prefill  # noqa: E402
@@ -208,6 +210,48 @@ def measure(
     return {"step_ms": statistics.median(totals), **medians, "accepted_per_row_step": accepted / (steps * rows)}
 
 
+def compare(
+    decode: DecodeBatch,
+    prompt: PrefillOutput,
+    rows: int,
+    grammar: Any,
+    mode: str,
+    steps: int,
+    rounds: int,
+    threads: list[int],
+) -> list[dict[str, Any]]:
+    """`rounds` rounds of the free step, then for each count of fill threads the masked step clocked and as served;
+    per count, the medians over the rounds and the range of the share added."""
+    counts = list(dict.fromkeys(set_fill_threads(n) for n in threads))  # 0 as the count it stands for, once
+    free: list[dict] = []
+    runs: dict[int, list[tuple[dict, dict]]] = defaultdict(list)
+    for _ in range(rounds):
+        free.append(measure(decode, prompt, rows, None, mode, steps))
+        for n in counts:
+            set_fill_threads(n)
+            runs[n].append((measure(decode, prompt, rows, grammar, mode, steps),
+                            measure(decode, prompt, rows, grammar, mode, steps, clocked=False)))  # fmt: skip
+    set_fill_threads(0)
+
+    def median(key: str, of: list[dict]) -> float:
+        return statistics.median(m[key] for m in of)
+
+    out = []
+    for n, pairs in runs.items():
+        masked, served = [m for m, _ in pairs], [s for _, s in pairs]
+        added = [(s["step_ms"] - f["step_ms"]) / s["step_ms"] for f, s in zip(free, served, strict=True)]
+        out.append({"batch": rows, "mode": mode, "fill_threads": n, "free_step_ms": median("step_ms", free),
+                    "masked_step_ms": median("step_ms", masked), "mask_ms": median("mask_ms", masked),
+                    "fill_ms": median("fill_ms", masked), "apply_ms": median("apply_ms", masked),
+                    "follow_ms": median("follow_ms", masked),
+                    "mask_share": median("mask_ms", masked) / median("step_ms", masked),
+                    "served_step_ms": median("step_ms", served), "added_share": statistics.median(added),
+                    "added_min": min(added), "added_max": max(added),
+                    "free_accepted": median("accepted_per_row_step", free),
+                    "masked_accepted": median("accepted_per_row_step", masked)})  # fmt: skip
+    return out
+
+
 def compile_times(grammars: Grammars, count: int) -> list[float]:
     out = []
     for schema, strict in schemas(count):
@@ -223,6 +267,8 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating the free and masked steps")
+    parser.add_argument("--fill-threads", default="0", help="mask fill threads to compare (0: half the cores)")
     parser.add_argument("--schemas", type=int, default=52, help="JSON Schemas compiled (bench/schemas.py)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/constraint_bench.json")
@@ -238,31 +284,25 @@ def main() -> int:
 
     results: list[dict[str, Any]] = []
     prefill = encode_prefill(model, prompt, None)
+    threads = [int(t) for t in args.fill_threads.split(",")]
     for batch in (int(b) for b in args.batches.split(",")):
         decode = DecodeBatch(model, capacity=batch)
         for mode in ("plain", "dspark"):
-            free = measure(decode, prefill, batch, None, mode, args.steps)
-            masked = measure(decode, prefill, batch, grammar, mode, args.steps)
-            served = measure(decode, prefill, batch, grammar, mode, args.steps, clocked=False)
-            results.append({"batch": batch, "mode": mode, "free_step_ms": free["step_ms"],
-                            "masked_step_ms": masked["step_ms"], "mask_ms": masked["mask_ms"],
-                            "fill_ms": masked["fill_ms"], "apply_ms": masked["apply_ms"],
-                            "follow_ms": masked["follow_ms"], "mask_share": masked["mask_ms"] / masked["step_ms"],
-                            "served_step_ms": served["step_ms"],
-                            "added_share": (served["step_ms"] - free["step_ms"]) / served["step_ms"],
-                            "free_accepted": free["accepted_per_row_step"],
-                            "masked_accepted": masked["accepted_per_row_step"]})  # fmt: skip
-            r = results[-1]  # logged at once: a run cut short still shows what it measured
-            console.log(
-                f"batch {batch} {mode}: free {r['free_step_ms']:.2f} ms, masked as served {r['served_step_ms']:.2f} "
-                f"ms ({r['added_share']:.1%} added), fill {r['fill_ms']:.2f} ms"
-            )
+            for r in compare(decode, prefill, batch, grammar, mode, args.steps, args.rounds, threads):
+                results.append(r)  # logged at once: a run cut short still shows what it measured
+                console.log(
+                    f"batch {batch} {mode}, {r['fill_threads']} fill threads: free {r['free_step_ms']:.2f} ms, "
+                    f"masked as served {r['served_step_ms']:.2f} ms ({r['added_share']:.1%} added, "
+                    f"{r['added_min']:.1%} – {r['added_max']:.1%}), fill {r['fill_ms']:.2f} ms"
+                )
     seconds = compile_times(grammars, args.schemas)
 
-    table = Table(title=f"token masks per decode step ({args.model}, {model.device}; medians of {args.steps} steps)")
+    title = f"token masks per decode step ({args.model}, {model.device}; medians of {args.rounds} × {args.steps} steps)"
+    table = Table(title=title)
     columns = (
         "batch",
         "step",
+        "fill threads",
         "step, free (ms)",
         "step, masked (ms)",
         "masks (ms)",
@@ -278,9 +318,10 @@ def main() -> int:
     for r in results:
         parts = f"{r['fill_ms']:.2f}, {r['apply_ms']:.2f}, {r['follow_ms']:.2f}"
         figures = (f"{r['free_step_ms']:.2f}", f"{r['masked_step_ms']:.2f}", f"{r['mask_ms']:.3f}", parts,
-                   f"{r['mask_share']:.1%}", f"{r['served_step_ms']:.2f}", f"{r['added_share']:.1%}",
+                   f"{r['mask_share']:.1%}", f"{r['served_step_ms']:.2f}",
+                   f"{r['added_share']:.1%} ({r['added_min']:.1%} – {r['added_max']:.1%})",
                    f"{r['free_accepted']:.2f}", f"{r['masked_accepted']:.2f}")  # fmt: skip
-        table.add_row(str(r["batch"]), r["mode"], *figures)
+        table.add_row(str(r["batch"]), r["mode"], str(r["fill_threads"]), *figures)
     console.print(table)
     ms = sorted(s * 1e3 for s in seconds)
     compile_summary = {"schemas": len(ms), "median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))],

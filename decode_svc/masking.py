@@ -82,6 +82,25 @@ def admitted(guides: Sequence[Guide | None], drafts: Sequence[Sequence[int]]) ->
     return _walk(guides, drafts)
 
 
+def set_fill_threads(threads: int) -> int:
+    """The threads a fill spreads a position's rows over, its own included (0: half the cores); returns the count. A
+    share whose thread waits for a core holds up the whole fill: a host whose cores other work shares may fill sooner
+    on fewer."""
+    global _threads
+    if threads < 0:
+        raise ValueError(f"fill threads must be >= 0, got {threads}")
+    _threads = threads or _half_the_cores()
+    return _threads
+
+
+def _half_the_cores() -> int:
+    """Half the cores this process may use, as xgrammar advises for its own fill threads."""
+    return max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+_threads = _half_the_cores()  # set_fill_threads
+
+
 Visit = Callable[[int, list[int]], None]
 
 
@@ -127,8 +146,9 @@ def _fill(bitmask: Tensor, guides: dict[int, Guide]) -> list[int]:
 def _fill_grammar(bitmask: Tensor, matchers: list[xgr.GrammarMatcher], rows: list[int]) -> None:
     """Fill bitmask row rows[k] with what matchers[k] allows next, in interleaved shares of at least SHARE_ROWS rows,
     one per fill thread (the first share on this one)."""
-    shares = max(1, min(_threads(), len(rows) // SHARE_ROWS))
-    others = [_pool().submit(_batch_fill, bitmask, matchers[k::shares], rows[k::shares]) for k in range(1, shares)]
+    shares = max(1, min(_threads, len(rows) // SHARE_ROWS))
+    pool = _pool(_threads)
+    others = [pool.submit(_batch_fill, bitmask, matchers[k::shares], rows[k::shares]) for k in range(1, shares)]
     try:
         _batch_fill(bitmask, matchers[::shares], rows[::shares])
     finally:
@@ -180,16 +200,9 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @functools.cache
-def _threads() -> int:
-    """The threads a fill spreads its rows over, its own included: half the cores this process may use, as xgrammar
-    advises for its own."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
-
-
-@functools.cache
-def _pool() -> futures.ThreadPoolExecutor:
-    """The fill threads besides the filling one."""
-    return futures.ThreadPoolExecutor(max(1, _threads() - 1), thread_name_prefix="mask-fill")
+def _pool(threads: int) -> futures.ThreadPoolExecutor:
+    """The fill threads besides the filling one, kept for the process."""
+    return futures.ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="mask-fill")
 
 
 class _Staging:

@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from decode_svc import masking
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import Engine, EngineSettings
 from decode_svc.grammar import Grammars, default_tokenizer, vocabulary
@@ -53,6 +54,7 @@ class DecodeServer(ModelServer):
             draft_policy=cfg.draft_policy,
             chunk_size=cfg.chunk_size,
         )
+        masking.set_fill_threads(cfg.mask_threads)
         self.engine = Engine(model, settings, metrics, self.log, self.writeback, self.times, self.calls)
         self.engine.start()
         tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else default_tokenizer()

@@ -315,7 +315,8 @@ def test_masks_filled_over_several_threads_equal_each_rows_own(
 ) -> None:
     """A verify's masks filled over several threads (each filling its share of a position's rows) are every row's
     own at every position."""
-    monkeypatch.setattr(masking, "_threads", lambda: 3)
+    monkeypatch.setattr(masking, "_threads", masking._threads)  # restored after the test
+    masking.set_fill_threads(3)
     tokenizer, dsml = load_tokenizer(), 128825
     texts = ['{"a": [1, 2]}', '{"b": "xy', "[true, null", '{"c": {"d": 3.5}}', "  [", '{"e"']
     guides: list[Guide | None] = []

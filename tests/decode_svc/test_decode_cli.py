@@ -19,10 +19,10 @@ from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 def test_sigterm_drains_a_running_stream_then_exits_0(serve: Callable[..., Served], prompt: Callable) -> None:
     metrics = free_port()
-    env = {"DECODE_SVC_MAX_BATCH": "3", "DECODE_SVC_SPECULATION": "false"}
+    env = {"DECODE_SVC_MAX_BATCH": "3", "DECODE_SVC_SPECULATION": "false", "DECODE_SVC_MASK_THREADS": "2"}
     child = serve("decode_svc", "--metrics-port", str(metrics), "--max-draft", "2", env=env)
     config = child.seen["config"]
-    assert (config["max_batch"], config["speculation"], config["max_draft"]) == (3, False, 2)
+    assert (config["max_batch"], config["speculation"], config["max_draft"], config["mask_threads"]) == (3, False, 2, 2)
     assert config["cache"] == []  # no cache: token ids only, no reuse, no write-back
     assert child.health("decode.v1.Decode") == health_pb2.HealthCheckResponse.SERVING
     assert "v41mesh_decode_queue_depth 0.0" in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=WAIT_S).text
