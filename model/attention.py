@@ -183,11 +183,18 @@ class Attention(nn.Module):
         return self.project(self.rope.rotate(o, positions, inverse=True))
 
     def project(self, o: Tensor) -> Tensor:
-        """The grouped low-rank output projection of the attention output o [B, T, H, D], RoPE⁻¹ applied."""
-        a = self.args
-        o = o.to(self.wo_a.weight.dtype).flatten(-2).unflatten(-1, (a.o_groups, -1))
-        wo_a = self.wo_a.weight.view(a.o_groups, a.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("btgd,grd->btgr", o, wo_a).flatten(-2))
+        """The grouped low-rank output projection of the attention output o [B, T, H, D], RoPE⁻¹ applied: one batched
+        GEMM over the groups, reading o's rows by their strides and, outside autograd (which records no `out=`),
+        writing its output rows in place, so neither side is copied into a transposed layout whatever the batch."""
+        a, (B, T) = self.args, o.shape[:2]
+        o = o.to(self.wo_a.weight.dtype).reshape(B * T, a.o_groups, -1).transpose(0, 1)  # [G, B·T, H·D/G]
+        wo_a = self.wo_a.weight.view(a.o_groups, a.o_lora_rank, -1).transpose(1, 2)
+        if torch.is_grad_enabled():
+            out = torch.bmm(o, wo_a).transpose(0, 1)
+        else:
+            out = o.new_empty(B * T, a.o_groups, a.o_lora_rank)
+            torch.bmm(o, wo_a, out=out.transpose(0, 1))
+        return self.wo_b(out.reshape(B, T, -1))
 
     # ------------------------------------------------------------------------------------------ dense path
     def forward(self, x: Tensor, xq: Tensor | Fp8Act, shared: SharedEntries, window_start: int = 0) -> Tensor:

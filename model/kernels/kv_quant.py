@@ -125,11 +125,12 @@ def store_fp8(x, data_ptr, scale_ptr, rows, M, D: tl.constexpr, DP: tl.constexpr
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, w_ptr, M, eps,
+    x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, w_ptr, M, x_stride, eps,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, FAKE: tl.constexpr,
     RD: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
-    """FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead of codes and scales. RD > 0: the
+    """Rows of x x_stride elements apart. FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead
+    of codes and scales. RD > 0: the
     rows' last RD dims take RoPE first (row r at pos_ptr[r] × freq_ptr), rounded to x's dtype as the RoPE kernel
     would store them. NORM: before that, RMSNorm with weight w_ptr (`rms_norm_rows`), rounded to x's dtype as the
     norm would store it."""
@@ -139,18 +140,19 @@ def _quantize_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, DP)
     ok = (rows[:, None] < M) & (cols[None, :] < D)
+    x_rows = rows.to(tl.int64) * x_stride
     if RD > 0:
         pos = tl.load(pos_ptr + rows, mask=rows < M, other=0)[:, None]
     if NORM:
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         x = rms_norm_rows(x, w_ptr, D, DP, eps).to(x_ptr.dtype.element_ty).to(tl.float32)
         if RD > 0:
             x = rope_values(x, pos, freq_ptr, D, DP, RD, BLOCK_M).to(x_ptr.dtype.element_ty).to(tl.float32)
     elif RD > 0:
-        x = rope_pairs(x_ptr, rows.to(tl.int64) * D, ok, cols, pos, freq_ptr, D, RD, False)
+        x = rope_pairs(x_ptr, x_rows, ok, cols, pos, freq_ptr, D, RD, False)
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if FORMAT == FP8_UE8M0:
         store_fp8(x, data_ptr, scale_ptr, rows, M, D, DP, BLOCK_M, FAKE)
     else:
@@ -240,7 +242,9 @@ def quantize_triton(
     block = _BLOCKS[fmt]
     quant.check_block(x, block, "quantize")
     D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
+    x2 = x.reshape(-1, D)  # a column view of a wider GEMM output stays a view: the kernel reads rows by their stride
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     M = x2.shape[0]
     width = D if fmt == FP8_UE8M0.value else D // 2
     data = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)
@@ -248,14 +252,15 @@ def quantize_triton(
     if M and fmt != FP8_UE8M0.value and x2.dtype == torch.bfloat16:
         WP, block_m, grid = _launch_shape(M, D // 2, tile)
         _quantize_fp4_bf16_kernel[grid](
-            x2.view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt, not interpreting(), num_warps=num_warps
-        )
+            x2.contiguous().view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt, not interpreting(),
+            num_warps=num_warps,
+        )  # fmt: skip
     elif M:
         DP, block_m, grid = _launch_shape(M, D, tile)
         pos, freq, rd = rope_arguments(rope, x.shape[:-1], x.device)
         weight, eps = (x2, 0.0) if norm is None else (norm[0].contiguous(), norm[1])
         _quantize_kernel[grid](
-            x2, data, scale, pos, freq, weight, M, eps, D, DP, block_m, fmt, False, rd, norm is not None,
+            x2, data, scale, pos, freq, weight, M, x2.stride(0), eps, D, DP, block_m, fmt, False, rd, norm is not None,
             num_warps=num_warps,
         )  # fmt: skip
     return data, scale
@@ -274,7 +279,8 @@ def fake_quant_fp8_triton(x: Tensor) -> Tensor:
     out = torch.empty_like(x2)
     if x2.shape[0]:
         DP, block_m, grid = _launch_shape(x2.shape[0], D)
-        _quantize_kernel[grid](x2, out, out, out, out, out, x2.shape[0], 0.0, D, DP, block_m, FP8_UE8M0, True, 0, False)
+        M = x2.shape[0]
+        _quantize_kernel[grid](x2, out, out, out, out, out, M, D, 0.0, D, DP, block_m, FP8_UE8M0, True, 0, False)
     return quant.straight_through(x, out.view(x.shape))
 
 

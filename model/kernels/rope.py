@@ -72,22 +72,24 @@ def rope_values(x, pos, freq_ptr, D: tl.constexpr, DP: tl.constexpr, RD: tl.cons
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, pos_ptr, freq_ptr, out_ptr, H,
+    x_ptr, pos_ptr, freq_ptr, out_ptr, H, x_stride_p, x_stride_h,
     D: tl.constexpr, RD: tl.constexpr, KEEP: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
-    """x, out [P, H, D]: position p = program 0, heads BLOCK_H · program 1 …; the last RD dims rotate."""
-    p = tl.program_id(0)
+    """x [P, H, D] (rows by their strides), out [P, H, D] dense: position p = program 0, heads BLOCK_H · program 1 …;
+    the last RD dims rotate."""
+    p = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row = (p.to(tl.int64) * H + heads) * D
+    row = p * x_stride_p + heads * x_stride_h
+    out_row = (p * H + heads) * D
     live = heads[:, None] < H
     if D > RD:  # the non-rotary dims are copied
         k = tl.arange(0, KEEP)
         kept = live & (k[None, :] < D - RD)
-        at = row[:, None] + k[None, :]
-        tl.store(out_ptr + at, tl.load(x_ptr + at, mask=kept), mask=kept)
+        tl.store(out_ptr + out_row[:, None] + k[None, :], tl.load(x_ptr + row[:, None] + k[None, :], mask=kept),
+                 mask=kept)  # fmt: skip
     d = (D - RD) + tl.arange(0, RD)
     rotated = rope_pairs(x_ptr, row, live, d, tl.load(pos_ptr + p), freq_ptr, D, RD, INVERSE)  # angles once a dim
-    tl.store(out_ptr + row[:, None] + d[None, :], rotated.to(out_ptr.dtype.element_ty), mask=live)
+    tl.store(out_ptr + out_row[:, None] + d[None, :], rotated.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def rope_arguments(
@@ -109,13 +111,15 @@ def rope_rotate_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: 
     rotary dims (the model's 64)."""
     D, RD = x.shape[-1], inv_freq.shape[0] * 2
     pos = positions.expand(x.shape[: positions.dim()]).reshape(-1).contiguous()  # one position per row of x3
-    x3 = x.reshape(max(pos.shape[0], 1), -1, D).contiguous()  # [P, heads, D]
-    out = torch.empty_like(x3)
+    x3 = x.reshape(max(pos.shape[0], 1), -1, D)  # [P, heads, D]; a column view of a GEMM output stays a view
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         H = x3.shape[1]
         block_h = min(triton.next_power_of_2(H), max(1, _BLOCK_ELEMENTS // triton.next_power_of_2(D)))
         grid = (pos.shape[0], triton.cdiv(H, block_h))
         freq = inv_freq.to(x.device, torch.float64).contiguous()
         keep = triton.next_power_of_2(max(D - RD, 1))
-        _rope_kernel[grid](x3, pos, freq, out, H, D, RD, keep, block_h, inverse)
+        _rope_kernel[grid](x3, pos, freq, out, H, x3.stride(0), x3.stride(1), D, RD, keep, block_h, inverse)
     return out.view(x.shape)

@@ -161,23 +161,25 @@ def _unrotate(out_ptr, rows, h_ok, pos_ptr, freq_ptr, bt, D: tl.constexpr, RD: t
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr, swa_ptr, swas_ptr, new_ptr, news_ptr, sidx_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr,
-    pm_ptr, pl_ptr, pos_ptr, freq_ptr, rq_ptr, T, H, R, TN, W, kv_stride, kvs_stride, K, qk_scale, tiles_per_split,
+    pm_ptr, pl_ptr, pos_ptr, freq_ptr, rq_ptr, T, H, R, TN, W, q_stride, q_head_stride, kv_stride, kvs_stride, K,
+    qk_scale, tiles_per_split,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, RD: tl.constexpr,
 ):  # fmt: skip
-    """Query bt = program 0, heads BLOCK_H · program 1 …, key-tile split program 2; RD > 0: q's last RD dims read
-    rotated at pos_ptr[bt] × freq_ptr (fp64) from their copy rq_ptr [B·T·H, RD] (`_rotate_queries`), the output's
-    rotated back once written."""
+    """Query bt = program 0, heads BLOCK_H · program 1 …, key-tile split program 2; q's rows q_stride apart, its
+    heads q_head_stride (the output dense); RD > 0: q's last RD dims read rotated at pos_ptr[bt] × freq_ptr (fp64)
+    from their copy rq_ptr [B·T·H, RD] (`_rotate_queries`), the output's rotated back once written."""
     bt = tl.program_id(0).to(tl.int64)
     b = bt // T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     d = tl.arange(0, DP)
     h_ok = h < H
-    q_at = q_ptr + (bt * H + h[:, None]) * D + d[None, :]
+    q_rows = bt * q_stride + h * q_head_stride
+    q_at = q_ptr + q_rows[:, None] + d[None, :]
     if RD > 0:  # the rotary dims from their rotated copy
         rq_rows = (bt * H + h) * RD
-        _rotate_queries(q_ptr, rq_ptr, (bt * H + h) * D, rq_rows, h_ok, tl.load(pos_ptr + bt), freq_ptr, D, RD)
+        _rotate_queries(q_ptr, rq_ptr, q_rows, rq_rows, h_ok, tl.load(pos_ptr + bt), freq_ptr, D, RD)
         q_at = tl.where(d[None, :] < D - RD, q_at, rq_ptr + rq_rows[:, None] + (d - (D - RD))[None, :])
     q = tl.load(q_at, mask=h_ok[:, None] & (d[None, :] < D), other=0.0)
     q = q.to(tl.float32 if DOT_F32 else tl.bfloat16)  # exact for a bf16 q; the scale is applied in fp32 below
@@ -285,9 +287,12 @@ def sparse_attention_triton(
     each carrying all 64 heads of its key range: 0.022 ms against 0.015; docs/kernels.md)."""
     B, T, H, D = q.shape
     R, TN, W, K = swa_data.shape[1], new_data.shape[1], swa_idx.shape[2], idx.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
+    q3 = q.reshape(B * T, H, D)  # a column view of a GEMM output stays a view: the kernel reads rows by their stride
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
     DP = triton.next_power_of_2(D)
     block_n = block_n or (16 if interpreting() else 64)
     block_h = block_h or min(_MAX_HEADS, triton.next_power_of_2(H))
@@ -300,15 +305,15 @@ def sparse_attention_triton(
     partial_o = torch.empty((B * T, n_splits, H, DP) if n_splits > 1 else (0,), device=q.device)
     partial_m = torch.empty((B * T, n_splits, H) if n_splits > 1 else (0,), device=q.device)
     partial_l = torch.empty_like(partial_m)
-    args = (q.contiguous(), swa_data.contiguous(), swa_scale.contiguous(), new_data.contiguous(),
+    args = (q3, swa_data.contiguous(), swa_scale.contiguous(), new_data.contiguous(),
             new_scale.contiguous(), swa_idx.to(torch.int32).contiguous())  # fmt: skip
     kv_data, kv_scale = dense_rows(kv_data), dense_rows(kv_scale)  # the cache's [:, :n] views, never copied
     args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
     pos, freq, rd = rope_arguments(rope, q.shape[:2], q.device)
     rotated_q = q.new_empty(B * T * H * rd)
     _sparse_attention_kernel[(B * T, head_groups, n_splits)](
-        *args, out, partial_o, partial_m, partial_l, pos, freq, rotated_q, T, H, R, TN, W, kv_data.stride(0),
-        kv_scale.stride(0), K, softmax_scale * LOG2E, tiles_per_split,
+        *args, out, partial_o, partial_m, partial_l, pos, freq, rotated_q, T, H, R, TN, W, q3.stride(0), q3.stride(1),
+        kv_data.stride(0), kv_scale.stride(0), K, softmax_scale * LOG2E, tiles_per_split,
         D, DP, block_h, block_n, n_splits, interpreting(), rd, num_warps=num_warps,
     )  # fmt: skip
     if n_splits > 1:  # its own head blocks: a [block_h, DP] fp32 accumulator of 64 heads spills at 4 warps

@@ -267,6 +267,27 @@ def test_sparse_attention_applies_rope_as_its_own_launches_would(splits: int, dt
     assert torch.equal(kernels.sparse_attention(q, *rest, rope=rope), want)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_and_rope_read_queries_by_their_strides(splits: int) -> None:
+    """Queries that are heads of a column view (wq_b's share of a stacked GEMM's output) give the outputs of the same
+    queries made contiguous: sparse attention (with its RoPE and without) and the RoPE kernel."""
+    B, T, H, D = 2, 3, 5, 96
+    q, *rest = attention_case(generator(18), B, T, H, D, 7, 20, 6)
+    wide = torch.randn(B, T, H * D + 40, generator=generator(19))
+    wide[..., 8 : 8 + H * D] = q.flatten(-2)
+    view = wide[..., 8 : 8 + H * D].unflatten(-1, (H, D))
+    assert not view.is_contiguous()
+    assert torch.equal(view, q)
+    rope = (torch.tensor([[9, 10, 11], [70000, 70001, 70002]]), torch.rand(8, dtype=torch.float64))
+    for r in (None, rope):
+        assert torch.equal(sparse_attention_triton(view, *rest, rope=r, splits=splits),
+                           sparse_attention_triton(q, *rest, rope=r, splits=splits))  # fmt: skip
+    for inverse in (False, True):
+        rotated = kernels.rope_rotate(view, *rope, inverse=inverse, backend="triton")
+        assert rotated.is_contiguous()
+        assert torch.equal(rotated, kernels.rope_rotate(q, *rope, inverse=inverse, backend="triton"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_swa_cast_applies_rope_as_its_own_launch_would(dtype: torch.dtype) -> None:
     """The window latent's RoPE inside the FP8 cast (rows of their own positions, the rows of one program among
@@ -302,6 +323,23 @@ def test_the_swa_cast_norms_and_rotates_as_their_own_launches_would(dtype: torch
     )
     with pytest.raises(ValueError, match="norm weight: expected shape"):
         kernels.quantize_swa_fp8(x, "triton", rope, (norm[0][:64], 1e-6))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_column_view_is_cast_as_its_copy_is(fmt: str, dtype: torch.dtype) -> None:
+    """Rows read by their stride — a column view of a stacked GEMM's output, as the window latent is — give the bytes
+    and scales of the same rows made contiguous (the window cast's RoPE and norm too)."""
+    x = (torch.randn(3, 5, 160, generator=generator(15)) * 4).to(dtype)[..., 32:128]
+    assert not x.is_contiguous()
+    quantize = getattr(kernels, f"quantize_{fmt}")
+    strided, dense = quantize(x, "triton"), quantize(x.contiguous(), "triton")
+    assert all(torch.equal(a, b) for a, b in zip(strided, dense, strict=True))
+    if fmt == "swa_fp8":
+        rope = (torch.randint(0, 1 << 20, (3, 5), generator=generator(16)), torch.rand(16, dtype=torch.float64))
+        norm = ((torch.rand(96, generator=generator(17)) + 0.5).to(dtype), 1e-6)
+        strided, dense = (kernels.quantize_swa_fp8(t, "triton", rope, norm) for t in (x, x.contiguous()))
+        assert all(torch.equal(a, b) for a, b in zip(strided, dense, strict=True))
 
 
 @pytest.mark.parametrize(
