@@ -105,6 +105,7 @@ class Engine:
         self._broken: RequestError | None = None  # the replica failed: every request is refused with it
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self.warmed = threading.Event()  # set once the start-up captures and profile are done
+        self.start_error: str | None = None  # why the start-up failed, when it did: the engine serves nothing then
 
     # ---------------------------------------------------------------------------------------- the RPC side
     @property
@@ -188,9 +189,12 @@ class Engine:
     def _run(self) -> None:
         try:
             self._capture()
-            self._profile()
+            if self.start_error is None:
+                self._profile()
         finally:
             self.warmed.set()
+        if self.start_error is not None:
+            return
         while self.iterate():
             pass
         with self._cond:
@@ -236,7 +240,8 @@ class Engine:
         """Capture every lane's step graphs before the first request (the replica reports SERVING once they and the
         profile are done: `warmed`): a lane's batch sizes up to max_batch, and the speculative lane's drafts and
         verify widths. A rank group's forwards run eagerly (their all-to-all sizes reach the host): nothing to
-        capture."""
+        capture. A failed capture fails the start (`start_error`): torch leaves the CUDA generator of a capture that
+        did not begin in capture mode, so no random draw of the process would work after it."""
         if self.calls.world_size > 1:
             return
         for lane, batch in self.batches.items():
@@ -249,8 +254,10 @@ class Engine:
 
             try:
                 batch.capture(widths, progress)
-            except Exception:  # a bug: the graphs are captured on first use instead
+            except Exception as exc:  # a bug
                 self.log.exception("capture_failed", lane=lane.value)
+                self.start_error = f"the {lane.value} lane's step graphs could not be captured: {exc}"
+                return
 
     def _profile(self) -> None:
         """Seed the step times DSpark's scheduler reads, before the first request."""

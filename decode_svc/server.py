@@ -16,7 +16,7 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.service import DecodeService
 from decode_svc.step_times import StepTimes
 from decode_svc.writeback import WriteBack
-from mesh.grpc_server import Registrar
+from mesh.grpc_server import Registrar, StartError
 from model import Transformer
 from model_service.errors import RequestError
 from model_service.kvstore import KVStore
@@ -68,6 +68,8 @@ class DecodeServer(ModelServer):
         a replica is not SERVING before it can serve at speed)."""
         assert self.engine is not None
         await asyncio.to_thread(self.engine.warmed.wait)
+        if self.engine.start_error is not None:
+            raise StartError(f"decode cannot start: {self.engine.start_error}")
 
     def fail_all(self, error: RequestError) -> None:
         if self.engine is not None:

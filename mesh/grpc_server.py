@@ -84,6 +84,10 @@ class GrpcServer:
         await self._server.wait_for_termination()
 
 
+class StartError(RuntimeError):
+    """A server's start-up work failed in a way it cannot serve past (its message says what and why)."""
+
+
 class Servable(Protocol):
     """Anything `run_until_signal` can run: a `GrpcServer`, or a service object that wraps one."""
 
@@ -148,7 +152,7 @@ def serve_main(
     logger.info("config", **config_dict(cfg))
     try:
         status = asyncio.run(run_until_signal(make_server(cfg), grace_s=getattr(cfg, "grace_s", 30.0)))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, StartError) as exc:
         logger.error("cannot_start", error=str(exc))
         return 1
     return status

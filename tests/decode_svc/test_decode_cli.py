@@ -7,13 +7,15 @@ from collections.abc import Callable
 
 import grpc
 import httpx
+import pytest
 from grpc_health.v1 import health_pb2
 from service_mesh import WAIT_S, Loop, Served, free_port, token_ids
 
 from decode_svc.config import DecodeConfig
 from decode_svc.server import DecodeServer
 from decode_svc.step_times import Forward
-from model import Transformer
+from mesh.grpc_server import StartError
+from model import DecodeBatch, Transformer
 from proto.decode.v1 import decode_pb2, decode_pb2_grpc
 
 
@@ -54,5 +56,25 @@ def test_a_replica_serves_once_its_engine_has_warmed(loop: Loop, models: tuple[T
             stub = decode_pb2_grpc.DecodeStub(channel)
             request = decode_pb2.GenerateRequest(token_ids=token_ids([5, 6, 7]), max_tokens=2)
             assert sum(len(m.token_ids) for m in stub.Generate(request, timeout=WAIT_S)) == 2
+    finally:
+        loop.call(server.stop(1))
+
+
+def test_a_replica_whose_step_graphs_cannot_be_captured_does_not_start(
+    loop: Loop, models: tuple[Transformer, Transformer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture that fails (on a GPU: a bug, after which torch's CUDA generator stays in capture mode and no request
+    could be sampled) fails the start with the lane and the error named — `serve` logs cannot_start and exits 1 —
+    instead of a replica that turns SERVING and fails every request."""
+
+    def refused(batch: DecodeBatch, widths: object, progress: object = None) -> None:
+        raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+
+    monkeypatch.setattr(DecodeBatch, "capture", refused)
+    server = DecodeServer(DecodeConfig(port=0, metrics_port=0, log_level="warning"), model=models[1])
+    try:
+        with pytest.raises(StartError, match="lane's step graphs could not be captured: it->second->use_count"):
+            loop.call(server.start())
+        assert server.port == 0  # no gRPC server was started
     finally:
         loop.call(server.stop(1))
