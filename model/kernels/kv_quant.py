@@ -130,10 +130,9 @@ def _quantize_kernel(
     RD: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """Rows of x x_stride elements apart. FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead
-    of codes and scales. RD > 0: the
-    rows' last RD dims take RoPE first (row r at pos_ptr[r] × freq_ptr), rounded to x's dtype as the RoPE kernel
-    would store them. NORM: before that, RMSNorm with weight w_ptr (`rms_norm_rows`), rounded to x's dtype as the
-    norm would store it."""
+    of codes and scales. RD > 0: the rows' last RD dims take RoPE first (row r at pos_ptr[r] × freq_ptr), rounded to
+    x's dtype as the RoPE kernel would store them. NORM: before that, RMSNorm with weight w_ptr (`rms_norm_rows`),
+    rounded to x's dtype as the norm would store it."""
     BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
     NB: tl.constexpr = D // BLOCK
     NBP: tl.constexpr = DP // BLOCK
