@@ -2,17 +2,19 @@
 peer, speculation off, side by side in one run.
 
     OMP_NUM_THREADS=1 python bench/decode_bench.py [--model model/checkpoints/v41-demo] [--batches 1,8]
-        [--samplings greedy,t1,t1-seeded] [--max-tokens 48] [--repeats 3] [--out bench/out/decode_bench.json]
+        [--samplings greedy,t1,t1-seeded] [--replicas off,measured,full] [--max-tokens 48] [--repeats 3]
+        [--out bench/out/decode_bench.json]
 
-Three decode replicas in this process (decode_svc.server.DecodeServer, no cache, real gRPC on loopback) share one
-loaded model: `off` (--no-speculation), `measured` and `full` (--draft-policy). Each run sends B prompts at once
+Up to three decode replicas in this process (decode_svc.server.DecodeServer, no cache, real gRPC on loopback) share
+one loaded model: `off` (--no-speculation), `measured` and `full` (--draft-policy); `--replicas` picks them (`off`,
+the peer, always). Each logs its start-up time (on a GPU: its step graphs captured). Each run sends B prompts at once
 (held-out conversations of the demo checkpoint's training data, cut before their last answer: train.eval) as token-id
 Generate streams with `max_tokens` and no stop token, so every row decodes the whole budget. Decode tokens/s of a run
 = tokens received after the last stream's first token (every prompt prefilled and joined) / the time from then to the
-last stream's end. Runs interleave: each repeat runs every (batch, sampling) on the three replicas in turn, in a
-rotating order, so a machine whose load changes (other jobs on a shared host) weighs on all three alike; the table
+last stream's end. Runs interleave: each repeat runs every (batch, sampling) on every replica in turn, in a
+rotating order, so a machine whose load changes (other jobs on a shared host) weighs on them alike; the table
 gives the medians. Samplings: greedy; T = 1 (speculative sampling from each row's own generator); T = 1 with a seed
-per row (decode_svc.sampler: tokens fixed per output position, so all three replicas must emit the same tokens).
+per row (decode_svc.sampler: tokens fixed per output position, so every replica must emit the same tokens).
 
 Reported per (replica, batch, sampling): median decode tokens/s and its ratio to `off`, mean accepted length per
 verify (accepted drafts + 1, over the rows a drafted step verified), the share of the speculative lane's steps that
@@ -85,18 +87,21 @@ class Run:
 class Replicas:
     """The decode replicas, serving on a background event loop; `generate` runs one batch of streams on one."""
 
-    def __init__(self, model_spec: str, device: str, max_batch: int) -> None:
+    def __init__(self, model_spec: str, device: str, max_batch: int, names: list[str]) -> None:
         self.model = load_model(model_spec, "full", device=device)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.servers: dict[str, DecodeServer] = {}
         self.stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
-        for name, fields in REPLICAS.items():
+        for name in names:
             cfg = DecodeConfig(
-                model=model_spec, port=0, metrics_port=0, max_batch=max_batch, log_level="warning", **fields
+                model=model_spec, port=0, metrics_port=0, max_batch=max_batch, log_level="warning", **REPLICAS[name]
             )
+            started = time.perf_counter()
             server = self.servers[name] = DecodeServer(cfg, model=self.model)
             self._call(server.start())  # its start-up captures and profile: alone on the GPU, before the next's
+            console.log(f"replica {name} started (graphs captured, step times profiled) in "
+                        f"{time.perf_counter() - started:.1f} s")  # fmt: skip
             self.stubs[name] = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
 
     def _call(self, coro: Any) -> Any:
@@ -201,6 +206,7 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--samplings", default=",".join(SAMPLINGS))
+    parser.add_argument("--replicas", default=",".join(REPLICAS), help=f"of {', '.join(REPLICAS)}; {PEER} is the peer")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out conversations (train.eval)")
@@ -216,15 +222,17 @@ def main() -> int:
     unknown = [s for s in samplings if s not in SAMPLINGS]
     if unknown or min(batches) < 1:
         parser.error(f"batches must be ≥ 1; samplings one of {', '.join(SAMPLINGS)} (got {unknown})")
+    order = [r for r in args.replicas.split(",") if r]
+    if PEER not in order or any(r not in REPLICAS for r in order):
+        parser.error(f"replicas: some of {', '.join(REPLICAS)}, {PEER} among them (got {args.replicas})")
     torch.set_num_threads(args.threads)
     kernels.set_batch_invariant(args.batch_invariant and torch.cuda.is_available())
     configure_logging("decode_bench", level="warning")
 
     prompts = chat_prompts(args.prompt_seed, max(batches))
     console.print(f"model {args.model}; prompts of {[len(p) for p in prompts]} tokens; max_tokens {args.max_tokens}")
-    replicas = Replicas(args.model, args.device, max(batches))
+    replicas = Replicas(args.model, args.device, max(batches), order)
     runs: list[Run] = []
-    order = list(REPLICAS)
     try:
         for name in order:  # first calls pay one-off costs (allocations, lazy initialisation): not measured
             replicas.generate(name, prompts, samplings[0], 4, -1)

@@ -55,7 +55,7 @@ for part in "$@"; do
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
-    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --out "$OUT/decode.json" ;;
+    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --out "$OUT/decode.json" ;;
     constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 64,1 \
                   --steps 12 --rounds 3 --fill-threads 0,1 --schemas 52 --out "$OUT/constraint.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
