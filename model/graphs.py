@@ -225,7 +225,7 @@ class StepGraphs:
             run(b, T, False)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with self._recording(graph):
             outputs, step = run(b, T, True)
         return self._keep(key, Captured(graph, outputs, step))
 
@@ -236,9 +236,15 @@ class StepGraphs:
         assert step is not None, "a verify graph holds its step"
         step.write(self._nothing(key[1]))  # the warm-up: the commit's kernels compile, nothing is kept
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with self._recording(graph):
             self._commit(key[1], step)
         return self._keep(key, Captured(graph, ()))
+
+    def _recording(self, graph: torch.cuda.CUDAGraph) -> torch.cuda.graph:
+        """Capture into `graph` from this batch's pool. Only this thread's unsafe CUDA calls may void it
+        ("thread_local"): a capture runs on the engine's thread whenever a bucket is first used or the cache moved,
+        while other threads may be copying finished sequences' blocks to the host for their write-back."""
+        return torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")
 
     def _commit(self, b: int, step: Step) -> None:
         keep = torch.where(self._real(b), self.keep[:b], 0)  # padding rows keep nothing, whatever the buffer holds

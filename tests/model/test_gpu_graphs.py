@@ -5,6 +5,7 @@ nowhere but at the end of a verify, and neither capture nor compile anything aft
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -191,6 +192,28 @@ def test_steps_after_the_cache_moves_capture_anew_and_give_the_eager_logits(smal
     assert graphed.graphs.captures == 4  # bucket 4 once more, after the growth
     assert worst < 2e-2, worst
     assert torch.randn(8, device="cuda").isfinite().all()
+
+
+def test_a_capture_beside_a_thread_copying_to_the_host_succeeds(small):
+    """A capture runs on the engine's thread while another may be copying finished sequences' blocks to the host
+    (the write-back serialises them on a worker thread): that thread's copies must not void the capture."""
+    batch = DecodeBatch(small, 2, graphs=True)
+    blocks = torch.randn(1 << 16, device="cuda")
+    stop, copies = threading.Event(), []
+
+    def write_back() -> None:
+        while not stop.is_set():
+            copies.append(blocks.cpu().shape[0])
+
+    thread = threading.Thread(target=write_back)
+    thread.start()
+    try:
+        batch.capture(())  # buckets 1 and 2
+    finally:
+        stop.set()
+        thread.join()
+    assert batch.graphs.captures == 2
+    assert copies  # the copying thread ran
 
 
 def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
