@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model import activation, norm, quant
+from model.kernels.formats import unit_stride
 from model.kernels.kv_quant import SWA_BLOCK, rms_norm_rows, store_fp8
 
 _TILE_ELEMENTS = 4096  # fp32 values per program held in registers
@@ -66,7 +67,7 @@ def norm_cast_triton(X: Tensor, pre: Tensor | None, weight: Tensor, eps: float) 
     if M:
         CP = triton.next_power_of_2(C)
         block_m = max(1, _TILE_ELEMENTS // CP)
-        X = _rows(X.reshape(-1, C)) if pre is None else X.contiguous()  # a column view of a GEMM output stays one
+        X = unit_stride(X.reshape(-1, C)) if pre is None else X.contiguous()
         pre_rows = X if pre is None else pre.contiguous()
         _norm_cast_kernel[(triton.cdiv(M, block_m),)](
             X, pre_rows, weight.contiguous(), y, data, scale, M, X.stride(0), eps, N, C, CP, block_m, num_warps=4
@@ -101,15 +102,10 @@ def swiglu_cast_triton(gate: Tensor, up: Tensor, limit: float) -> tuple[Tensor, 
     if M:
         IP = triton.next_power_of_2(I)
         block_m = max(1, _TILE_ELEMENTS // IP)
-        gate, up = _rows(gate), _rows(up)
+        gate, up = unit_stride(gate), unit_stride(up)
         if gate.stride(0) != up.stride(0):
             gate, up = gate.contiguous(), up.contiguous()
         _swiglu_cast_kernel[(triton.cdiv(M, block_m),)](
             gate, up, data, scale, M, gate.stride(0), float(limit), I, IP, block_m, num_warps=4
         )
     return data, scale
-
-
-def _rows(t: Tensor) -> Tensor:
-    """t [M, I] with unit column stride (a column view of a wider GEMM output stays a view)."""
-    return t if t.stride(1) == 1 else t.contiguous()

@@ -263,6 +263,12 @@ def dense_rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t with a dense last dimension, any strides before it: a column view of a wider GEMM's output stays a view (a
+    kernel reads its rows by their stride), anything else is copied dense."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (where low-precision tl.dot is unreliable: kernels dot in fp32)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model import mhc
+from model.kernels.formats import unit_stride
 
 _BLOCK_R = 16
 _BLOCK_K = 64
@@ -146,9 +147,7 @@ def _coefficients(
     expand: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     lead = X.shape[:-2]
-    x = X.reshape(-1, X.shape[-2] * X.shape[-1])
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = unit_stride(X.reshape(-1, X.shape[-2] * X.shape[-1]))
     (R, K), M = x.shape, fn.shape[0]
     M_PAD, split_k = triton.next_power_of_2(M), _BLOCK_K * triton.cdiv(K, _BLOCK_K * _MAX_SPLITS)
     splits = triton.cdiv(K, split_k)

@@ -28,6 +28,7 @@ from model.kernels.formats import (
     interpreting,
     ue8m0_decode,
     ue8m0_encode,
+    unit_stride,
 )
 from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch, rope_values
 from model.norm import rms_norm
@@ -241,9 +242,7 @@ def quantize_triton(
     block = _BLOCKS[fmt]
     quant.check_block(x, block, "quantize")
     D = x.shape[-1]
-    x2 = x.reshape(-1, D)  # a column view of a wider GEMM output stays a view: the kernel reads rows by their stride
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = unit_stride(x.reshape(-1, D))
     M = x2.shape[0]
     width = D if fmt == FP8_UE8M0.value else D // 2
     data = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from model.kernels.formats import unit_stride
+
 _BLOCK_ELEMENTS = 4096
 
 
@@ -111,9 +113,7 @@ def rope_rotate_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: 
     rotary dims (the model's 64)."""
     D, RD = x.shape[-1], inv_freq.shape[0] * 2
     pos = positions.expand(x.shape[: positions.dim()]).reshape(-1).contiguous()  # one position per row of x3
-    x3 = x.reshape(max(pos.shape[0], 1), -1, D)  # [P, heads, D]; a column view of a GEMM output stays a view
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
+    x3 = unit_stride(x.reshape(max(pos.shape[0], 1), -1, D))  # [P, heads, D]
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     if x.numel():
         H = x3.shape[1]

@@ -30,7 +30,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from model.kernels.formats import dense_rows, e2m1_decode, e4m3_decode, interpreting, multiprocessors, ue8m0_decode
+from model.kernels.formats import (
+    dense_rows,
+    e2m1_decode,
+    e4m3_decode,
+    interpreting,
+    multiprocessors,
+    ue8m0_decode,
+    unit_stride,
+)
 from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
 from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch
@@ -290,9 +298,7 @@ def sparse_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    q3 = q.reshape(B * T, H, D)  # a column view of a GEMM output stays a view: the kernel reads rows by their stride
-    if q3.stride(-1) != 1:
-        q3 = q3.contiguous()
+    q3 = unit_stride(q.reshape(B * T, H, D))
     DP = triton.next_power_of_2(D)
     block_n = block_n or (16 if interpreting() else 64)
     block_h = block_h or min(_MAX_HEADS, triton.next_power_of_2(H))
