@@ -14,13 +14,16 @@ For each preset, over the same random prompt:
 Prints a table, writes JSON (default bench/out/model_bench.json). Imports only torch and the model.
 
     python bench/model_bench.py --decode-step --baseline 7cfa99c     # the decode step, ours vs a git revision
+    python bench/model_bench.py --decode-step --temperature 1 --top-p 0.9 --presets tiny,model/checkpoints/v41-demo
 
-The decode-step section times one `decode_step` and one `dspark_draft` + `verify` round (greedy, full width) on a
-filled DecodeBatch (a prompt joined, forked to the batch), and one `join_many` of B prompts (one decoder bounded
-replay forward; the lane is emptied, untimed, between calls), per preset and batch B, together with the aten ops one
-call dispatches (torch.profiler): the host work of a step. The peer is the same code path at another git revision
-(checked out into a temporary worktree); ours and the peer run in alternating child processes, `--rounds` times,
-and each figure is the median over rounds (CPU time of the child: the shared cores' other load does not count).
+The decode-step section times one `decode_step`, the sampling of its logits (`SamplingParams.probs` and `sample`, at
+`--temperature`, `--top-k`, `--top-p`; greedy by default), one `dspark_draft` + `verify` round (full width, the same
+sampling) on a filled DecodeBatch (a prompt joined, forked to the batch), and one `join_many` of B prompts (one
+decoder bounded replay forward; the lane is emptied, untimed, between calls), per preset and batch B, together with
+the aten ops one call dispatches (torch.profiler): the host work of a step. The peer is the same code path at
+another git revision (checked out into a temporary worktree); ours and the peer run in alternating child processes,
+`--rounds` times, and each figure is the median over rounds (CPU time of the child: the shared cores' other load does
+not count).
 """
 
 from __future__ import annotations
@@ -148,25 +151,33 @@ def table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- decode step
-SECTION_CALLS = ("decode_step", "draft_verify", "join")
+SECTION_CALLS = ("decode_step", "sample", "draft_verify", "join")
 
 
-def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.device, dtype: torch.dtype) -> dict:
-    """Median CPU seconds of a decode step, of a draft + verify round and of joining `batch` prompts in one decoder
-    replay (`join_many`, what a decode engine runs for an iteration's arrivals), and the aten ops each dispatches."""
+def step_costs(
+    name: str, batch: int, prompt: int, steps: int, device: torch.device, dtype: torch.dtype, sampled: tuple, keys: list
+) -> dict:
+    """Median CPU seconds of a decode step, of sampling its logits, of a draft + verify round and of joining `batch`
+    prompts in one decoder replay (`join_many`, what a decode engine runs for an iteration's arrivals), and the aten
+    ops each dispatches, for the calls named in `keys`; `sampled`: (temperature, top_k, top_p)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from model import SamplingParams
+    from model import SamplingParams, sample
+    from model.checkpoint import load_checkpoint
 
-    model = build_model(preset(name), seed=0, device=device, dtype=dtype)
+    if Path(name).is_dir():  # a checkpoint: trained distributions, as the served model samples them
+        model = load_checkpoint(name, device=device, dtype=dtype)
+    else:
+        model = build_model(preset(name), seed=0, device=device, dtype=dtype)
     tokens = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
     out = encode_prefill(model, tokens.to(device), chunk_tokens=256)
     b = DecodeBatch(model, capacity=batch)
     seq, _ = b.join(out.blocks, out.encoder_state)
     for _ in range(batch - 1):
         b.fork(seq)
-    ids, sampling = [1] * batch, SamplingParams.uniform(batch)
+    ids, sampling = [1] * batch, SamplingParams.uniform(batch, *sampled)
     lane = DecodeBatch(model, capacity=batch)
+    logits = b.decode_step(ids)
 
     def speculate() -> None:
         b.verify(ids, b.dspark_draft(ids, sampling), sampling)
@@ -178,9 +189,14 @@ def step_costs(name: str, batch: int, prompt: int, steps: int, device: torch.dev
         for s in list(lane.seq_ids):
             lane.leave(s)
 
-    row = {"preset": name, "batch": batch, "prompt_tokens": prompt}
-    calls = (("decode_step", lambda: b.decode_step(ids)), ("draft_verify", speculate), ("join", join))
-    for key, fn in calls:
+    row = {"preset": Path(name).name, "batch": batch, "prompt_tokens": prompt}
+    calls = (
+        ("decode_step", lambda: b.decode_step(ids)),
+        ("sample", lambda: sample(sampling.probs(logits))),
+        ("draft_verify", speculate),
+        ("join", join),
+    )
+    for key, fn in (call for call in calls if call[0] in keys):
         times = []
         for _ in range(steps + 1):  # the first call warms up
             start = time.process_time()
@@ -199,6 +215,8 @@ def child(ns: argparse.Namespace, tree: Path) -> list[dict]:
     """One round of the decode-step section in a child process importing the model from `tree`."""
     argv = [sys.executable, __file__, "--decode-step-child", "--presets", ns.presets, "--batches", ns.batches]
     argv += ["--prompt", str(ns.prompt), "--steps", str(ns.steps), "--device", ns.device, "--dtype", ns.dtype]
+    argv += ["--temperature", str(ns.temperature), "--top-k", str(ns.top_k), "--top-p", str(ns.top_p)]
+    argv += ["--calls", ns.calls]
     env = {**os.environ, "MODEL_BENCH_TREE": str(tree), "OMP_NUM_THREADS": str(ns.threads)}
     done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.splitlines()[-1])
@@ -219,7 +237,7 @@ def decode_step_section(ns: argparse.Namespace) -> list[dict]:
     rows = []
     for i, ours in enumerate(rounds[0][0]):
         row = {k: ours[k] for k in ("preset", "batch", "prompt_tokens")}
-        for key in SECTION_CALLS:
+        for key in ns.calls.split(","):
             for side, j in (("ours", 0), ("peer", 1)):
                 row[f"{key}_{side}_s"] = statistics.median(r[j][i][f"{key}_s"] for r in rounds)
                 row[f"{key}_{side}_aten_ops"] = rounds[0][j][i][f"{key}_aten_ops"]
@@ -228,14 +246,14 @@ def decode_step_section(ns: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def decode_step_table(rows: list[dict], baseline: str) -> str:
+def decode_step_table(rows: list[dict], baseline: str, keys: list[str]) -> str:
     head = f"{'preset':<6} {'B':>3}"
-    for key in SECTION_CALLS:
+    for key in keys:
         head += f" | {key + ' ms':>16} {baseline[:10]:>10} {'×':>5} {'aten ops':>15}"
     lines = [head, "-" * len(head)]
     for r in rows:
         line = f"{r['preset']:<6} {r['batch']:>3}"
-        for key in SECTION_CALLS:
+        for key in keys:
             ops = f"{r[f'{key}_ours_aten_ops']}/{r[f'{key}_peer_aten_ops']}"
             line += (
                 f" | {r[f'{key}_ours_s'] * 1e3:>16.1f} {r[f'{key}_peer_s'] * 1e3:>10.1f} {r[f'{key}_speedup']:>5.2f}"
@@ -247,7 +265,7 @@ def decode_step_table(rows: list[dict], baseline: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="tiny,small", help="comma-separated presets")
+    parser.add_argument("--presets", default="tiny,small", help="comma-separated presets (decode step: or checkpoints)")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
     parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement")
@@ -260,17 +278,25 @@ def main() -> int:
     parser.add_argument("--baseline", default="HEAD", help="git revision of the decode-step peer")
     parser.add_argument("--batches", default="1,8", help="decode-step batch sizes")
     parser.add_argument("--rounds", type=int, default=5, help="alternating decode-step rounds (median)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="decode-step sampling (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="decode-step sampling (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="decode-step sampling (1: off)")
+    parser.add_argument("--calls", default=",".join(SECTION_CALLS), help="decode-step calls to time (comma-separated)")
     parser.add_argument("--decode-step-child", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if unknown := set(ns.calls.split(",")) - set(SECTION_CALLS):
+        parser.error(f"--calls: unknown {sorted(unknown)}; choose from {', '.join(SECTION_CALLS)}")
     torch.set_num_threads(ns.threads)
     device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
     if ns.decode_step_child:
         grid = [(p, int(b)) for p in ns.presets.split(",") for b in ns.batches.split(",")]
-        print(json.dumps([step_costs(p, b, ns.prompt, ns.steps, device, dtype) for p, b in grid]))
+        sampled = (ns.temperature, ns.top_k, ns.top_p)
+        keys = ns.calls.split(",")
+        print(json.dumps([step_costs(p, b, ns.prompt, ns.steps, device, dtype, sampled, keys) for p, b in grid]))
         return 0
     if ns.decode_step:
         rows = decode_step_section(ns)
-        print(decode_step_table(rows, ns.baseline))
+        print(decode_step_table(rows, ns.baseline, ns.calls.split(",")))
         ns.out = ns.out or "bench/out/model_bench_decode_step.json"
     else:
         rows = [bench(name, ns.prompt, ns.chunk, ns.steps, device, dtype, ns.repeat) for name in ns.presets.split(",")]

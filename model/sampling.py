@@ -54,13 +54,20 @@ class SamplingParams:
             kth = scaled.topk(widest, dim=-1).values.gather(-1, (k - 1).clamp_min(0))
             scaled = torch.where((k > 0) & (scaled < kth), -torch.inf, scaled)
         probs = scaled.softmax(-1)
-        p = self.top_p.to(logits.device, non_blocking=True).view(shape)
         if bool((self.top_p < 1).any()):
-            sorted_probs, order = probs.sort(-1, descending=True)
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= p  # keep the smallest prefix reaching top_p
-            probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-            probs = probs / probs.sum(-1, keepdim=True)
+            probs = nucleus(probs, self.top_p.to(logits.device, non_blocking=True).view(shape))
         return torch.where(t > 0, probs, greedy)
+
+
+def nucleus(probs: Tensor, top_p: Tensor) -> Tensor:
+    """probs [..., V] cut to each row's nucleus and renormalised: the tokens at least as likely as the one whose
+    inclusion brings the mass of the likelier ones to top_p (broadcast against probs; ties at the cut all kept, so
+    the set depends on no sort order; rows with top_p ≥ 1 keep every token). One sort of the values, a cumulative sum
+    and a comparison with the cut's value: no host read, and no scatter of the sorted values back into place."""
+    largest = probs.sort(-1, descending=True).values
+    at = (largest.cumsum(-1) < top_p).sum(-1, keepdim=True).clamp_max(probs.shape[-1] - 1)
+    kept = torch.where((probs >= largest.gather(-1, at)) | (top_p >= 1), probs, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def _per_row(generator: Generators, rows: int) -> Sequence[torch.Generator | None] | None:

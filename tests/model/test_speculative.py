@@ -10,6 +10,7 @@ import torch
 
 from model import DecodeBatch, Draft, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
+from model.sampling import nucleus
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -78,6 +79,35 @@ def test_sampling_params_filters(gen):
     full = torch.softmax(logits[2] / 0.7, -1)
     assert float(full[kept].sum()) >= 0.5 > float(full[kept].sum() - full[kept].min())
     torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+
+
+def test_a_nucleus_keeps_the_tokens_whose_likelier_ones_fall_short_of_top_p(gen):
+    """Against the definition, token by token: a token is kept when the tokens strictly likelier than it hold less
+    than top_p. Rows: peaked, nearly flat, a tie across the cut, top_p 1 (every token kept), a plateau of 1,500 —
+    at a [B, T, V] shape as a verify samples; a row's nucleus is the same alone as in its batch."""
+    V = 5000
+    logits = torch.randn(5, 2, V, generator=gen, dtype=torch.float64) * 4
+    logits[1] = torch.rand(2, V, generator=gen, dtype=torch.float64) * 0.01  # nearly flat: 0.9 needs ~4,500 tokens
+    logits[4] = torch.rand(2, V, generator=gen, dtype=torch.float64) * 0.01
+    logits[4, :, :1500] += 8.0  # 0.8 needs ~1,200 tokens
+    logits[2] = torch.randn(2, V, generator=gen, dtype=torch.float64) * 0.5
+    logits[2, :, :4] = torch.tensor([10.0, 9.0, 9.0, 9.0], dtype=torch.float64)  # 0.42 alone, 0.89 with the tie
+    probs = logits.float().softmax(-1)
+    top_p = torch.tensor([0.8, 0.9, 0.5, 1.0, 0.8]).view(-1, 1, 1)
+    got = nucleus(probs, top_p)
+    likelier = (probs.unsqueeze(-2) * (probs.unsqueeze(-2) > probs.unsqueeze(-1))).sum(-1)  # [B, T, V]
+    margin = 1e-5  # the cumulative sums' rounding: a token this close to the cut may go either way
+    assert torch.all((got > 0) | (likelier >= top_p - margin))
+    assert torch.all((got == 0) | (likelier < top_p + margin))
+    assert int((got[1] > 0).sum(-1).min()) > 4000
+    assert torch.all(got[2, :, 1:4] > 0)  # the three tied at the cut all kept
+    assert torch.all(got[2, :, 4:] == 0)
+    assert torch.all(got[3] > 0)
+    assert 1000 < int((got[4] > 0).sum(-1).min()) <= int((got[4] > 0).sum(-1).max()) < 1500
+    torch.testing.assert_close(got.sum(-1), torch.ones(5, 2))
+    assert torch.equal(nucleus(probs[4:], top_p[4:]), got[4:])
+    kept = got > 0
+    torch.testing.assert_close(got, torch.where(kept, probs, 0) / (probs * kept).sum(-1, keepdim=True))
 
 
 def test_an_all_greedy_batch_gives_the_one_hots_of_a_mixed_one(gen):
