@@ -367,8 +367,8 @@ def check_activations(c: Checks, rows: int) -> None:
                                        for be in ("triton", "torch"))  # fmt: skip
     # judged in fp64: a chosen expert may fall short of the 6th best biased score by fp32 rounding only
     scores = torch.nn.functional.softplus(x.double() @ gate.double().T).sqrt()
-    sixth = (scores + bias.double()).topk(6, dim=1).values[:, 5]
-    short = float((sixth - (scores + bias.double()).gather(1, got_ids).min(1).values).max())
+    biased = scores + bias.double()
+    short = float((biased.topk(6, dim=1).values[:, 5] - biased.gather(1, got_ids).min(1).values).max())
     exact = scores.gather(1, got_ids)
     worst = float((got_w.double() - exact / exact.sum(1, keepdim=True) * 2.5).abs().max())
     differ, ascending = int((got_ids != want_ids).any(1).sum()), bool((got_ids.diff(dim=1) > 0).all())

@@ -62,8 +62,8 @@ class SamplingParams:
 def nucleus(probs: Tensor, top_p: Tensor) -> Tensor:
     """probs [..., V] cut to each row's nucleus and renormalised: the tokens at least as likely as the one whose
     inclusion brings the mass of the likelier ones to top_p (broadcast against probs; ties at the cut all kept, so
-    the set depends on no sort order; rows with top_p ≥ 1 keep every token). One sort of the values, a cumulative sum
-    and a comparison with the cut's value: no host read, and no scatter of the sorted values back into place."""
+    the set depends on no sort order; rows with top_p ≥ 1 keep every token): a sort of the values alone, a cumulative
+    sum and a comparison with the cut's value, with no host read."""
     largest = probs.sort(-1, descending=True).values
     at = (largest.cumsum(-1) < top_p).sum(-1, keepdim=True).clamp_max(probs.shape[-1] - 1)
     kept = torch.where((probs >= largest.gather(-1, at)) | (top_p >= 1), probs, 0.0)
