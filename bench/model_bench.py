@@ -177,7 +177,7 @@ def step_costs(
         b.fork(seq)
     ids, sampling = [1] * batch, SamplingParams.uniform(batch, *sampled)
     lane = DecodeBatch(model, capacity=batch)
-    logits = b.decode_step(ids)
+    logits = b.decode_step(ids) if "sample" in keys else None
 
     def speculate() -> None:
         b.verify(ids, b.dspark_draft(ids, sampling), sampling)
@@ -216,7 +216,7 @@ def child(ns: argparse.Namespace, tree: Path) -> list[dict]:
     argv = [sys.executable, __file__, "--decode-step-child", "--presets", ns.presets, "--batches", ns.batches]
     argv += ["--prompt", str(ns.prompt), "--steps", str(ns.steps), "--device", ns.device, "--dtype", ns.dtype]
     argv += ["--temperature", str(ns.temperature), "--top-k", str(ns.top_k), "--top-p", str(ns.top_p)]
-    argv += ["--calls", ns.calls]
+    argv += ["--calls", ",".join(ns.calls)]
     env = {**os.environ, "MODEL_BENCH_TREE": str(tree), "OMP_NUM_THREADS": str(ns.threads)}
     done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.splitlines()[-1])
@@ -237,7 +237,7 @@ def decode_step_section(ns: argparse.Namespace) -> list[dict]:
     rows = []
     for i, ours in enumerate(rounds[0][0]):
         row = {k: ours[k] for k in ("preset", "batch", "prompt_tokens")}
-        for key in ns.calls.split(","):
+        for key in ns.calls:
             for side, j in (("ours", 0), ("peer", 1)):
                 row[f"{key}_{side}_s"] = statistics.median(r[j][i][f"{key}_s"] for r in rounds)
                 row[f"{key}_{side}_aten_ops"] = rounds[0][j][i][f"{key}_aten_ops"]
@@ -284,19 +284,19 @@ def main() -> int:
     parser.add_argument("--calls", default=",".join(SECTION_CALLS), help="decode-step calls to time (comma-separated)")
     parser.add_argument("--decode-step-child", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    if unknown := set(ns.calls.split(",")) - set(SECTION_CALLS):
+    ns.calls = ns.calls.split(",")
+    if unknown := set(ns.calls) - set(SECTION_CALLS):
         parser.error(f"--calls: unknown {sorted(unknown)}; choose from {', '.join(SECTION_CALLS)}")
     torch.set_num_threads(ns.threads)
     device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
     if ns.decode_step_child:
         grid = [(p, int(b)) for p in ns.presets.split(",") for b in ns.batches.split(",")]
         sampled = (ns.temperature, ns.top_k, ns.top_p)
-        keys = ns.calls.split(",")
-        print(json.dumps([step_costs(p, b, ns.prompt, ns.steps, device, dtype, sampled, keys) for p, b in grid]))
+        print(json.dumps([step_costs(p, b, ns.prompt, ns.steps, device, dtype, sampled, ns.calls) for p, b in grid]))
         return 0
     if ns.decode_step:
         rows = decode_step_section(ns)
-        print(decode_step_table(rows, ns.baseline, ns.calls.split(",")))
+        print(decode_step_table(rows, ns.baseline, ns.calls))
         ns.out = ns.out or "bench/out/model_bench_decode_step.json"
     else:
         rows = [bench(name, ns.prompt, ns.chunk, ns.steps, device, dtype, ns.repeat) for name in ns.presets.split(",")]

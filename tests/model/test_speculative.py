@@ -88,14 +88,16 @@ def test_a_nucleus_keeps_the_tokens_whose_likelier_ones_fall_short_of_top_p(gen)
     V = 5000
     logits = torch.randn(5, 2, V, generator=gen, dtype=torch.float64) * 4
     logits[1] = torch.rand(2, V, generator=gen, dtype=torch.float64) * 0.01  # nearly flat: 0.9 needs ~4,500 tokens
-    logits[4] = torch.rand(2, V, generator=gen, dtype=torch.float64) * 0.01
-    logits[4, :, :1500] += 8.0  # 0.8 needs ~1,200 tokens
     logits[2] = torch.randn(2, V, generator=gen, dtype=torch.float64) * 0.5
     logits[2, :, :4] = torch.tensor([10.0, 9.0, 9.0, 9.0], dtype=torch.float64)  # 0.42 alone, 0.89 with the tie
+    logits[4] = torch.rand(2, V, generator=gen, dtype=torch.float64) * 0.01
+    logits[4, :, :1500] += 8.0  # 0.8 needs ~1,200 tokens
     probs = logits.float().softmax(-1)
     top_p = torch.tensor([0.8, 0.9, 0.5, 1.0, 0.8]).view(-1, 1, 1)
     got = nucleus(probs, top_p)
-    likelier = (probs.unsqueeze(-2) * (probs.unsqueeze(-2) > probs.unsqueeze(-1))).sum(-1)  # [B, T, V]
+    ascending = probs.double().sort(-1).values  # the mass strictly above each token, in fp64: a suffix sum
+    above = torch.cat((ascending.flip(-1).cumsum(-1).flip(-1), ascending.new_zeros(5, 2, 1)), -1)
+    likelier = above.gather(-1, torch.searchsorted(ascending, probs.double(), right=True))
     margin = 1e-5  # the cumulative sums' rounding: a token this close to the cut may go either way
     assert torch.all((got > 0) | (likelier >= top_p - margin))
     assert torch.all((got == 0) | (likelier < top_p + margin))
