@@ -43,6 +43,7 @@ from model.shared_tables import SharedTables
 from model.transformer import Part, Transformer
 
 _BLOCK = 32  # FP8 weight blocks are 32×32 (quantization_config.weight_block_size)
+_ROWS_CHUNK = 1 << 22  # values an 'fp8_rows' table quantises at a time: its fp32 temporaries stay at 16 MiB each
 BYTE_DTYPES = {  # the stored dtypes of packed bytes, as released
     "fp8": torch.float8_e4m3fn,
     "scale": torch.float8_e8m0fnu,
@@ -86,9 +87,23 @@ def quantize_weight(w: Tensor, fmt: str, block: int = _BLOCK) -> tuple[Tensor, T
     if fmt == "fp4":
         return quant.fp4_quant_ue8m0(w, block=block)
     if fmt == "fp8_rows":
-        data, scale = quant.fp8_quant(w, block=_BLOCK)
+        data, scale = _fp8_rows(w)
         return data.view(torch.float8_e4m3fn), scale
     raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def _fp8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """`quant.fp8_quant` of a table [rows, D], a few million values at a time: an Engram table holds up to hundreds of
+    millions of rows, whose fp32 temporaries at once would outgrow the table itself many times over. Rows quantise
+    alone, so the result is the whole table's."""
+    rows = max(1, _ROWS_CHUNK // max(1, w.shape[-1]))
+    if w.shape[0] <= rows:
+        return quant.fp8_quant(w, block=_BLOCK)
+    data = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
+    scale = torch.empty((*w.shape[:-1], w.shape[-1] // _BLOCK), dtype=torch.uint8, device=w.device)
+    for lo in range(0, w.shape[0], rows):
+        data[lo : lo + rows], scale[lo : lo + rows] = quant.fp8_quant(w[lo : lo + rows], block=_BLOCK)
+    return data, scale
 
 
 def dequantize_weight(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import build_model, model_fingerprint, preset
+from model import build_model, model_fingerprint, preset, quant
 from model.linear import Fp8Linear, Fp8Rows, Linear
 from model.moe import Experts, PackedExperts
-from model.weights import checkpoint_views, dequantize_weight, state_tensors, weight_bytes
+from model.weights import checkpoint_views, dequantize_weight, quantize_weight, state_tensors, weight_bytes
 
 
 def test_packed_form_holds_checkpoint_bytes_only(narrow, narrow_args):
@@ -44,6 +44,18 @@ def test_packed_and_float_forms_compute_the_same(tiny, tiny_float, tokens):
         fmt = "fp4" if ".experts." in name else "fp8"
         decoded = dequantize_weight(views[f"{name}.weight"], views[f"{name}.scale"], fmt, torch.float64)
         assert torch.equal(decoded, tiny_float.get_parameter(f"{name}.weight")), name
+
+
+def test_a_table_quantised_a_few_million_values_at_a_time_is_the_whole_tables_quantisation():
+    """An Engram table beyond one chunk of `fp8_rows` quantisation (≈ 4 M values; here 5.2 M in rows whose amax
+    spans 2^±20, some all zero) gives the bytes and scales of the table quantised at once."""
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(20_483, 256, generator=g) * torch.exp2(torch.randint(-20, 21, (20_483, 1), generator=g))
+    table[::997] = 0.0
+    data, scale = quantize_weight(table, "fp8_rows")
+    whole, whole_scale = quant.fp8_quant(table, block=32)
+    assert torch.equal(data.view(torch.uint8), whole)
+    assert torch.equal(scale, whole_scale)
 
 
 @pytest.mark.parametrize("preset_name", ["tiny", "demo"])
