@@ -17,9 +17,10 @@
   and how many drafts it verifies, is DSpark's hardware-aware scheduler's call (scheduler.py), on the step times this
   engine measures (step_times.py: seeded by a short profile when the thread starts, then every step adds a sample):
   speculation must never make decoding slower.
-- **Deliver**: tokens go to the sequence's outbox at once (the stream sends them); a stop token or the output budget
-  finishes it. A finished sequence leaves its batch, and its new blocks + end-of-sequence SWA record are handed to
-  `write_back` (asynchronous: the final message never waits for the cache).
+- **Deliver**: a step's tokens go to their sequences' outboxes when the step ends (the streams send them), posted
+  to the event loop in one wake-up for the whole batch (`Mail`); a stop token or the output budget finishes it. A
+  finished sequence leaves its batch, and its new blocks + end-of-sequence SWA record are handed to `write_back`
+  (asynchronous: the final message never waits for the cache).
 - **Abort** (the RPC, a cancelled stream, the replica stopping) frees the sequence between two steps.
 
 The RPC side talks to the thread through `register` / `submit` / `abort` (thread-safe); outputs flow back through
@@ -44,7 +45,7 @@ from decode_svc.masking import admitted
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, random_generator, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
-from decode_svc.sequence import Delta, End, Failure, Lane, Sequence, State
+from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, trim
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
@@ -94,6 +95,7 @@ class Engine:
         self.generator = random_generator(model.device)  # every row's noise (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
+        self.mail = Mail()  # what the streams get, sent after each step and at the end of an iteration
         metrics.draft_trust.set(self.scheduler.trust)
         # Shared with the RPC side, under the condition's lock:
         self._cond = threading.Condition(threading.RLock())
@@ -203,6 +205,7 @@ class Engine:
         for seq in left:
             seq.abort_reason = seq.abort_reason or "shutdown"
             self._abort(seq)
+        self.mail.send()
 
     def iterate(self) -> bool:
         """One iteration of the engine thread's loop (waiting for work first); False once the engine is stopping.
@@ -234,6 +237,7 @@ class Engine:
             self._step(lane)
         if stepping:  # the calibration forgets per batch step, not per chunk of a prefill running alone
             self.calibration.tick()
+        self.mail.send()  # aborts, failures and a prefill's first tokens
         return True
 
     def _capture(self) -> None:
@@ -375,6 +379,7 @@ class Engine:
                 if seq.state is State.RUNNING:
                     self._leave(seq, State.FAILED)
             self._fail(seqs, f"decode could not sample the first token: {exc}")
+        self.mail.send()
 
     def _step(self, lane: Lane) -> None:
         batch = self.batches[lane]
@@ -394,6 +399,7 @@ class Engine:
             self.log.exception("step_failed", lane=lane.value, batch=len(rows))
             self._fail(rows, f"the decode engine failed: {exc}", exc)
             self.batches[lane], self.rows[lane] = self._new_batch(), {}
+        self.mail.send()  # the lane's tokens go out before the next lane steps
 
     def _new_batch(self) -> DecodeBatch | SpreadBatch:
         """A lane's batch, holding max_batch rows (per rank of a group) from the start (its step graphs are never
@@ -477,7 +483,7 @@ class Engine:
         p = seq.params
         logprobs = token_logprobs(logits, out, p.top_logprobs) if p.logprobs else None
         self.metrics.tokens.inc(len(out))
-        seq.outbox.put(Delta(out, logprobs))
+        self.mail.put(seq.outbox, Delta(out, logprobs))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -492,7 +498,7 @@ class Engine:
         # Verification committed the prompt and the emitted tokens, but for the last one unless it was a draft.
         covered = (seq.prompt.token_ids + seq.output)[: export.encoder_state.position]
         self.write_back(seq, covered, export.blocks, export.encoder_state)
-        seq.outbox.put(End(reason, seq.usage()))
+        self.mail.put(seq.outbox, End(reason, seq.usage()))
 
     def _abort(self, seq: Sequence) -> None:
         if not seq.live:
@@ -504,18 +510,21 @@ class Engine:
             self._unregister(seq, State.ABORTED)
         self.metrics.aborts.labels(seq.abort_reason).inc()
         self.log.info("aborted", request_id=seq.request_id, reason=seq.abort_reason, tokens=len(seq.output))
-        seq.outbox.put(End(decode_pb2.FINISH_REASON_ABORT, seq.usage()))
+        self.mail.put(seq.outbox, End(decode_pb2.FINISH_REASON_ABORT, seq.usage()))
 
     def _fail(self, rows: list[Sequence], message: str, cause: Exception | None = None) -> None:
         """End `rows` with an error: INTERNAL, or the status of a `RequestError` cause (UNAVAILABLE: the replica's
-        rank group failed, so another replica may serve them)."""
+        rank group failed, so another replica may serve them). Sent at once, after what was put before it: a sequence
+        leaves the registry here, so a failing group's `fail_all` no longer reaches it, and the replica may stop
+        before the step ends."""
         code = cause.code if isinstance(cause, RequestError) else grpc.StatusCode.INTERNAL
         if isinstance(cause, RequestError):
             message = cause.message
         for seq in rows:
             if seq.live or seq.state is State.FAILED:
                 self._unregister(seq, State.FAILED)
-                seq.outbox.put(Failure(message, code))
+                self.mail.put(seq.outbox, Failure(message, code))
+        self.mail.send()
 
     def _leave(self, seq: Sequence, state: State):
         assert seq.lane is not None

@@ -129,23 +129,58 @@ class Failure:
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL  # UNAVAILABLE: the replica failed, another one may serve it
 
 
+Item = Delta | End | Failure
+
+
 class Outbox:
     """Engine thread → the RPC's event loop. `get()` waits for the next items and takes every one queued."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue[Delta | End | Failure] = asyncio.Queue()
+        self.loop = loop
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
 
-    def put(self, item: Delta | End | Failure) -> None:
+    def put(self, item: Item) -> None:
         """Thread-safe; dropped when the loop is gone (the server stopped)."""
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-    async def get(self) -> list[Delta | End | Failure]:
+    def put_here(self, item: Item) -> None:
+        """On the loop's own thread."""
+        self._queue.put_nowait(item)
+
+    async def get(self) -> list[Item]:
         items = [await self._queue.get()]
         while not self._queue.empty():
             items.append(self._queue.get_nowait())
         return items
+
+
+class Mail:
+    """What the engine thread sends the streams during one step (or one phase of an iteration), posted to each event
+    loop in one wake-up by `send`, in the order put. A wake-up per item would be a write to the loop's self-pipe per
+    row and token: a system call that releases the GIL, which the loop's thread (woken by the first) then holds
+    while the engine thread waits to launch its next step."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Outbox, Item]] = []
+
+    def put(self, outbox: Outbox, item: Item) -> None:
+        self._items.append((outbox, item))
+
+    def send(self) -> None:
+        """Post what was put since the last send; dropped for a loop that is gone (the server stopped)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Outbox, Item]]] = {}
+        for outbox, item in self._items:
+            by_loop.setdefault(outbox.loop, []).append((outbox, item))
+        self._items = []
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[Outbox, Item]]) -> None:
+    for outbox, item in items:
+        outbox.put_here(item)
 
 
 @dataclass(eq=False)

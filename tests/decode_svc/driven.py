@@ -80,12 +80,18 @@ def json_logger() -> Any:
 
 
 @contextmanager
-def driven_engine(model: Transformer, calls: ModelCalls | None = None, **settings: Any) -> Iterator[Driven]:
-    """A driven engine (`calls`: a rank group's, default this process only); `settings` override EngineSettings' test
-    defaults (4 slots, no speculation, 16-token chunks)."""
+def driven_engine(
+    model: Transformer,
+    calls: ModelCalls | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
+    **settings: Any,
+) -> Iterator[Driven]:
+    """A driven engine (`calls`: a rank group's, default this process only; `loop`: the streams' event loop, closed
+    with the engine, default a new one); `settings` override EngineSettings' test defaults (4 slots, no speculation,
+    16-token chunks)."""
     defaults = {"max_batch": 4, "max_queue": 4, "speculation": False, "max_draft": 1, "draft_policy": "measured"}
     registry = CollectorRegistry()
-    loop = asyncio.new_event_loop()
+    loop = loop or asyncio.new_event_loop()
     written: list[tuple[Any, ...]] = []
     engine = Engine(
         model,
