@@ -9,7 +9,8 @@ Up to three decode replicas in this process (decode_svc.server.DecodeServer, no 
 one loaded model: `off` (--no-speculation), `measured` and `full` (--draft-policy); `--replicas` picks them (`off`,
 the peer, always). Each logs its start-up time (on a GPU: its step graphs captured). Each run sends B prompts at once
 (held-out conversations of the demo checkpoint's training data, cut before their last answer: train.eval) as token-id
-Generate streams with `max_tokens` and no stop token, so every row decodes the whole budget. Decode tokens/s of a run
+Generate streams with `max_tokens` and no stop token, so every row decodes the whole budget; the streams run from a
+process of their own (stream_client.py), as the gateway's do, so that receiving them takes no GIL from the engine. Decode tokens/s of a run
 = tokens received after the last stream's first token (every prompt prefilled and joined) / the time from then to the
 last stream's end. Runs interleave: each repeat runs every (batch, sampling) on every replica in turn, in a
 rotating order, so a machine whose load changes (other jobs on a shared host) weighs on them alike; the table
@@ -20,8 +21,8 @@ Reported per (replica, batch, sampling): median decode tokens/s and its ratio to
 verify (accepted drafts + 1, over the rows a drafted step verified), the share of the speculative lane's steps that
 drafted (plan draft or probe), the engine's mean step (its `step_seconds` metric: forward, sampling and the step's
 read back) and that time's share of the run's clock (the rest passes between steps: delivering tokens, the engine's
-loop, waits for the GIL, which this process's client threads and the replicas' event loop share), and whether greedy
-and seeded outputs equal `off`'s.
+loop, waits for the GIL, which the engine shares with the replicas' event loop), and whether greedy and seeded outputs
+equal `off`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from serve_bench import machine  # noqa: E402
+from stream_client import Batch, StreamClient  # noqa: E402
 
 from decode_svc.config import DecodeConfig  # noqa: E402
 from decode_svc.sequence import Lane  # noqa: E402
@@ -56,7 +57,6 @@ from mesh.logging import configure_logging  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model import kernels  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
-from proto.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from train.eval import chat_prompts  # noqa: E402
 
 REPLICAS: dict[str, dict[str, Any]] = {
@@ -107,7 +107,7 @@ class Replicas:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.servers: dict[str, DecodeServer] = {}
-        self.stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        self.client = StreamClient()
         for name in names:
             cfg = DecodeConfig(
                 model=model_spec, port=0, metrics_port=0, max_batch=max_batch, log_level="warning", **REPLICAS[name]
@@ -117,7 +117,6 @@ class Replicas:
             self._call(server.start())  # its start-up captures and profile: alone on the GPU, before the next's
             console.log(f"replica {name} started (graphs captured, step times profiled) in "
                         f"{time.perf_counter() - started:.1f} s")  # fmt: skip
-            self.stubs[name] = decode_pb2_grpc.DecodeStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
 
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -137,45 +136,25 @@ class Replicas:
 
     def generate(self, name: str, prompts: list[list[int]], sampling: str, max_tokens: int, repeat: int) -> Run:
         temperature, seeded = SAMPLINGS[sampling]
-        first: list[float] = [0.0] * len(prompts)
-        stamps: list[list[tuple[float, int]]] = [[] for _ in prompts]
-        outputs: list[list[int]] = [[] for _ in prompts]
-        lock, waiting, at_join = threading.Lock(), [len(prompts)], {}
-
-        def stream(i: int) -> None:
-            params = decode_pb2.SamplingParams(temperature=temperature)
-            if seeded:
-                params.seed = 1000 + i
-            request = decode_pb2.GenerateRequest(
-                token_ids=decode_pb2.TokenIds(ids=prompts[i]), max_tokens=max_tokens, sampling=params
-            )
-            for message in self.stubs[name].Generate(request, timeout=3600):
-                now = time.perf_counter()
-                if message.token_ids and not outputs[i]:
-                    first[i] = now
-                    with lock:
-                        waiting[0] -= 1
-                        if not waiting[0]:  # the last row joined: the engine's steps count from here
-                            at_join.update(self.counters(name))
-                outputs[i] += message.token_ids
-                stamps[i].append((now, len(message.token_ids)))
-
+        seeds = [1000 + i if seeded else None for i in range(len(prompts))]
+        at_join: dict[str, float] = {}
         before = self.counters(name)
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        streams = self.client.run(
+            self.servers[name].port,
+            Batch(prompts, temperature, seeds, max_tokens),
+            lambda: at_join.update(self.counters(name)),  # the engine's steps count from the last stream's start
+        )
         after = self.counters(name)
-        joined, ended = max(first), max(s[-1][0] for s in stamps)
-        tokens = sum(n for s in stamps for at, n in s if at > joined)
+        joined, ended = max(streams.first), max(s[-1][0] for s in streams.stamps)
+        tokens = sum(n for s in streams.stamps for at, n in s if at > joined)
         delta = {k: after[k] - before[k] for k in after}
         plans = {p: delta[f"plan_{p}"] for p in PLANS}
         return Run(name, len(prompts), sampling, repeat, tokens, ended - joined, delta["accepted"],
-                   delta["row_steps"], plans, outputs, after["steps"] - at_join["steps"],
+                   delta["row_steps"], plans, streams.outputs, after["steps"] - at_join["steps"],
                    after["step_seconds"] - at_join["step_seconds"])  # fmt: skip
 
     def stop(self) -> None:
+        self.client.close()
         for server in self.servers.values():
             self._call(server.stop(5))
         self.loop.call_soon_threadsafe(self.loop.stop)
