@@ -10,12 +10,13 @@ one loaded model: `off` (--no-speculation), `measured` and `full` (--draft-polic
 the peer, always). Each logs its start-up time (on a GPU: its step graphs captured). Each run sends B prompts at once
 (held-out conversations of the demo checkpoint's training data, cut before their last answer: train.eval) as token-id
 Generate streams with `max_tokens` and no stop token, so every row decodes the whole budget; the streams run from a
-process of their own (stream_client.py), as the gateway's do, so that receiving them takes no GIL from the engine. Decode tokens/s of a run
-= tokens received after the last stream's first token (every prompt prefilled and joined) / the time from then to the
-last stream's end. Runs interleave: each repeat runs every (batch, sampling) on every replica in turn, in a
-rotating order, so a machine whose load changes (other jobs on a shared host) weighs on them alike; the table
-gives the medians. Samplings: greedy; T = 1 (speculative sampling from each row's own generator); T = 1 with a seed
-per row (decode_svc.sampler: tokens fixed per output position, so every replica must emit the same tokens).
+process of their own (stream_client.py), as the gateway's do, so that receiving them takes no GIL from the engine.
+Decode tokens/s of a run = tokens received after the last stream's first token (every prompt prefilled and joined) /
+the time from then to the last stream's end. Runs interleave: each repeat runs every (batch, sampling) on every
+replica in turn, in a rotating order, so a machine whose load changes (other jobs on a shared host) weighs on them
+alike; the table gives the medians. Samplings: greedy; T = 1 (speculative sampling from each row's own generator);
+T = 1 with a seed per row (decode_svc.sampler: tokens fixed per output position, so every replica must emit the same
+tokens).
 
 Reported per (replica, batch, sampling): median decode tokens/s and its ratio to `off`, mean accepted length per
 verify (accepted drafts + 1, over the rows a drafted step verified), the share of the speculative lane's steps that
