@@ -95,7 +95,7 @@ class Engine:
         self.generator = random_generator(model.device)  # every row's noise (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
-        self.mail = Mail()  # what the streams get, sent after each step and at the end of an iteration
+        self.mail = Mail()  # what the streams get: sent after each step and a join, an abort or a failure at once
         metrics.draft_trust.set(self.scheduler.trust)
         # Shared with the RPC side, under the condition's lock:
         self._cond = threading.Condition(threading.RLock())
@@ -205,7 +205,6 @@ class Engine:
         for seq in left:
             seq.abort_reason = seq.abort_reason or "shutdown"
             self._abort(seq)
-        self.mail.send()
 
     def iterate(self) -> bool:
         """One iteration of the engine thread's loop (waiting for work first); False once the engine is stopping.
@@ -237,7 +236,6 @@ class Engine:
             self._step(lane)
         if stepping:  # the calibration forgets per batch step, not per chunk of a prefill running alone
             self.calibration.tick()
-        self.mail.send()  # aborts, failures and a prefill's first tokens
         return True
 
     def _capture(self) -> None:
@@ -511,6 +509,7 @@ class Engine:
         self.metrics.aborts.labels(seq.abort_reason).inc()
         self.log.info("aborted", request_id=seq.request_id, reason=seq.abort_reason, tokens=len(seq.output))
         self.mail.put(seq.outbox, End(decode_pb2.FINISH_REASON_ABORT, seq.usage()))
+        self.mail.send()  # at once, as a failure (`_fail`)
 
     def _fail(self, rows: list[Sequence], message: str, cause: Exception | None = None) -> None:
         """End `rows` with an error: INTERNAL, or the status of a `RequestError` cause (UNAVAILABLE: the replica's
