@@ -50,6 +50,10 @@ class StepSampling(SamplingParams):
     masks: Masks | None = None  # the rows' output constraints (None: no row has one)
     logprobs: tuple[bool, ...] | None = None  # per row: whether its logprobs are reported (None: every row's)
 
+    def one_hot(self) -> bool:
+        """Greedy rows and seeded ones (collapsed onto their positions' tokens) only."""
+        return all(t <= 0 or seed is not None for t, seed in zip(self.temperature.tolist(), self.seeds, strict=True))
+
     def probs(self, logits: Tensor) -> Tensor:
         if self.masks is not None:
             self.masks.apply(logits)

@@ -178,11 +178,12 @@ class DecodeBatch:
         last = self.model.mtp[-1]
         head = last.confidence_head
         tokens_out, probs, confidence, prev = [], [], [], y
+        one_hot = sampling.one_hot()
         for k in range(x.shape[1]):
             e = last.markov_head.embed(prev)
             q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
             confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
-            prev = sample(q, generator)
+            prev = q.argmax(-1) if one_hot else sample(q, generator)
             tokens_out.append(prev)
             probs.append(q)
         return Draft(torch.stack(tokens_out, 1), torch.stack(probs, 1), torch.cat(confidence, -1))
@@ -217,7 +218,9 @@ class DecodeBatch:
             logits = forward_full(self.model, step)
         device = logits.device
         target, proposal = sampling.probs(logits), draft.probs.to(device)
-        accepted, nxt = speculative_accept(target, proposal, draft.tokens.to(device), lengths, generator)
+        accepted, nxt = speculative_accept(
+            target, proposal, draft.tokens.to(device), lengths, generator, sampling.one_hot()
+        )
         if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts

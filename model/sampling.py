@@ -37,11 +37,16 @@ class SamplingParams:
     def uniform(cls, batch: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> SamplingParams:
         return cls(torch.full((batch,), temperature), torch.full((batch,), top_k), torch.full((batch,), top_p))
 
+    def one_hot(self) -> bool:
+        """Whether `probs` gives every row a one-hot distribution (every row greedy), asked on the host: a sample of
+        it is then its arg-max, and no noise need be drawn."""
+        return not bool((self.temperature > 0).any())
+
     def probs(self, logits: Tensor) -> Tensor:
         """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
         one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         greedy = one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        if not bool((self.temperature > 0).any()):  # every row greedy (asked on the host): nothing to scale
+        if SamplingParams.one_hot(self):  # every row greedy: nothing to scale (this class's rule, not an override's)
             return greedy
         logits = logits.float()
         shape = (-1,) + (1,) * (logits.dim() - 1)
@@ -105,22 +110,34 @@ def _uniforms(lengths: Tensor, K: int, generator: Generators, device: torch.devi
 
 
 def speculative_accept(
-    target: Tensor, draft: Tensor, drafts: Tensor, lengths: Tensor, generator: Generators = None
+    target: Tensor,
+    draft: Tensor,
+    drafts: Tensor,
+    lengths: Tensor,
+    generator: Generators = None,
+    one_hot: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Lossless verification of drafts [B, K] (row b uses the first lengths[b]).
 
     target [B, K+1, V]: target distribution of the position after the anchor and after each draft; draft [B, K, V]:
     the distribution each draft was sampled from. Returns (accepted count [B], the token emitted after them [B]).
     `lengths` is best given on the host: with one generator per row, each row's draws are sized from it there.
+    `one_hot`: every target row is one-hot and every draft has probability 1 under its own distribution (greedy
+    rows, `SamplingParams.one_hot`): the rule then accepts a draft exactly where the target gives it probability 1
+    and emits the target's token after the accepted ones, which it takes with no noise drawn.
     """
     B, K = drafts.shape
     p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    within = torch.arange(K, device=target.device) < lengths.to(target.device, non_blocking=True).unsqueeze(1)
+    rows = torch.arange(B, device=target.device)
+    if one_hot:
+        n = ((p_d > 0) & within).long().cumprod(-1).sum(-1)
+        return n, target[rows, n].argmax(-1)
     q_d = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u = _uniforms(lengths, K, generator, target.device)
     lengths = lengths.to(target.device, non_blocking=True)
-    ok = (u * q_d < p_d) & (torch.arange(K, device=target.device) < lengths.unsqueeze(1))
+    ok = (u * q_d < p_d) & within
     n = ok.long().cumprod(-1).sum(-1)  # leading accepted drafts
-    rows = torch.arange(B, device=target.device)
     p_next = target[rows, n]
     residual = (p_next - draft[rows, n.clamp(max=K - 1)]).clamp_min(0) if K else p_next
     rejected = (n < lengths).unsqueeze(-1)

@@ -46,23 +46,29 @@ def test_speculative_accept_matches_the_target(gen):
     assert abs(rate - float(torch.minimum(p, q).sum())) < 5 * math.sqrt(0.25 / B)
 
 
-def test_one_hot_distributions_are_greedy(gen):
-    """Greedy is the temperature-0 case: one-hot target and draft accept exactly the arg-max prefix."""
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_one_hot_distributions_are_greedy(gen, one_hot: bool):
+    """Greedy is the temperature-0 case: one-hot target and draft accept exactly the arg-max prefix, whether the rule
+    runs in full or is told the distributions are one-hot (no noise drawn), within each row's length."""
     V, K, B = 50, 4, 64
     logits = torch.randn(B, K + 1, V, generator=gen)
     greedy = SamplingParams.uniform(B)
+    assert greedy.one_hot()
+    assert not SamplingParams.uniform(B, temperature=0.5).one_hot()
     target = greedy.probs(logits)
     drafts = torch.where(
         torch.rand(B, K, generator=gen) < 0.7, logits[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=gen)
     )
+    lengths = torch.randint(0, K + 1, (B,), generator=gen)
     accepted, nxt = speculative_accept(
         target,
         greedy.probs(torch.randn(B, K, V, generator=gen)).scatter(-1, drafts.unsqueeze(-1), 2.0).clamp(max=1).div(1),
         drafts,
-        torch.full((B,), K),
+        lengths,
         gen,
+        one_hot,
     )
-    matches = (drafts == logits[:, :K].argmax(-1)).long().cumprod(-1).sum(-1)
+    matches = (drafts == logits[:, :K].argmax(-1)).long().cumprod(-1).sum(-1).minimum(lengths)
     assert torch.equal(accepted, matches)
     assert torch.equal(nxt, logits[torch.arange(B), accepted].argmax(-1))
 
