@@ -51,8 +51,9 @@ class StepSampling(SamplingParams):
     logprobs: tuple[bool, ...] | None = None  # per row: whether its logprobs are reported (None: every row's)
 
     def one_hot(self) -> bool:
-        """Greedy rows and seeded ones (collapsed onto their positions' tokens) only."""
-        return all(t <= 0 or seed is not None for t, seed in zip(self.temperature.tolist(), self.seeds, strict=True))
+        """Greedy rows and seeded ones (collapsed onto their positions' tokens) only (no `seeds`: none seeded)."""
+        seeded = [seed is not None for seed in self.seeds] or [False] * len(self.temperature)
+        return all(t <= 0 or s for t, s in zip(self.temperature.tolist(), seeded, strict=True))
 
     def probs(self, logits: Tensor) -> Tensor:
         if self.masks is not None:
