@@ -299,3 +299,20 @@ def test_one_verify_covers_the_positions_of_as_many_plain_steps() -> None:
     shifted = step([6, 0, 0]).probs(logits[:, 1:])  # the same positions, covered from index 6: the same tokens
     assert torch.equal(shifted[0].argmax(-1), together[0, 1:].argmax(-1))
     assert not torch.equal(shifted[2].argmax(-1), together[2, 1:].argmax(-1))  # row 2 started at 0: other noise
+
+
+def test_a_step_is_one_hot_where_every_row_is_greedy_or_seeded() -> None:
+    """`StepSampling.one_hot` (DSpark then takes its draft and acceptance tokens by arg-max): greedy and seeded rows
+    give one-hot distributions, an unseeded sampled row does not; a sampling built without seeds has none."""
+
+    def step(temperature: list[float], seeds: tuple[int | None, ...]) -> StepSampling:
+        n = len(temperature)
+        return StepSampling(torch.tensor(temperature), torch.zeros(n), torch.ones(n), seeds=seeds, cursor=[0] * n)
+
+    assert step([0.0, 1.0, 0.7], (None, 11, 12)).one_hot()
+    assert not step([0.0, 1.0, 0.7], (None, 11, None)).one_hot()
+    assert step([0.0, 0.0], ()).one_hot()
+    assert not step([0.0, 1.0], ()).one_hot()
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    probs = step([0.0, 1.0, 0.7], (None, 11, 12)).probs(logits)
+    assert probs.eq(1).sum(-1).eq(1).all()  # what one_hot promises
