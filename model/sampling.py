@@ -128,19 +128,19 @@ def speculative_accept(
     """
     B, K = drafts.shape
     p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    within = torch.arange(K, device=target.device) < lengths.to(target.device, non_blocking=True).unsqueeze(1)
+    limits = lengths.to(target.device, non_blocking=True)
+    within = torch.arange(K, device=target.device) < limits.unsqueeze(1)
     rows = torch.arange(B, device=target.device)
     if one_hot:
         n = ((p_d > 0) & within).long().cumprod(-1).sum(-1)
         return n, target[rows, n].argmax(-1)
     q_d = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u = _uniforms(lengths, K, generator, target.device)
-    lengths = lengths.to(target.device, non_blocking=True)
     ok = (u * q_d < p_d) & within
     n = ok.long().cumprod(-1).sum(-1)  # leading accepted drafts
     p_next = target[rows, n]
     residual = (p_next - draft[rows, n.clamp(max=K - 1)]).clamp_min(0) if K else p_next
-    rejected = (n < lengths).unsqueeze(-1)
+    rejected = (n < limits).unsqueeze(-1)
     fallback = residual.sum(-1, keepdim=True) <= 0  # only when p = q up to rounding
     dist = torch.where(rejected & ~fallback, residual, p_next)
     return n, sample(dist / dist.sum(-1, keepdim=True), generator)
