@@ -1,7 +1,7 @@
 """The mesh under agent traffic (issue 6's performance section): ours and its two baselines in one run.
 
     python bench/serve_bench.py [--model tiny] [--sessions 6] [--calls 12] [--max-tokens 16] [--concurrency 8]
-                                [--configs ours,no-reuse,no-dspark] [--out bench/out/serve_bench.json]
+                                [--configs ours,no-reuse,no-dspark] [--rounds 3] [--out bench/out/serve_bench.json]
     python bench/serve_bench.py --configs ours,two-gateways --sessions 3 --calls 8
 
 Replays the agent sessions of ../shared/data/agent-traces/{miniswe,taubench}/ through the gateway with the real
@@ -17,7 +17,10 @@ sends the previous messages, the reply the mesh generated as the assistant's tur
 user message (an input that does not extend the previous one opens a new conversation), so the next turn can
 continue from the SWA record its previous turn wrote back.
 
-Each configuration runs on a fresh mesh (`mesh.processes.Mesh`, same machine, same data):
+Each configuration runs on a mesh of its own (`mesh.processes.Mesh`, same machine, same data), all of them up at once
+and warmed by a call; then `--rounds` rounds replay the sessions on every mesh in turn, in an order rotating by round,
+each round under a cache salt of its own (a round reuses its own prefixes, never an earlier round's). The tables give
+each figure's median over the rounds, with the spread (min–max) of TTFT p50 and output tokens/s. Configurations:
 - ours: prefix reuse on, DSpark on (the defaults);
 - no-reuse: the gateway gives every request its own cache salt (`--no-prefix-reuse`), so nothing is reused;
 - no-dspark: decode without speculation (`--no-speculation`);
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -145,8 +149,13 @@ def next_turn(messages: list[dict[str, str]], previous: str | None, reply: str, 
     return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": text[len(previous) :]}]
 
 
-async def one_call(client: Any, session: str, messages: list[dict[str, str]], max_tokens: int) -> CallResult:
+async def one_call(
+    client: Any, session: str, messages: list[dict[str, str]], max_tokens: int, salt: str | None = None
+) -> CallResult:
     result = CallResult(session)
+    extra: dict[str, Any] = {"thinking": {"type": "disabled"}}
+    if salt is not None:
+        extra["cache_salt"] = salt
     started = time.monotonic()
     last = None
     try:
@@ -157,7 +166,7 @@ async def one_call(client: Any, session: str, messages: list[dict[str, str]], ma
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"thinking": {"type": "disabled"}},
+            extra_body=extra,
         )
         async for chunk in stream:
             if chunk.usage is not None:
@@ -179,10 +188,15 @@ async def one_call(client: Any, session: str, messages: list[dict[str, str]], ma
 
 
 async def replay(
-    base_urls: list[str], sessions: list[Session], concurrency: int, max_tokens: int, turns: bool = False
+    base_urls: list[str],
+    sessions: list[Session],
+    concurrency: int,
+    max_tokens: int,
+    turns: bool = False,
+    salt: str | None = None,
 ) -> tuple[list, float]:
     """Every session's calls in order, call i through gateway i mod len(base_urls); with `turns`, as a conversation
-    that carries the mesh's replies (`next_turn`)."""
+    that carries the mesh's replies (`next_turn`); `salt`: every call's `cache_salt`."""
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600) for url in base_urls]
@@ -200,7 +214,7 @@ async def replay(
             reply = ""
             for index, text in enumerate(session.inputs):
                 messages = next_turn(messages, previous, reply, text)
-                result = await one_call(clients[index % len(clients)], session.name, messages, max_tokens)
+                result = await one_call(clients[index % len(clients)], session.name, messages, max_tokens, salt)
                 results.append(result)
                 previous, reply = (text if turns and result.error is None else None), result.text
                 progress.update()
@@ -288,36 +302,76 @@ def mean(counters: dict[str, float], histogram: str) -> float | None:
     return counters[histogram + "_sum"] / count if count else None
 
 
-def run_config(name: str, args: argparse.Namespace, sessions: list[Session]) -> dict[str, Any]:
+def open_mesh(name: str, args: argparse.Namespace, data_dir: Path) -> Mesh:
+    """A configuration's mesh, started and warmed by one call through each gateway (stopped by the caller)."""
     config = CONFIGS[name]
-    with tempfile.TemporaryDirectory(prefix=f"serve-bench-{name}-") as data_dir:
-        spec = MeshSpec(
-            model=args.model,
-            data_dir=Path(data_dir),
-            gateway_replicas=config.gateways,
-            gateway_args=["--stall-timeout-s", "600", *config.gateway_args],
-            decode_args=config.decode_args,
-        )
-        mesh = Mesh(spec, on_event=lambda line: console.print(f"  [dim]{name}: {line}[/dim]"))
-        mesh.start()
-        try:
-            # One warm-up call through each gateway.
-            warm_up = Session("warm-up", 0, ["Hello!"] * len(mesh.base_urls))
-            warm = asyncio.run(replay(mesh.base_urls, [warm_up], 1, 2))[0]
-            failed = [call.error for call in warm if call.error]
-            if failed:
-                raise RuntimeError(f"warm-up request failed: {failed[0]}")
-            before = mesh_counters(mesh)
-            results, wall = asyncio.run(replay(mesh.base_urls, sessions, args.concurrency, args.max_tokens, args.turns))
-            after = mesh_counters(mesh)
-        finally:
-            mesh.stop()
-    counters = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    return summarise(results, wall, counters)
+    spec = MeshSpec(
+        model=args.model,
+        data_dir=data_dir,
+        gateway_replicas=config.gateways,
+        gateway_args=["--stall-timeout-s", "600", *config.gateway_args],
+        decode_args=config.decode_args,
+    )
+    mesh = Mesh(spec, on_event=lambda line: console.print(f"  [dim]{name}: {line}[/dim]"))
+    mesh.start()
+    try:
+        warm_up = Session("warm-up", 0, ["Hello!"] * len(mesh.base_urls))
+        warm = asyncio.run(replay(mesh.base_urls, [warm_up], 1, 2))[0]
+        failed = [call.error for call in warm if call.error]
+        if failed:
+            raise RuntimeError(f"{name}: warm-up request failed: {failed[0]}")
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def run_round(mesh: Mesh, args: argparse.Namespace, sessions: list[Session], salt: str) -> dict[str, Any]:
+    """Every session once through the mesh, under the round's cache salt: nothing reused from an earlier round."""
+    before = mesh_counters(mesh)
+    results, wall = asyncio.run(replay(mesh.base_urls, sessions, args.concurrency, args.max_tokens, args.turns, salt))
+    after = mesh_counters(mesh)
+    return summarise(results, wall, {k: v - before.get(k, 0.0) for k, v in after.items()})
+
+
+def run_configs(configs: list[str], args: argparse.Namespace, sessions: list[Session]) -> dict[str, dict[str, Any]]:
+    """Every configuration's mesh up at once, then `args.rounds` rounds, each replaying the sessions on every mesh
+    in turn, in an order rotating by round (a machine whose load drifts weighs on all alike) → per configuration
+    the rounds' medians, with every round kept (`rounds`)."""
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    with contextlib.ExitStack() as stack:
+        meshes = {}
+        for name in configs:
+            console.print(f"[bold]{name}[/bold]: starting a mesh")
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"serve-bench-{name}-")))
+            meshes[name] = open_mesh(name, args, data_dir)
+            stack.callback(meshes[name].stop)
+        for r in range(args.rounds):
+            for name in configs[r % len(configs) :] + configs[: r % len(configs)]:
+                console.print(f"round {r + 1}/{args.rounds}: {name}")
+                rounds[name].append(run_round(meshes[name], args, sessions, f"serve-bench-round-{r}"))
+    return {name: {**medians(found), "rounds": found} for name, found in rounds.items()}
+
+
+def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (a list-valued one: the first round's), the spread of tokens/s and TTFT."""
+    out: dict[str, Any] = {}
+    for key, value in rounds[0].items():
+        values = [r[key] for r in rounds if r[key] is not None]
+        numeric = isinstance(value, int | float) or value is None
+        out[key] = (float(np.median(values)) if values else None) if numeric else value
+    for key in ("output_tokens_per_s", "ttft_p50_s"):
+        values = [r[key] for r in rounds if r[key] is not None]
+        out[key + "_spread"] = [min(values), max(values)] if values else None
+    return out
 
 
 def ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f}"
+
+
+def spread(bounds: list[float] | None, shown: Any) -> str:
+    return "" if bounds is None else f" ({shown(bounds[0])}–{shown(bounds[1])})"
 
 
 def config_table(title: str, *columns: str) -> Table:
@@ -337,9 +391,10 @@ def show(summary: dict[str, dict[str, Any]], ratios: dict[str, float | None]) ->
         accept = s["dspark_acceptance"]
         step = s["tokens_per_decode_step"]
         table.add_row(
-            name, str(s["calls"]), str(s["errors"]), ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]), ms(s["prefill_mean_s"]),
-            ms(s["itl_p50_s"]),
-            ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]), f"{s['output_tokens_per_s']:.1f}", f"{s['cached_share']:.1%}",
+            name, f"{s['calls']:.0f}", f"{s['errors']:.0f}", ms(s["ttft_p50_s"]) + spread(s["ttft_p50_s_spread"], ms),
+            ms(s["ttft_p99_s"]), ms(s["prefill_mean_s"]), ms(s["itl_p50_s"]), ms(s["itl_p99_s"]), ms(s["tpot_mean_s"]),
+            f"{s['output_tokens_per_s']:.1f}" + spread(s["output_tokens_per_s_spread"], lambda v: f"{v:.1f}"),
+            f"{s['cached_share']:.1%}",
             f"{s['bounded_replays']:.0f}", f"{s['writeback_waits']:.0f}", ms(s["writeback_wait_mean_s"]),
             "–" if accept is None else f"{accept:.1%}",
             "–" if step is None else f"{step:.2f}",
@@ -385,6 +440,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=4096, help="the model's context (cuts sessions that exceed it)")
     parser.add_argument("--turns", action="store_true", help="replay sessions as conversations carrying the replies")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    parser.add_argument("--rounds", type=int, default=3, help="replays of the sessions per configuration, alternated")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/serve_bench.json")
     args = parser.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -401,10 +457,7 @@ def main() -> int:
     console.print(f"{len(sessions)} sessions, {calls} calls ({skipped} cut: longer than the context), "
                   f"{args.concurrency} sessions at once, max_tokens {args.max_tokens}, model {args.model}"
                   f"{', as conversations (--turns)' if args.turns else ''}")  # fmt: skip
-    summary = {}
-    for name in configs:
-        console.print(f"[bold]{name}[/bold]: starting a fresh mesh")
-        summary[name] = run_config(name, args, sessions)
+    summary = run_configs(configs, args, sessions)
 
     def ratio(numerator: str, denominator: str, key: str) -> float | None:
         a, b = summary.get(numerator, {}).get(key), summary.get(denominator, {}).get(key)

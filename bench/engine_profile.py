@@ -1,0 +1,149 @@
+"""Where a served decode step's time goes: the engine's whole iteration against the captured graph it replays.
+
+    python bench/engine_profile.py [--model model/checkpoints/v41-demo] [--batches 1,24] [--steps 40]
+        [--speculation] [--out bench/out/engine_profile.json]
+
+One engine (decode_svc.engine.Engine, no thread, no gRPC) on the model takes B held-out prompts (train.eval) with a
+budget no step reaches, prefills them itself and then iterates, as its thread would; per batch it reports:
+- `iterate ms`: the engine's whole iteration (step, sampling, delivery, the loop's bookkeeping), median and spread;
+- `replay ms`: the plain step's decode graph replayed alone on the same batch (`graphs.decode`), synchronised —
+  what the GPU needs; the difference is the host's;
+- the profiled iterations: CUDA kernels per iteration and the GPU's busy share of the wall time;
+- the host's hottest functions over the timed iterations (cProfile, by own and by cumulative time), which name
+  what to cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+import uuid
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from step_bench import kernel_profile  # noqa: E402
+
+from decode_svc.engine import Engine, EngineSettings  # noqa: E402
+from decode_svc.metrics import DecodeMetrics  # noqa: E402
+from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence, State  # noqa: E402
+from mesh.up import DEFAULT_MODEL  # noqa: E402
+from model_service.runtime import load_model  # noqa: E402
+from train.eval import chat_prompts  # noqa: E402
+
+console = Console(stderr=True)
+GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
+
+
+def new_engine(model: Any, batch: int, speculation: bool) -> Engine:
+    settings = EngineSettings(
+        max_batch=batch, max_queue=batch, speculation=speculation, max_draft=4, draft_policy="measured", chunk_size=512
+    )
+    log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[structlog.processors.JSONRenderer()])
+    engine = Engine(model, settings, DecodeMetrics(CollectorRegistry()), log, lambda *a: None)
+    engine._capture()
+    if engine.start_error is not None:
+        raise SystemExit(engine.start_error)
+    engine._profile()
+    return engine
+
+
+def running(engine: Engine, prompts: list[list[int]], loop: asyncio.AbstractEventLoop, limit: int) -> list[Sequence]:
+    """Submit the prompts and iterate until every one decodes."""
+    seqs = []
+    for ids in prompts:
+        params = Params(uuid.uuid4().hex, GREEDY, frozenset(), limit, False, 0, True, b"")
+        seq = Sequence(params, Outbox(loop), Prompt(ids, local_prefill="token_ids"), limit=limit)
+        engine.register(seq)
+        engine.submit(seq)
+        seqs.append(seq)
+    while any(seq.state is not State.RUNNING for seq in seqs):
+        engine.iterate()
+    return seqs
+
+
+def timed(fn: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def spread(ms: list[float]) -> dict[str, Any]:
+    return {"median_ms": round(statistics.median(ms), 3), "spread_ms": [round(min(ms), 3), round(max(ms), 3)]}
+
+
+def hottest(engine: Engine, steps: int, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.iterate()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
+    return text.getvalue()
+
+
+def measure(model: Any, batch: int, steps: int, speculation: bool, top: int) -> dict[str, Any]:
+    engine = new_engine(model, batch, speculation)
+    loop = asyncio.new_event_loop()
+    prompts = chat_prompts(0, batch)
+    running(engine, prompts, loop, limit=20 * steps + 64)
+    for _ in range(5):  # warm
+        engine.iterate()
+    iterate = timed(engine.iterate, steps)
+    profiled = kernel_profile(engine.iterate, 5)
+    found = {"batch": batch, "iterate": spread(iterate), **profiled, "hottest": hottest(engine, steps, top)}
+    lane = next(b for b in engine.batches.values() if len(b))  # last: its rows advance past what the engine knows
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+    found["replay"] = spread(timed(lambda: lane.graphs.decode(tokens), steps))
+    loop.close()
+    return found
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--batches", default="1,24")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--speculation", action="store_true", help="the speculative lane (DSpark) instead of plain")
+    p.add_argument("--top", type=int, default=30, help="functions listed from the host profile")
+    p.add_argument("--out", type=Path, default=ROOT / "bench/out/engine_profile.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("engine_profile times CUDA graphs: run it on a GPU")
+    model = load_model(args.model, "full", device="cuda")
+    results = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        found = measure(model, batch, args.steps, args.speculation, args.top)
+        console.print(f"B={batch}: iterate {found['iterate']} replay {found['replay']} "
+                      f"kernels/iterate {found['kernels_per_step']:.0f} busy {found['gpu_busy']:.0%}")  # fmt: skip
+        console.print(found["hottest"])
+        results.append(found)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "speculation": args.speculation, "runs": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
