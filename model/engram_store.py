@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -178,7 +179,7 @@ class EngramFetch:
     def start(self, tokens: Tensor, history: Tensor) -> HostMemory:
         """The rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — to fetch from every layer's
         table (and copy to the device) when the first Engram layer is reached."""
-        return HostMemory(lambda: {layer: self._fetch(layer, tokens, history) for layer in self.tables}, self.decode)
+        return HostMemory(lambda: self._fetch_all(tokens, history), self.decode)
 
     def close(self) -> None:
         self.gatherers.shutdown(wait=True)
@@ -187,31 +188,37 @@ class EngramFetch:
         table = self.tables[layer]
         return Fp8Rows.decode(*rows, table.dtype) if isinstance(table, Fp8Rows) else rows[0]
 
-    def _fetch(self, layer: int, tokens: Tensor, history: Tensor) -> Fetched:
-        ids = self.hash.rows(layer, tokens, history)
-        flat = ids.flatten()
-        sources, staged = _stored(self.tables[layer]), self._staged(layer, flat.numel())
-        self.gather(sources, flat, staged)
+    def _fetch_all(self, tokens: Tensor, history: Tensor) -> dict[int, Fetched]:
+        ids = self.hash.host_rows(tokens.numpy(), history.numpy())
+        return {layer: self._fetch(layer, ids[layer]) for layer in self.tables}
+
+    def _fetch(self, layer: int, ids: np.ndarray) -> Fetched:
+        staged = self._staged(layer, ids.size)
+        self.gather(layer, ids.reshape(-1), staged)
         if self.stream is None:  # a CPU model: the gathered rows are its input
-            return Fetched(staged, None, ids.shape)
+            return Fetched(staged, None, torch.Size(ids.shape))
         with torch.cuda.stream(self.stream):
             moved = tuple(t.to(self.device, non_blocking=True) for t in staged)
             copied = torch.cuda.Event()
             copied.record(self.stream)
         self.last_copy[layer] = copied
-        return Fetched(moved, copied, ids.shape)
+        return Fetched(moved, copied, torch.Size(ids.shape))
 
-    def gather(self, sources: tuple[Tensor, ...], ids: Tensor, out: tuple[Tensor, ...]) -> None:
-        """out[i] = source[ids[i]] for each stored tensor: inline, or in pieces on the gather threads."""
+    def gather(self, layer: int, ids: np.ndarray, out: tuple[Tensor, ...], out_bytes: Bytes | None = None) -> None:
+        """out[i] = table[ids[i]] for each of the layer's stored tensors: inline (numpy's take over the rows' bytes:
+        a decode step's few hundred rows in microseconds, where torch's intra-op threads cost more than the copy),
+        or in pieces on the gather threads. `out_bytes`: out's `_row_bytes`, where the caller keeps them."""
         step = self.gather_rows
-        if ids.numel() <= step:
-            for src, dst in zip(sources, out, strict=True):
-                torch.index_select(src, 0, ids, out=dst)
+        if ids.size <= step:
+            table = _row_bytes(_stored(self.tables[layer]))  # made per call: loading may swap a table's tensors
+            for src, dst in zip(table, out_bytes or _row_bytes(out), strict=True):
+                np.take(src, ids, axis=0, out=dst)
             return
+        index = torch.from_numpy(ids)
         pieces = [
-            self.gatherers.submit(torch.index_select, src, 0, ids[i : i + step], out=dst[i : i + step])
-            for i in range(0, ids.numel(), step)
-            for src, dst in zip(sources, out, strict=True)
+            self.gatherers.submit(torch.index_select, src, 0, index[i : i + step], out=dst[i : i + step])
+            for i in range(0, ids.size, step)
+            for src, dst in zip(_stored(self.tables[layer]), out, strict=True)
         ]
         for piece in pieces:
             piece.result()
@@ -242,8 +249,8 @@ class StagedMemory:
     def __init__(self, fetch: EngramFetch, batch: int, length: int) -> None:
         self.fetch, self.cuda = fetch, fetch.stream is not None
         h = fetch.hash.args.engram_max_ngram_size - 1
-        probe = torch.zeros(batch, length, dtype=torch.int64), torch.full((batch, h), -1, dtype=torch.int64)
-        self.shape = {layer: fetch.hash.rows(layer, *probe).shape for layer in fetch.tables}  # [B, T, R]
+        probe = np.zeros((batch, length), dtype=np.int64), np.full((batch, h), -1, dtype=np.int64)
+        self.shape = {layer: torch.Size(ids.shape) for layer, ids in fetch.hash.host_rows(*probe).items()}  # [B, T, R]
         self.host = {
             layer: tuple(
                 torch.empty((self.shape[layer].numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
@@ -251,6 +258,7 @@ class StagedMemory:
             )
             for layer, table in fetch.tables.items()
         }
+        self.host_bytes = {layer: _row_bytes(pinned) for layer, pinned in self.host.items()}
         self.rows = {
             layer: tuple(torch.empty_like(t, device=fetch.device) for t in pinned) if self.cuda else pinned
             for layer, pinned in self.host.items()
@@ -263,9 +271,9 @@ class StagedMemory:
         buffers, once the last forward has copied the previous ones out."""
         if self.read is not None:
             self.read.synchronize()
-        for layer, table in self.fetch.tables.items():
-            ids = self.fetch.hash.rows(layer, tokens, history).flatten()
-            self.fetch.gather(_stored(table), ids, self.host[layer])
+        ids = self.fetch.hash.host_rows(tokens.numpy(), history.numpy())
+        for layer in self.fetch.tables:
+            self.fetch.gather(layer, ids[layer].reshape(-1), self.host[layer], self.host_bytes[layer])
 
     def staged(self) -> None:
         """The forward that copies the staged rows has been launched: the next `stage` waits for its end."""
@@ -290,6 +298,15 @@ class StagedMemory:
         if self.copied is not None:
             torch.cuda.current_stream().wait_event(self.copied)
         return self.fetch.decode(layer, self.rows[layer]).view(*self.shape[layer], -1)
+
+
+Bytes = tuple[np.ndarray, ...]
+
+
+def _row_bytes(tensors: tuple[Tensor, ...]) -> Bytes:
+    """Stored tensors' rows [N, ...] (a table's, or staging buffers') as numpy arrays of their bytes [N, row bytes],
+    no copy."""
+    return tuple(t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in tensors)
 
 
 def _stored(table: Embedding | Fp8Rows) -> tuple[Tensor, ...]:

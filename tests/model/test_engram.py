@@ -67,3 +67,18 @@ def test_hash_matches_the_paper(name, gen):
     whole = h.rows(layer, ids, torch.full((2, h.history_len), -1))
     tail = h.rows(layer, ids[:, 5:], ids[:, 5 - h.history_len : 5])
     assert torch.equal(tail, whole[:, 5:])
+
+
+@pytest.mark.parametrize("name", ["tiny", "v41-flash"])
+@pytest.mark.parametrize(("B", "T", "known"), [(1, 1, 3), (5, 1, 0), (3, 9, 2)])
+def test_host_hash_gives_every_layers_rows(name, B, T, known, gen):
+    """The host's numpy hash (off-device tables) gives each layer's `rows`, with a look-back partly unknown (−1)."""
+    a = preset(name)
+    h = NgramHash(a)
+    tokens = torch.randint(0, a.vocab_size, (B, T), generator=gen)
+    history = torch.randint(0, a.vocab_size, (B, h.history_len), generator=gen)
+    history[:, : h.history_len - known] = -1
+    host = h.host_rows(tokens.numpy(), history.numpy())
+    assert list(host) == list(a.engram_layer_ids)
+    for layer, rows in host.items():
+        assert np.array_equal(rows, h.rows(layer, tokens, history).numpy())
