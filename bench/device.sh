@@ -59,6 +59,8 @@ for part in "$@"; do
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --out "$OUT/decode.json" ;;
     engine) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
               --out "$OUT/engine.json" ;;
+    engine-variant) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
+                      --no-batch-invariant --out "$OUT/engine_variant.json" ;;
     constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 64,1 \
                   --steps 12 --rounds 3 --fill-threads 0,1 --schemas 52 --out "$OUT/constraint.json" ;;
     serve) timeout "$limit" python3 bench/serve_bench.py --model small --traces /tmp/agent-traces --sessions 3 \
@@ -66,7 +68,7 @@ for part in "$@"; do
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 fused" \
-            "decode engine constraint engram serve)" ;;
+            "decode engine engine-variant constraint engram serve)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"

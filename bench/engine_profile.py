@@ -1,7 +1,7 @@
 """Where a served decode step's time goes: the engine's whole iteration against the captured graph it replays.
 
     python bench/engine_profile.py [--model model/checkpoints/v41-demo] [--batches 1,24] [--steps 40]
-        [--speculation] [--out bench/out/engine_profile.json]
+        [--speculation] [--no-batch-invariant] [--out bench/out/engine_profile.json]
 
 One engine (decode_svc.engine.Engine, no thread, no gRPC) on the model takes B held-out prompts (train.eval) with a
 budget no step reaches, prefills them itself and then iterates, as its thread would; per batch it reports:
@@ -42,6 +42,7 @@ from decode_svc.engine import Engine, EngineSettings  # noqa: E402
 from decode_svc.metrics import DecodeMetrics  # noqa: E402
 from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence, State  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
+from model import kernels  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
 from train.eval import chat_prompts  # noqa: E402
 
@@ -128,10 +129,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--speculation", action="store_true", help="the speculative lane (DSpark) instead of plain")
     p.add_argument("--top", type=int, default=30, help="functions listed from the host profile")
+    p.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+        help="batch-invariant numerics, as the decode service's default (model.kernels.invariance)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "bench/out/engine_profile.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("engine_profile times CUDA graphs: run it on a GPU")
+    kernels.set_batch_invariant(args.batch_invariant)  # process-wide, before the first GEMM
     model = load_model(args.model, "full", device="cuda")
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -141,7 +147,8 @@ def main() -> int:
         console.print(found["hottest"])
         results.append(found)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "speculation": args.speculation, "runs": results}, indent=1))
+    found = {"model": args.model, "speculation": args.speculation, "batch_invariant": args.batch_invariant}
+    args.out.write_text(json.dumps({**found, "runs": results}, indent=1))
     return 0
 
 
