@@ -5,25 +5,26 @@ peer, speculation off, side by side in one run.
         [--samplings greedy,t1,t1-seeded] [--replicas off,measured,full] [--max-tokens 48] [--repeats 3]
         [--out bench/out/decode_bench.json]
 
-Up to three decode replicas in this process (decode_svc.server.DecodeServer, no cache, real gRPC on loopback) share
-one loaded model: `off` (--no-speculation), `measured` and `full` (--draft-policy); `--replicas` picks them (`off`,
-the peer, always). Each logs its start-up time (on a GPU: its step graphs captured). Each run sends B prompts at once
+Up to three decode replicas in this process (decode_svc.server.DecodeServer, no cache, real gRPC on loopback) share one
+loaded model: `off` (--no-speculation), `measured` and `full` (--draft-policy); `--replicas` picks them (`off`, the
+peer, always). Each logs its start-up time (on a GPU: its step graphs captured). Each run sends B prompts at once
 (held-out conversations of the demo checkpoint's training data, cut before their last answer: train.eval) as token-id
 Generate streams with `max_tokens` and no stop token, so every row decodes the whole budget; the streams run from a
 process of their own (stream_client.py), as the gateway's do, so that receiving them takes no GIL from the engine.
-Decode tokens/s of a run = tokens received after the last stream's first token (every prompt prefilled and joined) /
-the time from then to the last stream's end. Runs interleave: each repeat runs every (batch, sampling) on every
-replica in turn, in a rotating order, so a machine whose load changes (other jobs on a shared host) weighs on them
-alike; the table gives the medians. Samplings: greedy; T = 1 (speculative sampling from each row's own generator);
-T = 1 with a seed per row (decode_svc.sampler: tokens fixed per output position, so every replica must emit the same
-tokens).
+Decode tokens/s of a run = every stream's tokens after its first / the time from the first stream's first token to the
+last stream's end (the batch's throughput; the engine joins the prompts over its first iterations, alike on every
+replica), and a user's: the median stream's tokens after its first over their time. Runs interleave: each repeat runs
+every (batch, sampling) on every replica in turn, in a rotating order, so a machine whose load changes (other jobs on a
+shared host) weighs on them alike; the table gives the medians. Samplings: greedy; T = 1 (speculative sampling from each
+row's own generator); T = 1 with a seed per row (decode_svc.sampler: tokens fixed per output position, so every replica
+must emit the same tokens).
 
-Reported per (replica, batch, sampling): median decode tokens/s and its ratio to `off`, mean accepted length per
-verify (accepted drafts + 1, over the rows a drafted step verified), the share of the speculative lane's steps that
-drafted (plan draft or probe), the engine's mean step (its `step_seconds` metric: forward, sampling and the step's
-read back) and that time's share of the run's clock (the rest passes between steps: delivering tokens, the engine's
-loop, waits for the GIL, which the engine shares with the replicas' event loop), and whether greedy and seeded outputs
-equal `off`'s.
+Reported per (replica, batch, sampling): median decode tokens/s (the batch's and a user's) and the batch's ratio to
+`off`, mean accepted length per verify (accepted drafts + 1, over the rows a drafted step verified), the share of the
+speculative lane's steps that drafted (plan draft or probe), the engine's mean step (its `step_seconds` metric: forward,
+sampling and the step's read back) and that time's share of the run's clock (the rest passes between steps: delivering
+tokens, the engine's loop, waits for the GIL, which the engine shares with the replicas' event loop), and whether greedy
+and seeded outputs equal `off`'s.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ class Run:
     batch: int
     sampling: str
     repeat: int
-    tokens: int  # decoded after every row had joined
-    seconds: float
+    tokens: int  # decoded: every stream's tokens after its first
+    seconds: float  # from the first stream's first token to the last stream's end
+    row_rate: float  # the median stream's decode tokens/s (its tokens after the first over their time)
     accepted: float  # drafts accepted, over the run
     row_steps: float  # rows of drafted steps that verified
     plans: dict[str, float]
     outputs: list[list[int]]
-    steps: float  # engine steps after every row had joined
+    steps: float  # engine steps of the run
     step_seconds: float  # their summed time: forward, sampling and the step's reads back (the engine's clock)
 
     @property
@@ -138,21 +140,17 @@ class Replicas:
     def generate(self, name: str, prompts: list[list[int]], sampling: str, max_tokens: int, repeat: int) -> Run:
         temperature, seeded = SAMPLINGS[sampling]
         seeds = [1000 + i if seeded else None for i in range(len(prompts))]
-        at_join: dict[str, float] = {}
         before = self.counters(name)
-        streams = self.client.run(
-            self.servers[name].port,
-            Batch(prompts, temperature, seeds, max_tokens),
-            lambda: at_join.update(self.counters(name)),  # the engine's steps count from the last stream's start
-        )
+        streams = self.client.run(self.servers[name].port, Batch(prompts, temperature, seeds, max_tokens))
         after = self.counters(name)
-        joined, ended = max(streams.first), max(s[-1][0] for s in streams.stamps)
-        tokens = sum(n for s in streams.stamps for at, n in s if at > joined)
         delta = {k: after[k] - before[k] for k in after}
+        ends = [s[-1][0] for s in streams.stamps]
+        decoded = [sum(n for at, n in s if at > first) for s, first in zip(streams.stamps, streams.first, strict=True)]
+        row_rates = [n / (end - first) for n, end, first in zip(decoded, ends, streams.first, strict=True) if n]
         plans = {p: delta[f"plan_{p}"] for p in PLANS}
-        return Run(name, len(prompts), sampling, repeat, tokens, ended - joined, delta["accepted"],
-                   delta["row_steps"], plans, streams.outputs, after["steps"] - at_join["steps"],
-                   after["step_seconds"] - at_join["step_seconds"])  # fmt: skip
+        return Run(name, len(prompts), sampling, repeat, sum(decoded), max(ends) - min(streams.first),
+                   statistics.median(row_rates), delta["accepted"], delta["row_steps"], plans, streams.outputs,
+                   delta["steps"], delta["step_seconds"])  # fmt: skip
 
     def stop(self) -> None:
         self.client.close()
@@ -181,6 +179,7 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
             "sampling": sampling,
             "tokens_per_s_median": rate,
             "tokens_per_s": [r.tokens_per_s for r in group],
+            "row_tokens_per_s_median": statistics.median(r.row_rate for r in group),
             "vs_off": rate / peer,
             "mean_accepted_length": (sum(r.accepted for r in group) + row_steps) / row_steps if row_steps else None,
             "drafted_share": drafted / steps if steps else None,
@@ -194,14 +193,15 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
 
 def show(summary: dict[str, dict[str, Any]]) -> None:
     table = Table(title=f"decode tokens/s: DSpark vs speculation off (median of the repeats; peer = {PEER})")
-    columns = ("batch", "sampling", "replica", "tok/s", "vs off", "accepted length", "drafted steps",
+    columns = ("batch", "sampling", "replica", "tok/s", "user tok/s", "vs off", "accepted length", "drafted steps",
                "engine ms / step", "engine share", "= off")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for s in sorted(summary.values(), key=lambda s: (s["batch"], list(SAMPLINGS).index(s["sampling"]), s["replica"])):
         length, share = s["mean_accepted_length"], s["drafted_share"]
         table.add_row(str(s["batch"]), s["sampling"], s["replica"], f"{s['tokens_per_s_median']:.2f}",
-                      f"{s['vs_off']:.2f}×", "–" if length is None else f"{length:.2f}",
+                      f"{s['row_tokens_per_s_median']:.2f}", f"{s['vs_off']:.2f}×",
+                      "–" if length is None else f"{length:.2f}",
                       "–" if share is None else f"{share:.0%}", f"{s['engine_step_ms']:.2f}",
                       f"{s['engine_share']:.0%}",
                       "–" if s["sampling"] == "t1" else ("yes" if s["same_tokens_as_off"] else "no"))  # fmt: skip

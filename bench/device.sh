@@ -56,7 +56,8 @@ for part in "$@"; do
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
-    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --out "$OUT/decode.json" ;;
+    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --max-tokens 96 \
+              --out "$OUT/decode.json" ;;
     engine) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
               --out "$OUT/engine.json" ;;
     engine-variant) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \

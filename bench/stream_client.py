@@ -2,8 +2,8 @@
 receiving and decoding every message) does not take the GIL from the decode engine it measures, as the gateway,
 another process, does not.
 
-    client = StreamClient()                      # a spawned process, kept for every batch
-    result = client.run(port, batch, on_join)    # on_join(): called here when every stream has its first token
+    client = StreamClient()             # a spawned process, kept for every batch
+    result = client.run(port, batch)    # every stream's first-token time, message times and tokens
     client.close()
 
 Times are `time.perf_counter()` readings of the child: the system's monotonic clock, which the parent's readings
@@ -15,12 +15,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-JOIN_WAIT_S = 3600.0
+STREAM_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -46,18 +45,13 @@ class StreamClient:
     def __init__(self) -> None:
         context = mp.get_context("spawn")  # a fresh interpreter: no torch, no CUDA, no server threads in it
         self._conn, child = context.Pipe()
-        self._joined = context.Event()
-        self._proc = context.Process(target=_serve, args=(child, self._joined), name="stream-client", daemon=True)
+        self._proc = context.Process(target=_serve, args=(child,), name="stream-client", daemon=True)
         self._proc.start()
         child.close()
 
-    def run(self, port: int, batch: Batch, on_join: Callable[[], None]) -> Streams:
-        """Run `batch` against the decode server on 127.0.0.1:`port`; `on_join` runs once every stream has a token."""
-        self._joined.clear()
+    def run(self, port: int, batch: Batch) -> Streams:
+        """Run `batch` against the decode server on 127.0.0.1:`port`."""
         self._conn.send((port, batch))
-        if not self._joined.wait(JOIN_WAIT_S):
-            raise TimeoutError(f"the {len(batch.prompts)} streams did not all start within {JOIN_WAIT_S:.0f} s")
-        on_join()
         reply = self._conn.recv()
         if isinstance(reply, BaseException):
             raise reply
@@ -68,17 +62,16 @@ class StreamClient:
         self._proc.join(timeout=30)
 
 
-def _serve(conn: Connection, joined: Any) -> None:
+def _serve(conn: Connection) -> None:
     while (job := conn.recv()) is not None:
         port, batch = job
         try:
-            conn.send(_streams(port, batch, joined))
+            conn.send(_streams(port, batch))
         except Exception as exc:  # the parent raises it
-            joined.set()
             conn.send(exc)
 
 
-def _streams(port: int, batch: Batch, joined: Any) -> Streams:
+def _streams(port: int, batch: Batch) -> Streams:
     import grpc
 
     from proto.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -86,7 +79,6 @@ def _streams(port: int, batch: Batch, joined: Any) -> Streams:
     n = len(batch.prompts)
     first, outputs = [0.0] * n, [[] for _ in range(n)]
     stamps: list[list[tuple[float, int]]] = [[] for _ in range(n)]
-    lock, waiting = threading.Lock(), [n]
     errors: list[BaseException] = []
 
     def stream(i: int, stub: Any) -> None:
@@ -97,19 +89,14 @@ def _streams(port: int, batch: Batch, joined: Any) -> Streams:
             token_ids=decode_pb2.TokenIds(ids=batch.prompts[i]), max_tokens=batch.max_tokens, sampling=params
         )
         try:
-            for message in stub.Generate(request, timeout=JOIN_WAIT_S):
+            for message in stub.Generate(request, timeout=STREAM_TIMEOUT_S):
                 now = time.perf_counter()
                 if message.token_ids and not outputs[i]:
                     first[i] = now
-                    with lock:
-                        waiting[0] -= 1
-                        if not waiting[0]:  # the last stream started: the parent counts the engine's steps from here
-                            joined.set()
                 outputs[i] += message.token_ids
                 stamps[i].append((now, len(message.token_ids)))
         except grpc.RpcError as exc:
             errors.append(exc)
-            joined.set()
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
