@@ -77,6 +77,14 @@ def _plain_greedy(model, prompts, steps: int, graphs: bool) -> tuple[list[list[i
     return tokens, logits
 
 
+# The kernels whose results the diagnosis records beside the modules' outputs: those called outside a module's
+# __call__ (an attention's projections, a block's stream update and norms), whose outputs no hook sees.
+PROBED = (
+    "indexer_scores", "topk_indices", "sparse_attention", "fp8_linear", "fp8_linear_cast", "norm_cast",
+    "hc_coefficients", "hc_expand_coefficients", "moe_route",
+)  # fmt: skip
+
+
 def _recorded(model: nn.Module):
     """Forward hooks and kernel probes recording each module's and kernel's first floating output, in call order."""
     from model import kernels
@@ -99,7 +107,7 @@ def _recorded(model: nn.Module):
         return op, run
 
     handles = [m.register_forward_hook(lambda _m, _i, o, n=n: keep(n, o)) for n, m in model.named_modules() if n]
-    probes = {n: probe(n) for n in ("indexer_scores", "topk_indices", "sparse_attention")}
+    probes = {n: probe(n) for n in PROBED}
     for name, (_, run) in probes.items():
         setattr(kernels, name, run)
 
