@@ -4,17 +4,17 @@ The rows of a forward draw from one generator, seeded at random (`random_generat
 whole batch, not one per row. An unseeded sampled row needs noise of its own, not a stream of its own: every element
 of the batch's draw is independent of every other, so no two rows share randomness.
 
-A **seeded** sampled row needs more than a stream of its own to be reproducible. Speculative sampling emits a sample
-of the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each
-step — and that is the scheduler's call, made on the whole batch and on measured step times. So a seeded row's
-randomness is fixed per output position instead: its token at output index i is the model's own exponential race
-(`model.sample`) over a generator seeded by (seed, i), and `StepSampling.probs` collapses its distribution onto that
-token. Every sampler downstream then takes exactly it — a one-hot row is its token for `sample`, and for lossless
-verification a one-hot target accepts a draft exactly when it is that token and otherwise emits it (greedy decoding
-is the same case). DSpark's draft chain is collapsed with the same noise of the same positions, so a draft that
-follows the target's distribution picks the target's token (Gumbel-max coupling) and is accepted. Each token is still
-an exact sample of the target (fresh noise per position, drawn independently of the model); it depends on the seed,
-the prompt and the model only: not on the batch, the drafts, the verify widths, or whether speculation is on.
+A **seeded** sampled row needs more than a stream of its own to be reproducible. Speculative sampling emits a sample of
+the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each step
+— and that is the scheduler's call, made on the whole batch and on measured step times. So a seeded row's randomness is
+fixed per output position instead: its token at output index i is the model's own exponential race over noise keyed by
+(seed, i) (`model.sampling.keyed_race`), and `StepSampling.probs` collapses its distribution onto that token. Every
+sampler downstream then takes exactly it — a one-hot row is its token for `sample`, and for lossless verification a
+one-hot target accepts a draft exactly when it is that token and otherwise emits it (greedy decoding is the same case).
+DSpark's draft chain is collapsed with the same noise of the same positions, so a draft that follows the target's
+distribution picks the target's token (Gumbel-max coupling) and is accepted. Each token is still an exact sample of the
+target (fresh noise per position, drawn independently of the model); it depends on the seed, the prompt and the model
+only: not on the batch, the drafts, the verify widths, or whether speculation is on.
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature, top-k and
 top-p), as the OpenAI API reports them; under an output constraint, of the masked logits (masking.py), which every
@@ -35,6 +35,7 @@ from torch import Tensor
 from decode_svc.masking import Masks
 from decode_svc.sequence import Sequence, TokenLogprob
 from model import SamplingParams, sample
+from model.sampling import keyed_race
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,14 @@ class StepSampling(SamplingParams):
             self.masks.apply(logits)
         probs = super().probs(logits)
         positions = probs.view(probs.shape[0], -1, probs.shape[-1])  # [B, T, V], a view: collapsed in place
-        for b, seed in enumerate(self.seeds):
-            for t in range(positions.shape[1] if seed is not None else 0):
-                noise = position_generator(seed, self.cursor[b] + t, probs.device)
-                token = sample(positions[b, t : t + 1], [noise])  # on the device: nothing waits for it
-                positions[b, t].zero_().scatter_(0, token, 1.0)
-            self.cursor[b] += positions.shape[1]
+        T = positions.shape[1]
+        seeded = [(b, t) for b, seed in enumerate(self.seeds) if seed is not None for t in range(T)]
+        if seeded:  # every seeded row's positions raced at once, on the device: nothing waits for it
+            keys = [position_key(self.seeds[b], self.cursor[b] + t) for b, t in seeded]  # type: ignore[arg-type]
+            at = torch.tensor(seeded, device=probs.device).unbind(-1)
+            tokens = keyed_race(positions[at], torch.tensor(keys, device=probs.device))
+            positions[at] = torch.nn.functional.one_hot(tokens, positions.shape[-1]).to(positions.dtype)
+        self.cursor[:] = [c + T for c in self.cursor]
         return probs
 
 
@@ -85,11 +88,11 @@ def batch_sampling(rows: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> 
     )
 
 
-def position_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
-    """The generator of a seeded row's output position `index`: its own stream, not the next draws of one shared by
-    every position (those would shift whenever a step verified a different number of drafts)."""
+def position_key(seed: int, index: int) -> int:
+    """The noise key of a seeded row's output position `index` (`keyed_race`): its own stream, not the next draws of
+    one shared by every position (those would shift whenever a step verified a different number of drafts)."""
     digest = hashlib.blake2b(struct.pack("<QQ", seed, index), digest_size=8).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def random_generator(device: torch.device) -> torch.Generator:

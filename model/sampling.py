@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.fused import fused
+
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
@@ -94,6 +96,32 @@ def sample(probs: Tensor, generator: Generators = None) -> Tensor:
     for r, g in enumerate(rows or ()):
         race[r].exponential_(generator=g)
     return (probs.float() / race).argmax(-1)
+
+
+# SplitMix64 (Steele et al.): the golden-ratio increment and the finaliser's multipliers, as signed int64.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(z: Tensor, s: int) -> Tensor:
+    """A logical right shift of int64 lanes (torch's `>>` keeps the sign)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+@fused
+def keyed_race(probs: Tensor, keys: Tensor) -> Tensor:
+    """probs [N, V], keys [N] (int64) → token ids [N]: the exponential race argmax(p / Exp(1)) of `sample`, its noise a
+    pure function of each row's key — element v is SplitMix64's (v + 1)-th output from the key, its top 24 bits a
+    uniform u and −log u the exponential. Rows keyed by (seed, output position) get reproducible tokens from one
+    launch for all of them (a generator per row and position takes a few launches each)."""
+    v = torch.arange(1, probs.shape[-1] + 1, device=probs.device, dtype=torch.int64)
+    z = keys.unsqueeze(-1) + v * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    u = (_shift_right(z, 40).float() + 0.5) * 2.0**-24
+    return (probs.float() / -torch.log(u)).argmax(-1)
 
 
 def _uniforms(lengths: Tensor, K: int, generator: Generators, device: torch.device) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from model import DecodeBatch, Draft, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
-from model.sampling import nucleus
+from model.sampling import keyed_race, nucleus
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -315,3 +315,21 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, toke
         crowd = decode([1, 0, 2], [1.0, 1.0, 0.0], [g, mine, g - 1], speculative)
         print(f"speculative={speculative}: {alone}")
         assert crowd == alone
+
+
+def test_keyed_race_samples_each_rows_distribution_from_its_key_alone() -> None:
+    """`keyed_race`: over many keys the tokens follow the row's distribution (each count within 5 σ), consecutive keys
+    included; a key always gives the same token, whatever rows share its launch; a one-hot row gives its token."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
+    n = 100_000
+    for keys in (torch.arange(n), torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(3))):
+        counts = torch.bincount(keyed_race(p.expand(n, -1), keys), minlength=5).double()
+        sigma = (n * p * (1 - p)).sqrt()
+        assert ((counts - n * p).abs() < 5 * sigma).all(), counts / n
+    keys = torch.tensor([5, -9, 2**40])
+    probs = torch.rand(3, 64, generator=torch.Generator().manual_seed(4)).softmax(-1)
+    alone = torch.cat([keyed_race(probs[i : i + 1], keys[i : i + 1]) for i in range(3)])
+    assert torch.equal(keyed_race(probs, keys), alone)
+    assert keyed_race(probs[:1].expand(64, -1), torch.arange(64)).unique().numel() > 8  # other keys, other draws
+    one_hot = torch.nn.functional.one_hot(torch.tensor([7, 0, 63]), 64).float()
+    assert keyed_race(one_hot, keys).tolist() == [7, 0, 63]
