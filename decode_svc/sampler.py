@@ -56,6 +56,10 @@ class StepSampling(SamplingParams):
         seeded = [seed is not None for seed in self.seeds] or [False] * len(self.temperature)
         return all(t <= 0 or s for t, s in zip(self.temperature.tolist(), seeded, strict=True))
 
+    def argmax_only(self) -> bool:
+        """Greedy rows alone and no output constraint (its masks are filled on the host, link by link)."""
+        return SamplingParams.one_hot(self) and self.masks is None
+
     def probs(self, logits: Tensor) -> Tensor:
         if self.masks is not None:
             self.masks.apply(logits)

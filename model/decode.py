@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from model.dspark import Draft, draft_features
+from model.dspark import Draft, draft_features, markov_chain
 from model.graphs import StepGraphs
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
 from model.sampling import Generators, SamplingParams, sample, speculative_accept
@@ -174,19 +174,11 @@ class DecodeBatch:
         `sampling.probs` of its logits. Confidences are calibrated by the head's per-position temperatures;
         `generator`: one for the batch or one per row (model.sampling)."""
         y = self.tokens(tokens, 1)[:, 0]
+        if self._graphed() and sampling.argmax_only():  # the chain needs no noise and no host: captured with it
+            return self.graphs.greedy_draft(y)
         x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
-        last = self.model.mtp[-1]
-        head = last.confidence_head
-        tokens_out, probs, confidence, prev = [], [], [], y
-        one_hot = sampling.one_hot()
-        for k in range(x.shape[1]):
-            e = last.markov_head.embed(prev)
-            q = sampling.probs(base[:, k] + last.markov_head.head(e).float())
-            confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
-            prev = q.argmax(-1) if one_hot else sample(q, generator)
-            tokens_out.append(prev)
-            probs.append(q)
-        return Draft(torch.stack(tokens_out, 1), torch.stack(probs, 1), torch.cat(confidence, -1))
+        pick = (lambda q: q.argmax(-1)) if sampling.one_hot() else (lambda q: sample(q, generator))
+        return markov_chain(self.model, x, base, y, sampling.probs, pick)
 
     @torch.no_grad()
     def verify(

@@ -18,6 +18,7 @@ The decode engine may truncate a row's drafts where the running product of confi
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,6 +159,26 @@ def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tenso
     last = model.mtp[-1]
     x = hc_collapse(update.apply(X), pre)
     return x, model.head(last.norm(x)).float()
+
+
+def markov_chain(
+    model: Transformer, x: Tensor, base: Tensor, y: Tensor, probs: Callable[[Tensor], Tensor],
+    pick: Callable[[Tensor], Tensor],
+) -> Draft:  # fmt: skip
+    """The draft's links left to right over `draft_features`' (x, base) after the pending tokens y [B]: link k's
+    distribution is `probs` of its logits Uₖ + the Markov bias of the token before it, its token `pick`ed from that
+    distribution, its confidence the head's, calibrated by the link's temperature."""
+    last = model.mtp[-1]
+    head = last.confidence_head
+    tokens, dists, confidence, prev = [], [], [], y
+    for k in range(x.shape[1]):
+        e = last.markov_head.embed(prev)
+        q = probs(base[:, k] + last.markov_head.head(e).float())
+        confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
+        prev = pick(q)
+        tokens.append(prev)
+        dists.append(q)
+    return Draft(torch.stack(tokens, 1), torch.stack(dists, 1), torch.cat(confidence, -1))
 
 
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,11 +1,12 @@
 """A batch's forwards as CUDA graphs: each captured per batch bucket (and width), replayed with the rows padded.
 
 An eager step launches a few thousand small kernels and the host cannot keep up (the GPU idles most of the step).
-A graph launches them all at once. Three forwards are captured, each per bucket b (1, 2, 4 … 256):
+A graph launches them all at once. These forwards are captured, each per bucket b (1, 2, 4 … 256):
 
     decode   one token per row → next-token logits, the step's writes committed, every real row advanced by one
     draft    the DSpark blocks over [y, noise…] → their features and head logits (model.dspark.draft_features);
              the Markov chain over them stays eager: its links sample, and a grammar may mask each on the host
+    greedy_draft  the same blocks and the chain of a greedy batch, whose links are arg-maxes: one graph
     verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then its commit (`Verified`) replays a
              second graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
 
@@ -42,14 +43,16 @@ import torch
 from torch import Tensor
 
 from model.cache import KVCache, Step
-from model.dspark import draft_features
+from model.dspark import Draft, draft_features, markov_chain
 from model.engram_store import StagedMemory
+from model.sampling import argmax_one_hot
 from model.serving import forward_full
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DRAFTS = ("draft", "greedy_draft")  # the forwards of the DSpark blocks alone: no Engram layer among them
 Forward = Callable[[int, int, bool], tuple[tuple[Tensor, ...], Step | None]]  # (bucket, T, commit) → outputs, step
 MIN_CONTEXT = 4096  # positions every row's entries are reserved for at least: short sequences never recapture
 
@@ -116,6 +119,13 @@ class StepGraphs:
         x, base = self._replay("draft", y.unsqueeze(1), self._draft)
         return x[:n].clone(), base[:n].clone()
 
+    def greedy_draft(self, y: Tensor) -> Draft:
+        """A greedy draft after each row's pending token (y [n]): the DSpark blocks and the Markov chain of arg-maxes
+        (`markov_chain`) in one graph."""
+        n = y.shape[0]
+        tokens, probs, confidence = self._replay("greedy_draft", y.unsqueeze(1), self._greedy_draft)
+        return Draft(tokens[:n].clone(), probs[:n].clone(), confidence[:n].clone())
+
     def verify(self, tokens: Tensor) -> tuple[Tensor, Verified]:
         """The target forward over tokens [n, T] (a pending token and T − 1 drafts per row) → (logits [n, T, V], its
         commit); nothing is kept until the commit, which must follow before any other forward of this batch."""
@@ -149,6 +159,7 @@ class StepGraphs:
             self._ready(("decode", b, 1), self._decode)
             if widths:
                 self._ready(("draft", b, 1), self._draft)
+                self._ready(("greedy_draft", b, 1), self._greedy_draft)
             for w in widths:
                 verify = self._ready(("verify", b, 1 + w), self._verify)
                 if self.capture:
@@ -189,7 +200,7 @@ class StepGraphs:
         """Where the Engram tables are on the host: the rows of this forward's tokens (padded to the bucket, on the
         host) gathered into its staging. The draft runs no Engram layer."""
         fetch, T = self.model.engram_fetch, tokens.shape[1]
-        if fetch is None or forward == "draft":
+        if fetch is None or forward in DRAFTS:
             return None
         staged = self.staged.get((b, T)) or self.staged.setdefault((b, T), StagedMemory(fetch, b, T))
         padded = torch.zeros(b, T, dtype=torch.int64)
@@ -282,6 +293,12 @@ class StepGraphs:
 
     def _draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         return draft_features(self.model, self.cache, self.tokens[:b, 0]), None
+
+    def _greedy_draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+        y = self.tokens[:b, 0]
+        x, base = draft_features(self.model, self.cache, y)
+        draft = markov_chain(self.model, x, base, y, argmax_one_hot, lambda q: q.argmax(-1))
+        return (draft.tokens, draft.probs, draft.confidence), None
 
     def _verify(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         step = self._static_step(b, T)

@@ -44,10 +44,14 @@ class SamplingParams:
         it is then its arg-max, and no noise need be drawn."""
         return not bool((self.temperature > 0).any())
 
+    def argmax_only(self) -> bool:
+        """Whether `probs` is every row's arg-max, one-hot (every row greedy), whatever the logits' history: a
+        sample is then a pure function of the logits, which a captured graph can take."""
+        return SamplingParams.one_hot(self)
+
     def probs(self, logits: Tensor) -> Tensor:
         """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
-        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        greedy = one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        greedy = argmax_one_hot(logits)
         if SamplingParams.one_hot(self):  # every row greedy: nothing to scale (this class's rule, not an override's)
             return greedy
         logits = logits.float()
@@ -64,6 +68,12 @@ class SamplingParams:
         if bool((self.top_p < 1).any()):
             probs = nucleus(probs, self.top_p.to(logits.device, non_blocking=True).view(shape))
         return torch.where(t > 0, probs, greedy)
+
+
+def argmax_one_hot(logits: Tensor) -> Tensor:
+    """fp32 [..., V]: 1 at each row's arg-max (ties to the lower id), 0 elsewhere — greedy decoding's distribution."""
+    one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return one_hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 def nucleus(probs: Tensor, top_p: Tensor) -> Tensor:

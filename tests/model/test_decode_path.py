@@ -201,8 +201,10 @@ def test_static_verifies_over_padded_rows_equal_plain_verifies(tiny: Transformer
     n, V, greedy = 3, tiny.args.vocab_size, SamplingParams.uniform(3)
     pending = tokens(n).tolist()
     for _ in range(3):
-        expected = plain.dspark_draft(pending, greedy)
-        torch.testing.assert_close(static.dspark_draft(pending, greedy).probs, expected.probs, rtol=1e-6, atol=1e-7)
+        expected, chained = plain.dspark_draft(pending, greedy), static.dspark_draft(pending, greedy)  # one "graph"
+        assert torch.equal(chained.tokens, expected.tokens)
+        torch.testing.assert_close(chained.probs, expected.probs, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(chained.confidence, expected.confidence, rtol=1e-6, atol=1e-7)
         drafts = _commit_free_drafts(plain, pending)
         g = drafts.shape[1]
         drafts[0, 0], drafts[1, 1] = (drafts[0, 0] + 1) % V, (drafts[1, 1] + 1) % V  # rejected there
