@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from serve_bench import machine  # noqa: E402
+from step_bench import add_batch_invariant  # noqa: E402
 from stream_client import Batch, StreamClient  # noqa: E402
 
 from decode_svc.config import DecodeConfig  # noqa: E402
@@ -219,10 +220,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-seed", type=int, default=0, help="which held-out conversations (train.eval)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument(
-        "--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-        help="batch-invariant numerics on a GPU, as the decode service's default (model.kernels.invariance)",
-    )  # fmt: skip
+    add_batch_invariant(parser, default=True)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/out/decode_bench.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

@@ -36,7 +36,7 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from step_bench import kernel_profile  # noqa: E402
+from step_bench import add_batch_invariant, kernel_profile  # noqa: E402
 
 from decode_svc.engine import Engine, EngineSettings  # noqa: E402
 from decode_svc.metrics import DecodeMetrics  # noqa: E402
@@ -129,10 +129,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--speculation", action="store_true", help="the speculative lane (DSpark) instead of plain")
     p.add_argument("--top", type=int, default=30, help="functions listed from the host profile")
-    p.add_argument(
-        "--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-        help="batch-invariant numerics, as the decode service's default (model.kernels.invariance)",
-    )  # fmt: skip
+    add_batch_invariant(p, default=True)
     p.add_argument("--out", type=Path, default=ROOT / "bench/out/engine_profile.json")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -161,6 +161,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_batch_invariant(parser: argparse.ArgumentParser, default: bool) -> None:
+    """The benches' `--batch-invariant` / `--no-batch-invariant` (set it with `kernels.set_batch_invariant` before the
+    first forward: it is process-wide)."""
+    parser.add_argument(
+        "--batch-invariant", action=argparse.BooleanOptionalAction, default=default,
+        help="batch-invariant numerics on a GPU (model.kernels.invariance), as the decode service's default is",
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,64,256")
@@ -171,10 +180,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
     p.add_argument("--sources", action="store_true", help="profile rows: the eager step's kernels by launching line")
     p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="time the dense peer too")
-    p.add_argument(
-        "--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
-        help="batch-invariant numerics (model.kernels.invariance), as decode_svc's --batch-invariant",
-    )  # fmt: skip
+    add_batch_invariant(p, default=False)
     ns = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_bench needs a CUDA device (it compares CUDA graphs)")
