@@ -26,7 +26,7 @@ from torch import Tensor
 from model.dspark import Draft, draft_features, markov_chain
 from model.graphs import StepGraphs
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
-from model.sampling import Generators, SamplingParams, sample, speculative_accept
+from model.sampling import Generators, SamplingParams, argmax_accept, sample, speculative_accept
 from model.serving import decoder_replay, forward_full, replay_length
 
 if TYPE_CHECKING:
@@ -208,11 +208,12 @@ class DecodeBatch:
         else:
             step = self.cache.step(tokens)
             logits = forward_full(self.model, step)
-        device = logits.device
-        target, proposal = sampling.probs(logits), draft.probs.to(device)
-        accepted, nxt = speculative_accept(
-            target, proposal, draft.tokens.to(device), lengths, generator, sampling.one_hot()
-        )
+        proposed = draft.tokens.to(logits.device)
+        if sampling.argmax_only():  # greedy: the targets' tokens are the logits' arg-maxes
+            accepted, nxt = argmax_accept(logits, proposed, lengths)
+        else:
+            target, proposal = sampling.probs(logits), draft.probs.to(logits.device)
+            accepted, nxt = speculative_accept(target, proposal, proposed, lengths, generator, sampling.one_hot())
         if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts

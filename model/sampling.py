@@ -147,6 +147,17 @@ def _uniforms(lengths: Tensor, K: int, generator: Generators, device: torch.devi
     return u
 
 
+def argmax_accept(scores: Tensor, drafts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """`speculative_accept` of one-hot targets, read off scores [B, K+1, V] whose arg-maxes (ties to the lower id) are
+    the targets' tokens — a greedy batch's logits themselves, with no distribution made: the leading drafts equal to
+    them (within lengths[b]) are accepted, and the arg-max after them is emitted."""
+    B, K = drafts.shape
+    best = scores.argmax(-1)
+    within = torch.arange(K, device=scores.device) < lengths.to(scores.device, non_blocking=True).unsqueeze(1)
+    n = ((best[:, :K] == drafts) & within).long().cumprod(-1).sum(-1)
+    return n, best[torch.arange(B, device=scores.device), n]
+
+
 def speculative_accept(
     target: Tensor,
     draft: Tensor,
@@ -164,14 +175,13 @@ def speculative_accept(
     rows, `SamplingParams.one_hot`): the rule then accepts a draft exactly where the target gives it probability 1
     and emits the target's token after the accepted ones, which it takes with no noise drawn.
     """
+    if one_hot:  # the one-hot target's token is its arg-max
+        return argmax_accept(target, drafts, lengths)
     B, K = drafts.shape
     p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     limits = lengths.to(target.device, non_blocking=True)
     within = torch.arange(K, device=target.device) < limits.unsqueeze(1)
     rows = torch.arange(B, device=target.device)
-    if one_hot:
-        n = ((p_d > 0) & within).long().cumprod(-1).sum(-1)
-        return n, target[rows, n].argmax(-1)
     q_d = draft.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     u = _uniforms(lengths, K, generator, target.device)
     ok = (u * q_d < p_d) & within

@@ -10,7 +10,7 @@ import torch
 
 from model import DecodeBatch, Draft, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
-from model.sampling import keyed_race, nucleus
+from model.sampling import argmax_accept, keyed_race, nucleus
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -46,10 +46,11 @@ def test_speculative_accept_matches_the_target(gen):
     assert abs(rate - float(torch.minimum(p, q).sum())) < 5 * math.sqrt(0.25 / B)
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_one_hot_distributions_are_greedy(gen, one_hot: bool):
+@pytest.mark.parametrize("rule", ["full", "one-hot", "arg-max"])
+def test_one_hot_distributions_are_greedy(gen, rule: str):
     """Greedy is the temperature-0 case: one-hot target and draft accept exactly the arg-max prefix, whether the rule
-    runs in full or is told the distributions are one-hot (no noise drawn), within each row's length."""
+    runs in full, is told the distributions are one-hot (no noise drawn) or reads the logits' arg-maxes alone
+    (`argmax_accept`, no distribution made), within each row's length."""
     V, K, B = 50, 4, 64
     logits = torch.randn(B, K + 1, V, generator=gen)
     greedy = SamplingParams.uniform(B)
@@ -60,14 +61,11 @@ def test_one_hot_distributions_are_greedy(gen, one_hot: bool):
         torch.rand(B, K, generator=gen) < 0.7, logits[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=gen)
     )
     lengths = torch.randint(0, K + 1, (B,), generator=gen)
-    accepted, nxt = speculative_accept(
-        target,
-        greedy.probs(torch.randn(B, K, V, generator=gen)).scatter(-1, drafts.unsqueeze(-1), 2.0).clamp(max=1).div(1),
-        drafts,
-        lengths,
-        gen,
-        one_hot,
-    )
+    proposal = greedy.probs(torch.randn(B, K, V, generator=gen)).scatter(-1, drafts.unsqueeze(-1), 2.0).clamp(max=1)
+    if rule == "arg-max":
+        accepted, nxt = argmax_accept(logits, drafts, lengths)
+    else:
+        accepted, nxt = speculative_accept(target, proposal, drafts, lengths, gen, rule == "one-hot")
     matches = (drafts == logits[:, :K].argmax(-1)).long().cumprod(-1).sum(-1).minimum(lengths)
     assert torch.equal(accepted, matches)
     assert torch.equal(nxt, logits[torch.arange(B), accepted].argmax(-1))
