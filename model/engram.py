@@ -194,8 +194,8 @@ class NgramHash(nn.Module):
         return self.args.engram_max_ngram_size - 1
 
     def host_rows(self, tokens: np.ndarray, history: np.ndarray) -> dict[int, np.ndarray]:
-        """`rows` of every layer at once, from int64 numpy arrays on the host (an off-device table's step: numpy's
-        per-call cost on these tiny arrays is a fraction of torch's dispatch, which ran to ≈ 100 µs a decode step)."""
+        """`rows` of every layer at once, from int64 numpy arrays on the host (an off-device table's step, which the
+        GPU waits for: numpy's per-call cost on these tiny arrays is a fraction of torch's dispatch)."""
         return dict(zip(self.args.engram_layer_ids, self.host(tokens, history), strict=True))
 
     def rows(self, layer: int, tokens: Tensor, history: Tensor) -> Tensor:
