@@ -368,7 +368,7 @@ class Engine:
             seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
         try:
             logits = torch.stack([row for _, row in joined])
-            tokens = sample_rows(batch_sampling(seqs).probs(logits), seqs, self.generator)
+            tokens = sample_rows(logits, seqs, self.generator)
             for b, seq in enumerate(seqs):
                 self._deliver(seq, [tokens[b]], logits[b : b + 1])
         except Exception as exc:  # a bug or out of memory: these sequences only
@@ -408,7 +408,7 @@ class Engine:
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):
             logits = batch.decode_step(pending)
-            tokens = sample_rows(batch_sampling(rows).probs(logits), rows, self.generator)  # the step's one wait
+            tokens = sample_rows(logits, rows, self.generator)  # the step's one wait
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):

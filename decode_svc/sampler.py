@@ -104,10 +104,15 @@ def random_generator(device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
 
-def sample_rows(probs: Tensor, rows: Seq[Sequence], generator: torch.Generator) -> list[int]:
-    """One token per row of probs [B, V] (from `StepSampling.probs`): one exponential race over the batch, which
-    gives a one-hot row (greedy or seeded) its token; the arg-max alone when every row is one-hot."""
-    if all(row.params.sampling.greedy or row.params.sampling.seeded for row in rows):
+def sample_rows(logits: Tensor, rows: Seq[Sequence], generator: torch.Generator) -> list[int]:
+    """One token per row of logits [B, V], sampled as `batch_sampling(rows)` says: the arg-maxes alone for a greedy
+    batch (no distribution made); else its distributions (`StepSampling.probs`) and one exponential race over the
+    batch, which gives a one-hot row (greedy or seeded) its token — or their arg-max where every row is one-hot."""
+    sampling = batch_sampling(rows)
+    if sampling.argmax_only():
+        return logits.argmax(-1).tolist()
+    probs = sampling.probs(logits)
+    if sampling.one_hot():
         return probs.argmax(-1).tolist()
     return sample(probs, generator).tolist()
 
