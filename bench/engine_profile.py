@@ -56,10 +56,8 @@ def new_engine(model: Any, batch: int, speculation: bool) -> Engine:
     )
     log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[structlog.processors.JSONRenderer()])
     engine = Engine(model, settings, DecodeMetrics(CollectorRegistry()), log, lambda *a: None)
-    engine._capture()
-    if engine.start_error is not None:
+    if not engine.warm_up():
         raise SystemExit(engine.start_error)
-    engine._profile()
     return engine
 
 

@@ -188,14 +188,19 @@ class Engine:
             self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------------------------- the engine thread
-    def _run(self) -> None:
+    def warm_up(self) -> bool:
+        """The start-up work before the first request: the step graphs captured, the step times profiled (`warmed`
+        set after, whatever happened); False where it failed (`start_error` says why: the engine serves nothing)."""
         try:
             self._capture()
             if self.start_error is None:
                 self._profile()
         finally:
             self.warmed.set()
-        if self.start_error is not None:
+        return self.start_error is None
+
+    def _run(self) -> None:
+        if not self.warm_up():
             return
         while self.iterate():
             pass
