@@ -46,7 +46,7 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, random_generator, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
-from decode_svc.speculation import Calibration, draft_caps, trim
+from decode_svc.speculation import Calibration, draft_caps
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer, read_back
@@ -444,7 +444,7 @@ class Engine:
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
             verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
             result = batch.verify(
-                pending, trim(draft, width), verify, torch.tensor(lengths), self.generator
+                pending, draft.trim(width), verify, torch.tensor(lengths), self.generator
             )  # its acceptance is read on the host inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)

@@ -22,8 +22,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model import Draft
-
 
 @dataclass
 class DraftRecord:
@@ -107,8 +105,3 @@ class Calibration:
         self.promised *= self._decay
         self._products = [p * self._decay for p in self._products]
         self._drafts *= self._decay
-
-
-def trim(draft: Draft, width: int) -> Draft:
-    """The first `width` drafts of every row (a prefix of a draft chain is itself a valid draft chain)."""
-    return Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width])

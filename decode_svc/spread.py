@@ -37,7 +37,6 @@ from torch import Tensor
 from decode_svc.local_prefill import LocalPrefill, OnRank, Prefill, Restorable
 from decode_svc.masking import Masks
 from decode_svc.sampler import random_generator
-from decode_svc.speculation import trim
 from model import DecodeBatch, Past, PrefillOutput, SamplingParams, Transformer
 from model.decode import SequenceExport, VerifyResult
 from model.dspark import Draft
@@ -164,7 +163,7 @@ class RankRows:
 
         def verify() -> tuple[tuple[Tensor, list[list[int]]], Tensor]:
             assert self.draft is not None
-            result = self.batch.verify(tokens, trim(self.draft, width), sampling, lengths, self.generator)
+            result = self.batch.verify(tokens, self.draft.trim(width), sampling, lengths, self.generator)
             return (result.accepted, result.tokens), result.logits[kept]
 
         return self._forward(verify, bool(tokens), rows, (1 + width,))

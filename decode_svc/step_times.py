@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from decode_svc.speculation import trim
 from model import DecodeBatch, SamplingParams, Transformer, encode_prefill
 
 WINDOW = 15
@@ -109,4 +108,4 @@ def profile(model: Transformer, times: StepTimes, max_draft: int) -> None:
                 draft.confidence.tolist()
             for width in sorted({1, max_draft}):
                 with times.timed(Forward.VERIFY, rows * (1 + width)):
-                    batch.verify(pending, trim(draft, width), greedy)  # reads its acceptance on the host
+                    batch.verify(pending, draft.trim(width), greedy)  # reads its acceptance on the host

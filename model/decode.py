@@ -178,7 +178,12 @@ class DecodeBatch:
             return self.graphs.greedy_draft(y)
         x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
         pick = (lambda q: q.argmax(-1)) if sampling.one_hot() else (lambda q: sample(q, generator))
-        return markov_chain(self.model, x, base, y, sampling.probs, pick)
+
+        def link(logits: Tensor) -> tuple[Tensor, Tensor]:
+            q = sampling.probs(logits)
+            return pick(q), q
+
+        return markov_chain(self.model, x, base, y, link)
 
     @torch.no_grad()
     def verify(
@@ -212,7 +217,7 @@ class DecodeBatch:
         if sampling.argmax_only():  # greedy: the targets' tokens are the logits' arg-maxes
             accepted, nxt = argmax_accept(logits, proposed, lengths)
         else:
-            target, proposal = sampling.probs(logits), draft.probs.to(logits.device)
+            target, proposal = sampling.probs(logits), draft.proposal(logits.shape[-1]).to(logits.device)
             accepted, nxt = speculative_accept(target, proposal, proposed, lengths, generator, sampling.one_hot())
         if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)

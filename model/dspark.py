@@ -44,8 +44,17 @@ class Draft:
     """γ draft tokens per row, the distributions they were sampled from, and their acceptance confidences."""
 
     tokens: Tensor  # int64 [B, γ]
-    probs: Tensor  # fp32 [B, γ, V]
+    probs: Tensor | None  # fp32 [B, γ, V]; None: one-hot on the tokens (a greedy chain's, never made)
     confidence: Tensor  # fp32 [B, γ]
+
+    def proposal(self, vocab: int) -> Tensor:
+        """The distributions the drafts were drawn from, fp32 [B, γ, V]."""
+        return self.probs if self.probs is not None else nn.functional.one_hot(self.tokens, vocab).float()
+
+    def trim(self, width: int) -> Draft:
+        """The first `width` drafts of every row (a prefix of a draft chain is itself a valid draft chain)."""
+        probs = self.probs[:, :width] if self.probs is not None else None
+        return Draft(self.tokens[:, :width], probs, self.confidence[:, :width])
 
 
 class MarkovHead(nn.Module):
@@ -161,24 +170,29 @@ def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tenso
     return x, model.head(last.norm(x)).float()
 
 
-def markov_chain(
-    model: Transformer, x: Tensor, base: Tensor, y: Tensor, probs: Callable[[Tensor], Tensor],
-    pick: Callable[[Tensor], Tensor],
-) -> Draft:  # fmt: skip
+Link = Callable[[Tensor], tuple[Tensor, Tensor | None]]  # a link's logits → (its tokens, their distribution or None)
+
+
+def markov_chain(model: Transformer, x: Tensor, base: Tensor, y: Tensor, link: Link) -> Draft:
     """The draft's links left to right over `draft_features`' (x, base) after the pending tokens y [B]: link k's
-    distribution is `probs` of its logits Uₖ + the Markov bias of the token before it, its token `pick`ed from that
-    distribution, its confidence the head's, calibrated by the link's temperature."""
+    tokens are `link` of its logits Uₖ + the Markov bias of the token before it, its confidence the head's, calibrated
+    by the link's temperature. A `link` that keeps no distribution (arg-maxes: None) gives a draft without any."""
     last = model.mtp[-1]
     head = last.confidence_head
     tokens, dists, confidence, prev = [], [], [], y
     for k in range(x.shape[1]):
         e = last.markov_head.embed(prev)
-        q = probs(base[:, k] + last.markov_head.head(e).float())
+        prev, q = link(base[:, k] + last.markov_head.head(e).float())
         confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
-        prev = pick(q)
         tokens.append(prev)
         dists.append(q)
-    return Draft(torch.stack(tokens, 1), torch.stack(dists, 1), torch.cat(confidence, -1))
+    probs = torch.stack(dists, 1) if all(q is not None for q in dists) else None
+    return Draft(torch.stack(tokens, 1), probs, torch.cat(confidence, -1))
+
+
+def argmax_link(logits: Tensor) -> tuple[Tensor, None]:
+    """A greedy chain's link: its logits' arg-maxes, no distribution kept (one-hot on them)."""
+    return logits.argmax(-1), None
 
 
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:

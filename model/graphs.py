@@ -43,9 +43,8 @@ import torch
 from torch import Tensor
 
 from model.cache import KVCache, Step
-from model.dspark import Draft, draft_features, markov_chain
+from model.dspark import Draft, argmax_link, draft_features, markov_chain
 from model.engram_store import StagedMemory
-from model.sampling import argmax_one_hot
 from model.serving import forward_full
 
 if TYPE_CHECKING:
@@ -123,8 +122,8 @@ class StepGraphs:
         """A greedy draft after each row's pending token (y [n]): the DSpark blocks and the Markov chain of arg-maxes
         (`markov_chain`) in one graph."""
         n = y.shape[0]
-        tokens, probs, confidence = self._replay("greedy_draft", y.unsqueeze(1), self._greedy_draft)
-        return Draft(tokens[:n].clone(), probs[:n].clone(), confidence[:n].clone())
+        tokens, confidence = self._replay("greedy_draft", y.unsqueeze(1), self._greedy_draft)
+        return Draft(tokens[:n].clone(), None, confidence[:n].clone())
 
     def verify(self, tokens: Tensor) -> tuple[Tensor, Verified]:
         """The target forward over tokens [n, T] (a pending token and T − 1 drafts per row) → (logits [n, T, V], its
@@ -297,8 +296,8 @@ class StepGraphs:
     def _greedy_draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         y = self.tokens[:b, 0]
         x, base = draft_features(self.model, self.cache, y)
-        draft = markov_chain(self.model, x, base, y, argmax_one_hot, lambda q: q.argmax(-1))
-        return (draft.tokens, draft.probs, draft.confidence), None
+        draft = markov_chain(self.model, x, base, y, argmax_link)
+        return (draft.tokens, draft.confidence), None
 
     def _verify(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         step = self._static_step(b, T)

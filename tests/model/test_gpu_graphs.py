@@ -13,7 +13,6 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 from model import DecodeBatch, build_model, encode_prefill, preset
-from model.dspark import Draft
 from model.graphs import MIN_CONTEXT
 from model.sampling import SamplingParams
 
@@ -119,8 +118,8 @@ def test_graph_drafts_and_verifies_give_the_eager_ones(small):
     gaps: dict[str, list[float]] = {"draft probabilities": [], "verify logits (relative)": []}
     for width in (5, 2, 5, 1, 3):
         g, e = graphed.dspark_draft(pending, greedy), eager.dspark_draft(pending, greedy)
-        gaps["draft probabilities"].append(float((g.probs - e.probs).abs().max()))
-        draft = Draft(e.tokens[:, :width], e.probs[:, :width], e.confidence[:, :width])
+        gaps["draft probabilities"].append(float((g.proposal(V) - e.proposal(V)).abs().max()))
+        draft = e.trim(width)
         rg, re = graphed.verify(pending, draft, greedy), eager.verify(pending, draft, greedy)
         gaps["verify logits (relative)"].append(float((rg.logits - re.logits).abs().max() / re.logits.abs().max()))
         assert rg.tokens == re.tokens
@@ -148,8 +147,7 @@ def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile
             assert logits.shape == (len(seqs), small.args.vocab_size)
             return
         greedy, tokens = SamplingParams.uniform(len(seqs)), pending()
-        draft = batch.dspark_draft(tokens, greedy)
-        draft = Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width])
+        draft = batch.dspark_draft(tokens, greedy).trim(width)
         result = batch.verify(tokens, draft, greedy)
         assert result.logits.shape == (len(seqs), 1 + width, small.args.vocab_size)
 
@@ -229,7 +227,6 @@ def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
         greedy = SamplingParams.uniform(len(batch))
         draft = batch.dspark_draft(tokens, greedy)
         for width in (1, 3, 5):
-            batch.verify(tokens, Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width]),
-                         greedy)  # fmt: skip
+            batch.verify(tokens, draft.trim(width), greedy)
             tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
     assert batch.graphs.captures == 4 * (2 + 2 * 3)

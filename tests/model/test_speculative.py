@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model import DecodeBatch, Draft, SamplingParams, encode_prefill, sample, speculative_accept
+from model import DecodeBatch, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
 from model.sampling import argmax_accept, keyed_race, nucleus
 
@@ -300,7 +300,7 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, toke
             if speculative:
                 draft = batch.dspark_draft(pending, sampling, gens)
                 width = max(lengths)  # the engine verifies the longest row's drafts
-                draft = Draft(draft.tokens[:, :width], draft.probs[:, :width], draft.confidence[:, :width])
+                draft = draft.trim(width)
                 emitted = batch.verify(pending, draft, sampling, torch.tensor(lengths), gens).tokens
             else:
                 emitted = [[t] for t in sample(sampling.probs(batch.decode_step(pending)), gens).tolist()]
