@@ -114,7 +114,7 @@ def measure(model: Any, batch: int, steps: int, speculation: bool, top: int) -> 
     profiled = kernel_profile(engine.iterate, 5)
     found = {"batch": batch, "iterate": spread(iterate), **profiled, "hottest": hottest(engine, steps, top)}
     lane = next(b for b in engine.batches.values() if len(b))  # last: its rows advance past what the engine knows
-    tokens = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+    tokens = torch.zeros(batch, 1, dtype=torch.long)  # on the host, as the engine gives them (the Engram look-back)
     found["replay"] = spread(timed(lambda: lane.graphs.decode(tokens), steps))
     loop.close()
     return found
