@@ -139,6 +139,10 @@ def main() -> int:
         found = measure(model, batch, args.steps, args.speculation, args.top)
         console.print(f"B={batch}: iterate {found['iterate']} replay {found['replay']} "
                       f"kernels/iterate {found['kernels_per_step']:.0f} busy {found['gpu_busy']:.0%}")  # fmt: skip
+        console.print(
+            "kernels by time (µs per iteration): "
+            + ", ".join(f"{name} {us}" for name, us in found["top_kernel_us"][:12])
+        )
         console.print(found["hottest"])
         results.append(found)
     args.out.parent.mkdir(parents=True, exist_ok=True)
