@@ -8,7 +8,8 @@ budget no step reaches, prefills them itself and then iterates, as its thread wo
 - `iterate ms`: the engine's whole iteration (step, sampling, delivery, the loop's bookkeeping), median and spread;
 - `replay ms`: the plain step's decode graph replayed alone on the same batch (`graphs.decode`), synchronised —
   what the GPU needs; the difference is the host's;
-- the profiled iterations: CUDA kernels per iteration and the GPU's busy share of the wall time;
+- the profiled iterations: CUDA kernels per iteration, the GPU's busy share of the wall time and the kernels taking
+  most of it;
 - the host's hottest functions over the timed iterations (cProfile, by own and by cumulative time), which name
   what to cut.
 """
