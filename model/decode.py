@@ -177,11 +177,11 @@ class DecodeBatch:
         if self._graphed() and sampling.argmax_only():  # the chain needs no noise and no host: captured with it
             return self.graphs.greedy_draft(y)
         x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
-        pick = (lambda q: q.argmax(-1)) if sampling.one_hot() else (lambda q: sample(q, generator))
+        one_hot = sampling.one_hot()
 
         def link(logits: Tensor) -> tuple[Tensor, Tensor]:
             q = sampling.probs(logits)
-            return pick(q), q
+            return (q.argmax(-1) if one_hot else sample(q, generator)), q
 
         return markov_chain(self.model, x, base, y, link)
 
