@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
@@ -138,16 +138,25 @@ class Fetched(NamedTuple):
 
 class HostMemory:
     """A step's rows in host tables, fetched when its first Engram layer is reached — the launching thread has queued
-    the layers before it, which the device runs meanwhile — and then every layer's at once; `values` makes the
-    current stream wait for the layer's copy (not the host)."""
+    the layers before it, which the device runs meanwhile: every layer's ids are hashed and their gathers queued
+    then, in layer order, and each layer finishes its own fetch (waits for its rows, starts their copy) when it is
+    reached, so a later table's gather runs behind the layers before it. `values` makes the current stream wait for
+    the layer's copy, not the host."""
 
-    def __init__(self, fetch: Callable[[], dict[int, Fetched]], decode: Callable[[int, tuple[Tensor, ...]], Tensor]):
-        self.fetch, self.decode = fetch, decode
-        self.fetched: dict[int, Fetched] | None = None
+    def __init__(
+        self,
+        start: Callable[[], dict[int, Callable[[], Fetched]]],
+        decode: Callable[[int, tuple[Tensor, ...]], Tensor],
+    ) -> None:
+        self.start, self.decode = start, decode
+        self.pending: dict[int, Callable[[], Fetched]] | None = None
+        self.fetched: dict[int, Fetched] = {}
 
     def values(self, layer: int) -> Tensor:
-        if self.fetched is None:
-            self.fetched = self.fetch()
+        if self.pending is None:
+            self.pending = self.start()
+        if layer not in self.fetched:
+            self.fetched[layer] = self.pending.pop(layer)()
         rows, copied, shape = self.fetched[layer]
         if copied is not None:
             stream = torch.cuda.current_stream(rows[0].device)
@@ -160,12 +169,13 @@ class HostMemory:
 class EngramFetch:
     """Fetches steps' Engram rows from tables held off the device (`host`, `mmap`) of one model.
 
-    The host work runs on the thread that launches the step, before its first layer: hashing is a few small torch
-    ops, and a decode step's rows (B × T × R per table) are gathered in one call; a step of more than `gather_rows`
-    ids (a prefill chunk) is gathered in pieces by `gather_threads` threads, each holding the GIL only to start its
-    piece. (Worker threads that also hashed and copied would wait for the GIL behind the launching thread for
-    milliseconds per hand-over.) The copy is the asynchronous part: it runs on a side stream while the device runs
-    the step's first layers."""
+    The host work runs on the thread that launches the step, when its first Engram layer is reached: hashing every
+    layer's ids is a few numpy ops, and a decode step's rows (B × T × R per table) are gathered in one call; a step
+    of more than `gather_rows` ids (a prefill chunk) is gathered in pieces by `gather_threads` threads, each holding
+    the GIL only to start its piece, every layer's pieces queued at once in layer order, so the later tables are
+    gathered while the launching thread goes on. (Worker threads that also hashed and copied would wait for the GIL
+    behind the launching thread for milliseconds per hand-over.) The copies are the asynchronous part: a piece's
+    runs on a side stream as soon as it is gathered, while the device runs the layers before."""
 
     def __init__(self, model: Transformer, gather_threads: int = 4, gather_rows: int = GATHER_ROWS) -> None:
         self.device, self.gather_rows = model.device, gather_rows
@@ -175,6 +185,7 @@ class EngramFetch:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.staging: dict[int, tuple[Tensor, ...]] = {}  # layer → pinned rows of its stored tensors, grown
         self.last_copy: dict[int, torch.cuda.Event] = {}  # layer → the copy that last read its staging
+        self.gathering: dict[int, list[tuple[slice, list[Future]]]] = {}  # layer → the pieces last queued into it
 
     def start(self, tokens: Tensor, history: Tensor) -> HostMemory:
         """The rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — to fetch from every layer's
@@ -188,45 +199,69 @@ class EngramFetch:
         table = self.tables[layer]
         return Fp8Rows.decode(*rows, table.dtype) if isinstance(table, Fp8Rows) else rows[0]
 
-    def _fetch_all(self, tokens: Tensor, history: Tensor) -> dict[int, Fetched]:
+    def _fetch_all(self, tokens: Tensor, history: Tensor) -> dict[int, Callable[[], Fetched]]:
         ids = self.hash.host_rows(tokens.numpy(), history.numpy())
         return {layer: self._fetch(layer, ids[layer]) for layer in self.tables}
 
-    def _fetch(self, layer: int, ids: np.ndarray) -> Fetched:
+    def _fetch(self, layer: int, ids: np.ndarray) -> Callable[[], Fetched]:
+        """Start gathering a layer's rows; the returned call finishes the fetch: on a GPU it copies each piece of
+        rows to the device (on the side stream) as soon as it is gathered, so the copy runs beside the gather."""
         staged = self._staged(layer, ids.size)
-        self.gather(layer, ids.reshape(-1), staged)
-        if self.stream is None:  # a CPU model: the gathered rows are its input
-            return Fetched(staged, None, torch.Size(ids.shape))
-        with torch.cuda.stream(self.stream):
-            moved = tuple(t.to(self.device, non_blocking=True) for t in staged)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-        self.last_copy[layer] = copied
-        return Fetched(moved, copied, torch.Size(ids.shape))
+        pieces = self.gathering[layer] = self._gather_pieces(layer, ids.reshape(-1), staged)
+
+        def finish() -> Fetched:
+            if self.stream is None:  # a CPU model: the gathered rows are its input
+                _wait(pieces)
+                self.gathering.pop(layer, None)
+                return Fetched(staged, None, torch.Size(ids.shape))
+            with torch.cuda.stream(self.stream):
+                moved = tuple(torch.empty_like(t, device=self.device) for t in staged)
+                for rows, gathered in pieces:
+                    _wait([(rows, gathered)])
+                    for dst, src in zip(moved, staged, strict=True):
+                        dst[rows].copy_(src[rows], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+            self.last_copy[layer] = copied
+            self.gathering.pop(layer, None)
+            return Fetched(moved, copied, torch.Size(ids.shape))
+
+        return finish
 
     def gather(self, layer: int, ids: np.ndarray, out: tuple[Tensor, ...], out_bytes: Bytes | None = None) -> None:
-        """out[i] = table[ids[i]] for each of the layer's stored tensors: inline (numpy's take over the rows' bytes:
-        a decode step's few hundred rows in microseconds, where torch's intra-op threads cost more than the copy),
-        or in pieces on the gather threads. `out_bytes`: out's `_row_bytes`, where the caller keeps them."""
+        """out[i] = table[ids[i]] for each of the layer's stored tensors (`_gather_pieces`), waited for. `out_bytes`:
+        out's `_row_bytes`, where the caller keeps them."""
+        _wait(self._gather_pieces(layer, ids, out, out_bytes))
+
+    def _gather_pieces(
+        self, layer: int, ids: np.ndarray, out: tuple[Tensor, ...], out_bytes: Bytes | None = None
+    ) -> list[tuple[slice, list[Future]]]:
+        """Gather table[ids] into out: inline (numpy's take over the rows' bytes: a decode step's few hundred rows in
+        microseconds, where torch's intra-op threads cost more than the copy; no pieces left), or queued on the
+        gather threads in pieces of `gather_rows` rows — (rows, their tasks) in order."""
         step = self.gather_rows
         if ids.size <= step:
             table = _row_bytes(_stored(self.tables[layer]))  # made per call: loading may swap a table's tensors
             for src, dst in zip(table, out_bytes or _row_bytes(out), strict=True):
                 np.take(src, ids, axis=0, out=dst)
-            return
+            return []
         index = torch.from_numpy(ids)
-        pieces = [
-            self.gatherers.submit(torch.index_select, src, 0, index[i : i + step], out=dst[i : i + step])
+        return [
+            (
+                slice(i, i + step),
+                [
+                    self.gatherers.submit(torch.index_select, src, 0, index[i : i + step], out=dst[i : i + step])
+                    for src, dst in zip(_stored(self.tables[layer]), out, strict=True)
+                ],
+            )
             for i in range(0, ids.size, step)
-            for src, dst in zip(_stored(self.tables[layer]), out, strict=True)
         ]
-        for piece in pieces:
-            piece.result()
 
     def _staged(self, layer: int, n: int) -> tuple[Tensor, ...]:
         """Rows for n ids of a layer's stored tensors: new ones on a CPU model; on a GPU, pinned staging reused from
         step to step, free to overwrite once the previous copy from it has ended."""
         sources = _stored(self.tables[layer])
+        _wait(self.gathering.pop(layer, []))  # a step given up before its layer was reached: its pieces still write
         if self.stream is None:
             return tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in sources)
         if layer in self.last_copy:
@@ -301,6 +336,12 @@ class StagedMemory:
 
 
 Bytes = tuple[np.ndarray, ...]
+
+
+def _wait(pieces: list[tuple[slice, list[Future]]]) -> None:
+    for _, tasks in pieces:
+        for task in tasks:
+            task.result()
 
 
 def _row_bytes(tensors: tuple[Tensor, ...]) -> Bytes:

@@ -232,3 +232,22 @@ def test_the_fetcher_gathers_big_steps_in_pieces_with_the_same_rows(on_host: Tra
     finally:
         whole.close()
         split.close()
+
+
+def test_a_step_given_up_after_its_first_engram_layer_leaves_the_next_steps_rows_intact(
+    on_host: Transformer, tokens
+) -> None:
+    """A big step queues every layer's gather at its first Engram layer and finishes each at its own layer: one
+    abandoned in between (a failed forward) must not write into the rows of the step after it."""
+    history = torch.full((2, on_host.ngram.history_len), -1, dtype=torch.int64)
+    first, later = on_host.args.engram_layer_ids[0], on_host.args.engram_layer_ids[1:]
+    given_up, step = torch.stack([tokens(13), tokens(13)]), torch.stack([tokens(11), tokens(11)]).flip(1)
+    fetch = EngramFetch(on_host, gather_threads=3, gather_rows=5)
+    try:
+        fetch.start(given_up, history).values(first)
+        memory = fetch.start(step, history)
+        rows = on_host.engram_rows(step, history)
+        for layer in (*later, first):
+            assert torch.equal(memory.values(layer), on_host.layers[layer].engram.embed(rows[layer]))
+    finally:
+        fetch.close()

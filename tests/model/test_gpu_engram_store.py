@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model import DecodeBatch, SamplingParams, build_model, encode_prefill, preset
-from model.engram_store import engram_tables
+from model.engram_store import EngramFetch, engram_tables
 from model.weights import weight_bytes
 
 pytestmark = [
@@ -45,3 +45,24 @@ def test_host_tables_hold_nothing_on_the_gpu_and_change_no_output(name: str, gra
     prompt = torch.randint(0, args.vocab_size, (45,), generator=torch.Generator().manual_seed(1)).tolist()
     for got, want in zip(outputs(on_host, prompt, graphs), outputs(on_device, prompt, graphs), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_big_steps_pieces_reach_the_gpu_intact_after_a_step_given_up_midway() -> None:
+    """A prefill-sized step is gathered in pieces into reused pinned staging and copied piece by piece; one given up
+    after its first Engram layer (its later layers' pieces still queued) must not write into the next step's rows."""
+    args = preset("small")
+    on_host = build_model(args, seed=0, device="cuda", dtype=torch.bfloat16, engram="host")
+    fetch = EngramFetch(on_host, gather_threads=3, gather_rows=64)
+    g = torch.Generator().manual_seed(2)
+    given_up, step = (torch.randint(0, args.vocab_size, (4, 300), generator=g) for _ in range(2))
+    history = torch.full((4, args.engram_max_ngram_size - 1), -1, dtype=torch.int64)
+    tables = engram_tables(on_host)
+    try:
+        fetch.start(given_up, history).values(args.engram_layer_ids[0])
+        memory = fetch.start(step, history)
+        ids = fetch.hash.host_rows(step.numpy(), history.numpy())
+        for layer in reversed(args.engram_layer_ids):
+            want = tables[layer](torch.from_numpy(ids[layer]))
+            assert torch.equal(memory.values(layer).cpu(), want.view(*ids[layer].shape, -1))
+    finally:
+        fetch.close()
