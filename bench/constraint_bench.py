@@ -117,7 +117,7 @@ class TimedMasks(Masks):
 
 def greedy(batch: int, masks: Masks | None) -> StepSampling:
     zeros = torch.zeros(batch)
-    return StepSampling(zeros, zeros.long(), torch.ones(batch), (None,) * batch, [0] * batch, masks)
+    return StepSampling(zeros, zeros.long(), torch.ones(batch), masks=masks)
 
 
 class Rows:

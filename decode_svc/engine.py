@@ -11,9 +11,9 @@
   (local_prefill.py; in a rank group on the rank it will join only); after its last chunk it joins its lane the same
   way.
 - **Lanes**: DSpark rows (draft γ tokens, verify them losslessly, several tokens per step) and plain rows (one token
-  per step): a request that turns speculation off, or every request under --no-speculation. A seeded sampled row's
-  tokens are fixed by its seed per output position, the others draw from the engine's one generator (sampler.py),
-  so seeded and unseeded, greedy and sampled requests share the speculative lane. Whether a speculative step drafts,
+  per step): a request that turns speculation off, or every request under --no-speculation. A sampled row's tokens
+  are fixed per output position by its seed (its request's, or one drawn at random: sampler.py), so seeded and
+  unseeded, greedy and sampled requests share the speculative lane. Whether a speculative step drafts,
   and how many drafts it verifies, is DSpark's hardware-aware scheduler's call (scheduler.py), on the step times this
   engine measures (step_times.py: seeded by a short profile when the thread starts, then every step adds a sample):
   speculation must never make decoding slower.
@@ -43,7 +43,7 @@ from torch import Tensor
 from decode_svc.local_prefill import OnRank, Prefill, Restorable
 from decode_svc.masking import admitted
 from decode_svc.metrics import DecodeMetrics
-from decode_svc.sampler import batch_sampling, random_generator, sample_rows, token_logprobs
+from decode_svc.sampler import batch_sampling, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps
@@ -92,7 +92,6 @@ class Engine:
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
         self.prefilling: dict[Sequence, Prefill] = {}  # PREFILLING sequences, in arrival order
         self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
-        self.generator = random_generator(model.device)  # every row's noise (engine thread only)
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
         self.mail = Mail()  # what the streams get: sent after each step and a join, an abort or a failure at once
@@ -373,7 +372,7 @@ class Engine:
             seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
         try:
             logits = torch.stack([row for _, row in joined])
-            tokens = sample_rows(logits, seqs, self.generator)
+            tokens = sample_rows(logits, seqs)
             for b, seq in enumerate(seqs):
                 self._deliver(seq, [tokens[b]], logits[b : b + 1])
         except Exception as exc:  # a bug or out of memory: these sequences only
@@ -413,7 +412,7 @@ class Engine:
     def _plain_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
         with self.times.timed(Forward.PLAIN, len(rows)):
             logits = batch.decode_step(pending)
-            tokens = sample_rows(logits, rows, self.generator)  # the step's one wait
+            tokens = sample_rows(logits, rows)  # the step's one wait
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
@@ -425,7 +424,7 @@ class Engine:
         if plan is Plan.PLAIN:
             return self._plain_step(batch, rows, pending)
         with self.times.timed(Forward.DRAFT, len(rows)):
-            draft = batch.dspark_draft(pending, batch_sampling(rows), self.generator)
+            draft = batch.dspark_draft(pending, batch_sampling(rows))
             head = slice(None), slice(0, self.max_draft)
             confidence, drafted = read_back(draft.confidence[head], draft.tokens[head])  # one wait: the draft has run
         caps = draft_caps(drafted, budgets, [s.params.stop_token_ids for s in rows])
@@ -443,9 +442,7 @@ class Engine:
         lengths = [min(width, cap) for cap in caps]
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
             verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
-            result = batch.verify(
-                pending, draft.trim(width), verify, torch.tensor(lengths), self.generator
-            )  # its acceptance is read on the host inside
+            result = batch.verify(pending, draft.trim(width), verify, torch.tensor(lengths))  # read back inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)
         promised = sum(r.record(n, a) for r, n, a in zip(records, lengths, accepted, strict=True))

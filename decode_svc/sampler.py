@@ -1,20 +1,22 @@
 """Per-row sampling over a batch and the logprobs the API reports.
 
-The rows of a forward draw from one generator, seeded at random (`random_generator`): one launch of noise for the
-whole batch, not one per row. An unseeded sampled row needs noise of its own, not a stream of its own: every element
-of the batch's draw is independent of every other, so no two rows share randomness.
+Every sampled row's randomness is fixed per output position: its token at output index i is the model's own
+exponential race over noise keyed by (its seed, i) (`model.sampling.keyed_race`), and `StepSampling.probs` collapses
+its distribution onto that token. A request's seed is its own, or one drawn at random when it gives none
+(`Sequence.noise_seed`). Every sampler downstream then takes exactly that token — a one-hot row is its token for
+`sample`, and for lossless verification a one-hot target accepts a draft exactly when it is that token and otherwise
+emits it (greedy decoding is the same case). Each token is still an exact sample of the target (fresh noise per
+position, drawn independently of the model), and it depends on the seed, the prompt and the model only: not on the
+batch, the drafts, the verify widths, or whether speculation is on.
 
-A **seeded** sampled row needs more than a stream of its own to be reproducible. Speculative sampling emits a sample of
-the target's distribution whatever the drafts, but *which* sample depends on how many drafts were verified at each step
-— and that is the scheduler's call, made on the whole batch and on measured step times. So a seeded row's randomness is
-fixed per output position instead: its token at output index i is the model's own exponential race over noise keyed by
-(seed, i) (`model.sampling.keyed_race`), and `StepSampling.probs` collapses its distribution onto that token. Every
-sampler downstream then takes exactly it — a one-hot row is its token for `sample`, and for lossless verification a
-one-hot target accepts a draft exactly when it is that token and otherwise emits it (greedy decoding is the same case).
-DSpark's draft chain is collapsed with the same noise of the same positions, so a draft that follows the target's
-distribution picks the target's token (Gumbel-max coupling) and is accepted. Each token is still an exact sample of the
-target (fresh noise per position, drawn independently of the model); it depends on the seed, the prompt and the model
-only: not on the batch, the drafts, the verify widths, or whether speculation is on.
+Why per position, not a stream per row: speculative sampling emits a sample of the target's distribution whatever
+the drafts, but *which* sample depends on how many drafts were verified at each step, and that is the scheduler's
+call. And why for every sampled row, not only seeded ones: a forward's noise is then one keyed launch, with no
+generator and nothing drawn per row, so the sampled draft chain and its acceptance are pure functions of the logits
+and the rows' (seed, position) keys, as a greedy batch's are; and DSpark's chain, collapsed with the noise of the same
+positions, picks the target's token wherever draft and target agree under that noise (Gumbel-max coupling) — on the
+demo checkpoint as many drafts pass as when they are sampled independently and tested by min(1, p/q)
+(`docs/benchmarks.md`).
 
 Logprobs are those of the model's own distribution (log-softmax of the raw logits, before temperature, top-k and
 top-p), as the OpenAI API reports them; under an output constraint, of the masked logits (masking.py), which every
@@ -23,9 +25,6 @@ sampler downstream reads first.
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-import struct
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -34,27 +33,26 @@ from torch import Tensor
 
 from decode_svc.masking import Masks
 from decode_svc.sequence import Sequence, TokenLogprob
-from model import SamplingParams, sample
+from model import SamplingParams
 from model.sampling import keyed_race
 
 
 @dataclass(frozen=True)
 class StepSampling(SamplingParams):
-    """The sampling of one forward's rows, seeded rows collapsed onto the tokens their positions' noise picks.
+    """The sampling of one forward's rows, every sampled row collapsed onto the token its position's noise picks.
 
     Each call of `probs` covers the next positions of every row, from `cursor` on (then advanced): [B, V] logits are
     one position per row (a plain step, the first token, one link of DSpark's left-to-right draft chain), [B, T, V]
     are T consecutive positions (a verify over [pending, drafts])."""
 
-    seeds: tuple[int | None, ...] = ()  # per row: the seed of a seeded sampled row, else None
-    cursor: list[int] = field(default_factory=list)  # per row: the output index of the next position covered
+    seeds: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]: noise seeds (host)
+    cursor: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]: next output index (host)
     masks: Masks | None = None  # the rows' output constraints (None: no row has one)
     logprobs: tuple[bool, ...] | None = None  # per row: whether its logprobs are reported (None: every row's)
 
     def one_hot(self) -> bool:
-        """Greedy rows and seeded ones (collapsed onto their positions' tokens) only (no `seeds`: none seeded)."""
-        seeded = [seed is not None for seed in self.seeds] or [False] * len(self.temperature)
-        return all(t <= 0 or s for t, s in zip(self.temperature.tolist(), seeded, strict=True))
+        """Every row is: greedy, or collapsed onto its positions' keyed tokens."""
+        return True
 
     def argmax_only(self) -> bool:
         """Greedy rows alone and no output constraint (its masks are filled on the host, link by link)."""
@@ -64,15 +62,15 @@ class StepSampling(SamplingParams):
         if self.masks is not None:
             self.masks.apply(logits)
         probs = super().probs(logits)
-        positions = probs.view(probs.shape[0], -1, probs.shape[-1])  # [B, T, V], a view: collapsed in place
-        T = positions.shape[1]
-        seeded = [(b, t) for b, seed in enumerate(self.seeds) if seed is not None for t in range(T)]
-        if seeded:  # every seeded row's positions raced at once, on the device: nothing waits for it
-            keys = [position_key(self.seeds[b], self.cursor[b] + t) for b, t in seeded]  # type: ignore[arg-type]
-            at = torch.tensor(seeded, device=probs.device).unbind(-1)
-            tokens = keyed_race(positions[at], torch.tensor(keys, device=probs.device))
-            positions[at] = torch.nn.functional.one_hot(tokens, positions.shape[-1]).to(positions.dtype)
-        self.cursor[:] = [c + T for c in self.cursor]
+        if not SamplingParams.one_hot(self):  # a row samples: every row raced at once (a greedy row to its arg-max)
+            B, V = probs.shape[0], probs.shape[-1]
+            T = probs.numel() // (B * V)
+            at = (self.cursor.unsqueeze(1) + torch.arange(T)).flatten()
+            seeds = self.seeds.repeat_interleave(T)
+            dev = probs.device
+            tokens = keyed_race(probs.view(B * T, V), seeds.to(dev, non_blocking=True), at.to(dev, non_blocking=True))
+            probs = torch.nn.functional.one_hot(tokens, V).to(probs.dtype).view(probs.shape)
+        self.cursor.add_(probs.numel() // (probs.shape[0] * probs.shape[-1]))
         return probs
 
 
@@ -85,36 +83,20 @@ def batch_sampling(rows: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> 
         torch.tensor([x.temperature for x in s]),
         torch.tensor([x.top_k for x in s]),
         torch.tensor([x.top_p for x in s]),
-        seeds=tuple(x.seed if x.seeded else None for x in s),
-        cursor=[len(row.output) for row in rows],
+        seeds=torch.tensor([row.noise_seed for row in rows], dtype=torch.int64),
+        cursor=torch.tensor([len(row.output) for row in rows], dtype=torch.int64),
         masks=Masks(guides, drafts) if any(g is not None for g in guides) else None,
         logprobs=tuple(row.params.logprobs for row in rows),
     )
 
 
-def position_key(seed: int, index: int) -> int:
-    """The noise key of a seeded row's output position `index` (`keyed_race`): its own stream, not the next draws of
-    one shared by every position (those would shift whenever a step verified a different number of drafts)."""
-    digest = hashlib.blake2b(struct.pack("<QQ", seed, index), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
-
-
-def random_generator(device: torch.device) -> torch.Generator:
-    """A generator on `device` seeded at random: the noise of unseeded sampled rows."""
-    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
-
-
-def sample_rows(logits: Tensor, rows: Seq[Sequence], generator: torch.Generator) -> list[int]:
+def sample_rows(logits: Tensor, rows: Seq[Sequence]) -> list[int]:
     """One token per row of logits [B, V], sampled as `batch_sampling(rows)` says: the arg-maxes alone for a greedy
-    batch (no distribution made); else its distributions (`StepSampling.probs`) and one exponential race over the
-    batch, which gives a one-hot row (greedy or seeded) its token — or their arg-max where every row is one-hot."""
+    batch (no distribution made), else those of its collapsed distributions (`StepSampling.probs`)."""
     sampling = batch_sampling(rows)
     if sampling.argmax_only():
         return logits.argmax(-1).tolist()
-    probs = sampling.probs(logits)
-    if sampling.one_hot():
-        return probs.argmax(-1).tolist()
-    return sample(probs, generator).tolist()
+    return sampling.probs(logits).argmax(-1).tolist()
 
 
 def token_logprobs(logits: Tensor, tokens: Seq[int], top: int) -> list[TokenLogprob]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import secrets
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,11 +69,6 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    @property
-    def seeded(self) -> bool:
-        """A seeded sampled request: its randomness is fixed per output position (sampler.StepSampling)."""
-        return self.seed is not None and not self.greedy
 
 
 @dataclass(frozen=True)
@@ -198,6 +194,11 @@ class Sequence:
     draft: DraftRecord = field(default_factory=DraftRecord)
     guide: Guide | None = None  # its output constraint (engine thread only, once submitted)
     writebacks: list[asyncio.Task[None]] = field(default_factory=list)  # its writes to the cache (event loop only)
+    noise_seed: int = field(init=False)  # what keys its sampled tokens' noise (sampler.py): its request's seed, or any
+
+    def __post_init__(self) -> None:
+        seed = self.params.sampling.seed
+        self.noise_seed = seed if seed is not None else secrets.randbits(63)
 
     @property
     def request_id(self) -> str:

@@ -13,12 +13,11 @@ its chunks run on that rank only, the others answering their MoE rounds (`Spread
 Rows are ordered rank by rank, each rank's in its own batch's order; batched arguments and results follow that order,
 so the engine calls a `SpreadBatch` as it calls a `DecodeBatch`. Sampling stays where it is at W = 1: rank 0 samples a
 plain step's logits (a row under a grammar decodes in plain steps: its masks live in rank 0's grammar matcher),
-while DSpark's draft and verify draw inside the model, on the rank holding the row, from that rank's generator (a
-generator's state cannot travel, and an unseeded row needs noise of its own, not a particular stream; a seeded row's
-tokens do not depend on it), masked there by a copy of the row's guide when it bans tokens only (it travels with the
-plan). A draft's distributions stay on the ranks that drew them, for their verify; a verify's accepted tokens come
-back with the plan's report, and its logits only for the rows whose requests report logprobs (rank 0 reads them for
-nothing else).
+while DSpark's draft and verify sample inside the model, on the rank holding the row (a row's noise is keyed by its
+seed and output positions, which travel with the plan: sampler.py), masked there by a copy of the row's guide when
+it bans tokens only (it travels with the plan). A draft's distributions stay on the ranks that drew them, for their
+verify; a verify's accepted tokens come back with the plan's report, and its logits only for the rows whose requests
+report logprobs (rank 0 reads them for nothing else).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from torch import Tensor
 
 from decode_svc.local_prefill import LocalPrefill, OnRank, Prefill, Restorable
 from decode_svc.masking import Masks
-from decode_svc.sampler import random_generator
 from model import DecodeBatch, Past, PrefillOutput, SamplingParams, Transformer
 from model.decode import SequenceExport, VerifyResult
 from model.dspark import Draft
@@ -123,7 +121,6 @@ class RankRows:
     def __init__(self, model: Transformer, capacity: int) -> None:
         self.model, self.batch = model, DecodeBatch(model, capacity)
         self.draft: Draft | None = None  # the last draft of these rows, for their verify
-        self.generator = random_generator(model.device)  # these rows' noise
 
     def join_many(self, prompts: list[Restorable], rows: int) -> Part:
         """→ (the joined seq ids, in prompt order; their first logits gathered)."""
@@ -144,7 +141,7 @@ class RankRows:
         """→ ((draft tokens, confidences), nothing gathered)."""
 
         def draft() -> tuple[tuple[Tensor, Tensor], None]:
-            self.draft = self.batch.dspark_draft(tokens, sampling, self.generator)
+            self.draft = self.batch.dspark_draft(tokens, sampling)
             return (self.draft.tokens, self.draft.confidence), None
 
         return self._forward(draft, bool(tokens))
@@ -163,7 +160,7 @@ class RankRows:
 
         def verify() -> tuple[tuple[Tensor, list[list[int]]], Tensor]:
             assert self.draft is not None
-            result = self.batch.verify(tokens, self.draft.trim(width), sampling, lengths, self.generator)
+            result = self.batch.verify(tokens, self.draft.trim(width), sampling, lengths)
             return (result.accepted, result.tokens), result.logits[kept]
 
         return self._forward(verify, bool(tokens), rows, (1 + width,))
@@ -300,11 +297,8 @@ class SpreadBatch:
         _, gathered = self._each("decode_step", [(t, max(counts)) for (t,) in self._by_rank(list(tokens))])
         return _cat(gathered, counts)
 
-    def dspark_draft(
-        self, tokens: list[int], sampling: SamplingParams, generator: torch.Generator | None = None
-    ) -> Draft:
-        """Each rank drafts for its rows, drawing from its own generator (`generator`, rank 0's, stays here); the
-        distributions stay there (the returned draft's are empty)."""
+    def dspark_draft(self, tokens: list[int], sampling: SamplingParams) -> Draft:
+        """Each rank drafts for its rows; the distributions stay there (the returned draft's are empty)."""
         args = self._by_rank(list(tokens), sampling)
         results = [r for r in self._each("dspark_draft", args)[0] if r is not None]
         drafts, confidence = torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
@@ -316,10 +310,9 @@ class SpreadBatch:
         draft: Draft,
         sampling: SamplingParams,
         lengths: Tensor | None = None,
-        generator: torch.Generator | None = None,
     ) -> VerifyResult:
         """Each rank verifies the first `draft`-width drafts of its own last draft (`draft` is this batch's). The
-        ranks accept and draw the tokens themselves, each from its own generator (`generator` stays here); rank 0
+        ranks accept and sample the tokens themselves; rank 0
         reads a row's logits only for the logprobs its request reports (`StepSampling.logprobs`), so only those rows'
         logits are gathered — none when no row reports logprobs — and the others' are NaN."""
         B, width = draft.tokens.shape

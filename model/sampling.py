@@ -119,19 +119,30 @@ def _shift_right(z: Tensor, s: int) -> Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-@fused
-def keyed_race(probs: Tensor, keys: Tensor) -> Tensor:
-    """probs [N, V], keys [N] (int64) → token ids [N]: the exponential race argmax(p / Exp(1)) of `sample`, its noise a
-    pure function of each row's key — element v is SplitMix64's (v + 1)-th output from the key, its top 24 bits a
-    uniform u and −log u the exponential. Rows keyed by (seed, output position) get reproducible tokens from one
-    launch for all of them (a generator per row and position takes a few launches each)."""
-    v = torch.arange(1, probs.shape[-1] + 1, device=probs.device, dtype=torch.int64)
-    z = keys.unsqueeze(-1) + v * _GOLDEN
+def _finalise(z: Tensor) -> Tensor:
+    """SplitMix64's output function of int64 states (a bijection that mixes every bit into every other)."""
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
-    z = z ^ _shift_right(z, 31)
-    u = (_shift_right(z, 40).float() + 0.5) * 2.0**-24
+    return z ^ _shift_right(z, 31)
+
+
+@fused
+def keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """probs [N, V], seeds and positions [N] (int64) → token ids [N]: the exponential race argmax(p / Exp(1)) of
+    `sample`, its noise a pure function of the row's (seed, position) — the row's key is the SplitMix64 output of
+    (its seed's output) ^ position, element v's uniform (`open_unit`) the (v + 1)-th output from that key, −log u
+    the exponential. A request's positions race from noise of their own in one launch for the whole forward (a
+    generator per row and position takes a few launches each), reproducible from the seed alone."""
+    key = _finalise(_finalise(seeds) ^ positions).unsqueeze(-1)
+    v = torch.arange(1, probs.shape[-1] + 1, device=probs.device, dtype=torch.int64)
+    u = open_unit(_finalise(key + v * _GOLDEN))
     return (probs.float() / -torch.log(u)).argmax(-1)
+
+
+def open_unit(z: Tensor) -> Tensor:
+    """int64 random bits → fp32 uniforms strictly inside (0, 1): the top 23 bits and a half, every value exact in
+    fp32 (with 24 bits the largest rounds up to 1, whose exponential 0 would win any race: p / 0 = inf, 0 / 0 = NaN)."""
+    return (_shift_right(z, 41).float() + 0.5) * 2.0**-23
 
 
 def _uniforms(lengths: Tensor, K: int, generator: Generators, device: torch.device) -> Tensor:

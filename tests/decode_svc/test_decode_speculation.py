@@ -4,6 +4,7 @@ distribution."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import math
@@ -15,6 +16,7 @@ import torch
 from service_mesh import Mesh, metric_value, token_ids, wait_until
 
 from decode_svc.sampler import StepSampling
+from decode_svc.sequence import Outbox, Params, Sampling, Sequence
 from decode_svc.speculation import Calibration, DraftRecord
 from decode_svc.step_times import Forward, StepTimes
 from mesh.block_keys import sequence_key
@@ -281,38 +283,41 @@ def test_a_seeded_sampled_request_emits_the_same_tokens_alone_batched_and_withou
 
 
 def test_one_verify_covers_the_positions_of_as_many_plain_steps() -> None:
-    """A seeded row collapses onto the same token at each output position whether a forward covers it as one of T
-    positions (a verify) or one at a time (plain steps, the draft chain); rows without a seed keep their
-    distribution."""
+    """A sampled row collapses onto the same token at each output position whether a forward covers it as one of T
+    positions (a verify) or one at a time (plain steps, the draft chain); a greedy row onto its arg-max."""
     V, T = 50, 4
     logits = torch.randn(3, T, V, generator=torch.Generator().manual_seed(0))
 
     def step(cursor: list[int]) -> StepSampling:
-        return StepSampling(torch.ones(3), torch.zeros(3), torch.ones(3), seeds=(11, None, 12), cursor=cursor)
+        return StepSampling(
+            torch.tensor([1.0, 0.0, 1.0]), torch.zeros(3), torch.ones(3), seeds=torch.tensor([11, 5, 12]),
+            cursor=torch.tensor(cursor),
+        )  # fmt: skip
 
     together = step([5, 0, 0]).probs(logits)
     one_at_a_time = step([5, 0, 0])
     apart = torch.stack([one_at_a_time.probs(logits[:, t]) for t in range(T)], 1)
     assert torch.equal(together, apart)
-    assert together[[0, 2]].eq(1).sum(-1).eq(1).all()  # seeded rows: one-hot
-    torch.testing.assert_close(together[1], logits[1].softmax(-1))
+    assert step([0, 0, 0]).one_hot()
+    assert together.eq(1).sum(-1).eq(1).all()  # every row one-hot, as promised
+    assert torch.equal(together[1].argmax(-1), logits[1].argmax(-1))  # the greedy row: its arg-maxes
     shifted = step([6, 0, 0]).probs(logits[:, 1:])  # the same positions, covered from index 6: the same tokens
     assert torch.equal(shifted[0].argmax(-1), together[0, 1:].argmax(-1))
     assert not torch.equal(shifted[2].argmax(-1), together[2, 1:].argmax(-1))  # row 2 started at 0: other noise
 
 
-def test_a_step_is_one_hot_where_every_row_is_greedy_or_seeded() -> None:
-    """`StepSampling.one_hot` (DSpark then takes its draft and acceptance tokens by arg-max): greedy and seeded rows
-    give one-hot distributions, an unseeded sampled row does not; a sampling built without seeds has none."""
+def test_every_sampled_request_has_noise_of_its_own() -> None:
+    """A request's seed keys its noise; a request without one gets a random seed, so two unseeded requests with the
+    same prompt sample different tokens (sampler.py)."""
 
-    def step(temperature: list[float], seeds: tuple[int | None, ...]) -> StepSampling:
-        n = len(temperature)
-        return StepSampling(torch.tensor(temperature), torch.zeros(n), torch.ones(n), seeds=seeds, cursor=[0] * n)
+    loop = asyncio.new_event_loop()
 
-    assert step([0.0, 1.0, 0.7], (None, 11, 12)).one_hot()
-    assert not step([0.0, 1.0, 0.7], (None, 11, None)).one_hot()
-    assert step([0.0, 0.0], ()).one_hot()
-    assert not step([0.0, 1.0], ()).one_hot()
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    probs = step([0.0, 1.0, 0.7], (None, 11, 12)).probs(logits)
-    assert probs.eq(1).sum(-1).eq(1).all()  # what one_hot promises
+    def sequence(seed: int | None) -> Sequence:
+        sampling = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=seed)
+        return Sequence(Params("r", sampling, frozenset(), 8, False, 0, True, b""), Outbox(loop))
+
+    try:
+        assert sequence(7).noise_seed == 7
+        assert len({sequence(None).noise_seed for _ in range(8)}) == 8
+    finally:
+        loop.close()

@@ -10,7 +10,7 @@ import torch
 
 from model import DecodeBatch, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
-from model.sampling import argmax_accept, keyed_race, nucleus
+from model.sampling import argmax_accept, keyed_race, nucleus, open_unit
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -315,19 +315,34 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, toke
         assert crowd == alone
 
 
-def test_keyed_race_samples_each_rows_distribution_from_its_key_alone() -> None:
-    """`keyed_race`: over many keys the tokens follow the row's distribution (each count within 5 σ), consecutive keys
-    included; a key always gives the same token, whatever rows share its launch; a one-hot row gives its token."""
+def test_keyed_race_samples_each_rows_distribution_from_its_seed_and_position_alone() -> None:
+    """`keyed_race`: over the positions of one seed, and over many seeds at one position, the tokens follow the row's
+    distribution and consecutive positions are independent (each count, and each pair's, within 5 σ); a (seed,
+    position) always gives the same token, whatever rows share its launch; a one-hot row gives its token."""
     p = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
     n = 100_000
-    for keys in (torch.arange(n), torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(3))):
-        counts = torch.bincount(keyed_race(p.expand(n, -1), keys), minlength=5).double()
-        sigma = (n * p * (1 - p)).sqrt()
-        assert ((counts - n * p).abs() < 5 * sigma).all(), counts / n
-    keys = torch.tensor([5, -9, 2**40])
+    seeds = torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(3))
+    for seed, position in ((seeds, torch.full((n,), 4)), (torch.full((n,), 11), torch.arange(n))):
+        tokens = keyed_race(p.expand(n, -1), seed, position)
+        counts = torch.bincount(tokens, minlength=5).double()
+        assert ((counts - n * p).abs() < 5 * (n * p * (1 - p)).sqrt()).all(), counts / n
+    pairs = torch.bincount(tokens[0::2] * 5 + tokens[1::2], minlength=25).double()  # the one seed's positions 2i, 2i+1
+    joint = (p[:, None] * p[None, :]).flatten()
+    assert ((pairs - n / 2 * joint).abs() < 5 * (n / 2 * joint * (1 - joint)).sqrt()).all()
+    seeds, positions = torch.tensor([5, -9, 2**40]), torch.tensor([0, 7, 7])
     probs = torch.rand(3, 64, generator=torch.Generator().manual_seed(4)).softmax(-1)
-    alone = torch.cat([keyed_race(probs[i : i + 1], keys[i : i + 1]) for i in range(3)])
-    assert torch.equal(keyed_race(probs, keys), alone)
-    assert keyed_race(probs[:1].expand(64, -1), torch.arange(64)).unique().numel() > 8  # other keys, other draws
+    alone = torch.cat([keyed_race(probs[i : i + 1], seeds[i : i + 1], positions[i : i + 1]) for i in range(3)])
+    assert torch.equal(keyed_race(probs, seeds, positions), alone)
+    other = keyed_race(probs[:1].expand(64, -1), torch.full((64,), 5), torch.arange(64))
+    assert other.unique().numel() > 8  # other positions, other draws
     one_hot = torch.nn.functional.one_hot(torch.tensor([7, 0, 63]), 64).float()
-    assert keyed_race(one_hot, keys).tolist() == [7, 0, 63]
+    assert keyed_race(one_hot, seeds, positions).tolist() == [7, 0, 63]
+
+
+def test_the_races_uniforms_stay_inside_the_open_unit_interval() -> None:
+    """The extreme bit patterns give uniforms strictly between 0 and 1: a uniform of 1 is an exponential of 0, which
+    would win its race whatever its token's probability (a zero-probability token included)."""
+    extremes = torch.tensor([-1, 0, 2**63 - 1, -(2**63), 1 << 40, -(1 << 41)], dtype=torch.int64)
+    u = open_unit(extremes)
+    assert bool(((u > 0) & (u < 1)).all()), u
+    assert torch.isfinite(-torch.log(u)).all()
