@@ -26,7 +26,7 @@ sampler downstream reads first.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,10 +45,15 @@ class StepSampling(SamplingParams):
     one position per row (a plain step, the first token, one link of DSpark's left-to-right draft chain), [B, T, V]
     are T consecutive positions (a verify over [pending, drafts])."""
 
-    seeds: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]: noise seeds (host)
-    cursor: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [B]: next output index (host)
+    seeds: Tensor | None = None  # [B] int64 (host): each row's noise seed (None: zeros — greedy rows need none)
+    cursor: Tensor | None = None  # [B] int64 (host): each row's output index of the next position (None: zeros)
     masks: Masks | None = None  # the rows' output constraints (None: no row has one)
     logprobs: tuple[bool, ...] | None = None  # per row: whether its logprobs are reported (None: every row's)
+
+    def __post_init__(self) -> None:
+        for name in ("seeds", "cursor"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, torch.zeros(self.temperature.shape[0], dtype=torch.int64))
 
     def one_hot(self) -> bool:
         """Every row is: greedy, or collapsed onto its positions' keyed tokens."""
@@ -57,6 +62,13 @@ class StepSampling(SamplingParams):
     def argmax_only(self) -> bool:
         """Greedy rows alone and no output constraint (its masks are filled on the host, link by link)."""
         return SamplingParams.one_hot(self) and self.masks is None
+
+    def race_keys(self) -> tuple[Tensor, Tensor] | None:
+        """(seeds, cursor) where no row is cut by top-k, top-p or an output constraint (its greedy rows' settings
+        aside): each row's token is then the keyed race of its tempered logits alone."""
+        sampled = self.temperature > 0
+        cut = ((self.top_k > 0) | (self.top_p < 1)) & sampled
+        return None if self.masks is not None or bool(cut.any()) else (self.seeds, self.cursor)
 
     def probs(self, logits: Tensor) -> Tensor:
         if self.masks is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from model.dspark import Draft, draft_features, markov_chain
+from model.dspark import Draft, draft_features, keyed_links, markov_chain
 from model.graphs import StepGraphs
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
 from model.sampling import Generators, SamplingParams, argmax_accept, sample, speculative_accept
@@ -170,16 +170,22 @@ class DecodeBatch:
         self, tokens: Tensor | Sequence[int], sampling: SamplingParams, generator: Generators = None
     ) -> Draft:
         """γ drafts per sequence after its pending token y (not yet committed): one forward of the DSpark blocks over
-        [y, noise…] at positions p+1…, then the Markov chain left to right: each link's distribution is
-        `sampling.probs` of its logits. Confidences are calibrated by the head's per-position temperatures;
-        `generator`: one for the batch or one per row (model.sampling)."""
+        [y, noise…] at positions p+1…, then the Markov chain left to right: each link's token is a keyed race of its
+        tempered logits where `sampling.race_keys` gives keys (one graph with the blocks), else a sample of
+        `sampling.probs` of them. Confidences are calibrated by the head's per-position temperatures; `generator`:
+        one for the batch or one per row (model.sampling)."""
         y = self.tokens(tokens, 1)[:, 0]
-        if self._graphed() and sampling.argmax_only():  # the chain needs no noise and no host: captured with it
-            return self.graphs.greedy_draft(y)
+        keys = sampling.race_keys()
+        if keys is not None:  # the links are keyed races: no host work, captured with the blocks
+            if self._graphed():
+                return self.graphs.keyed_draft(y, sampling.temperature, *keys)
+            x, base = draft_features(self.model, self.cache, y)
+            moved = (t.to(y.device, non_blocking=True) for t in (sampling.temperature, *keys))
+            return markov_chain(self.model, x, base, y, keyed_links(*moved))
         x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
         one_hot = sampling.one_hot()
 
-        def link(logits: Tensor) -> tuple[Tensor, Tensor]:
+        def link(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
             q = sampling.probs(logits)
             return (q.argmax(-1) if one_hot else sample(q, generator)), q
 
@@ -216,9 +222,11 @@ class DecodeBatch:
         proposed = draft.tokens.to(logits.device)
         if sampling.argmax_only():  # greedy: the targets' tokens are the logits' arg-maxes
             accepted, nxt = argmax_accept(logits, proposed, lengths)
+        elif sampling.one_hot():  # the targets' distributions collapse onto their tokens: no proposal needed
+            accepted, nxt = argmax_accept(sampling.probs(logits), proposed, lengths)
         else:
             target, proposal = sampling.probs(logits), draft.proposal(logits.shape[-1]).to(logits.device)
-            accepted, nxt = speculative_accept(target, proposal, proposed, lengths, generator, sampling.one_hot())
+            accepted, nxt = speculative_accept(target, proposal, proposed, lengths, generator)
         if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
         keep = accepted + 1  # the pending token and the accepted drafts

@@ -34,6 +34,7 @@ from model.linear import Embedding, Fp8Act, Linear, param_dtype, quantize_input
 from model.mhc import hc_collapse
 from model.norm import RMSNorm
 from model.parallel import SINGLE, Parallel
+from model.sampling import keyed_link
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
@@ -44,7 +45,7 @@ class Draft:
     """γ draft tokens per row, the distributions they were sampled from, and their acceptance confidences."""
 
     tokens: Tensor  # int64 [B, γ]
-    probs: Tensor | None  # fp32 [B, γ, V]; None: one-hot on the tokens (a greedy chain's, never made)
+    probs: Tensor | None  # fp32 [B, γ, V]; None: one-hot on the tokens (a keyed chain's, never made)
     confidence: Tensor  # fp32 [B, γ]
 
     def proposal(self, vocab: int) -> Tensor:
@@ -170,19 +171,19 @@ def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tenso
     return x, model.head(last.norm(x)).float()
 
 
-Link = Callable[[Tensor], tuple[Tensor, Tensor | None]]  # a link's logits → (its tokens, their distribution or None)
+Link = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]  # link k's logits, k → (its tokens, their distribution)
 
 
 def markov_chain(model: Transformer, x: Tensor, base: Tensor, y: Tensor, link: Link) -> Draft:
     """The draft's links left to right over `draft_features`' (x, base) after the pending tokens y [B]: link k's
     tokens are `link` of its logits Uₖ + the Markov bias of the token before it, its confidence the head's, calibrated
-    by the link's temperature. A `link` that keeps no distribution (arg-maxes: None) gives a draft without any."""
+    by the link's temperature. A `link` that keeps no distribution (None) gives a draft without any."""
     last = model.mtp[-1]
     head = last.confidence_head
     tokens, dists, confidence, prev = [], [], [], y
     for k in range(x.shape[1]):
         e = last.markov_head.embed(prev)
-        prev, q = link(base[:, k] + last.markov_head.head(e).float())
+        prev, q = link(base[:, k] + last.markov_head.head(e).float(), k)
         confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
         tokens.append(prev)
         dists.append(q)
@@ -190,9 +191,10 @@ def markov_chain(model: Transformer, x: Tensor, base: Tensor, y: Tensor, link: L
     return Draft(torch.stack(tokens, 1), probs, torch.cat(confidence, -1))
 
 
-def argmax_link(logits: Tensor) -> tuple[Tensor, None]:
-    """A greedy chain's link: its logits' arg-maxes, no distribution kept (one-hot on them)."""
-    return logits.argmax(-1), None
+def keyed_links(temperature: Tensor, seeds: Tensor, cursor: Tensor) -> Link:
+    """The links of a chain whose rows race on keyed noise (`model.sampling.keyed_link`): link k of row b is output
+    position cursor[b] + k of seed seeds[b] (device tensors [B]); no distribution kept (one-hot on the tokens)."""
+    return lambda logits, k: (keyed_link(logits, temperature, seeds, cursor + k), None)
 
 
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,8 +5,10 @@ A graph launches them all at once. These forwards are captured, each per bucket 
 
     decode   one token per row → next-token logits, the step's writes committed, every real row advanced by one
     draft    the DSpark blocks over [y, noise…] → their features and head logits (model.dspark.draft_features);
-             the Markov chain over them stays eager: its links sample, and a grammar may mask each on the host
-    greedy_draft  the same blocks and the chain of a greedy batch, whose links are arg-maxes: one graph
+             the Markov chain over them stays eager where a link is cut by top-k, top-p or a grammar's mask (host)
+    keyed_draft  the same blocks and the chain of a batch whose links are keyed races of their tempered logits
+             (greedy rows: arg-maxes; model.sampling.keyed_link): one graph, the rows' temperatures, seeds and
+             output indices in fixed buffers
     verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then its commit (`Verified`) replays a
              second graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
 
@@ -43,7 +45,7 @@ import torch
 from torch import Tensor
 
 from model.cache import KVCache, Step
-from model.dspark import Draft, argmax_link, draft_features, markov_chain
+from model.dspark import Draft, draft_features, keyed_links, markov_chain
 from model.engram_store import StagedMemory
 from model.serving import forward_full
 
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
     from model.transformer import Transformer
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DRAFTS = ("draft", "greedy_draft")  # the forwards of the DSpark blocks alone: no Engram layer among them
+DRAFTS = ("draft", "keyed_draft")  # the forwards of the DSpark blocks alone: no Engram layer among them
 Forward = Callable[[int, int, bool], tuple[tuple[Tensor, ...], Step | None]]  # (bucket, T, commit) → outputs, step
 MIN_CONTEXT = 4096  # positions every row's entries are reserved for at least: short sequences never recapture
 
@@ -94,6 +96,10 @@ class StepGraphs:
         self.tokens = torch.zeros(buckets[-1], widest, dtype=torch.int64, device=cache.device)
         self.keep = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)
         self.active = torch.zeros((), dtype=torch.int64, device=cache.device)  # rows that hold a sequence
+        self.keyed = (  # a keyed draft's rows: temperatures, seeds, output indices of their first links
+            torch.zeros(buckets[-1], device=cache.device),
+            *torch.zeros(2, buckets[-1], dtype=torch.int64, device=cache.device),
+        )
         self.captures = 0
 
     @staticmethod
@@ -118,11 +124,14 @@ class StepGraphs:
         x, base = self._replay("draft", y.unsqueeze(1), self._draft)
         return x[:n].clone(), base[:n].clone()
 
-    def greedy_draft(self, y: Tensor) -> Draft:
-        """A greedy draft after each row's pending token (y [n]): the DSpark blocks and the Markov chain of arg-maxes
-        (`markov_chain`) in one graph."""
+    def keyed_draft(self, y: Tensor, temperature: Tensor, seeds: Tensor, cursor: Tensor) -> Draft:
+        """A draft after each row's pending token (y [n]) whose links race on keyed noise: row b's link k is output
+        position cursor[b] + k of seed seeds[b] at temperature[b] (host tensors [n]; `model.dspark.keyed_links`) —
+        the DSpark blocks and the Markov chain in one graph."""
         n = y.shape[0]
-        tokens, confidence = self._replay("greedy_draft", y.unsqueeze(1), self._greedy_draft)
+        for buffer, rows in zip(self.keyed, (temperature, seeds, cursor), strict=True):
+            buffer[:n].copy_(rows, non_blocking=True)
+        tokens, confidence = self._replay("keyed_draft", y.unsqueeze(1), self._keyed_draft)
         return Draft(tokens[:n].clone(), None, confidence[:n].clone())
 
     def verify(self, tokens: Tensor) -> tuple[Tensor, Verified]:
@@ -158,7 +167,7 @@ class StepGraphs:
             self._ready(("decode", b, 1), self._decode)
             if widths:
                 self._ready(("draft", b, 1), self._draft)
-                self._ready(("greedy_draft", b, 1), self._greedy_draft)
+                self._ready(("keyed_draft", b, 1), self._keyed_draft)
             for w in widths:
                 verify = self._ready(("verify", b, 1 + w), self._verify)
                 if self.capture:
@@ -293,10 +302,10 @@ class StepGraphs:
     def _draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         return draft_features(self.model, self.cache, self.tokens[:b, 0]), None
 
-    def _greedy_draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
+    def _keyed_draft(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:
         y = self.tokens[:b, 0]
         x, base = draft_features(self.model, self.cache, y)
-        draft = markov_chain(self.model, x, base, y, argmax_link)
+        draft = markov_chain(self.model, x, base, y, keyed_links(*(rows[:b] for rows in self.keyed)))
         return (draft.tokens, draft.confidence), None
 
     def _verify(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:

@@ -49,6 +49,15 @@ class SamplingParams:
         sample is then a pure function of the logits, which a captured graph can take."""
         return SamplingParams.one_hot(self)
 
+    def race_keys(self) -> tuple[Tensor, Tensor] | None:
+        """Where each row's next token is a pure function of its tempered logits and a key — (seed, output index) per
+        row, int64 [B] on the host —, those keys: a draft chain's links are then `keyed_link`s, capturable. Here:
+        only where every row is greedy (keys unused), else None (the rows draw from generators)."""
+        if not SamplingParams.one_hot(self):
+            return None
+        zeros = torch.zeros(self.temperature.shape[0], dtype=torch.int64)
+        return zeros, zeros
+
     def probs(self, logits: Tensor) -> Tensor:
         """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
         greedy = argmax_one_hot(logits)
@@ -129,14 +138,30 @@ def _finalise(z: Tensor) -> Tensor:
 @fused
 def keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """probs [N, V], seeds and positions [N] (int64) → token ids [N]: the exponential race argmax(p / Exp(1)) of
-    `sample`, its noise a pure function of the row's (seed, position) — the row's key is the SplitMix64 output of
-    (its seed's output) ^ position, element v's uniform (`open_unit`) the (v + 1)-th output from that key, −log u
-    the exponential. A request's positions race from noise of their own in one launch for the whole forward (a
-    generator per row and position takes a few launches each), reproducible from the seed alone."""
-    key = _finalise(_finalise(seeds) ^ positions).unsqueeze(-1)
-    v = torch.arange(1, probs.shape[-1] + 1, device=probs.device, dtype=torch.int64)
-    u = open_unit(_finalise(key + v * _GOLDEN))
+    `sample`, its noise a pure function of the row's (seed, position) (`race_uniforms`), −log u the exponential. A
+    request's positions race from noise of their own in one launch for the whole forward (a generator per row and
+    position takes a few launches each), reproducible from the seed alone."""
+    u = race_uniforms(seeds, positions, probs.shape[-1], probs.device)
     return (probs.float() / -torch.log(u)).argmax(-1)
+
+
+@fused
+def keyed_link(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """logits [N, V], temperature [N], seeds and positions [N] → token ids [N]: `keyed_race` of the tempered
+    softmax in its Gumbel-max form — argmax(logits / t − log(−log u)) over the same uniforms —, no distribution
+    made; a row of temperature 0 takes its arg-max. A draft chain's link, capturable with it."""
+    u = race_uniforms(seeds, positions, logits.shape[-1], logits.device)
+    t = temperature.unsqueeze(-1)
+    scores = logits.float()
+    return torch.where(t > 0, scores / t.clamp_min(1e-6) - torch.log(-torch.log(u)), scores).argmax(-1)
+
+
+def race_uniforms(seeds: Tensor, positions: Tensor, vocab: int, device: torch.device) -> Tensor:
+    """The race's uniforms [N, vocab] of rows keyed by (seed, position) [N]: the row's key is the SplitMix64 output
+    of (its seed's output) ^ position, element v's uniform (`open_unit`) the (v + 1)-th output from that key."""
+    key = _finalise(_finalise(seeds) ^ positions).unsqueeze(-1)
+    v = torch.arange(1, vocab + 1, device=device, dtype=torch.int64)
+    return open_unit(_finalise(key + v * _GOLDEN))
 
 
 def open_unit(z: Tensor) -> Tensor:
@@ -175,19 +200,16 @@ def speculative_accept(
     drafts: Tensor,
     lengths: Tensor,
     generator: Generators = None,
-    one_hot: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Lossless verification of drafts [B, K] (row b uses the first lengths[b]).
 
     target [B, K+1, V]: target distribution of the position after the anchor and after each draft; draft [B, K, V]:
     the distribution each draft was sampled from. Returns (accepted count [B], the token emitted after them [B]).
     `lengths` is best given on the host: with one generator per row, each row's draws are sized from it there.
-    `one_hot`: every target row is one-hot and every draft has probability 1 under its own distribution (greedy
-    rows, `SamplingParams.one_hot`): the rule then accepts a draft exactly where the target gives it probability 1
-    and emits the target's token after the accepted ones, which it takes with no noise drawn.
+    Where every target row is one-hot (greedy or keyed rows, `SamplingParams.one_hot`) the rule accepts a draft
+    exactly where the target gives it probability 1 and emits the target's token after the accepted ones:
+    `argmax_accept` of the targets, with no noise drawn.
     """
-    if one_hot:  # the one-hot target's token is its arg-max
-        return argmax_accept(target, drafts, lengths)
     B, K = drafts.shape
     p_d = target[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     limits = lengths.to(target.device, non_blocking=True)

@@ -11,9 +11,10 @@ import copy
 
 import torch
 
+from decode_svc.sampler import StepSampling
 from model import DecodeBatch, Transformer, encode_prefill, serving
 from model.cache import _kept, _window_slots, _write_kept, counting
-from model.dspark import Draft
+from model.dspark import Draft, draft_features, markov_chain
 from model.graphs import StepGraphs
 from model.linear import quantize_input
 from model.mhc import hc_split_sinkhorn
@@ -216,6 +217,28 @@ def test_static_verifies_over_padded_rows_equal_plain_verifies(tiny: Transformer
         torch.testing.assert_close(mirrored.logits, result.logits, rtol=1e-6, atol=1e-7)
         pending = [row[-1] for row in result.tokens]
     _assert_same_state(plain, static)
+
+
+def test_a_keyed_draft_replays_its_chain_and_races_as_the_targets_do(tiny: Transformer, tokens):
+    """A sampled batch's draft (rows at T = 1, greedy and T = 0.7, keyed noise): the static forward's chain — what
+    `keyed_draft` captures — gives the eager chain's tokens, and each link's token is the one `StepSampling.probs`
+    collapses that link's distribution onto: the race a target runs at the same position (what couples the two)."""
+    plain, static = _twin_batches(tiny, tokens)
+
+    def sampling() -> StepSampling:
+        return StepSampling(
+            torch.tensor([1.0, 0.0, 0.7]), torch.zeros(3, dtype=torch.int64), torch.ones(3),
+            seeds=torch.tensor([3, 4, 5]), cursor=torch.tensor([10, 0, 7]),
+        )  # fmt: skip
+
+    y = tokens(3)
+    chained, eager = static.dspark_draft(y.tolist(), sampling()), plain.dspark_draft(y.tolist(), sampling())
+    assert chained.probs is None
+    assert torch.equal(chained.tokens, eager.tokens)
+    raced = sampling()
+    x, base = draft_features(tiny, plain.cache, y)
+    expected = markov_chain(tiny, x, base, y, lambda logits, k: (raced.probs(logits).argmax(-1), None))
+    assert torch.equal(eager.tokens, expected.tokens)
 
 
 def test_the_device_positions_stay_in_place_until_the_cache_grows(tiny: Transformer, tokens):
