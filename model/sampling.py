@@ -135,32 +135,42 @@ def _finalise(z: Tensor) -> Tensor:
     return z ^ _shift_right(z, 31)
 
 
-@fused
 def keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """probs [N, V], seeds and positions [N] (int64) → token ids [N]: the exponential race argmax(p / Exp(1)) of
     `sample`, its noise a pure function of the row's (seed, position) (`race_uniforms`), −log u the exponential. A
     request's positions race from noise of their own in one launch for the whole forward (a generator per row and
     position takes a few launches each), reproducible from the seed alone."""
-    u = race_uniforms(seeds, positions, probs.shape[-1], probs.device)
-    return (probs.float() / -torch.log(u)).argmax(-1)
+    return _keyed_race(probs, seeds, positions, _elements(probs))
 
 
-@fused
 def keyed_link(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """logits [N, V], temperature [N], seeds and positions [N] → token ids [N]: `keyed_race` of the tempered
     softmax in its Gumbel-max form — argmax(logits / t − log(−log u)) over the same uniforms —, no distribution
     made; a row of temperature 0 takes its arg-max. A draft chain's link, capturable with it."""
-    u = race_uniforms(seeds, positions, logits.shape[-1], logits.device)
-    t = temperature.unsqueeze(-1)
-    scores = logits.float()
+    return _keyed_link(logits, temperature, seeds, positions, _elements(logits))
+
+
+def _elements(scores: Tensor) -> Tensor:
+    """1 … V, int64, on the scores' device: the race's element counters, read from memory by the fused kernels
+    (an index generated inside one is int32, which the int64 hash arithmetic overflows)."""
+    return torch.arange(1, scores.shape[-1] + 1, device=scores.device, dtype=torch.int64)
+
+
+@fused
+def _keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:
+    return (probs.float() / -torch.log(race_uniforms(seeds, positions, v))).argmax(-1)
+
+
+@fused
+def _keyed_link(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:
+    u, t, scores = race_uniforms(seeds, positions, v), temperature.unsqueeze(-1), logits.float()
     return torch.where(t > 0, scores / t.clamp_min(1e-6) - torch.log(-torch.log(u)), scores).argmax(-1)
 
 
-def race_uniforms(seeds: Tensor, positions: Tensor, vocab: int, device: torch.device) -> Tensor:
-    """The race's uniforms [N, vocab] of rows keyed by (seed, position) [N]: the row's key is the SplitMix64 output
-    of (its seed's output) ^ position, element v's uniform (`open_unit`) the (v + 1)-th output from that key."""
+def race_uniforms(seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:
+    """The race's uniforms [N, V] of rows keyed by (seed, position) [N]: the row's key is the SplitMix64 output of
+    (its seed's output) ^ position, element v's uniform (`open_unit`) the v-th output from that key (v: 1 … V)."""
     key = _finalise(_finalise(seeds) ^ positions).unsqueeze(-1)
-    v = torch.arange(1, vocab + 1, device=device, dtype=torch.int64)
     return open_unit(_finalise(key + v * _GOLDEN))
 
 
