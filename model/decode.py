@@ -236,6 +236,7 @@ class DecodeBatch:
         emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
         return VerifyResult(torch.tensor(n), emitted, logits)
 
+    @torch.no_grad()
     def capture(self, widths: Sequence[int] = (), progress: Callable[[int, int], None] | None = None) -> None:
         """Capture the graphs of every batch size up to the capacity now (decode; with verify `widths`, draft, verify
         and commit too), not on first use; nothing when the forwards run eagerly. `progress(done, total)` per

@@ -74,9 +74,10 @@ def load_model(
     parallel: Parallel = SINGLE,
     shared: SharedTables | None = None,
 ) -> Transformer:
-    """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode; its Engram
-    tables placed by `engram` (`engram_placement`; `host` with `shared`: in the node's table file, filled by its
-    owner, which the other ranks wait for here); of the routed experts, `parallel`'s share."""
+    """The model part named by `spec` (a preset, a config.json, or a checkpoint directory), in eval mode and frozen
+    (no parameter asks for a gradient: a forward outside `no_grad` still takes the kernels, never their autograd
+    form); its Engram tables placed by `engram` (`engram_placement`; `host` with `shared`: in the node's table file,
+    filled by its owner, which the other ranks wait for here); of the routed experts, `parallel`'s share."""
     where = resolve_device(device)
     precision = resolve_dtype(dtype, where)
     progress = sys.stderr.isatty()  # a bar on a terminal; JSON log lines stay clean in a container
@@ -89,7 +90,7 @@ def load_model(
     if shared is not None and placement == "host":
         shared.filled()
     model.engram_placement = placement
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def engram_placement(spec: str, device: str, dtype: str, engram: str) -> Placement:

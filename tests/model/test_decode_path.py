@@ -241,6 +241,25 @@ def test_a_keyed_draft_replays_its_chain_and_races_as_the_targets_do(tiny: Trans
     assert torch.equal(eager.tokens, expected.tokens)
 
 
+def test_a_start_up_capture_runs_without_autograd(tiny: Transformer, tokens):
+    """`DecodeBatch.capture` (the engine's start-up, outside any `no_grad`) records its forwards without autograd: a
+    forward recording a graph for the parameters would take the kernels' torch forms (their autograd path), and every
+    replay would run those."""
+    assert torch.is_grad_enabled()
+    assert any(p.requires_grad for p in tiny.parameters())  # a model built for training asks for gradients
+    batch = DecodeBatch(tiny, capacity=4)
+    batch.graphs = StepGraphs(tiny, batch.cache, buckets=(4,), capture=False)
+    batch.join(*_prefill(tiny, tokens(9)))
+    grad_modes: list[bool] = []
+    hook = tiny.layers[0].register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
+    try:
+        batch.capture(widths=(2,))
+    finally:
+        hook.remove()
+    assert grad_modes  # the decode and verify forwards ran
+    assert not any(grad_modes)
+
+
 def test_the_device_positions_stay_in_place_until_the_cache_grows(tiny: Transformer, tokens):
     """Captured graphs read and advance the cache's device positions in place: a row joining or leaving rewrites the
     same tensor; only a growth (which drops the graphs) replaces it."""
