@@ -74,15 +74,15 @@ class StepSampling(SamplingParams):
         if self.masks is not None:
             self.masks.apply(logits)
         probs = super().probs(logits)
+        B, V = probs.shape[0], probs.shape[-1]
+        T = probs.numel() // (B * V)  # positions a row
         if not SamplingParams.one_hot(self):  # a row samples: every row raced at once (a greedy row to its arg-max)
-            B, V = probs.shape[0], probs.shape[-1]
-            T = probs.numel() // (B * V)
             at = (self.cursor.unsqueeze(1) + torch.arange(T)).flatten()
             seeds = self.seeds.repeat_interleave(T)
             dev = probs.device
             tokens = keyed_race(probs.view(B * T, V), seeds.to(dev, non_blocking=True), at.to(dev, non_blocking=True))
             probs = torch.nn.functional.one_hot(tokens, V).to(probs.dtype).view(probs.shape)
-        self.cursor.add_(probs.numel() // (probs.shape[0] * probs.shape[-1]))
+        self.cursor.add_(T)
         return probs
 
 

@@ -217,7 +217,8 @@ class EngramFetch:
             with torch.cuda.stream(self.stream):
                 moved = tuple(torch.empty_like(t, device=self.device) for t in staged)
                 for rows, gathered in pieces:
-                    _wait([(rows, gathered)])
+                    for task in gathered:
+                        task.result()
                     for dst, src in zip(moved, staged, strict=True):
                         dst[rows].copy_(src[rows], non_blocking=True)
                 copied = torch.cuda.Event()
