@@ -238,14 +238,14 @@ class EngramFetch:
         self, layer: int, ids: np.ndarray, out: tuple[Tensor, ...], out_bytes: Bytes | None = None
     ) -> list[tuple[slice, list[Future]]]:
         """Gather table[ids] into out: inline (numpy's take over the rows' bytes: a decode step's few hundred rows in
-        microseconds, where torch's intra-op threads cost more than the copy; no pieces left), or queued on the
-        gather threads in pieces of `gather_rows` rows — (rows, their tasks) in order."""
+        microseconds, where torch's intra-op threads cost more than the copy; one piece, no task left), or queued on
+        the gather threads in pieces of `gather_rows` rows — (rows, their tasks) in order."""
         step = self.gather_rows
         if ids.size <= step:
             table = _row_bytes(_stored(self.tables[layer]))  # made per call: loading may swap a table's tensors
             for src, dst in zip(table, out_bytes or _row_bytes(out), strict=True):
                 np.take(src, ids, axis=0, out=dst)
-            return []
+            return [(slice(0, ids.size), [])]
         index = torch.from_numpy(ids)
         return [
             (
