@@ -216,10 +216,10 @@ def test_a_capture_beside_a_thread_copying_to_the_host_succeeds(small):
 
 def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
     """`DecodeBatch.capture` before any sequence: every bucket up to the capacity (1, 2, 4, 8) gets its decode, draft,
-    verify and commit graphs; steps of every batch size and width then capture nothing."""
+    keyed draft and, per width, verify and commit graphs; steps of every batch size and width then capture nothing."""
     batch = DecodeBatch(small, 8, graphs=True)
     batch.capture((1, 3, 5))
-    assert batch.graphs.captures == 4 * (2 + 2 * 3)
+    assert batch.graphs.captures == 4 * (3 + 2 * 3)
     for out in _prompts(small, 5, 5):
         batch.join(out.blocks, out.encoder_state)
         tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
@@ -229,4 +229,4 @@ def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
         for width in (1, 3, 5):
             batch.verify(tokens, draft.trim(width), greedy)
             tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
-    assert batch.graphs.captures == 4 * (2 + 2 * 3)
+    assert batch.graphs.captures == 4 * (3 + 2 * 3)
