@@ -160,9 +160,16 @@ class Replicas:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
-    """Per (replica, batch, sampling): median tokens/s, its ratio to the peer's, accepted length, drafted share, and
-    whether its outputs equal the peer's in the same repeat."""
+def past_end(outputs: list[list[int]], eos: int) -> float:
+    """The share of the outputs' tokens that follow their row's first end of sequence (decoded only because the bench
+    sets no stop: such a tail tends to loop, which drafts predict better than an answer)."""
+    after = sum(len(out) - 1 - out.index(eos) for out in outputs if eos in out)
+    return after / max(1, sum(len(out) for out in outputs))
+
+
+def summarise(runs: list[Run], eos: int) -> dict[str, dict[str, Any]]:
+    """Per (replica, batch, sampling): median tokens/s, its ratio to the peer's, accepted length, drafted share, the
+    share of tokens decoded past an end of sequence, and whether its outputs equal the peer's in the same repeat."""
     groups: dict[tuple[str, int, str], list[Run]] = defaultdict(list)
     for run in runs:
         groups[run.replica, run.batch, run.sampling].append(run)
@@ -184,6 +191,7 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
             "vs_off": rate / peer,
             "mean_accepted_length": (sum(r.accepted for r in group) + row_steps) / row_steps if row_steps else None,
             "drafted_share": drafted / steps if steps else None,
+            "past_eos_share": past_end([out for r in group for out in r.outputs], eos),
             "plans": {p: sum(r.plans[p] for r in group) for p in PLANS},
             "engine_step_ms": statistics.median(r.step_ms for r in group),
             "engine_share": statistics.median(r.engine_share for r in group),
@@ -195,7 +203,7 @@ def summarise(runs: list[Run]) -> dict[str, dict[str, Any]]:
 def show(summary: dict[str, dict[str, Any]]) -> None:
     table = Table(title=f"decode tokens/s: DSpark vs speculation off (median of the repeats; peer = {PEER})")
     columns = ("batch", "sampling", "replica", "tok/s", "user tok/s", "vs off", "accepted length", "drafted steps",
-               "engine ms / step", "engine share", "= off")  # fmt: skip
+               "past EOS", "engine ms / step", "engine share", "= off")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for s in sorted(summary.values(), key=lambda s: (s["batch"], list(SAMPLINGS).index(s["sampling"]), s["replica"])):
@@ -203,7 +211,8 @@ def show(summary: dict[str, dict[str, Any]]) -> None:
         table.add_row(str(s["batch"]), s["sampling"], s["replica"], f"{s['tokens_per_s_median']:.2f}",
                       f"{s['row_tokens_per_s_median']:.2f}", f"{s['vs_off']:.2f}×",
                       "–" if length is None else f"{length:.2f}",
-                      "–" if share is None else f"{share:.0%}", f"{s['engine_step_ms']:.2f}",
+                      "–" if share is None else f"{share:.0%}", f"{s['past_eos_share']:.0%}",
+                      f"{s['engine_step_ms']:.2f}",
                       f"{s['engine_share']:.0%}",
                       "–" if s["sampling"] == "t1" else ("yes" if s["same_tokens_as_off"] else "no"))  # fmt: skip
     console.print(table)
@@ -248,7 +257,7 @@ def main() -> int:
                 runs.append(replicas.generate(name, prompts[:batch], sampling, args.max_tokens, repeat))
     finally:
         replicas.stop()
-    summary = summarise(runs)
+    summary = summarise(runs, replicas.model.args.eos_token_id)
     show(summary)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "results": summary,

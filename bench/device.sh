@@ -43,6 +43,7 @@ for part in "$@"; do
   case $name in
     graphs) timeout "$limit" python3 -m pytest -v --durations=0 --noconftest -p no:cacheprovider \
               tests/decode_svc/test_gpu_masking.py tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py ;;
+    reference) timeout "$limit" python3 -m pytest -v --noconftest -p no:cacheprovider -s tests/model/test_gpu_reference.py ;;
     native) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
               tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;
     logits) timeout "$limit" python3 tests/model/test_gpu_invariance.py logits 24 ;;
@@ -54,6 +55,8 @@ for part in "$@"; do
     moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
            --parts "$OUT/kernels/parts" ;;
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
+    mhc) timeout "$limit" python3 bench/kernels.py --bench tune-mhc --report --out "$OUT/kernels_mhc" \
+           --parts "$OUT/kernels_mhc/parts" ;;
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --max-tokens 96 \
@@ -68,7 +71,7 @@ for part in "$@"; do
              --calls 6 --max-tokens 32 --concurrency 6 --configs ours,no-dspark --out "$OUT/serve.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
-    *) echo "unknown part $name (graphs native logits tokens step step-invariant step-1m step-64x1m moe fp8 fused" \
+    *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-1m step-64x1m moe fp8 mhc fused" \
             "decode engine engine-variant constraint engram serve)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
