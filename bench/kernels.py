@@ -51,7 +51,7 @@ import triton
 from model import DecodeBatch, build_model, kernels, preset, quant
 from model.engram_store import DeviceMemory
 from model.graphs import StepGraphs
-from model.kernels import fp8_gemm, indexer, kv_quant, sparse_attn, topk
+from model.kernels import fp8_gemm, hc_mixes, indexer, kv_quant, sparse_attn, topk
 
 GiB = 1 << 30
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -958,6 +958,38 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
             yield from tune("tune indexer", f"B={B} T={T} S={S} {variant or default}", fn, want, B * S * 68)
 
 
+def tune_mhc(tiny: bool) -> Iterator[Row]:
+    """Launch shapes of an mHC site's coefficients (`hc_mixes.MixTuning`), n = 4 streams of C = 512 (`small`) and
+    5120 (V4.1-Flash) channels at 1, 64 and 256 rows, with the residual update made in the projection's pass
+    (`update`, served as `hc_mixes.UPDATE`) and without (`plain`, `hc_mixes.PLAIN`): the served shape (`default`,
+    its kernels' device time each) beside the class's base shape (`{}`) and others — channels an iteration takes,
+    the split count, the projection's warps and stages, the Sinkhorn kernel's warps."""
+    n, M = 4, 24
+    variants = [None, {}, {"max_splits": 32}, {"max_splits": 64}, {"max_splits": 128, "block_k": 32},
+                {"num_warps": 2}, {"num_stages": 1}, {"sinkhorn_warps": 1},
+                {"max_splits": 64, "block_k": 32, "num_warps": 1},
+                {"max_splits": 64, "num_warps": 2, "num_stages": 1, "sinkhorn_warps": 1},
+                {"max_splits": 64, "num_warps": 2, "num_stages": 1}]  # fmt: skip
+    shapes = [(64, 2)] if tiny else [(512, 1), (512, 64), (512, 256), (5120, 1), (5120, 64)]
+    for (C, R), kind in itertools.product(shapes, ("update", "plain")):
+        X, out = randn(R, n, C, dtype=torch.bfloat16), randn(R, C, dtype=torch.bfloat16)
+        post, comb = torch.rand(R, n, device=DEVICE) * 2, torch.rand(R, n, n, device=DEVICE)
+        fn, scale, base = randn(M, n * C) * 0.02, torch.rand(3, device=DEVICE), randn(M)
+        if kind == "update":
+            op, args = hc_mixes.hc_expand_coefficients_triton, (out, X, post, comb, fn, scale, base, n, 20, 1e-6, 1e-6)
+        else:
+            op, args = hc_mixes.hc_coefficients_triton, (X, fn, scale, base, n, 20, 1e-6, 1e-6)
+        want = op(*args)[-1]
+        for variant in variants[:2] if tiny else variants:
+            call = functools.partial(op, *args, *([] if variant is None else [hc_mixes.MixTuning(**variant)]))
+            shape = f"{kind} R={R} C={C} {'default' if variant is None else variant}"
+            for row in tune("tune mhc", shape, lambda call=call: call()[-1], want, M * n * C * 4 + R * n * C * 4):
+                if variant is None:
+                    row.extra |= {f"µs {k.strip('_').removesuffix('_kernel')}": us
+                                  for k, us in kernel_device_us(call).items()}  # fmt: skip
+                yield row
+
+
 def tune_fp8_gemm(tiny: bool) -> Iterator[Row]:
     """Launch shapes of the FP8 linear around `FP8GemmTuning()`'s defaults at decode batches, each checked against the
     default launch: weight rows per tile, K per stage, stages, warps, K splits, token tiles, the other dots."""
@@ -1107,6 +1139,7 @@ SECTIONS: dict[str, Callable[[bool], Iterator[Row]]] = {
     "tune-attention": tune_attention,
     "tune-indexer": tune_indexer,
     "tune-quant": tune_quantisers,
+    "tune-mhc": tune_mhc,
     "fp8-gemm": bench_fp8_gemm,
     "moe-gemm": bench_moe_gemm,
     "tune-fp8-gemm": tune_fp8_gemm,

@@ -116,6 +116,7 @@ def compile_sm90(
     max_registers: int | None = None,
     multiples_of_16: tuple[str, ...] = (),
     work_dir: Path = Path("/tmp"),
+    stages: int = 3,
 ) -> Report:
     """Compile `fn` for sm_90 and read its cubin. Pointers are taken as 16-byte aligned (as torch allocates) and the
     integer arguments named in `multiples_of_16` as multiples of 16 — what Triton's launcher specialises on at run
@@ -126,7 +127,7 @@ def compile_sm90(
     source = ASTSource(
         fn=fn, signature=signature | dict.fromkeys(constexprs, "constexpr"), constexprs=constexprs, attrs=attrs
     )
-    options = {"num_warps": warps} | ({"maxnreg": max_registers} if max_registers else {})
+    options = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": max_registers} if max_registers else {})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     cubin = work_dir / f"sass_{os.getpid()}_{name}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
@@ -398,13 +399,15 @@ def step_glue_reports(experts: int, hc: int = 4, splits: int = 4) -> list[Report
             | part
             | {"R": i32, "K": i32, "x_stride": i32, "split_k": i32}
             | {"out_ptr": "*bf16", "post_ptr": f32, "comb_ptr": f32, "new_ptr": "*bf16", "C": i32},
-            {"M": M, "M_PAD": triton.next_power_of_2(M), "BLOCK_R": hc_mixes._BLOCK_R, "BLOCK_K": hc_mixes._BLOCK_K}
+            {"M": M, "M_PAD": triton.next_power_of_2(M), "BLOCK_R": mix.block_r, "BLOCK_K": mix.block_k}
             | {"EXPAND": expand, "N": hc},
-            4,
+            mix.num_warps,
             multiples_of_16=("K", "x_stride", "split_k", "C"),
+            stages=mix.num_stages,
         )
-        for expand in (False, True)
+        for expand, mix in ((False, hc_mixes.PLAIN), (True, hc_mixes.UPDATE))
     ]
+    mix = hc_mixes.UPDATE  # every site's but the first
     return [
         *partials,
         compile_sm90(
@@ -417,10 +420,10 @@ def step_glue_reports(experts: int, hc: int = 4, splits: int = 4) -> list[Report
             {
                 "N": hc,
                 "M_PAD": triton.next_power_of_2(M),
-                "BLOCK_R": hc_mixes._BLOCK_R,
-                "MAX_SPLITS": hc_mixes._MAX_SPLITS,
+                "BLOCK_R": mix.block_r,
+                "CHUNK": hc_mixes._CHUNK,
             },
-            4,
+            mix.sinkhorn_warps,
         ),
         compile_sm90(
             "MoE gate logits",

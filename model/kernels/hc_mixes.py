@@ -10,9 +10,11 @@ The torch form is a projection of the flattened stream, an RMS, then ≈ 115 tin
    whatever the batch. With EXPAND it first makes those channels of the stream: the residual update of the site
    before, X' = post ⊗ out + combᵀ X (`mhc.hc_expand`), stored and projected in the same pass — Single-Pass mHC's
    fusion of the update with the next site's coefficient prediction (`hc_expand_coefficients`).
-2. `_coefficients_kernel`: per BLOCK_R rows, loads every split's partials at once and sums them (a fixed tree
-   over MAX_SPLITS), scales by 1/rms and runs the split, softmax and Sinkhorn loop in registers.
+2. `_coefficients_kernel`: per BLOCK_R rows, sums the splits' partials (a fixed tree over each chunk of 16 splits,
+   the chunks in order), scales by 1/rms and runs the split, softmax and Sinkhorn loop in registers.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,9 +24,29 @@ from torch import Tensor
 from model import mhc
 from model.kernels.formats import unit_stride
 
-_BLOCK_R = 16
-_BLOCK_K = 64
-_MAX_SPLITS = 16  # the projection's split count: n·C / 16 channels a split, rounded up to BLOCK_K
+
+@dataclass(frozen=True)
+class MixTuning:
+    """Launch shape of the two kernels (`bench/kernels.py --bench tune-mhc` times others): rows a program takes,
+    channels a projection iteration takes, the projection's split count (n·C / max_splits channels a split, rounded
+    up to block_k: a count fixed by the channels alone, so a row's sums do not depend on the batch), the
+    projection's warps and software-pipeline stages, and the Sinkhorn kernel's warps."""
+
+    block_r: int = 16
+    block_k: int = 64
+    max_splits: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+    sinkhorn_warps: int = 4
+
+
+# The launch shapes measured at 1–256 rows of C = 512 and 1–64 of C = 5120 (docs/benchmarks.md): many splits (few
+# channels a program: at batch 1 the projection is a read of fn spread over the GPU) and, for the update's pass, whose
+# loop stores X' as it goes, no software pipelining. Both split alike, so a site's coefficients are the same sums made
+# in the update's pass or after it.
+PLAIN = MixTuning(max_splits=64)
+UPDATE = MixTuning(max_splits=64, num_warps=2, num_stages=1)
+_CHUNK = 16  # splits whose partials the Sinkhorn kernel loads at once (a tile of BLOCK_R × CHUNK × n² in registers)
 
 
 def hc_coefficients_torch(
@@ -91,23 +113,30 @@ def _mix_partials_kernel(
 @triton.jit
 def _coefficients_kernel(
     part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, K, splits, iters, rms_eps, eps,
-    N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
     r = rows.to(tl.int64)
     i = tl.arange(0, N)
     jk = i[:, None] * N + i[None, :]  # [N, N]: row j (source copy), column k (target)
-    s = tl.arange(0, MAX_SPLITS)
-    live = ok[:, None] & (s < splits)[None, :]  # [BLOCK_R, MAX_SPLITS]: every split's partials in one load
-    slot = s[None, :].to(tl.int64) * R + r[:, None]
-    mix = part_ptr + slot * M_PAD
-    pre = tl.sum(tl.load(mix[:, :, None] + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
-    post = tl.sum(tl.load(mix[:, :, None] + N + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
-    flat = tl.arange(0, N * N)  # comb's logits row-major, summed as [BLOCK_R, MAX_SPLITS, N·N] (no 4-D block)
-    logits = tl.sum(tl.load(mix[:, :, None] + 2 * N + flat[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
+    flat = tl.arange(0, N * N)  # comb's logits row-major, summed as [BLOCK_R, CHUNK, N·N] (no 4-D block)
+    pre = tl.zeros((BLOCK_R, N), dtype=tl.float32)
+    post = tl.zeros((BLOCK_R, N), dtype=tl.float32)
+    logits = tl.zeros((BLOCK_R, N * N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s0 in range(0, splits, CHUNK):  # CHUNK splits' partials a load, each chunk summed as a fixed tree
+        s = s0 + tl.arange(0, CHUNK)
+        live = ok[:, None] & (s < splits)[None, :]  # [BLOCK_R, CHUNK]
+        slot = s[None, :].to(tl.int64) * R + r[:, None]
+        mix = part_ptr + slot * M_PAD
+        pre += tl.sum(tl.load(mix[:, :, None] + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
+        post += tl.sum(tl.load(mix[:, :, None] + N + i[None, None, :], mask=live[:, :, None], other=0.0), axis=1)
+        logits += tl.sum(
+            tl.load(mix[:, :, None] + 2 * N + flat[None, None, :], mask=live[:, :, None], other=0.0), axis=1
+        )
+        sq += tl.sum(tl.load(sq_ptr + slot, mask=live, other=0.0), axis=1)
     logits = tl.reshape(logits, (BLOCK_R, N, N))
-    sq = tl.sum(tl.load(sq_ptr + slot, mask=live, other=0.0), axis=1)
     inv_rms = 1.0 / tl.sqrt(sq / K + rms_eps)
     pre = pre * inv_rms[:, None] * tl.load(scale_ptr)
     pre = tl.sigmoid(pre + tl.load(base_ptr + i)[None, :]) + eps
@@ -126,30 +155,32 @@ def _coefficients_kernel(
 
 
 def hc_coefficients_triton(
-    X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
+    X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float,
+    tuning: MixTuning = PLAIN,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """fp32 fn, a float X (the coefficients are fp32: a float64 model stays on the torch form)."""
-    return _coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps)
+    return _coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps, tuning)
 
 
 def hc_expand_coefficients_triton(
     out: Tensor, X: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
-    rms_eps: float, hc_eps: float,
+    rms_eps: float, hc_eps: float, tuning: MixTuning = UPDATE,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """`hc_coefficients_triton` of X' = `mhc.hc_expand`(out, X, post, comb), made in the projection's pass."""
     new = torch.empty_like(X, memory_format=torch.contiguous_format)
     expand = (out.reshape(-1, out.shape[-1]).contiguous(), post.contiguous(), comb.contiguous(), new)
-    return new, *_coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps, expand)
+    return new, *_coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps, tuning, expand)
 
 
 def _coefficients(
     X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float,
-    expand: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    tuning: MixTuning, expand: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     lead = X.shape[:-2]
     x = unit_stride(X.reshape(-1, X.shape[-2] * X.shape[-1]))
     (R, K), M = x.shape, fn.shape[0]
-    M_PAD, split_k = triton.next_power_of_2(M), _BLOCK_K * triton.cdiv(K, _BLOCK_K * _MAX_SPLITS)
+    t = tuning
+    M_PAD, split_k = triton.next_power_of_2(M), t.block_k * triton.cdiv(K, t.block_k * t.max_splits)
     splits = triton.cdiv(K, split_k)
     pre = torch.empty((*lead, n), dtype=fn.dtype, device=X.device)
     post = torch.empty_like(pre)
@@ -157,14 +188,14 @@ def _coefficients(
     if R:
         part = torch.empty((splits, R, M_PAD), dtype=torch.float32, device=X.device)
         sq = torch.empty((splits, R), dtype=torch.float32, device=X.device)
-        blocks = triton.cdiv(R, _BLOCK_R)
+        blocks = triton.cdiv(R, t.block_r)
         update, old_post, old_comb, new = expand if expand is not None else (x, x, x, x)
         _mix_partials_kernel[(blocks, splits)](
             x, fn.contiguous(), part, sq, R, K, x.stride(0), split_k, update, old_post, old_comb, new, X.shape[-1],
-            M, M_PAD, _BLOCK_R, _BLOCK_K, expand is not None, n,
+            M, M_PAD, t.block_r, t.block_k, expand is not None, n, num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
         _coefficients_kernel[(blocks,)](
             part, sq, scale.to(fn.dtype).contiguous(), base.to(fn.dtype).contiguous(), pre, post, comb, R, K, splits,
-            iters, rms_eps, hc_eps, n, M_PAD, _BLOCK_R, _MAX_SPLITS,
+            iters, rms_eps, hc_eps, n, M_PAD, t.block_r, _CHUNK, num_warps=t.sinkhorn_warps,
         )  # fmt: skip
     return pre, post, comb
