@@ -204,26 +204,24 @@ class EngramFetch:
         return {layer: self._fetch(layer, ids[layer]) for layer in self.tables}
 
     def _fetch(self, layer: int, ids: np.ndarray) -> Callable[[], Fetched]:
-        """Start gathering a layer's rows; the returned call finishes the fetch: on a GPU it copies each piece of
-        rows to the device (on the side stream) as soon as it is gathered, so the copy runs beside the gather."""
+        """Start gathering a layer's rows; the returned call finishes the fetch: it copies each piece of rows to the
+        model's device as soon as it is gathered (on a GPU on the side stream, so the copy runs beside the gather;
+        a CPU model takes the same copies, which keep the staging free for the next step)."""
         staged = self._staged(layer, ids.size)
         pieces = self.gathering[layer] = self._gather_pieces(layer, ids.reshape(-1), staged)
 
         def finish() -> Fetched:
-            if self.stream is None:  # a CPU model: the gathered rows are its input
-                _wait(pieces)
-                self.gathering.pop(layer, None)
-                return Fetched(staged, None, torch.Size(ids.shape))
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 moved = tuple(torch.empty_like(t, device=self.device) for t in staged)
                 for rows, gathered in pieces:
                     for task in gathered:
                         task.result()
                     for dst, src in zip(moved, staged, strict=True):
                         dst[rows].copy_(src[rows], non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
-            self.last_copy[layer] = copied
+                copied = None
+                if self.stream is not None:
+                    copied = self.last_copy[layer] = torch.cuda.Event()
+                    copied.record(self.stream)
             self.gathering.pop(layer, None)
             return Fetched(moved, copied, torch.Size(ids.shape))
 
@@ -259,18 +257,17 @@ class EngramFetch:
         ]
 
     def _staged(self, layer: int, n: int) -> tuple[Tensor, ...]:
-        """Rows for n ids of a layer's stored tensors: new ones on a CPU model; on a GPU, pinned staging reused from
-        step to step, free to overwrite once the previous copy from it has ended."""
+        """Rows for n ids of a layer's stored tensors: staging reused from step to step (pinned for a GPU), free to
+        overwrite once the previous copy from it has ended."""
         sources = _stored(self.tables[layer])
         _wait(self.gathering.pop(layer, []))  # a step given up before its layer was reached: its pieces still write
-        if self.stream is None:
-            return tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in sources)
         if layer in self.last_copy:
             self.last_copy[layer].synchronize()
         have = self.staging.get(layer)
         if have is None or have[0].shape[0] < n:
             size = max(n, 2 * have[0].shape[0]) if have is not None else n
-            have = tuple(torch.empty((size, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in sources)
+            pin = self.stream is not None
+            have = tuple(torch.empty((size, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in sources)
             self.staging[layer] = have
         return tuple(t[:n] for t in have)
 

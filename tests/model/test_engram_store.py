@@ -8,7 +8,6 @@ import datetime
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -253,18 +252,3 @@ def test_a_step_given_up_after_its_first_engram_layer_leaves_the_next_steps_rows
     finally:
         fetch.close()
 
-
-@pytest.mark.parametrize("gather_rows", [5, 1000])
-def test_a_gathers_pieces_cover_every_row_once(on_host: Transformer, gather_rows: int) -> None:
-    """On a GPU each piece is copied to the device as it lands, so the pieces — queued, or the one gathered inline
-    — must cover a step's rows exactly, in order."""
-    layer = on_host.args.engram_layer_ids[0]
-    fetch = EngramFetch(on_host, gather_threads=2, gather_rows=gather_rows)
-    try:
-        ids = np.arange(23, dtype=np.int64) % on_host.layers[layer].engram.embed.weight.shape[0]
-        out = fetch._staged(layer, ids.size)
-        pieces = fetch._gather_pieces(layer, ids, out)
-        covered = [i for rows, _ in pieces for i in range(ids.size)[rows]]
-        assert covered == list(range(ids.size))
-    finally:
-        fetch.close()
