@@ -21,7 +21,9 @@ must emit the same tokens).
 
 Reported per (replica, batch, sampling): median decode tokens/s (the batch's and a user's) and the batch's ratio to
 `off`, mean accepted length per verify (accepted drafts + 1, over the rows a drafted step verified), the share of the
-speculative lane's steps that drafted (plan draft or probe), the engine's mean step (its `step_seconds` metric: forward,
+speculative lane's steps that drafted (plan draft or probe), the share of the outputs' tokens past each row's first
+end of sequence (a tail that loops, which drafts predict better than answers: read the accepted length beside it;
+a run that never ends an answer is suspect), the engine's mean step (its `step_seconds` metric: forward,
 sampling and the step's read back) and that time's share of the run's clock (the rest passes between steps: delivering
 tokens, the engine's loop, waits for the GIL, which the engine shares with the replicas' event loop), and whether greedy
 and seeded outputs equal `off`'s.
