@@ -3,7 +3,7 @@
 The torch form is a projection of the flattened stream, an RMS, then ≈ 115 tiny ops on [.., n, n] matrices
 (20 Sinkhorn iterations of two normalisations each), 24+ sites per decode step. Triton, in two launches:
 
-1. `_mix_partials_kernel`: a split-K projection. Program (row block, split) takes BLOCK_R rows and n·C / 16
+1. `_mix_partials_kernel`: a split-K projection. Program (row block, split) takes BLOCK_R rows and n·C / 64
    channels of the flattened stream and writes their dot products with fn's (2+n)n rows and their sum of squares
    to a partial slot; the splits spread the projection over the GPU at batch 1 (one program per row block would
    read all of fn alone), and their count depends on the channel count alone, so a row's value is the same
