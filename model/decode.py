@@ -87,7 +87,9 @@ class DecodeBatch:
     def join_many(self, prompts: Sequence[tuple[list[GlobalKVBlock], EncoderState]]) -> list[tuple[int, Tensor]]:
         """`join` for several prefilled sequences at once, in one decoder replay forward → (seq id, next logits [V])
         per prompt, in order. The forward's fixed cost (most of a replay's, on a small batch) is paid once, not per
-        sequence; prompts of fewer than W tokens replay all of theirs, one forward per such length.
+        sequence; prompts of fewer than W tokens replay all of theirs, one forward per such length. The new rows
+        (`seq_ids`, the order of every later step's tokens and results) follow replay length, not the prompts: map
+        by seq id.
 
         All or none: if any prompt cannot be restored, none joins and the error is raised."""
         if any(state.position == 0 for _, state in prompts):

@@ -59,11 +59,13 @@ def _prompts(model, count: int, seed: int):
 
 
 def _joined(model, prompts, graphs: bool):
+    """A batch of the prompts and each row's first token, in the batch's row order (by replay length, not the
+    prompts')."""
     from model import DecodeBatch
 
     batch = DecodeBatch(model, len(prompts), graphs=graphs)
-    first = [int(row.argmax()) for _, row in batch.join_many([(p.blocks, p.encoder_state) for p in prompts])]
-    return batch, first
+    first = dict(batch.join_many([(p.blocks, p.encoder_state) for p in prompts]))
+    return batch, [int(first[seq].argmax()) for seq in batch.seq_ids]
 
 
 def _plain_greedy(model, prompts, steps: int, graphs: bool) -> tuple[list[list[int]], list[Tensor]]:
