@@ -48,7 +48,7 @@ for part in "$@"; do
               tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;
     logits) timeout "$limit" python3 tests/model/test_gpu_invariance.py logits 24 ;;
     tokens) timeout "$limit" python3 tests/model/test_gpu_invariance.py tokens 24 ;;
-    step) timeout "$limit" $STEP --batches 1,64 --sources --out "$OUT/step.json" ;;
+    step) timeout "$limit" $STEP --batches 1,64 --sources --plain-launches --out "$OUT/step.json" ;;
     step-invariant) timeout "$limit" $STEP --batches 1,64 --batch-invariant --out "$OUT/step_invariant.json" ;;
     step-1m) timeout "$limit" $STEP --batches 1,64 --contexts 1048576 --out "$OUT/step_1m.json" ;;
     step-64x1m) timeout "$limit" $STEP --batches 64 --contexts 1048576 --no-dense --out "$OUT/step_64x1m.json" ;;

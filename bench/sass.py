@@ -120,8 +120,10 @@ def compile_sm90(
 ) -> Report:
     """Compile `fn` for sm_90 and read its cubin. Pointers are taken as 16-byte aligned (as torch allocates) and the
     integer arguments named in `multiples_of_16` as multiples of 16 — what Triton's launcher specialises on at run
-    time, and what lets it vectorise and pipeline loads (without it a strided load compiles to plain LDG)."""
+    time, and what lets it vectorise and pipeline loads (without it a strided load compiles to plain LDG). Kernels
+    compile as programmatic dependents (model.kernels.launch) unless `constexprs` says otherwise."""
     arguments = list(fn.arg_names)
+    constexprs = {"PDL": True, "EARLY": False} | constexprs
     aligned = [a for a, kind in signature.items() if kind.startswith("*") or a in multiples_of_16]
     attrs = {(arguments.index(a),): [["tt.divisibility", 16]] for a in aligned}
     source = ASTSource(
@@ -239,7 +241,7 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
             "top-k group maxima",
             topk._group_max_kernel,
             row | {"gmax_ptr": "*u32", "L": "i32", "NG": "i32", "tiles": "i32"},
-            {"HAS_LENGTHS": False, "TILE": t.group_tile, "GS": GS, "LOW_BIT": 16, "PDL": True, "EARLY": False},
+            {"HAS_LENGTHS": False, "TILE": t.group_tile, "GS": GS, "LOW_BIT": 16},
             4,
             None,
             ("L", "NG"),
@@ -255,7 +257,7 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
                 "NG": "i32",
                 "k": "i32",
             },
-            {"NGP": NGP, "KP": KP, "LOW_BIT": 16, "PDL": True, "EARLY": False},
+            {"NGP": NGP, "KP": KP, "LOW_BIT": 16},
             t.threshold_warps,
             None,
             ("NG",),
@@ -274,8 +276,6 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
                 "CG": CG,
                 "GS": GS,
                 "LOW_BIT": 16,
-                "PDL": True,
-                "EARLY": False,
             },
             4,
             None,
@@ -293,7 +293,6 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
                 "LOW_BIT": 16,
                 "TILE": t.tile,
                 "KP": KP,
-                "PDL": True,
             },
             t.num_warps,
             None,

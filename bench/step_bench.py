@@ -1,16 +1,19 @@
 """The whole decode step as served against its peers, side by side in one process: the `small` preset's step replayed
 from its CUDA graph (`DecodeBatch.decode_step` on a GPU), the same step run eagerly, and a dense-attention model of
-the same size (bench/kernels.py `dense_decode_step`) captured as a CUDA graph the same way; and the bytes floor.
+the same size (bench/kernels.py `dense_decode_step`) captured as a CUDA graph the same way; and the bytes floor. With
+`--plain-launches`, also the served step's graph captured without programmatic dependent launches
+(model.kernels.launch): every kernel starting only once its predecessor has ended.
 
     python bench/step_bench.py [--batches 1,64,256] [--contexts 4096,131072,1048576] [--rounds 5] [--steps 10]
-        [--profile-steps 5] [--sources] [--no-dense] [--out bench/out/step_bench.json]
+        [--profile-steps 5] [--sources] [--no-dense] [--plain-launches] [--out bench/out/step_bench.json]
 
 Caches are synthesised at the context (bench/kernels.py `filled_decode_batch`). Per (batch, context), every round
 times `steps` consecutive steps of each side (synchronised before and after; sides in a rotating order); the table
 gives the median ms per step over the rounds and the spread (min–max). The floor is the bytes a step must read
 (weights touched, window and selected entries, scored keys: bench/native_bench.py) ÷ 4.28 TB/s. The profile rows
 count the CUDA kernels of one step and the share of its wall time the GPU spent in kernels (torch.profiler over
-`profile-steps` steps) for the graph and the eager step at the first context.
+`profile-steps` steps) for the graphs and the eager step at the first context (a dependent launch's kernel counts
+from its placement, its wait included: the share flatters the graph launched so).
 """
 
 from __future__ import annotations
@@ -33,24 +36,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import decode_model, dense_decode_step, filled_decode_batch
 from bench.native_bench import HBM_BYTES_PER_S, captured, kv_bytes, touched_bytes
 from model import kernels
+from model.kernels.launch import plain_launches
 
 Step = Callable[[], object]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def sides(model, B: int, context: int, steps: int, dense: bool) -> tuple[dict[str, Step], int]:
-    """The steps at batch B and `context` tokens (each call of a side runs one step; the dense side if `dense`), and
-    the weight bytes a step reads (counted on an eager step: module hooks do not run in a graph's replay)."""
+def sides(model, B: int, context: int, steps: int, dense: bool, plain: bool) -> tuple[dict[str, Step], int]:
+    """The steps at batch B and `context` tokens (each call of a side runs one step; the dense side if `dense`, the
+    graph of plain launches if `plain`), and the weight bytes a step reads (counted on an eager step: module hooks do
+    not run in a graph's replay)."""
     vocab = model.args.vocab_size
     tokens = torch.randint(0, vocab, (B, 1), device="cuda")
     graph = filled_decode_batch(model, B, context, steps, graphs=True)
     eager = filled_decode_batch(model, B, context, steps, graphs=False)
-    steps: dict[str, Step] = {"graph": lambda: graph.decode_step(tokens), "eager": lambda: eager.decode_step(tokens)}
+    plainly = filled_decode_batch(model, B, context, steps, graphs=True) if plain else None
+    runs: dict[str, Step] = {"graph": lambda: graph.decode_step(tokens), "eager": lambda: eager.decode_step(tokens)}
+    if plainly is not None:
+        runs["plain graph"] = functools.partial(_plain_step, plainly, tokens)
     if dense:  # B × context bf16 latents: 64 GiB at 64 × 1 M
         history = torch.randint(0, vocab, (B, model.ngram.history_len), device="cuda")
         kv = torch.randn(B, context, model.args.head_dim, device="cuda", dtype=model.dtype)
-        steps["dense graph"] = captured(lambda: dense_decode_step(model, tokens, context, history, kv))
-    return steps, touched_bytes(model, lambda: eager.decode_step(tokens))
+        runs["dense graph"] = captured(lambda: dense_decode_step(model, tokens, context, history, kv))
+    return runs, touched_bytes(model, lambda: eager.decode_step(tokens))
+
+
+def _plain_step(batch, tokens: torch.Tensor) -> object:
+    """A step whose graph, captured on its first call, launches its kernels plainly."""
+    with plain_launches():
+        return batch.decode_step(tokens)
 
 
 def ms_per_step(fn: Step, steps: int) -> float:
@@ -121,7 +135,7 @@ def _repository_frame(frame: str) -> str:
 
 def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool) -> dict:
     room = ns.rounds * ns.steps + 4 * ns.profile_steps + 8
-    steps, weights = sides(model, B, context, room, ns.dense)
+    steps, weights = sides(model, B, context, room, ns.dense, ns.plain_launches)
     for fn in steps.values():  # warm: captures, compiles
         fn()
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -134,8 +148,9 @@ def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool)
     for name, ms in times.items():
         row[name] = {"median_ms": round(statistics.median(ms), 3), "spread_ms": [round(min(ms), 3), round(max(ms), 3)]}
     if profiled:
-        for name in ("graph", "eager"):
-            row[name] |= kernel_profile(steps[name], ns.profile_steps)
+        for name in ("graph", "plain graph", "eager"):
+            if name in steps:
+                row[name] |= kernel_profile(steps[name], ns.profile_steps)
         if ns.sources:
             row["eager"]["kernel_sources"] = kernel_sources(steps["eager"], ns.profile_steps)
     print(json.dumps(row), flush=True)
@@ -144,18 +159,19 @@ def measure(model, B: int, context: int, ns: argparse.Namespace, profiled: bool)
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| B | context | graph ms | eager ms | dense graph ms | floor ms | graph × floor | graph vs dense"
-        " | kernels / step (graph, eager) | GPU busy (graph, eager) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| B | context | graph ms | plain graph ms | eager ms | dense graph ms | floor ms | graph × floor"
+        " | graph vs dense | kernels / step (graph, eager) | GPU busy (graph, plain graph, eager) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        g, e, d = r["graph"], r["eager"], r.get("dense graph")
+        g, e, d, plain = r["graph"], r["eager"], r.get("dense graph"), r.get("plain graph")
         cell = lambda s: f"{s['median_ms']:.2f} ({s['spread_ms'][0]:.2f}–{s['spread_ms'][1]:.2f})" if s else "–"  # noqa: E731
         versus = f"{d['median_ms'] / g['median_ms']:.2f}×" if d else "–"
         kernels = f"{g['kernels_per_step']:.0f}, {e['kernels_per_step']:.0f}" if "kernels_per_step" in g else ""
-        busy = f"{g['gpu_busy']:.0%}, {e['gpu_busy']:.0%}" if "gpu_busy" in g else ""
+        busy = ", ".join(f"{s['gpu_busy']:.0%}" for s in (g, plain, e) if s and "gpu_busy" in s)
         lines.append(
-            f"| {r['batch']} | {r['context']:,} | {cell(g)} | {cell(e)} | {cell(d)} | {r['floor_ms']:.3f} | "
+            f"| {r['batch']} | {r['context']:,} | {cell(g)} | {cell(plain)} | {cell(e)} | {cell(d)} | "
+            f"{r['floor_ms']:.3f} | "
             f"{g['median_ms'] / r['floor_ms']:.1f} | {versus} | {kernels} | {busy} |"
         )
     return "\n".join(lines)
@@ -180,6 +196,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
     p.add_argument("--sources", action="store_true", help="profile rows: the eager step's kernels by launching line")
     p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="time the dense peer too")
+    p.add_argument("--plain-launches", action="store_true", help="time the graph without dependent launches too")
     add_batch_invariant(p, default=False)
     ns = p.parse_args()
     if not torch.cuda.is_available():

@@ -20,6 +20,7 @@ from torch import Tensor
 from model import activation, norm, quant
 from model.kernels.formats import unit_stride
 from model.kernels.kv_quant import SWA_BLOCK, rms_norm_rows, store_fp8
+from model.kernels.launch import dependent_launch, follow
 
 _TILE_ELEMENTS = 4096  # fp32 values per program held in registers
 
@@ -33,10 +34,12 @@ def norm_cast_torch(X: Tensor, pre: Tensor | None, weight: Tensor, eps: float) -
 def _norm_cast_kernel(
     X_ptr, pre_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, stride, eps,
     N: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Rows BLOCK_M · program …: y = RMSNorm(Σₖ pre[r, k] X[r, k]) (N streams, X [M, N, C]; N = 0: X [M, C] itself,
     rows `stride` apart), each sum and the norm in fp32, rounded to X's dtype where the torch forms round (the
     collapse's result, then y)."""
+    follow(PDL, EARLY)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, CP)
     row_ok = rows < M
@@ -69,9 +72,11 @@ def norm_cast_triton(X: Tensor, pre: Tensor | None, weight: Tensor, eps: float) 
         block_m = max(1, _TILE_ELEMENTS // CP)
         X = unit_stride(X.reshape(-1, C)) if pre is None else X.contiguous()
         pre_rows = X if pre is None else pre.contiguous()
-        _norm_cast_kernel[(triton.cdiv(M, block_m),)](
-            X, pre_rows, weight.contiguous(), y, data, scale, M, X.stride(0), eps, N, C, CP, block_m, num_warps=4
-        )
+        grid = (triton.cdiv(M, block_m),)
+        _norm_cast_kernel[grid](
+            X, pre_rows, weight.contiguous(), y, data, scale, M, X.stride(0), eps, N, C, CP, block_m, num_warps=4,
+            **dependent_launch(X.device, grid),
+        )  # fmt: skip
     return y, data, scale
 
 
@@ -83,8 +88,10 @@ def swiglu_cast_torch(gate: Tensor, up: Tensor, limit: float) -> tuple[Tensor, T
 def _swiglu_cast_kernel(
     gate_ptr, up_ptr, data_ptr, scale_ptr, M, stride, limit,
     I: tl.constexpr, IP: tl.constexpr, BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Rows BLOCK_M · program … of gate and up (row stride `stride`): h in fp32, rounded to gate's dtype, cast."""
+    follow(PDL, EARLY)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, IP)
     ok = (rows < M)[:, None] & (cols < I)[None, :]
@@ -105,7 +112,9 @@ def swiglu_cast_triton(gate: Tensor, up: Tensor, limit: float) -> tuple[Tensor, 
         gate, up = unit_stride(gate), unit_stride(up)
         if gate.stride(0) != up.stride(0):
             gate, up = gate.contiguous(), up.contiguous()
-        _swiglu_cast_kernel[(triton.cdiv(M, block_m),)](
-            gate, up, data, scale, M, gate.stride(0), float(limit), I, IP, block_m, num_warps=4
-        )
+        grid = (triton.cdiv(M, block_m),)
+        _swiglu_cast_kernel[grid](
+            gate, up, data, scale, M, gate.stride(0), float(limit), I, IP, block_m, num_warps=4,
+            **dependent_launch(gate.device, grid),
+        )  # fmt: skip
     return data, scale

@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model.kernels.formats import interpreting
+from model.kernels.launch import dependent_launch, follow
 from model.kernels.topk import topk_indices_torch, topk_indices_triton
 
 
@@ -46,7 +47,19 @@ def candidate_mask_torch(scores: Tensor, n_visible: Tensor, block_size: int, top
 
 
 @triton.jit
-def _block_max_kernel(scores_ptr, nv_ptr, out_ptr, S, NB, BS: tl.constexpr, BSP: tl.constexpr, TILE: tl.constexpr):
+def _block_max_kernel(
+    scores_ptr,
+    nv_ptr,
+    out_ptr,
+    S,
+    NB,
+    BS: tl.constexpr,
+    BSP: tl.constexpr,
+    TILE: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+):
+    follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)  # rows on axis 0: up to 2³¹ − 1 programs (axis 1 stops at 65,535)
     blocks = tl.program_id(1) * TILE + tl.arange(0, TILE)
     n_visible = tl.load(nv_ptr + r)
@@ -59,7 +72,8 @@ def _block_max_kernel(scores_ptr, nv_ptr, out_ptr, S, NB, BS: tl.constexpr, BSP:
 
 
 @triton.jit
-def _keep_blocks_kernel(picked_ptr, kept_ptr, K, NB, TILE: tl.constexpr):
+def _keep_blocks_kernel(picked_ptr, kept_ptr, K, NB, TILE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)
     for start in range(0, K, TILE):
         i = start + tl.arange(0, TILE)
@@ -68,7 +82,10 @@ def _keep_blocks_kernel(picked_ptr, kept_ptr, K, NB, TILE: tl.constexpr):
 
 
 @triton.jit
-def _expand_kernel(kept_ptr, nv_ptr, mask_ptr, S, NB, BS: tl.constexpr, TILE: tl.constexpr):
+def _expand_kernel(
+    kept_ptr, nv_ptr, mask_ptr, S, NB, BS: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr
+):
+    follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1) * TILE + tl.arange(0, TILE)
     kept = tl.load(kept_ptr + r * NB + pos // BS, mask=pos < S, other=0)
@@ -85,11 +102,14 @@ def candidate_mask_triton(scores: Tensor, n_visible: Tensor, block_size: int, to
     nv = n_visible.contiguous()  # int32 or int64: the kernels only compare with it
     blocks = torch.empty((R, NB), dtype=torch.float32, device=scores.device)
     block_tile = max(1, tile // triton.next_power_of_2(block_size))
-    _block_max_kernel[(R, triton.cdiv(NB, block_tile))](
-        scores.contiguous(), nv, blocks, S, NB, block_size, triton.next_power_of_2(block_size), block_tile
-    )
+    grid = (R, triton.cdiv(NB, block_tile))
+    _block_max_kernel[grid](
+        scores.contiguous(), nv, blocks, S, NB, block_size, triton.next_power_of_2(block_size), block_tile,
+        **dependent_launch(scores.device, grid),
+    )  # fmt: skip
     picked = topk_indices_triton(blocks, topk_blocks, None)
     kept = torch.zeros((R, NB), dtype=torch.int8, device=scores.device)
-    _keep_blocks_kernel[(R,)](picked, kept, topk_blocks, NB, tile)
-    _expand_kernel[(R, triton.cdiv(S, tile))](kept, nv, mask, S, NB, block_size, tile)
+    _keep_blocks_kernel[(R,)](picked, kept, topk_blocks, NB, tile, **dependent_launch(scores.device, (R,)))
+    grid = (R, triton.cdiv(S, tile))
+    _expand_kernel[grid](kept, nv, mask, S, NB, block_size, tile, **dependent_launch(scores.device, grid))
     return mask

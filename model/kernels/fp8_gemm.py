@@ -59,6 +59,7 @@ from model.kernels.formats import (
 )
 from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import FP8_UE8M0, block_scale, quantize_triton
+from model.kernels.launch import dependent_launch, follow
 
 BLOCK = 32  # inputs per activation scale, and the weight's square scale block
 FOLDED_FROM = 32  # tokens from which the folded (bf16) dots are the default
@@ -196,10 +197,12 @@ def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, tiles_per_split,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
     FOLDED: tl.constexpr, FP8_DOT: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, CAST_X: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """One [BM, BN] output tile over K tiles tiles_per_split · split … of the program's split; out_ptr: y [M, N], or
     the split's fp32 partial sums [splits, M, N]. FOLDED: one dot of scaled operands per K tile (x and w bytes),
     else chunked (FP8_DOT: x and w as float8e4nv; CAST_X: x as floats, cast here)."""
+    follow(PDL, EARLY)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     split = tl.program_id(2)
@@ -221,9 +224,12 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    part_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr
+):
     """out = Σ_s partials[s] (fp32 [SPLITS, M·N], added in split order) in out's dtype: one launch for the sum and
     the cast."""
+    follow(PDL, EARLY)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.load(part_ptr + i, mask=ok, other=0.0)
@@ -299,13 +305,15 @@ def _launch(
         x_scale = x_scale.contiguous()
         words = scale_words(x_scale, per_row, per_tile) and scale_words(w_scale, per_row, per_tile)
         x = x.contiguous().view(operand)
-    _fp8_linear_kernel[(m_tiles, n_tiles, splits)](
+    grid = (m_tiles, n_tiles, splits)
+    _fp8_linear_kernel[grid](
         x, x_scale, w.contiguous().view(operand), w_scale, out, M, N, tiles_per_split,
         K, t.block_m, t.block_n, t.block_k, t.num_stages, t.dot == "bf16", t.dot == "fp8", words, not interpreting(),
-        cast, num_warps=t.num_warps,
+        cast, num_warps=t.num_warps, **dependent_launch(x.device, grid),
     )  # fmt: skip
     if splits == 1:
         return out
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](out, y, M * N, splits, _SUM_BLOCK, num_warps=4)
+    grid = (triton.cdiv(M * N, _SUM_BLOCK),)
+    _sum_splits_kernel[grid](out, y, M * N, splits, _SUM_BLOCK, num_warps=4, **dependent_launch(x.device, grid))
     return y

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from model import mhc
 from model.kernels.formats import unit_stride
+from model.kernels.launch import dependent_launch, follow
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,10 @@ def _mix_partials_kernel(
     x_ptr, fn_ptr, part_ptr, sq_ptr, R, K, x_stride, split_k, out_ptr, post_ptr, comb_ptr, new_ptr, C,
     M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr,
     N: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """EXPAND: x_ptr holds the site before's stream X [R, N·C]: X' (`_expanded`) is made, stored and projected."""
+    follow(PDL, EARLY)
     split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
@@ -114,7 +117,9 @@ def _mix_partials_kernel(
 def _coefficients_kernel(
     part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, K, splits, iters, rms_eps, eps,
     N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
+    follow(PDL, EARLY)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
     r = rows.to(tl.int64)
@@ -193,9 +198,11 @@ def _coefficients(
         _mix_partials_kernel[(blocks, splits)](
             x, fn.contiguous(), part, sq, R, K, x.stride(0), split_k, update, old_post, old_comb, new, X.shape[-1],
             M, M_PAD, t.block_r, t.block_k, expand is not None, n, num_warps=t.num_warps, num_stages=t.num_stages,
+            **dependent_launch(X.device, (blocks, splits)),
         )  # fmt: skip
         _coefficients_kernel[(blocks,)](
             part, sq, scale.to(fn.dtype).contiguous(), base.to(fn.dtype).contiguous(), pre, post, comb, R, K, splits,
             iters, rms_eps, hc_eps, n, M_PAD, t.block_r, _CHUNK, num_warps=t.sinkhorn_warps,
+            **dependent_launch(X.device, (blocks,)),
         )  # fmt: skip
     return pre, post, comb

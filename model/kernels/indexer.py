@@ -37,6 +37,7 @@ from model.kernels.formats import (
 )
 from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_index_fp4_torch
+from model.kernels.launch import dependent_launch, follow
 
 
 def indexer_scores_torch(
@@ -407,10 +408,13 @@ def _indexer_kernel(
     SCAN: tl.constexpr,
     TMA_K: tl.constexpr,
     TMA_SCALES: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads. k_desc /
     ks_desc: tensor descriptors of the K bytes [B, S, DI/2] / scale words [B, S·DI/128] where TMA_K / TMA_SCALES
     (otherwise the pointers again, unused)."""
+    follow(PDL, EARLY)
     t0 = tl.program_id(1) * BLOCK_T
     b = tl.program_id(2).to(tl.int64)
     first = tl.program_id(0) * TILES * BLOCK_S
@@ -641,5 +645,6 @@ def indexer_scores_triton(
         tma_scales,
         num_warps=t.num_warps,
         **({} if t.max_registers is None else {"maxnreg": t.max_registers}),
+        **dependent_launch(out.device, grid),
     )
     return out

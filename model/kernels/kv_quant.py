@@ -30,6 +30,7 @@ from model.kernels.formats import (
     ue8m0_encode,
     unit_stride,
 )
+from model.kernels.launch import dependent_launch, follow
 from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch, rope_values
 from model.norm import rms_norm
 
@@ -129,11 +130,13 @@ def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, pos_ptr, freq_ptr, w_ptr, M, x_stride, eps,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, FAKE: tl.constexpr,
     RD: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Rows of x x_stride elements apart. FAKE (FP8 only): store the dequantised values in data_ptr's dtype instead
     of codes and scales. RD > 0: the rows' last RD dims take RoPE first (row r at pos_ptr[r] × freq_ptr), rounded to
     x's dtype as the RoPE kernel would store them. NORM: before that, RMSNorm with weight w_ptr (`rms_norm_rows`),
     rounded to x's dtype as the norm would store it."""
+    follow(PDL, EARLY)
     BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
     NB: tl.constexpr = D // BLOCK
     NBP: tl.constexpr = DP // BLOCK
@@ -169,8 +172,10 @@ def _quantize_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    data_ptr, scale_ptr, out_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr
-):
+    data_ptr, scale_ptr, out_ptr, M, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
+    follow(PDL, EARLY)
     BLOCK: tl.constexpr = 16 if FORMAT == FP4_E4M3 else 32
     NB: tl.constexpr = D // BLOCK
     NBP: tl.constexpr = DP // BLOCK
@@ -196,9 +201,11 @@ def _dequantize_kernel(
 def _quantize_fp4_bf16_kernel(
     w_ptr, data_ptr, scale_ptr, M,
     W: tl.constexpr, WP: tl.constexpr, BLOCK_M: tl.constexpr, FORMAT: tl.constexpr, PTX: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """FP4 quantise + pack of bf16 rows read as W = D/2 int32 words: word i holds elements 2i (low half) and 2i + 1
     (high half), the two nibbles of output byte i."""
+    follow(PDL, EARLY)
     WORDS: tl.constexpr = 8 if FORMAT == FP4_E4M3 else 16  # words per scale block
     NB: tl.constexpr = W // WORDS
     NBP: tl.constexpr = WP // WORDS
@@ -251,7 +258,7 @@ def quantize_triton(
         WP, block_m, grid = _launch_shape(M, D // 2, tile)
         _quantize_fp4_bf16_kernel[grid](
             x2.contiguous().view(torch.int32), data, scale, M, D // 2, WP, block_m, fmt, not interpreting(),
-            num_warps=num_warps,
+            num_warps=num_warps, **dependent_launch(x.device, grid),
         )  # fmt: skip
     elif M:
         DP, block_m, grid = _launch_shape(M, D, tile)
@@ -259,7 +266,7 @@ def quantize_triton(
         weight, eps = (x2, 0.0) if norm is None else (norm[0].contiguous(), norm[1])
         _quantize_kernel[grid](
             x2, data, scale, pos, freq, weight, M, x2.stride(0), eps, D, DP, block_m, fmt, False, rd, norm is not None,
-            num_warps=num_warps,
+            num_warps=num_warps, **dependent_launch(x.device, grid),
         )  # fmt: skip
     return data, scale
 
@@ -278,7 +285,10 @@ def fake_quant_fp8_triton(x: Tensor) -> Tensor:
     if x2.shape[0]:
         DP, block_m, grid = _launch_shape(x2.shape[0], D)
         M = x2.shape[0]
-        _quantize_kernel[grid](x2, out, out, out, out, out, M, D, 0.0, D, DP, block_m, FP8_UE8M0, True, 0, False)
+        _quantize_kernel[grid](
+            x2, out, out, out, out, out, M, D, 0.0, D, DP, block_m, FP8_UE8M0, True, 0, False,
+            **dependent_launch(x.device, grid),
+        )  # fmt: skip
     return quant.straight_through(x, out.view(x.shape))
 
 
@@ -290,7 +300,9 @@ def _dequantize_triton(data: Tensor, scale: Tensor, dtype: torch.dtype, fmt: int
     M = out.numel() // D if D else 0
     if M:
         DP, block_m, grid = _launch_shape(M, D)
-        _dequantize_kernel[grid](data.contiguous(), scale.contiguous(), out, M, D, DP, block_m, fmt)
+        _dequantize_kernel[grid](
+            data.contiguous(), scale.contiguous(), out, M, D, DP, block_m, fmt, **dependent_launch(out.device, grid)
+        )
     return out
 
 

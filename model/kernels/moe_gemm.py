@@ -54,6 +54,7 @@ from model.kernels.formats import (
 )
 from model.kernels.fp8_gemm import FOLDED_FROM, _chunk_scales
 from model.kernels.kv_quant import FP8_UE8M0, block_scale, quantize_swa_fp8_torch, quantize_triton
+from model.kernels.launch import dependent_launch, follow
 
 X_BLOCK = 32  # inputs per activation scale
 _X_BLOCK = tl.constexpr(X_BLOCK)  # the same, as kernels read a global
@@ -118,11 +119,23 @@ _PAIRS_PROGRAMS = 8  # placing programs the pairs are spread over (more only whe
 
 
 @triton.jit
-def _pairs_kernel(ids_ptr, order_ptr, offsets_ptr, P, E, IB: tl.constexpr, JB: tl.constexpr, EB: tl.constexpr):
+def _pairs_kernel(
+    ids_ptr,
+    order_ptr,
+    offsets_ptr,
+    P,
+    E,
+    IB: tl.constexpr,
+    JB: tl.constexpr,
+    EB: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     """A stable counting sort of the pair ids [P] by expert. Pair i of program p's IB goes to sorted place
     #(pairs of lower experts) + #(earlier pairs of its expert), counted over all P ids: order_ptr[place] = i. The
     last program writes offsets_ptr[e] = #(pairs of experts below e), e = 0 … E, beside them. Ids past P read as
     E: below no expert."""
+    follow(PDL, EARLY)
     if tl.program_id(0) == tl.num_programs(0) - 1:
         for e0 in range(0, E + 1, EB):
             e = e0 + tl.arange(0, EB)
@@ -158,7 +171,9 @@ def moe_pairs_triton(ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     JB = min(64, max(16, triton.next_power_of_2(P)))
     EB = min(128, max(16, triton.next_power_of_2(n_experts + 1)))
     grid = (triton.cdiv(P, IB) + 1,)
-    _pairs_kernel[grid](ids.flatten().contiguous(), order, offsets, P, n_experts, IB, JB, EB)
+    _pairs_kernel[grid](
+        ids.flatten().contiguous(), order, offsets, P, n_experts, IB, JB, EB, **dependent_launch(ids.device, grid)
+    )
     return order, offsets
 
 
@@ -257,10 +272,12 @@ def _pair_rows(order_ptr, p, ok, SLOTS: tl.constexpr):
 
 @triton.jit
 def _decode_rows_kernel(x_ptr, xs_ptr, order_ptr, out_ptr, P, K: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
-                        SLOTS: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+                        SLOTS: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, PDL: tl.constexpr,
+                        EARLY: tl.constexpr):  # fmt: skip
     """FP8 rows (order_ptr[p] // SLOTS if SLOTS, else p) → out [P, K] bf16 with their scales folded in (exact), the
     inputs in the order [even | odd] (out[p, i] = x[2i], out[p, K/2 + i] = x[2i + 1]): the packed weights' nibble
     order."""
+    follow(PDL, EARLY)
     p = tl.program_id(0) * BP + tl.arange(0, BP)
     k0 = tl.program_id(1) * BK
     p_ok = p < P
@@ -376,6 +393,7 @@ def _moe_kernel(
     GATED: tl.constexpr, COMPACT: tl.constexpr, E_BLOCK: tl.constexpr, W_WORDS: tl.constexpr, HW: tl.constexpr,
     PTX: tl.constexpr, CHUNKED: tl.constexpr, FP8_DOT: tl.constexpr, SLOTS: tl.constexpr, X_WORDS: tl.constexpr,
     SCATTER: tl.constexpr, CAST: tl.constexpr, ROUND: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Output columns n of expert e's pairs. x: the pairs' decoded activations [P, K] (`_decode_rows_kernel`), or
     with CHUNKED the FP8 activations themselves (E4M3 bytes, UE8M0 scales xs per 32 inputs; pair p's row
@@ -386,6 +404,7 @@ def _moe_kernel(
     expert is program_id(1), or with COMPACT (one column per pair) that of sorted pair j = program_id(1) — the number
     of experts whose pairs all precede j, counted over the E_BLOCK ≥ n_experts offsets —, worked only if j is its
     first pair."""
+    follow(PDL, EARLY)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     if COMPACT:
         j = tl.program_id(1)
@@ -458,9 +477,11 @@ def decoded_rows(x_data: Tensor, x_scale: Tensor, order: Tensor | None, slots: i
     x_scale = x_scale.contiguous()
     bk = min(DECODE_BLOCK_K, triton.next_power_of_2(K))
     rows = x_data if order is None else order.contiguous()  # (unread without a gather)
-    _decode_rows_kernel[(triton.cdiv(P, DECODE_BLOCK_P), triton.cdiv(K, bk))](
+    grid = (triton.cdiv(P, DECODE_BLOCK_P), triton.cdiv(K, bk))
+    _decode_rows_kernel[grid](
         x_data.contiguous(), x_scale, rows, out, P, K, DECODE_BLOCK_P, bk, 0 if order is None else slots,
         scale_words(x_scale, K // X_BLOCK, bk // X_BLOCK), not interpreting(), num_warps=4,
+        **dependent_launch(out.device, grid),
     )  # fmt: skip
     return out
 
@@ -511,13 +532,15 @@ def _grouped(
     order_arg = offsets if order is None else order.contiguous()  # (unread without a gather)
     weight_arg = weights.float().contiguous() if gated else offsets  # (unread when not gated)
     compact = P < E  # one program column per pair: at 1 token, 6 over 384 experts instead of 384 (nearly all empty)
-    _moe_kernel[(triton.cdiv(n_out, block_n), P if compact else E)](
+    grid = (triton.cdiv(n_out, block_n), P if compact else E)
+    _moe_kernel[grid](
         x, x_scale, order_arg, offsets.contiguous(), weight_arg, w.contiguous(), s, out,
         out if out_scale is None else out_scale, n_out, float(limit), E, K, sb,
         t.block_m, block_n, t.block_k, t.num_stages, gated, compact, triton.next_power_of_2(E),
         scale_words(s, K // sb, t.block_k // sb), not interpreting(), t.ptx, chunked, t.dot == "fp8",
         slots if chunked else 0, scale_words(x_scale, K // X_BLOCK, t.block_k // X_BLOCK),
         not gated and order is not None, in_kernel, _TRITON_FLOATS[out_dtype], num_warps=t.num_warps,
+        **dependent_launch(out.device, grid),
     )  # fmt: skip
     if cast and not in_kernel:
         return quantize_triton(out, FP8_UE8M0.value)

@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from model.kernels.formats import unit_stride
+from model.kernels.launch import dependent_launch, follow
 
 _BLOCK_ELEMENTS = 4096
 
@@ -76,9 +77,11 @@ def rope_values(x, pos, freq_ptr, D: tl.constexpr, DP: tl.constexpr, RD: tl.cons
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr, H, x_stride_p, x_stride_h,
     D: tl.constexpr, RD: tl.constexpr, KEEP: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """x [P, H, D] (rows by their strides), out [P, H, D] dense: position p = program 0, heads BLOCK_H · program 1 …;
     the last RD dims rotate."""
+    follow(PDL, EARLY)
     p = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row = p * x_stride_p + heads * x_stride_h
@@ -121,5 +124,8 @@ def rope_rotate_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: 
         grid = (pos.shape[0], triton.cdiv(H, block_h))
         freq = inv_freq.to(x.device, torch.float64).contiguous()
         keep = triton.next_power_of_2(max(D - RD, 1))
-        _rope_kernel[grid](x3, pos, freq, out, H, x3.stride(0), x3.stride(1), D, RD, keep, block_h, inverse)
+        _rope_kernel[grid](
+            x3, pos, freq, out, H, x3.stride(0), x3.stride(1), D, RD, keep, block_h, inverse,
+            **dependent_launch(out.device, grid),
+        )  # fmt: skip
     return out.view(x.shape)

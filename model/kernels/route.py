@@ -27,6 +27,7 @@ from torch import Tensor
 from model.fused import fused
 from model.kernels.formats import multiprocessors
 from model.kernels.invariance import batch_invariant
+from model.kernels.launch import dependent_launch, follow
 
 _BLOCK_R = 16
 _BLOCK_E = 16
@@ -51,7 +52,9 @@ def moe_route_torch(
 def _gate_logits_kernel(
     x_ptr, w_ptr, p_ptr, R, C, E, x_stride, k_per_split,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
+    follow(PDL, EARLY)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     split = tl.program_id(2)
@@ -72,7 +75,9 @@ def _gate_logits_kernel(
 def _route_select_kernel(
     p_ptr, bias_ptr, w_ptr, ids_ptr, R, E, topk, scale, SPLITS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_R: tl.constexpr, E_PAD: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
+    follow(PDL, EARLY)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < R
     r = rows.to(tl.int64)
@@ -115,11 +120,14 @@ def moe_route_triton(
         k_per_split = triton.cdiv(k_blocks, splits) * _BLOCK_K
         splits = triton.cdiv(C, k_per_split)
         logits = torch.empty((splits, R, E), dtype=torch.float32, device=x.device)
-        _gate_logits_kernel[(row_blocks, expert_blocks, splits)](
-            x, weight.contiguous(), logits, R, C, E, x.stride(0), k_per_split, _BLOCK_R, _BLOCK_E, _BLOCK_K
+        grid = (row_blocks, expert_blocks, splits)
+        _gate_logits_kernel[grid](
+            x, weight.contiguous(), logits, R, C, E, x.stride(0), k_per_split, _BLOCK_R, _BLOCK_E, _BLOCK_K,
+            **dependent_launch(x.device, grid),
         )  # fmt: skip
-        _route_select_kernel[(triton.cdiv(R, _SELECT_ROWS),)](
+        grid = (triton.cdiv(R, _SELECT_ROWS),)
+        _route_select_kernel[grid](
             logits, bias.contiguous(), weights, ids, R, E, topk, scale, splits, norm, _SELECT_ROWS,
-            triton.next_power_of_2(E),
+            triton.next_power_of_2(E), **dependent_launch(x.device, grid),
         )  # fmt: skip
     return weights, ids

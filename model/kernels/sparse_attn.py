@@ -41,6 +41,7 @@ from model.kernels.formats import (
 )
 from model.kernels.invariance import batch_invariant
 from model.kernels.kv_quant import dequantize_kv_fp4_torch, dequantize_swa_fp8_torch
+from model.kernels.launch import dependent_launch, follow
 from model.kernels.rope import rope_arguments, rope_pairs, rope_rotate_torch
 
 LOG2E = math.log2(math.e)
@@ -173,10 +174,12 @@ def _sparse_attention_kernel(
     qk_scale, tiles_per_split,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr, RD: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Query bt = program 0, heads BLOCK_H · program 1 …, key-tile split program 2; q's rows q_stride apart, its
     heads q_head_stride (the output dense); RD > 0: q's last RD dims read rotated at pos_ptr[bt] × freq_ptr (fp64)
     from their copy rq_ptr [B·T·H, RD] (`_rotate_queries`), the output's rotated back once written."""
+    follow(PDL, EARLY)
     bt = tl.program_id(0).to(tl.int64)
     b = bt // T
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -235,7 +238,9 @@ def _sparse_attention_kernel(
 def _combine_kernel(
     sink_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, pos_ptr, freq_ptr, H,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr, RD: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
+    follow(PDL, EARLY)
     bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -317,14 +322,18 @@ def sparse_attention_triton(
     args += (kv_data, kv_scale, idx.to(torch.int32).contiguous(), sink.contiguous())
     pos, freq, rd = rope_arguments(rope, q.shape[:2], q.device)
     rotated_q = q.new_empty(B * T * H * rd)
-    _sparse_attention_kernel[(B * T, head_groups, n_splits)](
+    grid = (B * T, head_groups, n_splits)
+    _sparse_attention_kernel[grid](
         *args, out, partial_o, partial_m, partial_l, pos, freq, rotated_q, T, H, R, TN, W, q3.stride(0), q3.stride(1),
         kv_data.stride(0), kv_scale.stride(0), K, softmax_scale * LOG2E, tiles_per_split,
         D, DP, block_h, block_n, n_splits, interpreting(), rd, num_warps=num_warps,
+        **dependent_launch(out.device, grid),
     )  # fmt: skip
     if n_splits > 1:  # its own head blocks: a [block_h, DP] fp32 accumulator of 64 heads spills at 4 warps
         combine_h = min(block_h, _COMBINE_HEADS)
-        _combine_kernel[(B * T, triton.cdiv(H, combine_h))](
-            sink, partial_o, partial_m, partial_l, out, pos, freq, H, D, DP, combine_h, n_splits, rd
-        )
+        grid = (B * T, triton.cdiv(H, combine_h))
+        _combine_kernel[grid](
+            sink, partial_o, partial_m, partial_l, out, pos, freq, H, D, DP, combine_h, n_splits, rd,
+            **dependent_launch(out.device, grid),
+        )  # fmt: skip
     return out

@@ -22,10 +22,10 @@ Triton: a threshold select in the spirit of DeepSelect, each score read once, on
 
 Rows of at most `_TILE` scores skip steps 1–3: the row itself is the candidate set.
 
-On sm_90 every kernel is a programmatic dependent launch: it is scheduled while its predecessor (the previous kernel
-here, or whatever wrote the scores) still runs and waits for its writes (`_follow`), and a kernel whose programs fit
-on the GPU at once lets its successor launch as it starts (`_launch_order`). With these launches and `_trisect`,
-1 × 64 K takes 10.0 µs on the H200 instead of 12.2.
+On sm_90 every kernel is a programmatic dependent launch (model.kernels.launch): it is scheduled while its
+predecessor still runs and waits for its writes, and one whose programs all fit on the GPU at once (`_RESIDENT` per
+SM) lets its successor launch as it starts. With these launches and `_trisect`, 1 × 64 K takes 10.0 µs on the H200
+instead of 12.2.
 
 The group maxima are bound by the scores' bandwidth; the other three kernels are chains of block-wide sums and
 dependent loads, which is why their steps are counted and cut (`_search_range`, one pass per gathering program).
@@ -38,9 +38,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from model.kernels.formats import interpreting, multiprocessors
+from model.kernels.launch import dependent_launch, follow
 
 
 def selectable(scores: Tensor, lengths: Tensor | None) -> Tensor:
@@ -175,19 +174,6 @@ def _highest_bit(x):
 
 
 @triton.jit
-def _follow(PDL: tl.constexpr, EARLY: tl.constexpr):
-    """Programmatic dependent launch (`_launch_order`): a kernel launched while its predecessor runs (PDL) waits here
-    until the predecessor has ended and its writes are visible; EARLY lets the successor launch now, its programs
-    waiting in turn, instead of when this kernel's last program ends. Since a kernel signals only after its wait,
-    every kernel before its predecessor has ended when it starts: before the wait it may read the call's inputs
-    (the row lengths), never what its predecessor writes, and it writes nothing."""
-    if PDL:
-        gdc_wait()
-    if EARLY:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def _group_max_kernel(
     x_ptr,
     len_ptr,
@@ -203,7 +189,7 @@ def _group_max_kernel(
     EARLY: tl.constexpr,
 ):
     """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r; one TILE of one row per program."""
-    _follow(PDL, EARLY)
+    follow(PDL, EARLY)
     r = (tl.program_id(0) // tiles).to(tl.int64)
     t = tl.program_id(0) % tiles
     key, _pos = _row_keys(x_ptr + r * L, _row_length(len_ptr, r, L, HAS_LENGTHS), t * TILE, TILE, LOW_BIT)
@@ -232,7 +218,7 @@ def _threshold_kernel(
     T is bisected between the largest maximum and a lower bound: the least of the maxima of KP ≥ k disjoint
     subsets (strided, so that a row whose scores trend with position still gives a tight bound) — KP maxima reach
     it, so the k-th largest does."""
-    _follow(PDL, EARLY)
+    follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, NGP)
     gmax = tl.load(gmax_ptr + r * NG + g, mask=g < NG, other=0)
@@ -311,13 +297,13 @@ def _gather_kernel(
 
     By default SPAN ≤ CG: one pass per program, with no loop — a loop costs registers (fewer programs per SM), and
     each of its passes is a chain of dependent loads and scans (≈ 2–3 µs on the H200)."""
+    follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     segment = r * P + p
     x_row, glist_row = x_ptr + r * L, glist_ptr + r * NGP
     ckey_seg, cpos_seg = ckey_ptr + segment * SEG, cpos_ptr + segment * SEG
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
-    _follow(PDL, EARLY)
     n_groups = tl.load(ngroups_ptr + r)
     first = p * SPAN
     last = tl.minimum(first + SPAN, n_groups)
@@ -410,15 +396,16 @@ def _select_kernel(
     TILE: tl.constexpr,
     KP: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
     written in position order and −1 padded. The k-th largest key is bisected between its bounds: every chosen key
     is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
+    follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + r * L, out_ptr + r * k
     ckey_row, cpos_row, count_row = ckey_ptr + r * P * SEG, cpos_ptr + r * P * SEG, count_ptr + r * P
     length = _row_length(len_ptr, r, L, HAS_LENGTHS)
-    _follow(PDL, False)
     n = length
     from_row = DIRECT
     lo = tl.full((), 1, tl.uint32)  # every chosen key is ≥ lo: 1 (selectable), or the candidates' threshold
@@ -581,20 +568,6 @@ class TopKTuning:
         return CG, P, span, min(span * self.group_size, 2 * triton.next_power_of_2(k))
 
 
-def _dependent_launch(device: torch.device) -> bool:
-    """Whether the kernels launch while their predecessor runs (programmatic dependent launch): on sm_90 and later,
-    not in the interpreter (which cannot run the wait's PTX)."""
-    return not interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _launch_order(pdl: bool, *programs: int) -> tuple[bool, ...]:
-    """Which of the group-max, threshold and gather kernels (`programs` each) let their successor launch as they
-    start (`_follow`'s EARLY): those whose programs all fit on the GPU at once, `_RESIDENT` per SM. Where they do not,
-    an early successor costs time, presumably because its programs, placed once the kernel's last program has
-    started, crowd onto the few SMs free at that moment (docs/kernels.md)."""
-    return tuple(pdl and n <= per_sm * multiprocessors() for n, per_sm in zip(programs, _RESIDENT, strict=True))
-
-
 def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: TopKTuning = TopKTuning()) -> Tensor:
     """The kernels (module docstring) at the launch shape `tuning`."""
     R, L = scores.shape
@@ -621,10 +594,8 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
     threshold, n_groups = per_row(dtype=torch.uint32), per_row(dtype=torch.int32)
     ckey, cpos = per_row(P * SEG, dtype=torch.uint32), per_row(P * SEG, dtype=torch.int32)
     counts = per_row(P, dtype=torch.int32)
-    pdl = _dependent_launch(device)
     if not direct:
         tiles = triton.cdiv(L, t.group_tile)
-        early = _launch_order(pdl, R * tiles, R, R * P)
         _group_max_kernel[(R * tiles,)](
             x,
             lengths,
@@ -636,10 +607,8 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
             t.group_tile,
             GS,
             low_bit,
-            pdl,
-            early[0],
             num_warps=4,
-            launch_pdl=pdl,
+            **dependent_launch(device, (R * tiles,), _RESIDENT[0]),
         )
         _threshold_kernel[(R,)](
             gmax,
@@ -651,10 +620,8 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
             NGP,
             KP,
             low_bit,
-            pdl,
-            early[1],
             num_warps=t.threshold_warps,
-            launch_pdl=pdl,
+            **dependent_launch(device, (R,), _RESIDENT[1]),
         )
         _gather_kernel[(R, P)](
             x,
@@ -674,10 +641,8 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
             CG,
             GS,
             low_bit,
-            pdl,
-            early[2],
             num_warps=4,
-            launch_pdl=pdl,
+            **dependent_launch(device, (R, P), _RESIDENT[2]),
         )
     _select_kernel[(R,)](
         x,
@@ -697,8 +662,7 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
         low_bit,
         t.tile,
         KP,
-        pdl,
         num_warps=t.num_warps,
-        launch_pdl=pdl,
+        **dependent_launch(device, (R,)),
     )
     return out
