@@ -57,6 +57,10 @@ for part in "$@"; do
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
     mhc) timeout "$limit" python3 bench/kernels.py --bench tune-mhc --report --out "$OUT/kernels_mhc" \
            --parts "$OUT/kernels_mhc/parts" ;;
+    sanitize) sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2> /dev/null | head -1)
+              if [ -z "$sanitizer" ]; then echo "compute-sanitizer: not on this machine"; else
+                timeout "$limit" "$sanitizer" --tool memcheck --error-exitcode 3 \
+                  python3 bench/kernels.py --check attention --out "$OUT/kernels_sanitize"; fi ;;
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --max-tokens 96 \
@@ -72,7 +76,7 @@ for part in "$@"; do
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-1m step-64x1m moe fp8 mhc fused" \
-            "decode engine engine-variant constraint engram serve)" ;;
+            "decode engine engine-variant constraint engram serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"

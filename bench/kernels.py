@@ -578,7 +578,8 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                  "candidates": [(check_candidates, 4, 2, 200_003, 2048)],
                  "topk": [(check_topk, [(1, 4096, 512), (256, 65_536, 512), (6, 1_000_000, 512), (3, 300_000, 2048),
                                         (2, 20_000_000, 512), (64, 131_072, 512), (256, 262_144, 512)])],
-                 "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000)],
+                 "attention": [(check_attention, 4, 2, 50_000), (check_attention, 2, 1, 1_000_000),
+                               (check_attention, 1, 1, 1_048_576)],
                  "fp8-gemm": [(check_fp8_linear, M, N, K) for M in (1, 64, 256)
                               for N, K in ((1280, 5120), (32768, 1280), (5120, 8192))]
                              + [(check_fp8_linear, 64, 1280, 5120, {"dot": "fp32"}),
