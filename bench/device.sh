@@ -50,6 +50,7 @@ for part in "$@"; do
     tokens) timeout "$limit" python3 tests/model/test_gpu_invariance.py tokens 24 ;;
     step) timeout "$limit" $STEP --batches 1,64 --sources --plain-launches --out "$OUT/step.json" ;;
     step-invariant) timeout "$limit" $STEP --batches 1,64 --batch-invariant --out "$OUT/step_invariant.json" ;;
+    step-16k) timeout "$limit" $STEP --batches 1,64,256 --contexts 16384 --profile-steps 0 --out "$OUT/step_16k.json" ;;
     step-1m) timeout "$limit" $STEP --batches 1,64 --contexts 1048576 --out "$OUT/step_1m.json" ;;
     step-64x1m) timeout "$limit" $STEP --batches 64 --contexts 1048576 --no-dense --out "$OUT/step_64x1m.json" ;;
     moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
@@ -75,7 +76,7 @@ for part in "$@"; do
              --calls 6 --max-tokens 32 --concurrency 6 --configs ours,no-dspark --out "$OUT/serve.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
-    *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-1m step-64x1m moe fp8 mhc fused" \
+    *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe fp8 mhc fused" \
             "decode engine engine-variant constraint engram serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"

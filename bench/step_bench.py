@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument("--contexts", default="4096,131072,1048576")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--profile-steps", type=int, default=5, help="0: no profile rows")
     p.add_argument("--out", type=Path, default=Path("bench/out/step_bench.json"))
     p.add_argument("--sources", action="store_true", help="profile rows: the eager step's kernels by launching line")
     p.add_argument("--dense", action=argparse.BooleanOptionalAction, default=True, help="time the dense peer too")
@@ -209,7 +209,9 @@ def main() -> None:
         for context in contexts:
             try:
                 with torch.no_grad():
-                    rows.append(measure(model, B, context, ns, profiled=context == contexts[0]))
+                    rows.append(
+                        measure(model, B, context, ns, profiled=ns.profile_steps > 0 and context == contexts[0])
+                    )
             except torch.OutOfMemoryError as error:
                 print(f"B={B} ctx={context}: out of memory ({error})"[:300], flush=True)
             finally:
