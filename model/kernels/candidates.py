@@ -48,17 +48,9 @@ def candidate_mask_torch(scores: Tensor, n_visible: Tensor, block_size: int, top
 
 @triton.jit
 def _block_max_kernel(
-    scores_ptr,
-    nv_ptr,
-    out_ptr,
-    S,
-    NB,
-    BS: tl.constexpr,
-    BSP: tl.constexpr,
-    TILE: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    scores_ptr, nv_ptr, out_ptr, S, NB, BS: tl.constexpr, BSP: tl.constexpr, TILE: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
     follow(PDL, EARLY)
     r = tl.program_id(0).to(tl.int64)  # rows on axis 0: up to 2³¹ − 1 programs (axis 1 stops at 65,535)
     blocks = tl.program_id(1) * TILE + tl.arange(0, TILE)

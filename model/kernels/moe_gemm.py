@@ -120,17 +120,9 @@ _PAIRS_PROGRAMS = 8  # placing programs the pairs are spread over (more only whe
 
 @triton.jit
 def _pairs_kernel(
-    ids_ptr,
-    order_ptr,
-    offsets_ptr,
-    P,
-    E,
-    IB: tl.constexpr,
-    JB: tl.constexpr,
-    EB: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    ids_ptr, order_ptr, offsets_ptr, P, E, IB: tl.constexpr, JB: tl.constexpr, EB: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
     """A stable counting sort of the pair ids [P] by expert. Pair i of program p's IB goes to sorted place
     #(pairs of lower experts) + #(earlier pairs of its expert), counted over all P ids: order_ptr[place] = i. The
     last program writes offsets_ptr[e] = #(pairs of experts below e), e = 0 … E, beside them. Ids past P read as
