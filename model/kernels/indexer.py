@@ -75,19 +75,9 @@ def _column_blocks(x, N: tl.constexpr):
 
 @triton.jit
 def _channel_blocks(
-    k,
-    b,
-    s0,
-    byte_offsets,
-    scale_offsets,
-    ok,
-    DI: tl.constexpr,
-    DIP: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-    PLAIN: tl.constexpr,
-    TMA_K: tl.constexpr,
-    TMA_SCALES: tl.constexpr,
-):
+    k, b, s0, byte_offsets, scale_offsets, ok, DI: tl.constexpr, DIP: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    PLAIN: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr,
+):  # fmt: skip
     """Rows s0 … of batch row b of the K entries `k` = (bytes, scales, their tensor descriptors): DI packed FP4
     channels → the tuple of their DI/32 channel blocks (bytes [rows, 16], UE8M0 scale [rows] as fp32). One load of
     the rows' bytes and one of their scales, cut in registers: a load per block compiles to loads each issued only
@@ -234,21 +224,9 @@ def _query_operands(q_ptr, qs_ptr, q_row, col_ok, w, may_fold, DI: tl.constexpr,
 
 @triton.jit
 def _qk(
-    k,
-    b,
-    s0,
-    k_row,
-    ks_row,
-    s_ok,
-    q_ops,
-    DI: tl.constexpr,
-    DIP: tl.constexpr,
-    OPERAND: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-    FAST: tl.constexpr,
-    TMA_K: tl.constexpr,
-    TMA_SCALES: tl.constexpr,
-):
+    k, b, s0, k_row, ks_row, s_ok, q_ops, DI: tl.constexpr, DIP: tl.constexpr, OPERAND: tl.constexpr,
+    SCALE_WORDS: tl.constexpr, FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr,
+):  # fmt: skip
     """q·K per (position, column) = Σ_j qs_j · ks_j · (code sum of block j): per channel block one dot of exact code
     sums (small integers times a power of two) and its fp32 rescale. FAST: the queries' scales are folded
     (`_query_operands`) and the K scales plain (`_all_plain_scales`)."""
@@ -264,29 +242,10 @@ def _qk(
 
 @triton.jit
 def _score_tile(
-    k,
-    out_ptr,
-    q_ops,
-    w,
-    n_visible,
-    tq,
-    b,
-    s0,
-    T,
-    S,
-    k_stride,
-    ks_stride,
-    DI: tl.constexpr,
-    DIP: tl.constexpr,
-    HP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    OPERAND: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-    FAST: tl.constexpr,
-    TMA_K: tl.constexpr,
-    TMA_SCALES: tl.constexpr,
-):
+    k, out_ptr, q_ops, w, n_visible, tq, b, s0, T, S, k_stride, ks_stride, DI: tl.constexpr, DIP: tl.constexpr,
+    HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, OPERAND: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr,
+):  # fmt: skip
     """Scores of positions s0 … s0 + BLOCK_S − 1 for the program's queries, stored."""
     s = s0 + tl.arange(0, BLOCK_S)
     s_ok = s < S
@@ -301,116 +260,31 @@ def _score_tile(
 
 @triton.jit
 def _score_tiles(
-    k,
-    out_ptr,
-    q_ops,
-    w,
-    n_visible,
-    tq,
-    b,
-    first,
-    T,
-    S,
-    k_stride,
-    ks_stride,
-    DI: tl.constexpr,
-    DIP: tl.constexpr,
-    HP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    OPERAND: tl.constexpr,
-    TILES: tl.constexpr,
-    STAGES: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-    FAST: tl.constexpr,
-    TMA_K: tl.constexpr,
-    TMA_SCALES: tl.constexpr,
-):
+    k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI: tl.constexpr, DIP: tl.constexpr,
+    HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, OPERAND: tl.constexpr, TILES: tl.constexpr,
+    STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, FAST: tl.constexpr, TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr,
+):  # fmt: skip
     """The program's TILES consecutive K tiles from position `first`."""
     if TILES == 1:  # no loop: a pipelined loop of one trip would still pay its prologue
         _score_tile(
-            k,
-            out_ptr,
-            q_ops,
-            w,
-            n_visible,
-            tq,
-            b,
-            first,
-            T,
-            S,
-            k_stride,
-            ks_stride,
-            DI,
-            DIP,
-            HP,
-            BLOCK_T,
-            BLOCK_S,
-            OPERAND,
-            SCALE_WORDS,
-            FAST,
-            TMA_K,
-            TMA_SCALES,
-        )
+            k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S,
+            OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES
+        )  # fmt: skip
     else:
         for i in tl.range(0, TILES, num_stages=STAGES):
             _score_tile(
-                k,
-                out_ptr,
-                q_ops,
-                w,
-                n_visible,
-                tq,
-                b,
-                first + i * BLOCK_S,
-                T,
-                S,
-                k_stride,
-                ks_stride,
-                DI,
-                DIP,
-                HP,
-                BLOCK_T,
-                BLOCK_S,
-                OPERAND,
-                SCALE_WORDS,
-                FAST,
-                TMA_K,
-                TMA_SCALES,
-            )
+                k, out_ptr, q_ops, w, n_visible, tq, b, first + i * BLOCK_S, T, S, k_stride, ks_stride, DI, DIP, HP,
+                BLOCK_T, BLOCK_S, OPERAND, SCALE_WORDS, FAST, TMA_K, TMA_SCALES
+            )  # fmt: skip
 
 
 @triton.jit
 def _indexer_kernel(
-    q_ptr,
-    qs_ptr,
-    w_ptr,
-    k_ptr,
-    ks_ptr,
-    k_desc,
-    ks_desc,
-    nv_ptr,
-    out_ptr,
-    T,
-    H,
-    S,
-    k_stride,
-    ks_stride,
-    DI: tl.constexpr,
-    DIP: tl.constexpr,
-    HP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    OPERAND: tl.constexpr,
-    TILES: tl.constexpr,
-    STAGES: tl.constexpr,
-    SCALE_WORDS: tl.constexpr,
-    SCAN: tl.constexpr,
-    TMA_K: tl.constexpr,
-    TMA_SCALES: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, k_desc, ks_desc, nv_ptr, out_ptr, T, H, S, k_stride, ks_stride,
+    DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+    OPERAND: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, SCALE_WORDS: tl.constexpr, SCAN: tl.constexpr,
+    TMA_K: tl.constexpr, TMA_SCALES: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
     """One program: TILES consecutive K tiles of BLOCK_S positions × BLOCK_T queries × all heads. k_desc /
     ks_desc: tensor descriptors of the K bytes [B, S, DI/2] / scale words [B, S·DI/128] where TMA_K / TMA_SCALES
     (otherwise the pointers again, unused)."""
@@ -433,58 +307,14 @@ def _indexer_kernel(
     k = (k_ptr, ks_ptr, k_desc, ks_desc)
     if fast:
         _score_tiles(
-            k,
-            out_ptr,
-            q_ops,
-            w,
-            n_visible,
-            tq,
-            b,
-            first,
-            T,
-            S,
-            k_stride,
-            ks_stride,
-            DI,
-            DIP,
-            HP,
-            BLOCK_T,
-            BLOCK_S,
-            OPERAND,
-            TILES,
-            STAGES,
-            SCALE_WORDS,
-            True,
-            TMA_K,
-            TMA_SCALES,
-        )
+            k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S,
+            OPERAND, TILES, STAGES, SCALE_WORDS, True, TMA_K, TMA_SCALES
+        )  # fmt: skip
     else:
         _score_tiles(
-            k,
-            out_ptr,
-            q_ops,
-            w,
-            n_visible,
-            tq,
-            b,
-            first,
-            T,
-            S,
-            k_stride,
-            ks_stride,
-            DI,
-            DIP,
-            HP,
-            BLOCK_T,
-            BLOCK_S,
-            OPERAND,
-            TILES,
-            STAGES,
-            SCALE_WORDS,
-            False,
-            TMA_K,
-            TMA_SCALES,
-        )
+            k, out_ptr, q_ops, w, n_visible, tq, b, first, T, S, k_stride, ks_stride, DI, DIP, HP, BLOCK_T, BLOCK_S,
+            OPERAND, TILES, STAGES, SCALE_WORDS, False, TMA_K, TMA_SCALES
+        )  # fmt: skip
 
 
 def _operand() -> int:
@@ -617,34 +447,10 @@ def indexer_scores_triton(
     k_desc = TensorDescriptor.from_tensor(k_data, k_box) if tma_k else k_data
     ks_desc = TensorDescriptor.from_tensor(words, ks_box) if tma_scales else k_scale
     _indexer_kernel[grid](
-        q_data.contiguous(),
-        q_scale.contiguous(),
-        weights.contiguous(),
-        k_data,
-        k_scale,
-        k_desc,
-        ks_desc,
-        n_visible.contiguous(),
-        out,
-        T,
-        H,
-        S,
-        k_data.stride(0),
-        k_scale.stride(0),
-        DI,
-        DIP,
-        HP,
-        block_t,
-        block_s,
-        t.operand,
-        tiles_per_program,
-        t.num_stages,
-        scale_words,
-        triton.next_power_of_2(tiles_per_program * block_s),
-        tma_k,
-        tma_scales,
-        num_warps=t.num_warps,
-        **({} if t.max_registers is None else {"maxnreg": t.max_registers}),
-        **dependent_launch(out.device, grid),
-    )
+        q_data.contiguous(), q_scale.contiguous(), weights.contiguous(), k_data, k_scale, k_desc, ks_desc,
+        n_visible.contiguous(), out, T, H, S, k_data.stride(0), k_scale.stride(0), DI, DIP, HP, block_t, block_s,
+        t.operand, tiles_per_program, t.num_stages, scale_words, triton.next_power_of_2(tiles_per_program * block_s),
+        tma_k, tma_scales, num_warps=t.num_warps, **({} if t.max_registers is None else {"maxnreg": t.max_registers}),
+        **dependent_launch(out.device, grid)
+    )  # fmt: skip
     return out

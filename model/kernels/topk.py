@@ -175,19 +175,9 @@ def _highest_bit(x):
 
 @triton.jit
 def _group_max_kernel(
-    x_ptr,
-    len_ptr,
-    gmax_ptr,
-    L,
-    NG,
-    tiles,
-    HAS_LENGTHS: tl.constexpr,
-    TILE: tl.constexpr,
-    GS: tl.constexpr,
-    LOW_BIT: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    x_ptr, len_ptr, gmax_ptr, L, NG, tiles, HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, GS: tl.constexpr,
+    LOW_BIT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
     """gmax[r, g] = max key of positions [g·GS, (g+1)·GS) of row r; one TILE of one row per program."""
     follow(PDL, EARLY)
     r = (tl.program_id(0) // tiles).to(tl.int64)
@@ -236,20 +226,9 @@ def _threshold_kernel(
 
 @triton.jit
 def _gather_pass(
-    x_row,
-    length,
-    glist_row,
-    ckey_seg,
-    cpos_seg,
-    threshold,
-    start,
-    last,
-    n,
-    SEG,
-    CG: tl.constexpr,
-    GS: tl.constexpr,
+    x_row, length, glist_row, ckey_seg, cpos_seg, threshold, start, last, n, SEG, CG: tl.constexpr, GS: tl.constexpr,
     LOW_BIT: tl.constexpr,
-):
+):  # fmt: skip
     """Passing groups start … start + CG − 1 (those before `last`): their scores ≥ T appended, in position order,
     after the segment's first n candidates → the new count. [groups, positions] throughout: the slots are a scan
     over the groups' counts and one inside each group (a scan over the flattened scores, and the reshapes to it,
@@ -270,26 +249,10 @@ def _gather_pass(
 
 @triton.jit
 def _gather_kernel(
-    x_ptr,
-    len_ptr,
-    glist_ptr,
-    thr_ptr,
-    ngroups_ptr,
-    ckey_ptr,
-    cpos_ptr,
-    count_ptr,
-    L,
-    NGP,
-    SEG,
-    HAS_LENGTHS: tl.constexpr,
-    P: tl.constexpr,
-    SPAN: tl.constexpr,
-    CG: tl.constexpr,
-    GS: tl.constexpr,
-    LOW_BIT: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    x_ptr, len_ptr, glist_ptr, thr_ptr, ngroups_ptr, ckey_ptr, cpos_ptr, count_ptr, L, NGP, SEG,
+    HAS_LENGTHS: tl.constexpr, P: tl.constexpr, SPAN: tl.constexpr, CG: tl.constexpr, GS: tl.constexpr,
+    LOW_BIT: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
     """Program (r, p) takes row r's passing groups p·SPAN … (p + 1)·SPAN − 1 (in list order: ascending), CG per
     pass, and writes their scores ≥ T, in position order, to segment p of the row's candidate buffer (SEG slots)
     → count[r, p]. The P programs of a row cover P·SPAN passing groups; a row with more (ties at T), or a segment
@@ -324,19 +287,9 @@ def _gather_kernel(
 
 @triton.jit
 def _items(
-    x_row,
-    length,
-    ckey_row,
-    cpos_row,
-    count_row,
-    n,
-    start,
-    from_row,
-    P: tl.constexpr,
-    SEG,
-    TILE: tl.constexpr,
+    x_row, length, ckey_row, cpos_row, count_row, n, start, from_row, P: tl.constexpr, SEG, TILE: tl.constexpr,
     LOW_BIT: tl.constexpr,
-):
+):  # fmt: skip
     """Tile of (key, position) items in ascending position order: from the scores, or the candidates' items
     start … start + TILE − 1 counted across the P segments in order."""
     if from_row:
@@ -378,26 +331,10 @@ def _write_chosen(out_row, key, pos, threshold, missing, ties_before, written, k
 
 @triton.jit
 def _select_kernel(
-    x_ptr,
-    len_ptr,
-    thr_ptr,
-    ckey_ptr,
-    cpos_ptr,
-    count_ptr,
-    out_ptr,
-    L,
-    SEG,
-    k,
-    HAS_LENGTHS: tl.constexpr,
-    DIRECT: tl.constexpr,
-    P: tl.constexpr,
-    PP: tl.constexpr,
-    LOW_BIT: tl.constexpr,
-    TILE: tl.constexpr,
-    KP: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
-):
+    x_ptr, len_ptr, thr_ptr, ckey_ptr, cpos_ptr, count_ptr, out_ptr, L, SEG, k, HAS_LENGTHS: tl.constexpr,
+    DIRECT: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, LOW_BIT: tl.constexpr, TILE: tl.constexpr,
+    KP: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+):  # fmt: skip
     """One row: the exact selection among its candidates (or, if DIRECT or a segment overflowed, its scores),
     written in position order and −1 padded. The k-th largest key is bisected between its bounds: every chosen key
     is ≥ lo (the candidates' threshold) and ≤ the row's maximum key."""
@@ -624,45 +561,11 @@ def topk_indices_triton(scores: Tensor, k: int, lengths: Tensor | None, tuning: 
             **dependent_launch(device, (R,), _RESIDENT[1]),
         )
         _gather_kernel[(R, P)](
-            x,
-            lengths,
-            glist,
-            threshold,
-            n_groups,
-            ckey,
-            cpos,
-            counts,
-            L,
-            NGP,
-            SEG,
-            has_lengths,
-            P,
-            span,
-            CG,
-            GS,
-            low_bit,
-            num_warps=4,
-            **dependent_launch(device, (R, P), _RESIDENT[2]),
-        )
+            x, lengths, glist, threshold, n_groups, ckey, cpos, counts, L, NGP, SEG, has_lengths, P, span, CG, GS,
+            low_bit, num_warps=4, **dependent_launch(device, (R, P), _RESIDENT[2])
+        )  # fmt: skip
     _select_kernel[(R,)](
-        x,
-        lengths,
-        threshold,
-        ckey,
-        cpos,
-        counts,
-        out,
-        L,
-        SEG,
-        k,
-        has_lengths,
-        direct,
-        P,
-        triton.next_power_of_2(P),
-        low_bit,
-        t.tile,
-        KP,
-        num_warps=t.num_warps,
-        **dependent_launch(device, (R,)),
-    )
+        x, lengths, threshold, ckey, cpos, counts, out, L, SEG, k, has_lengths, direct, P, triton.next_power_of_2(P),
+        low_bit, t.tile, KP, num_warps=t.num_warps, **dependent_launch(device, (R,))
+    )  # fmt: skip
     return out
