@@ -55,6 +55,7 @@ for part in "$@"; do
     step-64x1m) timeout "$limit" $STEP --batches 64 --contexts 1048576 --no-dense --out "$OUT/step_64x1m.json" ;;
     moe) timeout "$limit" python3 bench/kernels.py --check moe-gemm --bench tune-moe-gemm --out "$OUT/kernels" \
            --parts "$OUT/kernels/parts" ;;
+    moe-ablation) timeout "$limit" python3 bench/moe_ablation.py --out "$OUT/moe_ablation.json" ;;
     fp8) timeout "$limit" python3 bench/kernels.py --check fp8-gemm --bench fp8-gemm --out "$OUT/kernels_fp8" ;;
     mhc) timeout "$limit" python3 bench/kernels.py --bench tune-mhc --report --out "$OUT/kernels_mhc" \
            --parts "$OUT/kernels_mhc/parts" ;;
@@ -76,7 +77,7 @@ for part in "$@"; do
              --calls 6 --max-tokens 32 --concurrency 6 --configs ours,no-dspark --out "$OUT/serve.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
-    *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe fp8 mhc fused" \
+    *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe moe-ablation fp8 mhc fused" \
             "decode engine engine-variant constraint engram serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
