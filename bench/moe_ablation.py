@@ -47,9 +47,7 @@ def weight_halves_no_scale(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.
                            WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """`moe_gemm._weight_halves` with every scale 2^-7: the same decode, no scale loads."""
     R: tl.constexpr = rows.shape[0]
-    half = k0 // 2 + tl.arange(0, BK // 2)
-    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok[:, None] & (half < K // 2)[None, :],
-                     other=0)  # fmt: skip
+    packed = moe_gemm._packed_weights(w_ptr, rows, ok, k0, K, BK)
     scale = tl.full((R, BK // SB, 1), 0.0078125, tl.float32)
     low, high = e2m1_scaled(tl.reshape(packed, (R, BK // SB, SB // 2)), scale.to(tl.bfloat16) if PTX else scale, PTX)
     operand = tl.bfloat16 if HW else tl.float32
@@ -60,9 +58,7 @@ def weight_halves_no_scale(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.
 def weight_halves_i2f(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
                       WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """`moe_gemm._weight_halves` with each nibble's code converted as an integer: one instruction a value."""
-    half = k0 // 2 + tl.arange(0, BK // 2)
-    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok[:, None] & (half < K // 2)[None, :],
-                     other=0)  # fmt: skip
+    packed = moe_gemm._packed_weights(w_ptr, rows, ok, k0, K, BK)
     operand = tl.bfloat16 if HW else tl.float32
     return (packed & 0xF).to(operand), (packed >> 4).to(operand)
 

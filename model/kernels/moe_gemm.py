@@ -286,15 +286,21 @@ def _decode_rows_kernel(x_ptr, xs_ptr, order_ptr, out_ptr, P, K: tl.constexpr, B
 
 
 @triton.jit
+def _packed_weights(w_ptr, rows, ok, k0, K: tl.constexpr, BK: tl.constexpr):
+    """Rows `rows` of packed E2M1 weights [*, K/2], inputs k0 … k0 + BK − 1 → their bytes [rows, BK/2] (0 past K)."""
+    half = k0 // 2 + tl.arange(0, BK // 2)
+    return tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok[:, None] & (half < K // 2)[None, :],
+                   other=0)  # fmt: skip
+
+
+@triton.jit
 def _weight_halves(w_ptr, ws_ptr, rows, ok, k0, K: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
                    WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Rows `rows` of packed E2M1 weights [*, K/2] (UE8M0 per SB inputs), inputs k0 … k0 + BK − 1 → the values of
     the even inputs [rows, BK/2] (the low nibbles) and of the odd ones (the high nibbles), scaled, exactly, as dot
     operands (bf16; fp32 in the interpreter)."""
     R: tl.constexpr = rows.shape[0]
-    half = k0 // 2 + tl.arange(0, BK // 2)
-    ok_half = ok[:, None] & (half < K // 2)[None, :]
-    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok_half, other=0)
+    packed = _packed_weights(w_ptr, rows, ok, k0, K, BK)
     scale = ue8m0_block_scales(ws_ptr, rows, ok, k0 // SB, K // SB, BK // SB, WORDS)
     scale = (scale.to(tl.bfloat16) if PTX else scale)[:, :, None]  # per byte: [R, BK/SB, SB/2]
     low, high = e2m1_scaled(tl.reshape(packed, (R, BK // SB, SB // 2)), scale, PTX)
@@ -334,10 +340,7 @@ def _weight_codes(w_ptr, rows, ok, k0, K: tl.constexpr, FP8_DOT: tl.constexpr, P
     """Rows of packed E2M1 weights [*, K/2], inputs k0 … k0 + 31 → [rows, 32] in input order, each code widened to
     the E4M3 byte of its value × 2⁻⁶ (`formats.e2m1_as_e4m3`)."""
     R: tl.constexpr = rows.shape[0]
-    half = k0 // 2 + tl.arange(0, 16)
-    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + half[None, :], mask=ok[:, None] & (half < K // 2)[None, :],
-                     other=0)  # fmt: skip
-    even, odd = e2m1_as_e4m3(packed, PTX)
+    even, odd = e2m1_as_e4m3(_packed_weights(w_ptr, rows, ok, k0, K, 32), PTX)
     return _operand(tl.reshape(tl.join(even, odd), (R, 32)), FP8_DOT)
 
 
