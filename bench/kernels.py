@@ -49,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 
 from model import DecodeBatch, build_model, kernels, preset, quant
+from model.cache import Entries
 from model.engram_store import DeviceMemory
-from model.graphs import StepGraphs
+from model.graphs import MIN_CONTEXT, StepGraphs
 from model.kernels import fp8_gemm, hc_mixes, indexer, kv_quant, sparse_attn, topk
 
 GiB = 1 << 30
@@ -962,15 +963,14 @@ def tune_indexer(tiny: bool) -> Iterator[Row]:
 def tune_mhc(tiny: bool) -> Iterator[Row]:
     """Launch shapes of an mHC site's coefficients (`hc_mixes.MixTuning`), n = 4 streams of C = 512 (`small`) and
     5120 (V4.1-Flash) channels at 1, 64 and 256 rows, with the residual update made in the projection's pass
-    (`update`, served as `hc_mixes.UPDATE`) and without (`plain`, `hc_mixes.PLAIN`): the served shape (`default`,
-    its kernels' device time each) beside the class's base shape (`{}`) and others — channels an iteration takes,
-    the split count, the projection's warps and stages, the Sinkhorn kernel's warps."""
+    (`update`) and without (`plain`): the served shape (`hc_mixes.MIXES`, `default`, its kernels' device time each)
+    beside the class's base shape (`{}`) and others — channels an iteration takes, the split count, the
+    projection's warps and stages, the Sinkhorn kernel's warps."""
     n, M = 4, 24
     variants = [None, {}, {"max_splits": 32}, {"max_splits": 64}, {"max_splits": 128, "block_k": 32},
                 {"num_warps": 2}, {"num_stages": 1}, {"sinkhorn_warps": 1},
                 {"max_splits": 64, "block_k": 32, "num_warps": 1},
-                {"max_splits": 64, "num_warps": 2, "num_stages": 1, "sinkhorn_warps": 1},
-                {"max_splits": 64, "num_warps": 2, "num_stages": 1}]  # fmt: skip
+                {"max_splits": 64, "num_warps": 2, "num_stages": 1, "sinkhorn_warps": 1}]  # fmt: skip
     shapes = [(64, 2)] if tiny else [(512, 1), (512, 64), (512, 256), (5120, 1), (5120, 64)]
     for (C, R), kind in itertools.product(shapes, ("update", "plain")):
         X, out = randn(R, n, C, dtype=torch.bfloat16), randn(R, C, dtype=torch.bfloat16)
@@ -1039,9 +1039,10 @@ def decode_model(tiny: bool, context: int):
 
 def filled_decode_batch(model, B: int, context: int, steps: int, graphs: bool | None = None):
     """A decode batch of B sequences at `context` tokens, its packed state synthesised instead of prefilled: random
-    FP8 ring entries holding the last W positions, random packed FP4 main-KV / indexer-K entries (room for `steps`
-    more), random Engram look-back ids. Decode reads exactly these tensors; their values only shape the scores.
-    `graphs`: as `DecodeBatch`'s (None: CUDA graphs on a GPU)."""
+    FP8 ring entries holding the last W positions, random packed FP4 main-KV / indexer-K entries, random Engram
+    look-back ids. Decode reads exactly these tensors; their values only shape the scores. The entries are as many as
+    the graphs reserve for `steps` more steps (each may verify the widest draft): no growth — which would drop the
+    graphs and time their capture — within them. `graphs`: as `DecodeBatch`'s (None: CUDA graphs on a GPU)."""
     a = model.args
     batch = DecodeBatch(model, B, graphs=graphs)
     cache = batch.cache
@@ -1053,8 +1054,9 @@ def filled_decode_batch(model, B: int, context: int, steps: int, graphs: bool | 
         ring.data.copy_(valid_e4m3(*ring.data.shape))
         ring.scale.copy_(valid_ue8m0_scales(*ring.scale.shape))
         ring.pos[:, positions % W] = positions
+    reach = max(context + steps, MIN_CONTEXT) + 1 + a.dspark_block_size  # the positions StepGraphs.prepare reserves
     for layer, entries in cache.entries.items():
-        n = context // a.compress_ratios[layer] + steps
+        n = Entries.room(reach // a.compress_ratios[layer] + 1)
         entries.kv_data, entries.kv_scale = random_bytes(B, n, D // 2), valid_e4m3_scales(B, n, D // 16)
         entries.k_data, entries.k_scale = random_bytes(B, n, Di // 2), valid_ue8m0_scales(B, n, Di // 32)
     cache.history.copy_(torch.randint(0, a.vocab_size, cache.history.shape, device=DEVICE))

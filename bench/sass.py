@@ -388,6 +388,7 @@ def step_glue_reports(experts: int, hc: int = 4, splits: int = 4) -> list[Report
     """A decode step's per-site kernels at their launch constants: the mHC coefficients' split-K projection and
     Sinkhorn (n = hc), the MoE routing's gate logits and top-k (E = experts, the gate's K in `splits`)."""
     M = (2 + hc) * hc
+    mix = hc_mixes.MIXES
     f32, i32 = "*fp32", "i32"
     part = {"part_ptr": f32, "sq_ptr": f32}
     partials = [
@@ -404,9 +405,8 @@ def step_glue_reports(experts: int, hc: int = 4, splits: int = 4) -> list[Report
             multiples_of_16=("K", "x_stride", "split_k", "C"),
             stages=mix.num_stages,
         )
-        for expand, mix in ((False, hc_mixes.PLAIN), (True, hc_mixes.UPDATE))
+        for expand in (False, True)
     ]
-    mix = hc_mixes.UPDATE  # every site's but the first
     return [
         *partials,
         compile_sm90(

@@ -159,11 +159,16 @@ class Entries:
 
     FIELDS = ("kv_data", "kv_scale", "k_data", "k_scale")
 
+    @staticmethod
+    def room(n: int) -> int:
+        """The entries a row reserved for n holds: n in multiples of 4, so that the indexer K's scale rows (4 bytes
+        an entry) are 16-byte multiples apart, which its kernel needs to read them by TMA."""
+        return -(-n // 4) * 4
+
     def reserve(self, n: int) -> None:
-        """Room for n entries per row, in multiples of 4: the indexer K's scale rows (4 bytes an entry) are then
-        16-byte multiples apart, which its kernel needs to read them by TMA."""
+        """Room for n entries per row (`room`)."""
         for name in self.FIELDS:
-            setattr(self, name, _grow(getattr(self, name), 1, -(-n // 4) * 4))
+            setattr(self, name, _grow(getattr(self, name), 1, self.room(n)))
 
     def write(self, rows: slice, first: Tensor, end: int, packed: tuple[Tensor, ...]) -> None:
         """Step row b takes packed[...][b, j] at entry first[b] + j for every j; `end` bounds first + G on the host.

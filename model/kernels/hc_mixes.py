@@ -41,12 +41,11 @@ class MixTuning:
     sinkhorn_warps: int = 4
 
 
-# The launch shapes measured at 1–256 rows of C = 512 and 1–64 of C = 5120 (docs/benchmarks.md): many splits (few
-# channels a program: at batch 1 the projection is a read of fn spread over the GPU) and, for the update's pass, whose
-# loop stores X' as it goes, no software pipelining. Both split alike, so a site's coefficients are the same sums made
-# in the update's pass or after it.
-PLAIN = MixTuning(max_splits=64)
-UPDATE = MixTuning(max_splits=64, num_warps=2, num_stages=1)
+# The launch shape measured best at 1–256 rows of C = 512 and 1–64 of C = 5120, with the update's pass and without
+# (docs/benchmarks.md): many splits (few channels a program: at batch 1 the projection is a read of fn spread over
+# the GPU), two warps, no software pipelining (the update's loop stores X' as it goes). One shape for both, so a
+# site's coefficients are the same sums made in the update's pass or after it.
+MIXES = MixTuning(max_splits=64, num_warps=2, num_stages=1)
 _CHUNK = 16  # splits whose partials the Sinkhorn kernel loads at once (a tile of BLOCK_R × CHUNK × n² in registers)
 
 
@@ -161,7 +160,7 @@ def _coefficients_kernel(
 
 def hc_coefficients_triton(
     X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int, rms_eps: float, hc_eps: float,
-    tuning: MixTuning = PLAIN,
+    tuning: MixTuning = MIXES,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """fp32 fn, a float X (the coefficients are fp32: a float64 model stays on the torch form)."""
     return _coefficients(X, fn, scale, base, n, iters, rms_eps, hc_eps, tuning)
@@ -169,7 +168,7 @@ def hc_coefficients_triton(
 
 def hc_expand_coefficients_triton(
     out: Tensor, X: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, n: int, iters: int,
-    rms_eps: float, hc_eps: float, tuning: MixTuning = UPDATE,
+    rms_eps: float, hc_eps: float, tuning: MixTuning = MIXES,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """`hc_coefficients_triton` of X' = `mhc.hc_expand`(out, X, post, comb), made in the projection's pass."""
     new = torch.empty_like(X, memory_format=torch.contiguous_format)
