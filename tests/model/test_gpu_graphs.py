@@ -13,7 +13,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 from model import DecodeBatch, build_model, encode_prefill, preset
-from model.graphs import MIN_CONTEXT
+from model.graphs import MIN_CONTEXT, StepGraphs
 from model.sampling import SamplingParams
 
 pytestmark = [
@@ -105,27 +105,34 @@ def test_replayed_steps_wait_for_the_device_only_to_read_a_verify_back(small):
     assert bool(logits.isfinite().all())
 
 
-def test_graph_drafts_and_verifies_give_the_eager_ones(small):
-    """Draft features and verify logits from graphs equal the eager forwards' (bf16 rounding of padded GEMMs aside),
-    and both batches accept the same drafts and stay at the same positions, verify widths changing."""
+def test_graph_drafts_and_verifies_replay_their_forwards_bit_for_bit(small):
+    """Drafts and verifies replayed from graphs equal, bit for bit, the same forwards run uncaptured (StepGraphs
+    without capture: the rows padded to the same bucket, the same static steps): the same draft probabilities, verify
+    logits and accepted tokens, and the same positions after, verify widths changing (each width's graph captured on
+    first use, one replayed again later).
+
+    The twin runs the padded shapes because a plain eager batch of 3 rows is a different computation: without batch
+    invariance a GEMM over 4 rows may round a row's last bit unlike one over 3, and in bf16 one such bit can flip an
+    expert choice or a top-k pick and move a later position's logits by tens of percent. That the padded static
+    forwards equal the plain ones is checked on the CPU in fp64 (tests/model/test_decode_path.py)."""
     prompts = _prompts(small, 3, 4)
-    graphed, eager = DecodeBatch(small, 4, graphs=True), DecodeBatch(small, 4, graphs=False)
-    for batch in (graphed, eager):
+    graphed, twin = DecodeBatch(small, 4, graphs=True), DecodeBatch(small, 4, graphs=False)
+    twin.graphs = StepGraphs(small, twin.cache, capture=False)
+    for batch in (graphed, twin):
         for out in prompts:
             batch.join(out.blocks, out.encoder_state)
     greedy, V = SamplingParams.uniform(3), small.args.vocab_size
-    pending = torch.randint(0, V, (3, 1), device="cuda")
-    gaps: dict[str, list[float]] = {"draft probabilities": [], "verify logits (relative)": []}
+    pending = torch.randint(0, V, (3, 1), generator=torch.Generator().manual_seed(5)).cuda()
     for width in (5, 2, 5, 1, 3):
-        g, e = graphed.dspark_draft(pending, greedy), eager.dspark_draft(pending, greedy)
-        gaps["draft probabilities"].append(float((g.proposal(V) - e.proposal(V)).abs().max()))
-        draft = e.trim(width)
-        rg, re = graphed.verify(pending, draft, greedy), eager.verify(pending, draft, greedy)
-        gaps["verify logits (relative)"].append(float((rg.logits - re.logits).abs().max() / re.logits.abs().max()))
-        assert rg.tokens == re.tokens
-        pending = torch.tensor([[row[-1]] for row in re.tokens], device="cuda")
-    assert graphed.positions() == eager.positions()
-    assert all(gap < 2e-2 for widths in gaps.values() for gap in widths), gaps  # per width 5, 2, 5, 1, 3
+        g, t = graphed.dspark_draft(pending, greedy), twin.dspark_draft(pending, greedy)
+        assert torch.equal(g.tokens, t.tokens), width
+        assert torch.equal(g.proposal(V), t.proposal(V)), width
+        draft = t.trim(width)
+        rg, rt = graphed.verify(pending, draft, greedy), twin.verify(pending, draft, greedy)
+        assert torch.equal(rg.logits, rt.logits), (width, float((rg.logits - rt.logits).abs().max()))
+        assert rg.tokens == rt.tokens
+        pending = torch.tensor([[row[-1]] for row in rt.tokens], device="cuda")
+    assert graphed.positions() == twin.positions()
 
 
 def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile_nothing(small):
