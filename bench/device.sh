@@ -65,7 +65,7 @@ for part in "$@"; do
                   python3 bench/kernels.py --check attention --out "$OUT/kernels_sanitize"; fi ;;
     fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
-    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured --max-tokens 96 \
+    decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured,full --max-tokens 96 \
               --out "$OUT/decode.json" ;;
     engine) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
               --out "$OUT/engine.json" ;;
