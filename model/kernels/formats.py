@@ -107,19 +107,21 @@ def e4m3_scaled(bits, scale, HW: tl.constexpr):
 def ue8m0_block_scales(ptr, rows, ok, first, PER_ROW: tl.constexpr, COUNT: tl.constexpr, WORDS: tl.constexpr):
     """UE8M0 scales first … first + COUNT − 1 of `rows` ([*, PER_ROW] bytes) → fp32 [rows, COUNT]. WORDS: read as
     32-bit words (PER_ROW, COUNT and `first` multiples of 4): `cp.async` moves ≥ 4 bytes a thread, so a byte-wise
-    load would stall every K tile instead of being pipelined."""
+    load would stall every K tile instead of being pipelined. Masked scales read as byte 0 (2^-127): every caller
+    masks its operand's bytes alike and zero-fills them, so they scale zeros; a zero fill is the copy's own, where
+    any other value needs a select after the pipelined load (23 registers more in the grouped GEMM's loop)."""
     R: tl.constexpr = rows.shape[0]
     if WORDS:
         word = first // 4 + tl.arange(0, COUNT // 4)
         row_ptr = (ptr + rows * PER_ROW).to(tl.pointer_type(tl.int32))
         ok = ok[:, None] & (word < PER_ROW // 4)[None, :]
-        words = tl.load(row_ptr[:, None] + word[None, :], mask=ok, other=0x7F7F7F7F)
+        words = tl.load(row_ptr[:, None] + word[None, :], mask=ok, other=0)
         shifts = 8 * tl.arange(0, 4)  # little-endian: scale 4w + j is byte j of word w
         scale_bytes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (R, COUNT))
     else:
         index = first + tl.arange(0, COUNT)
         ok = ok[:, None] & (index < PER_ROW)[None, :]
-        scale_bytes = tl.load(ptr + rows[:, None] * PER_ROW + index[None, :], mask=ok, other=127)
+        scale_bytes = tl.load(ptr + rows[:, None] * PER_ROW + index[None, :], mask=ok, other=0)
     return ue8m0_decode(scale_bytes)
 
 
