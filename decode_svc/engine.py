@@ -46,7 +46,7 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, sample_rows, token_logprobs
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
-from decode_svc.speculation import Calibration, draft_caps
+from decode_svc.speculation import Calibration, draft_caps, outcome
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer, read_back
@@ -369,7 +369,7 @@ class Engine:
             seq.seq_id, seq.lane = seq_id, lane
             self.rows[lane][seq_id] = seq
             self._enter(seq, State.RUNNING)
-            seq.draft.prior, seq.draft.last = self.calibration.ratio, self.calibration.typical
+            seq.draft.prior = self.calibration.ratio
         try:
             logits = torch.stack([row for _, row in joined])
             tokens = sample_rows(logits, seqs)
@@ -419,10 +419,11 @@ class Engine:
         """Draft if the scheduler says it pays, verify the width it chooses on the draft's confidences, commit."""
         m, records = self.metrics, [seq.draft for seq in rows]
         budgets = [min(self.max_draft, seq.limit - len(seq.output) - 1) for seq in rows]  # a step emits drafts + 1
-        plan = self.scheduler.plan([r.forecast(self.max_draft) for r in records], budgets)
+        typical = self.calibration.typical
+        plan = self.scheduler.plan([r.forecast(self.max_draft, typical) for r in records], budgets)
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
-            return self._plain_step(batch, rows, pending)
+            return self._waiting_step(batch, rows, pending)
         with self.times.timed(Forward.DRAFT, len(rows)):
             draft = batch.dspark_draft(pending, batch_sampling(rows))
             head = slice(None), slice(0, self.max_draft)
@@ -432,25 +433,29 @@ class Engine:
         if any(g is not None for g in guides):  # never past a draft the constraint refuses
             caps = [min(cap, n) for cap, n in zip(caps, admitted(guides, drafted), strict=True)]
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
-        for r in records:
-            self.calibration.drafted(r.last or ())
         width = self.scheduler.width(a, caps)
         m.verify_width.observe(width)
         if width == 0:  # not worth a verify column after all
             self._realised(len(rows), len(rows), 0)
-            return self._plain_step(batch, rows, pending)
+            return self._waiting_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
             verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
             result = batch.verify(pending, draft.trim(width), verify, torch.tensor(lengths))  # read back inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)
-        promised = sum(r.record(n, a) for r, n, a in zip(records, lengths, accepted, strict=True))
-        self.calibration.add(sum(accepted), promised)
+        for r, n, k in zip(records, lengths, accepted, strict=True):
+            self.calibration.add(k, r.record(n, k), outcome(self.max_draft, n, k))
         m.draft_proposed.inc(sum(lengths))
         m.draft_accepted.inc(sum(accepted))
         m.speculative_steps.inc(len(rows))
         return result.tokens, result.logits
+
+    def _waiting_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
+        """A plain step of the speculative lane: its rows' forecasts age."""
+        for seq in rows:
+            seq.draft.waited()
+        return self._plain_step(batch, rows, pending)
 
     def _realised(self, rows: int, tokens: int, width: int) -> None:
         self.scheduler.realised(rows, tokens, width)

@@ -15,20 +15,20 @@ column at a time while Θ(W) = τ(W) / seconds(R·(1 + W)) rises, and stops at t
 every row then verifies min(W, cap_r) drafts (speculation.draft_caps). W = 0 is a plain step (R tokens).
 
 Before drafting, the step would also pay the DSpark forward, and its confidences are not known yet: the lane drafts when
-the best plan on each row's forecast (its a of its latest draft, as production DSpark plans on confidences a step or two
-old; before its first draft, the replica's typical draft: speculation.Calibration) beats a plain step, the draft's
-seconds counted. Once drafted, those seconds are spent and the width is chosen on the real confidences. A forecast goes
-stale while the lane does not draft, so after PROBE_MIN plain steps in a row it drafts once anyway (a probe), doubling
-the wait after each probe up to PROBE_MAX; a step that drafts on its forecast resets the wait.
+the best plan on each row's forecast beats a plain step, the draft's seconds counted. A row's forecast is what its
+recent verifies accepted by draft position, relaxing towards the replica's typical outcome while it does not verify
+(speculation.DraftRecord.forecast): a stretch of rejected drafts pauses a row's drafting, and the drafting resumes by
+itself where drafts typically pay. Where they do not, nothing would renew the forecast, so after PROBE_MIN plain steps
+in a row the lane drafts once anyway (a probe), doubling the wait after each probe up to PROBE_MAX; a step that drafts
+on its forecast resets the wait.
 
-The forecast can be wrong in ways the per-row calibration s does not see: the chance of a sequence's first draft (the
-replica's typical draft, or a = s at every position on a replica that never drafted), step times read off sizes never
-measured (a batch wider than the start-up profile's), a width that the real confidences then cut to 0. So the scheduler
-calibrates its own forecasts, as s calibrates the head: after each drafted step it compares the throughput gain the step
-realised (its tokens over its forwards' measured seconds, against a plain step's rate) with the gain its forecast
-promised, and `trust` — realised over promised, over recent drafted steps (a half-life of TRUST_HALF_LIFE of them,
-starting from 1) — scales every forecast. Drafts that keep losing to plain steps thus stop after a step or two, and a
-probe that wins earns trust back.
+The forecast can be wrong in ways the outcomes do not see: a step drafts where its rows' outcomes were best, which
+regress; step times are read off sizes never measured (a batch wider than the start-up profile's); a width that the
+real confidences then cut to 0. So the scheduler calibrates its own forecasts: after each drafted step it compares the
+throughput gain the step realised (its tokens over its forwards' measured seconds, against a plain step's rate) with
+the gain its forecast promised, and `trust` — realised over promised, over recent drafted steps (a half-life of
+TRUST_HALF_LIFE of them, starting from 1) — scales every forecast. Drafts that keep losing to plain steps thus stop
+after a step or two, and a probe that wins earns trust back.
 
 `full=True` verifies every draft the caps allow, on every step: what the rule does when verification is free, kept as
 a policy for measuring acceptance and for tests.

@@ -17,7 +17,7 @@ from service_mesh import Mesh, metric_value, token_ids, wait_until
 
 from decode_svc.sampler import StepSampling
 from decode_svc.sequence import Outbox, Params, Sampling, Sequence
-from decode_svc.speculation import Calibration, DraftRecord
+from decode_svc.speculation import Calibration, DraftRecord, outcome
 from decode_svc.step_times import Forward, StepTimes
 from mesh.block_keys import sequence_key
 from model import Transformer
@@ -136,24 +136,24 @@ def test_sampled_speculation_keeps_the_target_distribution(
 def test_the_replica_calibration_is_the_prior_and_forgets() -> None:
     calibration = Calibration(half_life_steps=2)
     assert calibration.ratio == 1.0  # no evidence: trust the head
-    calibration.add(accepted=0, promised=4)
+    calibration.add(accepted=0, promised=4, seen=outcome(4, proposed=4, accepted=0))
     assert calibration.ratio == pytest.approx(1 / 5)
     for _ in range(2):
         calibration.tick()
     assert calibration.ratio == pytest.approx(1 / 3)  # half the evidence is forgotten after a half-life
 
 
-def test_new_sequences_are_forecast_from_the_replicas_typical_draft() -> None:
+def test_the_replicas_typical_outcome_is_its_recent_verifies_share_by_position() -> None:
     calibration = Calibration(half_life_steps=2)
-    assert calibration.typical is None  # a replica that never drafted: a new sequence's forecast is hopeful
-    calibration.drafted([0.8, 0.4])
-    calibration.drafted([0.6, 0.2, 0.1])
-    assert calibration.typical == pytest.approx([0.7, 0.3, 0.05])
+    assert calibration.typical is None  # a replica that never verified: a new sequence's forecast is hopeful
+    calibration.add(1, 1.5, outcome(3, proposed=2, accepted=1))
+    calibration.add(2, 1.0, outcome(3, proposed=2, accepted=2))
+    assert calibration.typical == pytest.approx([1.0, 0.5, 0.0])  # position 3: only the first told of it
     for _ in range(2):
         calibration.tick()
-    calibration.drafted([0.1, 0.0, 0.0])  # weighs twice the older two after a half-life
-    assert calibration.typical == pytest.approx([0.4, 0.15, 0.025])
-    assert DraftRecord(prior=0.5, last=calibration.typical).forecast(3) == pytest.approx([0.2, 0.075, 0.0125])
+    calibration.add(0, 0.9, outcome(3, proposed=3, accepted=0))  # weighs twice the older two after a half-life
+    assert calibration.typical == pytest.approx([0.5, 0.25, 0.0])
+    assert DraftRecord().forecast(4, calibration.typical) == pytest.approx([0.5, 0.25, 0.0, 0.0])
 
 
 class Machine(StepTimes):

@@ -16,7 +16,7 @@ from decode_svc.scheduler import (
     expected_tokens,
     widen,
 )
-from decode_svc.speculation import DraftRecord, draft_caps
+from decode_svc.speculation import OUTCOME_HALF_LIFE, RELAX_HALF_LIFE, DraftRecord, draft_caps, outcome
 from decode_svc.step_times import Forward, StepTimes
 
 MS = 1e-3
@@ -150,19 +150,42 @@ def test_step_times_are_medians_read_between_and_beyond_the_sizes_measured() -> 
     assert times.known(Forward.PLAIN) == {1: 0.020, 5: 0.030}
 
 
-def test_a_record_forecasts_its_next_draft_from_its_last_and_calibrates_on_what_was_accepted() -> None:
+def test_a_record_calibrates_its_drafts_on_what_was_accepted() -> None:
     record = DraftRecord(prior=0.8)
-    assert record.forecast(3) == [0.8, 0.8, 0.8]  # before its first draft: the replica's prior for every position
     a = record.drafted([0.9, 0.5, 0.5])
     assert a == pytest.approx([0.8 * 0.9, 0.8 * 0.45, 0.8 * 0.225])
-    assert record.forecast(3) == pytest.approx(a)
     promised = record.record(proposed=2, accepted=2)
     assert promised == pytest.approx(0.9 + 0.45)
     assert record.calibration == pytest.approx((2 + 0.8) / (1.35 + 1))
-    assert record.forecast(2) == pytest.approx([min(1.0, record.calibration * 0.9), record.calibration * 0.45])
+    assert record.drafted([0.9, 0.5]) == pytest.approx([min(1.0, record.calibration * 0.9), record.calibration * 0.45])
     assert (record.proposed, record.accepted) == (2, 2)
-    under_confident = DraftRecord(prior=3.0)
-    assert under_confident.forecast(2) == [1.0, 1.0]  # a chance, at most 1
+    assert DraftRecord(prior=3.0).drafted([0.9, 0.9]) == [1.0, 1.0]  # a chance, at most 1
+
+
+def test_a_verify_tells_of_the_positions_it_verified_and_of_all_after_a_rejection() -> None:
+    assert outcome(4, proposed=3, accepted=1) == [1.0, 0.0, 0.0, 0.0]  # nothing after a rejected draft is accepted
+    assert outcome(4, proposed=2, accepted=2) == [1.0, 1.0]  # the two not shown might have been
+    assert outcome(4, proposed=0, accepted=0) == []
+
+
+def test_a_forecast_follows_the_rows_outcomes_and_relaxes_to_the_replicas_while_it_waits() -> None:
+    record = DraftRecord()
+    assert record.forecast(3, None) == [1.0, 1.0, 1.0]  # a replica that never verified: hopeful
+    assert record.forecast(3, [0.6, 0.2]) == [0.6, 0.2, 0.2]  # before its own first verify: the replica's
+    record.drafted([0.5] * 4)
+    record.record(proposed=4, accepted=4)
+    record.drafted([0.5] * 4)
+    record.record(proposed=3, accepted=1)
+    d = 0.5 ** (1 / OUTCOME_HALF_LIFE)
+    mine = [1.0, d, d, d]  # all four accepted, then the first alone
+    assert record.forecast(4, [0.6, 0.2]) == pytest.approx(mine)
+    for _ in range(int(RELAX_HALF_LIFE)):
+        record.waited()
+    halfway = [(m + t) / 2 for m, t in zip(mine, [0.6, 0.2, 0.2, 0.2], strict=True)]
+    assert record.forecast(4, [0.6, 0.2]) == pytest.approx(halfway)
+    record.drafted([0.5] * 4)
+    record.record(proposed=2, accepted=2)  # a verify renews the forecast: back to the row's own
+    assert record.forecast(4, [0.6, 0.2]) == pytest.approx([1.0, d * d + (1 - d), d, d])
 
 
 def test_caps_end_at_the_budget_and_after_the_first_stop_token_draft() -> None:
