@@ -42,7 +42,7 @@ for part in "$@"; do
   start=$(date +%s)
   case $name in
     graphs) timeout "$limit" python3 -m pytest -v --durations=0 --noconftest -p no:cacheprovider \
-              tests/decode_svc/test_gpu_masking.py tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py ;;
+              tests/decode_svc/test_gpu_masking.py tests/decode_svc/test_gpu_sampling.py tests/model/test_gpu_graphs.py tests/model/test_gpu_engram_store.py ;;
     reference) timeout "$limit" python3 tests/model/test_gpu_reference.py --invariant ;;
     native) timeout "$limit" python3 -m pytest -q --noconftest -p no:cacheprovider \
               tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;

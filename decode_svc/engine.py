@@ -43,7 +43,7 @@ from torch import Tensor
 from decode_svc.local_prefill import OnRank, Prefill, Restorable
 from decode_svc.masking import admitted
 from decode_svc.metrics import DecodeMetrics
-from decode_svc.sampler import batch_sampling, sample_rows, token_logprobs
+from decode_svc.sampler import batch_sampling, sample_rows, token_logprobs, warm_race
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps, outcome
@@ -188,11 +188,13 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- the engine thread
     def warm_up(self) -> bool:
-        """The start-up work before the first request: the step graphs captured, the step times profiled (`warmed`
-        set after, whatever happened); False where it failed (`start_error` says why: the engine serves nothing)."""
+        """The start-up work before the first request: the step graphs captured, the keyed race compiled, the step
+        times profiled (`warmed` set after, whatever happened); False where it failed (`start_error` says why: the
+        engine serves nothing)."""
         try:
             self._capture()
             if self.start_error is None:
+                warm_race(self.model.device, self.model.args.vocab_size)
                 self._profile()
         finally:
             self.warmed.set()

@@ -102,6 +102,18 @@ def batch_sampling(rows: Seq[Sequence], drafts: Seq[Seq[int]] | None = None) -> 
     )
 
 
+WARM_ROWS = (1, 2)  # one row (its own case), then another count: the compiled race's row count turns dynamic
+
+
+def warm_race(device: torch.device, vocab: int) -> None:
+    """Compile the keyed race before the first request, for every row count a forward may bring it (model.fused:
+    one row, and a dynamic count once another is seen), so a replica's first sampled requests do not wait for
+    the compiler (≈ 1 s on a GPU); on a CPU, where the race runs uncompiled, a few races of no consequence."""
+    for rows in WARM_ROWS:
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        keyed_race(torch.full((rows, vocab), 1.0 / vocab, device=device), zeros, zeros)
+
+
 def sample_rows(logits: Tensor, rows: Seq[Sequence]) -> list[int]:
     """One token per row of logits [B, V], sampled as `batch_sampling(rows)` says: the arg-maxes alone for a greedy
     batch (no distribution made), else those of its collapsed distributions (`StepSampling.probs`)."""
