@@ -26,7 +26,8 @@ end of sequence (a tail that loops, which drafts predict better than answers: re
 a run that never ends an answer is suspect), the engine's mean step (its `step_seconds` metric: forward,
 sampling and the step's read back) and that time's share of the run's clock (the rest passes between steps: delivering
 tokens, the engine's loop, waits for the GIL, which the engine shares with the replicas' event loop), and whether greedy
-and seeded outputs equal `off`'s.
+and seeded outputs equal `off`'s. Then, per speculative replica, what its drafted steps are made of: its plain, draft
+and verify forwards' seconds by token count, as its scheduler last read them (each timed to its read-back).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from stream_client import Batch, StreamClient  # noqa: E402
 from decode_svc.config import DecodeConfig  # noqa: E402
 from decode_svc.sequence import Lane  # noqa: E402
 from decode_svc.server import DecodeServer  # noqa: E402
+from decode_svc.step_times import Forward  # noqa: E402
 from mesh.logging import configure_logging  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model import kernels  # noqa: E402
@@ -154,6 +156,12 @@ class Replicas:
         return Run(name, len(prompts), sampling, repeat, sum(decoded), max(ends) - min(streams.first),
                    statistics.median(row_rates), delta["accepted"], delta["row_steps"], plans, streams.outputs,
                    delta["steps"], delta["step_seconds"])  # fmt: skip
+
+    def step_times(self, name: str) -> dict[str, dict[int, float]]:
+        """The replica's forwards as its DSpark scheduler reads them, ms by tokens: the medians of its latest steps
+        (step_times.StepTimes; empty for a forward it never timed)."""
+        times = self.servers[name].engine.times
+        return {f.value: {n: round(s * 1e3, 3) for n, s in times.known(f).items()} for f in Forward}
 
     def stop(self) -> None:
         self.client.close()
@@ -257,12 +265,16 @@ def main() -> int:
         for i, (repeat, batch, sampling) in enumerate(tqdm(work, desc="runs")):
             for name in order[i % len(order) :] + order[: i % len(order)]:  # rotate who goes first
                 runs.append(replicas.generate(name, prompts[:batch], sampling, args.max_tokens, repeat))
+        times = {name: replicas.step_times(name) for name in order if name != PEER}
     finally:
         replicas.stop()
     summary = summarise(runs, replicas.model.args.eos_token_id)
     show(summary)
+    for name, forwards in times.items():  # what a drafted step is made of, on this machine
+        console.print(f"{name}: ms by tokens, the scheduler's latest medians: {forwards}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "results": summary,
+              "step_times": times,
               "runs": [{k: v for k, v in asdict(r).items() if k != "outputs"} | {"tokens_per_s": r.tokens_per_s}
                        for r in runs]}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2) + "\n")
