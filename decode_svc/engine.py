@@ -46,7 +46,7 @@ from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, sample_rows, token_logprobs, warm_race
 from decode_svc.scheduler import DraftScheduler, Plan
 from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
-from decode_svc.speculation import Calibration, draft_caps, outcome
+from decode_svc.speculation import Calibration, draft_caps
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
 from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer, read_back
@@ -447,7 +447,7 @@ class Engine:
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)
         for r, n, k in zip(records, lengths, accepted, strict=True):
-            self.calibration.add(k, r.record(n, k), outcome(self.max_draft, n, k))
+            self.calibration.add(k, *r.record(n, k))
         m.draft_proposed.inc(sum(lengths))
         m.draft_accepted.inc(sum(accepted))
         m.speculative_steps.inc(len(rows))

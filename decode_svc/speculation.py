@@ -83,9 +83,9 @@ class DraftRecord:
         """A step of its lane verified none of its drafts."""
         self.idle += 1
 
-    def record(self, proposed: int, accepted: int) -> float:
+    def record(self, proposed: int, accepted: int) -> tuple[float, list[float]]:
         """After a verify: `proposed` of the latest draft's drafts were verified and `accepted` of them accepted.
-        Returns what the head promised for them."""
+        Returns what the head promised for them and what the verify told of each position (`outcome`)."""
         assert self.last is not None
         promised = sum(self.last[:proposed])
         self.proposed += proposed
@@ -98,7 +98,7 @@ class DraftRecord:
             renewed = [d * o + (1.0 - d) * x for o, x in zip(old[: len(seen)], seen, strict=True)]
             self.outcomes = renewed + old[len(seen) :]
             self.idle = 0
-        return promised
+        return promised, seen
 
 
 def draft_caps(

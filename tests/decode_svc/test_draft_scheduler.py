@@ -154,8 +154,9 @@ def test_a_record_calibrates_its_drafts_on_what_was_accepted() -> None:
     record = DraftRecord(prior=0.8)
     a = record.drafted([0.9, 0.5, 0.5])
     assert a == pytest.approx([0.8 * 0.9, 0.8 * 0.45, 0.8 * 0.225])
-    promised = record.record(proposed=2, accepted=2)
+    promised, seen = record.record(proposed=2, accepted=2)
     assert promised == pytest.approx(0.9 + 0.45)
+    assert seen == [1.0, 1.0]  # drafts 1 and 2 accepted; of the third, not shown, nothing is known
     assert record.calibration == pytest.approx((2 + 0.8) / (1.35 + 1))
     assert record.drafted([0.9, 0.5]) == pytest.approx([min(1.0, record.calibration * 0.9), record.calibration * 0.45])
     assert (record.proposed, record.accepted) == (2, 2)
