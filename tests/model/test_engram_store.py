@@ -251,4 +251,3 @@ def test_a_step_given_up_after_its_first_engram_layer_leaves_the_next_steps_rows
             assert torch.equal(memory.values(layer), on_host.layers[layer].engram.embed(rows[layer]))
     finally:
         fetch.close()
-
