@@ -108,10 +108,11 @@ WARM_ROWS = (1, 2)  # one row (its own case), then another count: the compiled r
 def warm_race(device: torch.device, vocab: int) -> None:
     """Compile the keyed race before the first request, for every row count a forward may bring it (model.fused:
     one row, and a dynamic count once another is seen), so a replica's first sampled requests do not wait for
-    the compiler (≈ 1 s on a GPU); on a CPU, where the race runs uncompiled, a few races of no consequence."""
+    the compiler (≈ 1 s on a GPU); on a CPU, where the race runs uncompiled, a few races of no consequence. Seeds and
+    positions are separate tensors, as a forward's are: the compiled race is specialised to its inputs' aliasing."""
     for rows in WARM_ROWS:
-        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
-        keyed_race(torch.full((rows, vocab), 1.0 / vocab, device=device), zeros, zeros)
+        seeds, positions = (torch.zeros(rows, dtype=torch.int64, device=device) for _ in range(2))
+        keyed_race(torch.full((rows, vocab), 1.0 / vocab, device=device), seeds, positions)
 
 
 def sample_rows(logits: Tensor, rows: Seq[Sequence]) -> list[int]:
