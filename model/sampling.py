@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.fused import fused
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
+ARGMAX_CHUNK = 1024  # elements of a row one program of a keyed race reduces (`chunked_argmax`)
 
 
 @dataclass(frozen=True)
@@ -158,13 +159,27 @@ def _elements(scores: Tensor) -> Tensor:
 
 @fused
 def _keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:
-    return (probs.float() / -torch.log(race_uniforms(seeds, positions, v))).argmax(-1)
+    return chunked_argmax(probs.float() / -torch.log(race_uniforms(seeds, positions, v)))
 
 
 @fused
 def _keyed_link(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:
     u, t, scores = race_uniforms(seeds, positions, v), temperature.unsqueeze(-1), logits.float()
-    return torch.where(t > 0, scores / t.clamp_min(1e-6) - torch.log(-torch.log(u)), scores).argmax(-1)
+    return chunked_argmax(torch.where(t > 0, scores / t.clamp_min(1e-6) - torch.log(-torch.log(u)), scores))
+
+
+def chunked_argmax(scores: Tensor) -> Tensor:
+    """scores [N, V] → argmax(-1) [N] (ties to the lower id), in two reductions: the arg-max of each chunk of
+    ARGMAX_CHUNK elements, then the first chunk holding the row's maximum. Compiled with the race that computes the
+    scores, a row's hashing and comparing is spread over ⌈V / ARGMAX_CHUNK⌉ programs instead of one: a batch of one
+    row — the draft chain's links at batch 1 — would otherwise leave all but one of the GPU's SMs idle."""
+    N, V = scores.shape
+    chunks = -(-V // ARGMAX_CHUNK)
+    padded = nn.functional.pad(scores, (0, chunks * ARGMAX_CHUNK - V), value=-torch.inf)
+    padded = padded.view(N, chunks, ARGMAX_CHUNK)
+    within = padded.argmax(-1, keepdim=True)  # [N, chunks, 1]
+    chunk = padded.gather(-1, within).squeeze(-1).argmax(-1, keepdim=True)  # [N, 1]
+    return (chunk * ARGMAX_CHUNK + within.squeeze(-1).gather(-1, chunk)).squeeze(-1)
 
 
 def race_uniforms(seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:

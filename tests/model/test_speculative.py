@@ -10,7 +10,7 @@ import torch
 
 from model import DecodeBatch, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
-from model.sampling import argmax_accept, keyed_race, nucleus, open_unit
+from model.sampling import ARGMAX_CHUNK, argmax_accept, chunked_argmax, keyed_race, nucleus, open_unit
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -338,6 +338,20 @@ def test_keyed_race_samples_each_rows_distribution_from_its_seed_and_position_al
     assert other.unique().numel() > 8  # other positions, other draws
     one_hot = torch.nn.functional.one_hot(torch.tensor([7, 0, 63]), 64).float()
     assert keyed_race(one_hot, seeds, positions).tolist() == [7, 0, 63]
+
+
+@pytest.mark.parametrize("width", [1, ARGMAX_CHUNK - 1, ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 5])
+def test_the_chunked_argmax_is_argmax_ties_and_padding_included(width: int) -> None:
+    """`chunked_argmax` gives `argmax`'s index on rows of few distinct values (ties within and across chunks), rows
+    of −inf alone (the padding is −inf too: the row's own first index wins) and rows whose maximum sits in the
+    last, padded chunk."""
+    g = torch.Generator().manual_seed(width)
+    scores = torch.randint(0, 3, (6, width), generator=g).float()
+    scores[1] = -torch.inf
+    scores[2, :-1] = 0.0
+    scores[2, -1] = 1.0
+    scores[3] = torch.randn(width, generator=g)
+    assert torch.equal(chunked_argmax(scores), scores.argmax(-1))
 
 
 def test_the_races_uniforms_stay_inside_the_open_unit_interval() -> None:
