@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -426,13 +426,15 @@ class Engine:
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
             return self._waiting_step(batch, rows, pending)
+        guides = [seq.guide for seq in rows]
+        guided = any(g is not None for g in guides)
         with self.times.timed(Forward.DRAFT, len(rows)):
             draft = batch.dspark_draft(pending, batch_sampling(rows))
+            verify = None if guided else batch_sampling(rows)  # made while the draft runs (masks follow the drafts)
             head = slice(None), slice(0, self.max_draft)
             confidence, drafted = read_back(draft.confidence[head], draft.tokens[head])  # one wait: the draft has run
         caps = draft_caps(drafted, budgets, [s.params.stop_token_ids for s in rows])
-        guides = [seq.guide for seq in rows]
-        if any(g is not None for g in guides):  # never past a draft the constraint refuses
+        if guided:  # never past a draft the constraint refuses
             caps = [min(cap, n) for cap, n in zip(caps, admitted(guides, drafted), strict=True)]
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
         width = self.scheduler.width(a, caps)
@@ -441,9 +443,11 @@ class Engine:
             self._realised(len(rows), len(rows), 0)
             return self._waiting_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
+        draft = replace(draft.trim(width), tokens=torch.tensor([row[:width] for row in drafted]))  # on the host
         with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
-            verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
-            result = batch.verify(pending, draft.trim(width), verify, torch.tensor(lengths))  # read back inside
+            if verify is None:
+                verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
+            result = batch.verify(pending, draft, verify, torch.tensor(lengths))  # read back inside
         accepted = result.accepted.tolist()
         self._realised(len(rows), len(rows) + sum(accepted), width)
         for r, n, k in zip(records, lengths, accepted, strict=True):

@@ -215,13 +215,14 @@ class DecodeBatch:
             raise ValueError(
                 f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(self)}"
             )
-        tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=y.is_cuda)), dim=1)  # y on the host: waits
+        # y on the host and drafts on the device: waits for the draft (the engine's come on the host, read back)
+        tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=y.is_cuda)), dim=1)
         if self._graphed():
             logits, step = self.graphs.verify(tokens)
         else:
             step = self.cache.step(tokens)
             logits = forward_full(self.model, step)
-        proposed = draft.tokens.to(logits.device)
+        proposed = draft.tokens.to(logits.device, non_blocking=True)  # from the host: no wait for the forward
         if sampling.argmax_only():  # greedy: the targets' tokens are the logits' arg-maxes
             accepted, nxt = argmax_accept(logits, proposed, lengths)
         elif sampling.one_hot():  # the targets' distributions collapse onto their tokens: no proposal needed
