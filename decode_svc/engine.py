@@ -44,7 +44,7 @@ from decode_svc.local_prefill import OnRank, Prefill, Restorable
 from decode_svc.masking import admitted
 from decode_svc.metrics import DecodeMetrics
 from decode_svc.sampler import batch_sampling, sample_rows, token_logprobs, warm_race
-from decode_svc.scheduler import DraftScheduler, Plan
+from decode_svc.scheduler import DraftScheduler, Plan, bucket
 from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
@@ -95,7 +95,6 @@ class Engine:
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
         self.mail = Mail()  # what the streams get: sent after each step and a join, an abort or a failure at once
-        metrics.draft_trust.set(self.scheduler.trust)
         # Shared with the RPC side, under the condition's lock:
         self._cond = threading.Condition(threading.RLock())
         self._registry: dict[str, Sequence] = {}  # live sequences by request id
@@ -465,7 +464,7 @@ class Engine:
 
     def _realised(self, rows: int, tokens: int, width: int) -> None:
         self.scheduler.realised(rows, tokens, width)
-        self.metrics.draft_trust.set(self.scheduler.trust)
+        self.metrics.draft_trust.labels(str(bucket(rows))).set(self.scheduler.trust(rows))
 
     def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
         """Emit a step's tokens up to a stop token, the end of its output constraint's grammar (nothing may follow

@@ -3,7 +3,8 @@
 Mean DSpark accepted length per verify (bonus token included) = (draft_accepted_tokens + speculative_row_steps) /
 speculative_row_steps; acceptance rate = draft_accepted_tokens / draft_proposed_tokens. What the scheduler decided:
 draft_steps_total{plan} (plain, draft, probe) before a step, verify_width once drafted (0: the draft was not worth
-verifying), draft_trust how far its forecasts have held lately (realised over promised speed-up).
+verifying), draft_trust{rows} how far its forecasts have held lately for a batch bucket (realised over promised
+speed-up).
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class DecodeMetrics:
         self.draft_steps = counter("draft_steps", "Speculative-lane steps by the scheduler's plan", ("plan",))
         self.verify_width = histogram("verify_width", "Drafts per row a drafted step verified", WIDTH_BUCKETS)
         self.draft_trust = Gauge(
-            p + "draft_trust", "Realised over promised speed-up of recent drafted steps (scheduler)", registry=registry
+            p + "draft_trust",
+            "Realised over promised speed-up of recent drafted steps, by batch bucket (scheduler)",
+            ("rows",),
+            registry=registry,
         )
         self.constrained = counter("constrained", "Generations under an output constraint, by grammar", ("grammar",))
         self.grammar_compile = histogram("grammar_compile_seconds", "Compiling an output constraint", LATENCY_BUCKETS)

@@ -28,7 +28,10 @@ real confidences then cut to 0. So the scheduler calibrates its own forecasts: a
 throughput gain the step realised (its tokens over its forwards' measured seconds, against a plain step's rate) with
 the gain its forecast promised, and `trust` — realised over promised, over recent drafted steps (a half-life of
 TRUST_HALF_LIFE of them, starting from 1) — scales every forecast. Drafts that keep losing to plain steps thus stop
-after a step or two, and a probe that wins earns trust back.
+after a step or two, and a probe that wins earns trust back. Those errors depend on the batch (a width of 24 rows
+read off a profile of 2, a harness that waits between wide steps), so each batch bucket (rows rounded up to a power
+of two, as the step graphs' buckets) keeps a trust of its own: a wide batch's losses do not silence a lone row's
+drafts.
 
 `full=True` verifies every draft the caps allow, on every step: what the rule does when verification is free, kept as
 a policy for measuring acceptance and for tests.
@@ -53,6 +56,11 @@ class Plan(enum.Enum):
     PLAIN = "plain"  # no draft: one token per row
     DRAFT = "draft"  # the forecast says drafting pays
     PROBE = "probe"  # it does not, but the forecast is stale: draft to renew it
+
+
+def bucket(rows: int) -> int:
+    """The batch bucket of `rows` rows: the least power of two at least as large."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 def expected_tokens(a: Rows, caps: Sequence[int], width: int) -> float:
@@ -81,13 +89,12 @@ class DraftScheduler:
         self._idle = 0  # plain steps since the lane last drafted
         self._wait = PROBE_MIN  # plain steps before the next probe
         self._promised = 0.0  # the forecast gain of the drafted step under way
-        self._gains = [0.0, 0.0]  # decayed sums of realised and promised gains of drafted steps
+        self._gains: dict[int, list[float]] = {}  # by batch bucket: decayed realised and promised gains
         self._decay = 0.5 ** (1.0 / TRUST_HALF_LIFE)
 
-    @property
-    def trust(self) -> float:
-        """Realised over promised throughput gain of recent drafted steps (1 before any)."""
-        realised, promised = self._gains
+    def trust(self, rows: int) -> float:
+        """Realised over promised throughput gain of recent drafted steps of `rows`' bucket (1 before any)."""
+        realised, promised = self._gains.get(bucket(rows), (0.0, 0.0))
         return (realised + 1.0) / (promised + 1.0)
 
     def plan(self, forecasts: Rows, caps: Sequence[int]) -> Plan:
@@ -95,7 +102,7 @@ class DraftScheduler:
         if max(caps, default=0) == 0:
             return Plan.PLAIN
         self._promised = self._gain(forecasts, caps)
-        if self.full or self._promised * self.trust > 1.0:
+        if self.full or self._promised * self.trust(len(caps)) > 1.0:
             self._idle, self._wait = 0, PROBE_MIN
             return Plan.DRAFT
         self._idle += 1
@@ -120,7 +127,8 @@ class DraftScheduler:
             self._verify(rows)(width) if width else self.times.seconds(Forward.PLAIN, rows)
         )
         gain = tokens / seconds * self.times.seconds(Forward.PLAIN, rows) / rows
-        self._gains = [self._gains[0] * self._decay + gain, self._gains[1] * self._decay + self._promised]
+        realised, promised = self._gains.get(bucket(rows), (0.0, 0.0))
+        self._gains[bucket(rows)] = [realised * self._decay + gain, promised * self._decay + self._promised]
 
     def _gain(self, forecasts: Rows, caps: Sequence[int]) -> float:
         """The throughput of drafting on the forecast over a plain step's, the draft's own seconds counted (∞ while a

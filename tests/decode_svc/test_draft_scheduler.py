@@ -13,6 +13,7 @@ from decode_svc.scheduler import (
     TRUST_HALF_LIFE,
     DraftScheduler,
     Plan,
+    bucket,
     expected_tokens,
     widen,
 )
@@ -100,12 +101,25 @@ def test_drafted_steps_that_lose_to_plain_steps_cost_the_forecast_its_trust() ->
         drafted += 1
         cpu.realised(rows=1, tokens=1, width=0)
     assert drafted == 2
-    assert cpu.trust == pytest.approx((0.597 * (1 + DECAY) + 1) / (2.41 * (1 + DECAY) + 1), rel=0.01)
+    assert cpu.trust(1) == pytest.approx((0.597 * (1 + DECAY) + 1) / (2.41 * (1 + DECAY) + 1), rel=0.01)
     plans = [cpu.plan(hopeful, [5]) for _ in range(PROBE_MIN - 1)]
     assert plans == [Plan.PLAIN] * (PROBE_MIN - 2) + [Plan.PROBE]  # the step that stopped drafting counted
     cpu.realised(rows=1, tokens=6, width=5)  # every draft accepted: 6 tokens for 199 ms, the promise kept
     cpu.realised(rows=1, tokens=6, width=5)
     assert cpu.plan(hopeful, [5]) is Plan.DRAFT
+
+
+def test_each_batch_bucket_keeps_a_trust_of_its_own() -> None:
+    """Drafted steps of 24 rows that lose to plain steps cost the 17–32 bucket its trust, not a lone row's: a row
+    alone afterwards drafts on its forecast at once."""
+    gpu = DraftScheduler(GPU)
+    hopeful, wide = [[1.0] * 5], [[1.0] * 5] * 24
+    while gpu.plan(wide, [5] * 24) is Plan.DRAFT:
+        gpu.realised(rows=24, tokens=24, width=0)
+    assert gpu.trust(24) == gpu.trust(17) < 0.5
+    assert gpu.trust(1) == gpu.trust(16) == 1.0
+    assert gpu.plan(hopeful, [5]) is Plan.DRAFT
+    assert [bucket(n) for n in (1, 2, 3, 16, 17, 256)] == [1, 2, 4, 16, 32, 256]
 
 
 def test_probes_back_off_to_the_longest_wait() -> None:
