@@ -127,8 +127,9 @@ class DraftScheduler:
             self._verify(rows)(width) if width else self.times.seconds(Forward.PLAIN, rows)
         )
         gain = tokens / seconds * self.times.seconds(Forward.PLAIN, rows) / rows
-        realised, promised = self._gains.get(bucket(rows), (0.0, 0.0))
-        self._gains[bucket(rows)] = [realised * self._decay + gain, promised * self._decay + self._promised]
+        key = bucket(rows)
+        realised, promised = self._gains.get(key, (0.0, 0.0))
+        self._gains[key] = [realised * self._decay + gain, promised * self._decay + self._promised]
 
     def _gain(self, forecasts: Rows, caps: Sequence[int]) -> float:
         """The throughput of drafting on the forecast over a plain step's, the draft's own seconds counted (∞ while a
