@@ -10,10 +10,12 @@ sparse files memory-mapped like the checkpoint shards (`--engram-store mmap`); t
 real agent trace (`../shared/data/agent-traces`, tokenised; random ids where the trace or tokenizer is missing).
 
 Each decode row: ms per step (`DecodeBatch.decode_step`, eager on both sides, or with `--graphs` replayed from CUDA
-graphs on both sides: the host stages the rows before each replay, the graph copies them beside block 0) at batch B
-and 4 K context, sides alternated `--rounds` times, median and spread; "added" is against the device side. The
-prefill row: one 16 K-token chunk (`encode_prefill`). `--trace DIR` writes a torch.profiler trace of one host step
-at batch 64 and reports how much of the host-to-device copies overlapped kernels on the compute stream.
+graphs on both sides: the graph hashes its tokens and gathers their rows from the mapped host tables beside block 0;
+with `--graphs` a third side, `host_staged`, has the host stage the rows before each replay and the graph copy them,
+as for tables the GPU cannot read) at batch B and 4 K context, sides alternated `--rounds` times, median and spread;
+"added" is against the device side. The prefill row: one 16 K-token chunk (`encode_prefill`). `--trace DIR` writes a
+torch.profiler trace of three host steps at batch 64 and one prefill chunk, and reports how much of the rows'
+transfers (host-to-device copies, in-place gathers) overlapped kernels of the compute stream.
 
     python bench/engram_bench.py [--batches 1,64,256] [--rounds 5] [--steps 10] [--graphs] [--trace OUT] [--out JSON]
 """
@@ -37,12 +39,14 @@ from model import build_model, encode_prefill, preset
 from model.checkpoint import map_bytes
 from model.config import ModelArgs
 from model.engram import table_sizes
+from model.engram_store import EngramFetch
 from model.weights import engram_table_names, map_tensor, seeded_tensors, store
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-traces"
 RELEASED = preset("v41-flash")
-BASELINE = {"host": "device", "mmap": "device_wide"}  # each off-device side against the same model on the device
+# each off-device side against the same model on the device
+BASELINE = {"host": "device", "host_staged": "device", "mmap": "device_wide"}
 
 
 def with_tables(args: ModelArgs, vocab: int, heads: int, dim: int) -> ModelArgs:
@@ -164,8 +168,9 @@ def profiled(work, trace: Path, name: str) -> dict:
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [e for e in events if "Memcpy HtoD (Pinned" in e.name and e.time_range.elapsed_us() > 0]
-    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    moving = ("Memcpy HtoD (Pinned", "_gather_rows_kernel")  # the rows' copies from staging, or in-place gathers
+    copies = [e for e in events if any(m in e.name for m in moving) and e.time_range.elapsed_us() > 0]
+    kernels = [e for e in events if not any(m in e.name for m in (*moving, "Memcpy", "Memset"))]
     copy_us = sum(c.time_range.elapsed_us() for c in copies)
     hidden_us = 0.0
     for c in copies:
@@ -204,6 +209,11 @@ def main() -> int:
         "device": build_model(host_args, seed=0, device=DEVICE, dtype=torch.bfloat16).eval(),
         "host": build_model(host_args, seed=0, device=DEVICE, dtype=torch.bfloat16, engram="host").eval(),
     }
+    if ns.graphs:  # the same host tables, staged by the host as the mapped placement's are
+        staged = models["host_staged"] = build_model(host_args, seed=0, device=DEVICE, dtype=torch.bfloat16,
+                                                     engram="host").eval()  # fmt: skip
+        staged.engram_fetch.close()
+        staged.engram_fetch = EngramFetch(staged, gather_on_device=False)
     print(f"host tables: {host_args.engram_num_embeddings} rows × {host_args.engram_head_dim}", flush=True)
     folder = Path(tempfile.mkdtemp(prefix="engram-mmap-"))
     if not ns.no_mmap:

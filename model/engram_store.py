@@ -13,13 +13,16 @@ On the host, a step's token ids and look-back are on the host as soon as the ste
 once the layers before the first Engram layer (block 0) are launched, the host hashes them, gathers the rows into a
 pinned staging buffer (a big step's in pieces, by a small pool of threads) and issues one non-blocking
 host-to-device copy per table on a side stream, while the GPU runs block 0. The Engram layer's stream then waits on
-the copy's event, never the host. A layer decodes the same bytes by the same function whichever placement fetched
-them, so the outputs are bit-identical.
+the copy's event, never the host. A decode step replayed from a CUDA graph does without the host altogether where
+the tables are in pinned host memory: the graph hashes its own tokens on the device and gathers their rows from the
+tables in place, the GPU reading the mapped host memory over PCIe beside block 0 (`StagedMemory`). A layer decodes
+the same bytes by the same function whichever placement fetched them, so the outputs are bit-identical.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from model import kernels
 from model.config import ModelArgs
 from model.engram import NgramHash
 from model.linear import Embedding, Fp8Rows
@@ -177,8 +181,14 @@ class EngramFetch:
     behind the launching thread for milliseconds per hand-over.) The copies are the asynchronous part: a piece's
     runs on a side stream as soon as it is gathered, while the device runs the layers before."""
 
-    def __init__(self, model: Transformer, gather_threads: int = 4, gather_rows: int = GATHER_ROWS) -> None:
-        self.device, self.gather_rows = model.device, gather_rows
+    def __init__(
+        self,
+        model: Transformer,
+        gather_threads: int = 4,
+        gather_rows: int = GATHER_ROWS,
+        gather_on_device: bool | None = None,
+    ) -> None:
+        self.device, self.gather_rows, self.gather_on_device = model.device, gather_rows, gather_on_device
         self.hash = NgramHash(model.args)  # on the host, beside the tables
         self.tables = engram_tables(model)
         self.gatherers = ThreadPoolExecutor(gather_threads, thread_name_prefix="engram-gather")
@@ -194,6 +204,20 @@ class EngramFetch:
 
     def close(self) -> None:
         self.gatherers.shutdown(wait=True)
+
+    def in_place(self) -> bool:
+        """Whether a captured forward gathers its rows on the device from the tables where they lie: tables in
+        page-locked host memory, which the GPU reads mapped (`gather_on_device` decides where given: a CPU model
+        then runs the same forwards, gathering with the torch reference)."""
+        if self.gather_on_device is not None:
+            return self.gather_on_device
+        stored = [t for table in self.tables.values() for t in _stored(table)]
+        return self.device.type == "cuda" and all(t.is_pinned() for t in stored)
+
+    @functools.cached_property
+    def device_hash(self) -> NgramHash:
+        """The row hash on the model's device (a captured forward's, which hashes its own tokens)."""
+        return NgramHash(self.hash.args).to(self.device)
 
     def decode(self, layer: int, rows: tuple[Tensor, ...]) -> Tensor:
         table = self.tables[layer]
@@ -259,49 +283,52 @@ class EngramFetch:
     def _staged(self, layer: int, n: int) -> tuple[Tensor, ...]:
         """Rows for n ids of a layer's stored tensors: staging reused from step to step (pinned for a GPU), free to
         overwrite once the previous copy from it has ended."""
-        sources = _stored(self.tables[layer])
         _wait(self.gathering.pop(layer, []))  # a step given up before its layer was reached: its pieces still write
         if layer in self.last_copy:
             self.last_copy[layer].synchronize()
         have = self.staging.get(layer)
         if have is None or have[0].shape[0] < n:
             size = max(n, 2 * have[0].shape[0]) if have is not None else n
-            pin = self.stream is not None
-            have = tuple(torch.empty((size, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in sources)
+            have = _rows_like(self.tables[layer], size, pin=self.stream is not None)
             self.staging[layer] = have
         return tuple(t[:n] for t in have)
 
 
 class StagedMemory:
-    """The Engram rows of a forward captured as a CUDA graph (model.graphs) over [B, T] tokens: fixed pinned buffers
-    the host gathers a step's rows into before the graph replays (`stage`), and fixed device buffers the graph copies
-    them into, on a side stream, as its first work (`start`, captured with the forward), so that the copy runs beside
-    the layers before the first Engram layer, which waits for it on the device (`values`). On a CPU model the
-    gathered rows are the layer's input."""
+    """The Engram rows of a forward captured as a CUDA graph (model.graphs) over [B, T] tokens: fixed device buffers
+    the graph fills on a side stream as its first work (`start`, captured with the forward), beside the layers before
+    the first Engram layer, which waits for them on the device (`values`). The rows come in one of two ways:
+
+    - in place (`EngramFetch.in_place`: tables in page-locked host memory): the graph hashes its tokens on the
+      device and gathers the rows from the tables where they lie (`kernels.gather_rows`, the GPU reading mapped host
+      memory over PCIe): nothing runs on the host before a replay;
+    - staged (tables the GPU cannot read: `mmap`'s pages of the shards): before the replay the host hashes the
+      step's ids and gathers their rows into fixed pinned buffers (`stage`), which the graph copies.
+
+    On a CPU model the gathered rows are the layer's input."""
 
     def __init__(self, fetch: EngramFetch, batch: int, length: int) -> None:
-        self.fetch, self.cuda = fetch, fetch.stream is not None
+        self.fetch, self.cuda, self.in_place = fetch, fetch.stream is not None, fetch.in_place()
         h = fetch.hash.args.engram_max_ngram_size - 1
         probe = np.zeros((batch, length), dtype=np.int64), np.full((batch, h), -1, dtype=np.int64)
         self.shape = {layer: torch.Size(ids.shape) for layer, ids in fetch.hash.host_rows(*probe).items()}  # [B, T, R]
-        self.host = {
-            layer: tuple(
-                torch.empty((self.shape[layer].numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
-                for t in _stored(table)
-            )
-            for layer, table in fetch.tables.items()
-        }
+        rows = {layer: self.shape[layer].numel() for layer in fetch.tables}
+        if self.in_place:
+            self.host: dict[int, tuple[Tensor, ...]] = {}
+            self.rows = {layer: _rows_like(table, rows[layer], fetch.device) for layer, table in fetch.tables.items()}
+        else:
+            self.host = {layer: _rows_like(table, rows[layer], pin=self.cuda) for layer, table in fetch.tables.items()}
+            self.rows = {
+                layer: tuple(torch.empty_like(t, device=fetch.device) for t in pinned) if self.cuda else pinned
+                for layer, pinned in self.host.items()
+            }
         self.host_bytes = {layer: _row_bytes(pinned) for layer, pinned in self.host.items()}
-        self.rows = {
-            layer: tuple(torch.empty_like(t, device=fetch.device) for t in pinned) if self.cuda else pinned
-            for layer, pinned in self.host.items()
-        }
         self.copied = torch.cuda.Event() if self.cuda else None
         self.read: torch.cuda.Event | None = None  # the end of the last forward that copied the pinned buffers
 
     def stage(self, tokens: Tensor, history: Tensor) -> None:
         """Gather the rows of tokens [B, T] after the look-back history [B, n−1] (int64, host) into the pinned
-        buffers, once the last forward has copied the previous ones out."""
+        buffers, once the last forward has copied the previous ones out (staged rows only)."""
         if self.read is not None:
             self.read.synchronize()
         ids = self.fetch.hash.host_rows(tokens.numpy(), history.numpy())
@@ -314,16 +341,25 @@ class StagedMemory:
             self.read = torch.cuda.Event()
             self.read.record()
 
-    def start(self) -> StagedMemory:
-        """Copy every layer's rows to the device on the side stream, forked from the current one (inside the
-        captured forward, before its first layer)."""
-        if self.copied is not None:
-            side = self.fetch.stream
+    def start(self, tokens: Tensor, history: Tensor) -> StagedMemory:
+        """Fill every layer's rows on the side stream, forked from the current one (inside the captured forward,
+        before its first layer): gathered in place for the step's tokens [B, T] after history [B, n−1] (on the
+        model's device), else copied from the staging."""
+        side = self.fetch.stream
+        if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if self.in_place:
+                ids = self.fetch.device_hash.rows
+                for layer, rows in self.rows.items():
+                    flat = ids(layer, tokens, history).view(-1)
+                    for dst, src in zip(rows, _stored(self.fetch.tables[layer]), strict=True):
+                        kernels.gather_rows(src, flat, dst, backend=kernels.backend_for(dst))
+            elif self.cuda:
                 for layer, pinned in self.host.items():
                     for dst, src in zip(self.rows[layer], pinned, strict=True):
                         dst.copy_(src, non_blocking=True)
+            if self.copied is not None:
                 self.copied.record(side)
         return self
 
@@ -346,6 +382,13 @@ def _row_bytes(tensors: tuple[Tensor, ...]) -> Bytes:
     """Stored tensors' rows [N, ...] (a table's, or staging buffers') as numpy arrays of their bytes [N, row bytes],
     no copy."""
     return tuple(t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in tensors)
+
+
+def _rows_like(
+    table: Embedding | Fp8Rows, n: int, device: torch.device | None = None, pin: bool = False
+) -> tuple[Tensor, ...]:
+    """Buffers for n rows of each of a table's stored tensors (`pin`: page-locked host memory)."""
+    return tuple(torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin) for t in _stored(table))
 
 
 def _stored(table: Embedding | Fp8Rows) -> tuple[Tensor, ...]:

@@ -28,9 +28,11 @@ What a captured forward needs, and how it is given:
 Padding rows beyond the batch are rows of the cache no sequence holds: they run at position 0, keep none of their
 writes, never advance, and their outputs are not returned.
 
-Engram tables in host memory (model.engram_store) take part through fixed buffers: before a replay the host hashes
-the step's rows and gathers them into pinned staging; the graph's first work copies them to the device on a side
-stream, beside the layers before the first Engram layer, which waits for the copy on the device (`StagedMemory`).
+Engram tables off the device (model.engram_store) take part through fixed buffers, which the graph's first work
+fills on a side stream, beside the layers before the first Engram layer, which waits for them on the device
+(`StagedMemory`): tables in pinned host memory are read in place (the graph hashes its tokens and the GPU gathers
+their rows from the mapped host memory), others' rows are hashed and gathered into pinned staging by the host before
+the replay, and copied by the graph.
 
 Without `capture` (a CPU model, tests) every forward runs the same static steps eagerly: what a replay would compute.
 """
@@ -205,12 +207,15 @@ class StepGraphs:
         return captured.outputs
 
     def _stage(self, forward: str, b: int, tokens: Tensor) -> StagedMemory | None:
-        """Where the Engram tables are on the host: the rows of this forward's tokens (padded to the bucket, on the
-        host) gathered into its staging. The draft runs no Engram layer."""
+        """Where the Engram tables are off the device, this forward's rows (`StagedMemory`), and where the graph
+        cannot gather them in place, the rows of its tokens (padded to the bucket, on the host) gathered into its
+        staging: then the staging, else None. The draft runs no Engram layer."""
         fetch, T = self.model.engram_fetch, tokens.shape[1]
         if fetch is None or forward in DRAFTS:
             return None
         staged = self.staged.get((b, T)) or self.staged.setdefault((b, T), StagedMemory(fetch, b, T))
+        if staged.in_place:
+            return None
         padded = torch.zeros(b, T, dtype=torch.int64)
         padded[: tokens.shape[0]] = tokens
         staged.stage(padded, self.cache.host_history[:b])
@@ -287,7 +292,7 @@ class StepGraphs:
     def _static_step(self, b: int, T: int) -> Step:
         step = self.cache.step(self.tokens[:b, :T], slice(0, b), static=True)
         if self.model.engram_fetch is not None:
-            step.memory = self.staged[(b, T)].start()
+            step.memory = self.staged[(b, T)].start(step.tokens, step.history)
         return step
 
     def _decode(self, b: int, T: int, commit: bool) -> tuple[tuple[Tensor, ...], Step | None]:

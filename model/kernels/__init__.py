@@ -28,6 +28,7 @@ from model.kernels import (
     moe_gemm,
     rope,
     route,
+    row_gather,
     sparse_attn,
     topk,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "fake_quant_fp8",
     "fp8_linear",
     "fp8_linear_cast",
+    "gather_rows",
     "hc_coefficients",
     "hc_expand_coefficients",
     "indexer_scores",
@@ -334,6 +336,18 @@ def topk_indices(scores: Tensor, k: int, lengths: Tensor | None = None, backend:
     if k < 0:
         raise ValueError(f"k must be ≥ 0, got {k}")
     return _pick(backend, topk, "topk_indices")(scores, k, lengths)
+
+
+def gather_rows(table: Tensor, ids: Tensor, out: Tensor, backend: Backend = "torch") -> None:
+    """out[i] = table[ids[i]], bit for bit: table [N, ...] (any dtype), ids int [M], out [M, ...] of the table's
+    dtype and row shape, both contiguous. The Triton kernel reads the table where it lies — on the GPU, or in
+    page-locked host memory, which unified addressing maps into the GPU's (`row_gather`) — with ids and out on the
+    GPU; the torch reference indexes the table on its own device."""
+    _expect("ids", ids, (None,), _INTS)
+    _expect("out", out, (ids.shape[0], *table.shape[1:]), (table.dtype,))
+    if not (table.is_contiguous() and out.is_contiguous()):
+        raise ValueError("gather_rows: table and out must be contiguous")
+    _pick(backend, row_gather, "gather_rows")(table, ids, out)
 
 
 # ------------------------------------------------------------------------------------------- attention

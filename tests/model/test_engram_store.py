@@ -57,9 +57,11 @@ def run(model: Transformer, prompt: list[int], cut: int, static: bool = False) -
     greedy = SamplingParams.uniform(2)
     draft = batch.dspark_draft([8, 9], greedy)
     result = batch.verify([8, 9], draft, greedy)
-    if static:  # host tables: every forward but the draft read staged rows
+    if static:  # host tables: every forward but the draft read staged rows, gathered in place or by the host
         widths = [(4, 1), (4, 1 + model.args.dspark_block_size)]
         assert sorted(batch.graphs.staged) == (widths if model.engram_fetch else [])
+        in_place = model.engram_fetch is not None and model.engram_fetch.in_place()
+        assert all(s.in_place == in_place and not (in_place and s.host) for s in batch.graphs.staged.values())
     if batch.cache.host_history is not None:  # the host's mirror of the look-back followed every step
         assert torch.equal(batch.cache.host_history[:2], batch.cache.history[:2])
     return out | {"steps": steps, "verify": (result.tokens, result.logits), "history": batch.cache.history.clone()}
@@ -98,6 +100,22 @@ def test_staged_host_rows_of_static_forwards_give_the_device_tables_outputs_bit_
     the forward, the forward reads them there — gives the device tables' outputs, bit for bit."""
     prompt = tokens(19).tolist()
     assert_same(run(on_host, prompt, cut=7, static=True), run(tiny, prompt, cut=7, static=True))
+
+
+def test_rows_gathered_in_place_by_static_forwards_give_the_device_tables_outputs_bit_for_bit(
+    tiny: Transformer, tiny_args: ModelArgs, tokens
+):
+    """What a captured forward does with tables in pinned host memory — hashes its own tokens on the model's device
+    and gathers their rows from the tables where they lie, the host staging nothing — gives the device tables'
+    outputs, bit for bit."""
+    model = build_model(tiny_args, seed=0, dtype=torch.float64, engram="host")
+    model.engram_fetch.close()
+    model.engram_fetch = EngramFetch(model, gather_on_device=True)
+    prompt = tokens(19).tolist()
+    try:
+        assert_same(run(model, prompt, cut=7, static=True), run(tiny, prompt, cut=7, static=True))
+    finally:
+        model.engram_fetch.close()
 
 
 def test_a_host_step_fetches_its_rows_on_the_host_and_mirrors_the_look_back(on_host: Transformer, tokens) -> None:
