@@ -49,7 +49,7 @@ from decode_svc.sequence import Delta, End, Failure, Lane, Mail, Sequence, State
 from decode_svc.speculation import Calibration, draft_caps
 from decode_svc.spread import SpreadBatch, new_batch, new_prefill
 from decode_svc.step_times import Forward, StepTimes, profile
-from model import DecodeBatch, EncoderState, GlobalKVBlock, Transformer, read_back
+from model import DecodeBatch, EncoderState, GlobalKVBlock, ReadBack, Transformer
 from model_service.ranks import LocalCalls, ModelCalls
 from model_service.runtime import RequestError
 from proto.decode.v1 import decode_pb2
@@ -417,7 +417,10 @@ class Engine:
         return [[t] for t in tokens], logits.unsqueeze(1)
 
     def _speculative_step(self, batch: DecodeBatch, rows: list[Sequence], pending: list[int]):
-        """Draft if the scheduler says it pays, verify the width it chooses on the draft's confidences, commit."""
+        """Draft if the scheduler says it pays, verify the width it chooses on the draft's confidences, commit. Where a
+        verify of every draft costs no more than a narrow one (`DraftScheduler.ahead`) and the forward can take the
+        drafts on the device (`DecodeBatch.chains`), the verify is queued right behind the draft at the widest width
+        and the confidences, read meanwhile, only cut what is accepted: the device never waits for the host."""
         m, records = self.metrics, [seq.draft for seq in rows]
         budgets = [min(self.max_draft, seq.limit - len(seq.output) - 1) for seq in rows]  # a step emits drafts + 1
         typical = self.calibration.typical
@@ -427,28 +430,36 @@ class Engine:
             return self._waiting_step(batch, rows, pending)
         guides = [seq.guide for seq in rows]
         guided = any(g is not None for g in guides)
+        widest = max(budgets)
+        ahead = not guided and batch.chains() and self.scheduler.ahead(len(rows), widest)
         with self.times.timed(Forward.DRAFT, len(rows)):
             draft = batch.dspark_draft(pending, batch_sampling(rows))
-            verify = None if guided else batch_sampling(rows)  # made while the draft runs (masks follow the drafts)
             head = slice(None), slice(0, self.max_draft)
-            confidence, drafted = read_back(draft.confidence[head], draft.tokens[head])  # one wait: the draft has run
+            drafts = ReadBack(draft.confidence[head], draft.tokens[head])  # queued before the verify: the draft's
+            launched = batch.verify_forward(pending, draft.trim(widest)) if ahead else None
+            verify = None if guided else batch_sampling(rows)  # made while the draft runs (masks follow the drafts)
+            confidence, drafted = drafts.lists()  # one wait: the draft has run
         caps = draft_caps(drafted, budgets, [s.params.stop_token_ids for s in rows])
         if guided:  # never past a draft the constraint refuses
             caps = [min(cap, n) for cap, n in zip(caps, admitted(guides, drafted), strict=True)]
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
         width = self.scheduler.width(a, caps)
         m.verify_width.observe(width)
-        if width == 0:  # not worth a verify column after all
+        if width == 0 and launched is None:  # not worth a verify column after all
             self._realised(len(rows), len(rows), 0)
             return self._waiting_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
-        draft = replace(draft.trim(width), tokens=torch.tensor([row[:width] for row in drafted]))  # on the host
-        with self.times.timed(Forward.VERIFY, len(rows) * (1 + width)):
+        columns = widest if launched is not None else width
+        with self.times.timed(Forward.VERIFY, len(rows) * (1 + columns)):
             if verify is None:
                 verify = batch_sampling(rows, [row[:n] for row, n in zip(drafted, lengths, strict=True)])
-            result = batch.verify(pending, draft, verify, torch.tensor(lengths))  # read back inside
+            if launched is None:
+                host = replace(draft.trim(width), tokens=torch.tensor([row[:width] for row in drafted]))
+                result = batch.verify(pending, host, verify, torch.tensor(lengths))  # read back inside
+            else:
+                result = batch.accept(launched, verify, torch.tensor(lengths))
         accepted = result.accepted.tolist()
-        self._realised(len(rows), len(rows) + sum(accepted), width)
+        self._realised(len(rows), len(rows) + sum(accepted), columns)
         for r, n, k in zip(records, lengths, accepted, strict=True):
             self.calibration.add(k, *r.record(n, k))
         m.draft_proposed.inc(sum(lengths))

@@ -33,6 +33,10 @@ read off a profile of 2, a harness that waits between wide steps), so each batch
 of two, as the step graphs' buckets) keeps a trust of its own: a wide batch's losses do not silence a lone row's
 drafts.
 
+Where verifying is free of its width (the verify's measured seconds flat in W within FLAT, a GPU at small batches),
+the engine launches the widest verify right behind the draft, before the host has read the confidences, and the
+width the rule then chooses cuts only the acceptance (`ahead`): the device does not idle while the host decides.
+
 `full=True` verifies every draft the caps allow, on every step: what the rule does when verification is free, kept as
 a policy for measuring acceptance and for tests.
 """
@@ -48,6 +52,7 @@ from decode_svc.step_times import Forward, StepTimes
 PROBE_MIN = 8
 PROBE_MAX = 256
 TRUST_HALF_LIFE = 8.0  # drafted steps
+FLAT = 0.05  # a verify at most this much dearer than the narrowest costs nothing for its width
 
 Rows = Sequence[Sequence[float]]  # a_{r,j}: rows × draft positions
 
@@ -110,6 +115,16 @@ class DraftScheduler:
             return Plan.PLAIN
         self._idle, self._wait = 0, min(2 * self._wait, PROBE_MAX)
         return Plan.PROBE
+
+    def ahead(self, rows: int, width: int) -> bool:
+        """Whether a drafted step's verify may be launched at `width` columns right behind the draft, before its
+        confidences are seen (which then only cut what is accepted): where every draft is verified anyway (`full`,
+        or a forward still to measure), or where a verify that wide costs within FLAT of one column's — the forward
+        is bound by the weights it reads, not its tokens, and choosing the width would save nothing."""
+        if self.full or not self.times.measured(*Forward):
+            return True
+        verify = self._verify(rows)
+        return verify(width) <= (1.0 + FLAT) * verify(1)
 
     def width(self, a: Rows, caps: Sequence[int]) -> int:
         """How many drafts the drafted step verifies (0: none, a plain step), on the draft's own a."""

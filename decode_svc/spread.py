@@ -214,6 +214,10 @@ class SpreadBatch:
     def rows_by_rank(self) -> list[int]:
         return [len(held) for held in self.held]
 
+    def chains(self) -> bool:
+        """Never: each rank verifies in a call of its own, the drafts' width already chosen."""
+        return False
+
     # ---------------------------------------------------------------------------------------------- membership
     def join_many(self, prompts: list[Restorable | OnRank]) -> list[tuple[int, Tensor]]:
         """Each prompt joins the least loaded rank, or the rank that prefilled it (`OnRank`) → (group seq id, next

@@ -5,7 +5,7 @@ Imports only torch, numpy, safetensors, tqdm, tokenizers and the standard librar
 
 from model.checkpoint import checkpoint_fingerprint, load_checkpoint, load_weights, save_checkpoint
 from model.config import PRESETS, ModelArgs, preset
-from model.decode import DecodeBatch, SequenceExport, VerifyResult, read_back
+from model.decode import DecodeBatch, ReadBack, SequenceExport, VerifyResult, read_back
 from model.dspark import Draft, draft_logits
 from model.kv import LAYOUT_VERSION, EncoderState, GlobalKVBlock, PackedEntries, global_kv_bytes_per_token
 from model.sampling import SamplingParams, sample, speculative_accept
@@ -25,6 +25,7 @@ __all__ = [
     "Past",
     "PrefillOutput",
     "PrefillRun",
+    "ReadBack",
     "SamplingParams",
     "SequenceExport",
     "Transformer",

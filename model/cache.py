@@ -364,14 +364,15 @@ class KVCache:
 
     def advanced(self, by: list[int], tokens: Tensor | None = None) -> None:
         """Rows 0 … len(by) − 1 moved by[r] positions on the device (a replayed forward): the host follows, and so
-        does the look-back it mirrors (tokens [n, T] on the host: the forward's, of which row r kept by[r])."""
+        does the look-back it mirrors (tokens [n, T]: the forward's, of which row r kept by[r]; read to the host
+        where they are on the device)."""
         for r, k in enumerate(by):
             self.pos[r] += k
         self._next_of = list(self.pos)
         if self.host_history is not None:
             rows = slice(0, len(by))
             keep = torch.tensor(by, dtype=torch.int64)
-            _keep_last(self.host_history, rows, self.host_history[rows].clone(), tokens, keep)
+            _keep_last(self.host_history, rows, self.host_history[rows].clone(), tokens.cpu(), keep)
 
     def reserve(self, rows: int, positions: int) -> None:
         """Room for `rows` rows and, in every row, the entries of `positions` positions plus a step's write-ahead."""

@@ -6,12 +6,15 @@ leave with their new complete blocks and end-of-sequence encoder state; between,
     decode_step   one pending token per sequence → next-token logits
     dspark_draft  γ drafts per sequence after its pending token (the DSpark blocks, one forward)
     verify        target forward over [pending, drafts], lossless acceptance, commit of what was accepted
+                  (in two halves where the caller has work between: `verify_forward` launches the forward,
+                  `accept` accepts and commits)
 
 On a GPU the three forwards replay graphs captured once per batch bucket (model.graphs), so the host launches a
-graph instead of a few thousand kernels (Engram tables in host memory too: their rows are staged for each replay);
+graph instead of a few thousand kernels (Engram tables in host memory too: their rows are gathered inside the graph);
 elsewhere, and where a graph cannot serve them (an expert-parallel group), they run eagerly. Both run the same
 modules in the same order. A step waits for the device at most once, at its end: verify reads its acceptance back
-then (the host needs the tokens).
+then (the host needs the tokens). A verify whose forward needs no host copy of the drafts (`chains`) is queued right
+behind the draft, before the host has seen it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from model.serving import decoder_replay, forward_full, replay_length
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from model.cache import Step
+    from model.graphs import Verified
     from model.transformer import Transformer
 
 
@@ -41,6 +46,15 @@ class SequenceExport:
 
     blocks: list[GlobalKVBlock]
     encoder_state: EncoderState
+
+
+@dataclass
+class VerifyForward:
+    """A verify's target forward, launched and not yet accepted (`DecodeBatch.accept` finishes it)."""
+
+    draft: Draft  # the drafts it verifies, [B, γ]
+    logits: Tensor  # fp32 [B, 1+γ, V], being computed
+    step: Step | Verified  # its writes, staged until the acceptance commits them
 
 
 @dataclass
@@ -208,20 +222,51 @@ class DecodeBatch:
         of confidences drops. The returned tokens of a row are its accepted drafts plus the next pending token. With
         one generator per row, a row's draws depend on its own lengths[b] only, not on the batch's draft width.
         """
+        return self.accept(self.verify_forward(tokens, draft), sampling, lengths, generator)
+
+    def chains(self) -> bool:
+        """Whether a verify's forward takes drafts left on the device without waiting for them (`verify_forward`):
+        one whose Engram rows are hashed where its tokens are (a CPU model's, a replayed graph's whose tables are
+        in place or on the device)."""
+        if self.model.device.type != "cuda":
+            return True
+        return self._graphed() and self.graphs.hashes_on_device()
+
+    @torch.no_grad()
+    def verify_forward(self, tokens: Tensor | Sequence[int], draft: Draft) -> VerifyForward:
+        """Launch the target forward over [y, drafts] of every sequence (y: the pending tokens); nothing is kept
+        until `accept`, which must follow before any other forward of this batch. Drafts on the device wait for
+        nothing where the batch `chains` (the forward is queued behind the draft); elsewhere they are read to the
+        host first (the eager step hashes its Engram rows there)."""
         y = self.tokens(tokens, 1, host=True)
+        if draft.tokens.shape[0] != len(self):
+            raise ValueError(f"draft for {draft.tokens.shape[0]} sequences does not fit this batch of {len(self)}")
+        if self.chains():
+            drafted = torch.cat((y.to(draft.tokens.device, non_blocking=True), draft.tokens), dim=1)
+        else:  # y on the host and drafts on the device: waits for the draft
+            drafted = torch.cat((y, draft.tokens.to(y.device, non_blocking=y.is_cuda)), dim=1)
+        if self._graphed():
+            logits, step = self.graphs.verify(drafted)
+        else:
+            step = self.cache.step(drafted)
+            logits = forward_full(self.model, step)
+        return VerifyForward(draft, logits, step)
+
+    @torch.no_grad()
+    def accept(
+        self,
+        forward: VerifyForward,
+        sampling: SamplingParams,
+        lengths: Tensor | None = None,
+        generator: Generators = None,
+    ) -> VerifyResult:
+        """Accept the drafts of a launched verify (up to lengths[b] of row b: `verify`'s) and commit y + the accepted
+        drafts; waits for the forward once, at the end."""
+        draft, logits, step = forward.draft, forward.logits, forward.step
         B, g = draft.tokens.shape
         lengths = torch.full((B,), g, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).cpu()
-        if len(self) != B or bool(((lengths < 0) | (lengths > g)).any()):
-            raise ValueError(
-                f"draft for {B} sequences with lengths {lengths.tolist()} does not fit this batch of {len(self)}"
-            )
-        # y on the host and drafts on the device: waits for the draft (the engine's come on the host, read back)
-        tokens = torch.cat((y, draft.tokens.to(y.device, non_blocking=y.is_cuda)), dim=1)
-        if self._graphed():
-            logits, step = self.graphs.verify(tokens)
-        else:
-            step = self.cache.step(tokens)
-            logits = forward_full(self.model, step)
+        if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > g)).any()):
+            raise ValueError(f"lengths {lengths.tolist()} do not fit a draft of {g} tokens for {B} sequences")
         proposed = draft.tokens.to(logits.device, non_blocking=True)  # from the host: no wait for the forward
         if sampling.argmax_only():  # greedy: the targets' tokens are the logits' arg-maxes
             accepted, nxt = argmax_accept(logits, proposed, lengths)
@@ -253,14 +298,28 @@ class DecodeBatch:
 
 
 def read_back(*tensors: Tensor) -> list[list]:
-    """Device tensors → Python lists, waiting for the device once: non-blocking copies into pinned host memory, then
-    one event, instead of a stream synchronisation per tensor."""
-    if not tensors[0].is_cuda:
-        return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for h, t in zip(host, tensors, strict=True):
-        h.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return [h.tolist() for h in host]
+    """Device tensors → Python lists, waiting for the device once."""
+    return ReadBack(*tensors).lists()
+
+
+class ReadBack:
+    """Device tensors on their way to the host: non-blocking copies into pinned host memory queued behind the work
+    queued so far, and one event after them; `lists()` waits for that event alone — not for what is queued later —
+    instead of a stream synchronisation per tensor."""
+
+    def __init__(self, *tensors: Tensor) -> None:
+        self.done: torch.cuda.Event | None = None
+        if not tensors[0].is_cuda:  # on the host already: their values now
+            self.values = [t.tolist() for t in tensors]
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(self.host, tensors, strict=True):
+            h.copy_(t, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def lists(self) -> list[list]:
+        if self.done is None:
+            return self.values
+        self.done.synchronize()
+        return [h.tolist() for h in self.host]

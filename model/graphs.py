@@ -74,7 +74,7 @@ class Verified:
 
     graphs: StepGraphs
     key: tuple[str, int, int]  # the verify's graph
-    tokens: Tensor  # [n, T] as the verify had them
+    tokens: Tensor  # [n, T] as the verify had them (on the host, or on the device where it hashes there)
 
     def write(self, keep: Tensor) -> None:
         self.graphs.commit(self.key, keep)
@@ -111,6 +111,12 @@ class StepGraphs:
 
     def covers(self, n: int) -> bool:
         return n <= self.buckets[-1]
+
+    def hashes_on_device(self) -> bool:
+        """Whether the forwards read their Engram rows without the host (tables on the device or gathered in place):
+        then their tokens may stay on the device."""
+        fetch = self.model.engram_fetch
+        return fetch is None or fetch.in_place()
 
     # ------------------------------------------------------------------------------------------------ forwards
     def decode(self, tokens: Tensor) -> Tensor:

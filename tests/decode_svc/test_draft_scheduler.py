@@ -140,6 +140,19 @@ def test_full_policy_and_unmeasured_forwards_verify_every_draft_the_caps_allow()
     assert fresh.width([[0.0] * 5], [4]) == 4
 
 
+def test_the_verify_goes_ahead_of_the_draft_only_where_its_width_costs_nothing() -> None:
+    """Launched before the confidences are read, a verify runs at the widest width: only where that is as cheap as
+    one column (a launch-bound GPU), where every draft is verified anyway, or while a forward is still unmeasured."""
+    assert DraftScheduler(GPU).ahead(1, 5)
+    assert DraftScheduler(GPU).ahead(64, 5)
+    assert not DraftScheduler(CPU).ahead(1, 5)
+    assert DraftScheduler(CPU, full=True).ahead(1, 5)
+    assert DraftScheduler(StepTimes()).ahead(1, 5)
+    times = measured(plain={1: 10 * MS}, draft={1: 4 * MS}, verify={2: 10 * MS, 6: 10.4 * MS, 24: 12 * MS})
+    assert DraftScheduler(times).ahead(1, 5)  # 6 tokens against 2: 4 % dearer, free of its width
+    assert not DraftScheduler(times).ahead(4, 5)  # 24 tokens against 8: 12 against 10.58 ms, 13 % dearer
+
+
 def test_step_times_are_medians_read_between_and_beyond_the_sizes_measured() -> None:
     times = StepTimes(window=5)
     assert not times.measured(Forward.PLAIN)

@@ -285,11 +285,14 @@ def test_per_row_generators_draw_the_same_whatever_the_neighbours(gen, seed):
 
 def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, tokens, seed):
     """Sampled decoding, plain and speculative: a row seeded alone emits exactly what it emits between two other rows
-    (one greedy, one on the default generator) that verify more drafts than it does."""
+    (one greedy, one on the default generator) that verify more drafts than it does — and what it emits when the
+    verify runs over every draft and only the acceptance stops at its length (the engine's verify launched ahead)."""
     outs = [encode_prefill(tiny, tokens(n)) for n in (13, 20, 9)]
     g, mine = tiny.args.dspark_block_size, 2
 
-    def decode(rows: list[int], temperatures: list[float], lengths: list[int], speculative: bool) -> list[int]:
+    def decode(
+        rows: list[int], temperatures: list[float], lengths: list[int], speculative: bool, ahead: bool = False
+    ) -> list[int]:
         """Tokens of the seeded row (prompt 0) decoded in a batch of `rows` (prompt indices)."""
         batch = DecodeBatch(tiny)
         firsts = [batch.join(outs[i].blocks, outs[i].encoder_state)[1] for i in rows]
@@ -300,9 +303,9 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, toke
         for _ in range(3):
             if speculative:
                 draft = batch.dspark_draft(pending, sampling, gens)
-                width = max(lengths)  # the engine verifies the longest row's drafts
-                draft = draft.trim(width)
-                emitted = batch.verify(pending, draft, sampling, torch.tensor(lengths), gens).tokens
+                width = g if ahead else max(lengths)  # the engine verifies the longest row's drafts, or all
+                forward = batch.verify_forward(pending, draft.trim(width))
+                emitted = batch.accept(forward, sampling, torch.tensor(lengths), gens).tokens
             else:
                 emitted = [[t] for t in sample(sampling.probs(batch.decode_step(pending)), gens).tolist()]
             out += emitted[rows.index(0)]
@@ -314,6 +317,7 @@ def test_a_seeded_row_samples_the_same_tokens_whatever_its_neighbours(tiny, toke
         crowd = decode([1, 0, 2], [1.0, 1.0, 0.0], [g, mine, g - 1], speculative)
         print(f"speculative={speculative}: {alone}")
         assert crowd == alone
+    assert decode([0], [1.0], [mine], True, ahead=True) == alone
 
 
 def test_keyed_race_samples_each_rows_distribution_from_its_seed_and_position_alone() -> None:
