@@ -13,7 +13,8 @@ Replay: the engine's own scheduler, row record and replica calibration (decode_s
 step through a trace as the speculative lane of one row does — plan, width on the draft's confidences, outcome —, on
 a fixed table of step times: a speculative replica's `step_times` in a decode bench JSON (the medians its scheduler
 last read on that machine; `:REPLICA` picks one, default `full`, whose table every drafted step renewed). A plain step
-costs plain(1), a drafted step draft(1) + verify(1 + width), or draft(1) + plain(1) where the width is 0. Reported per
+costs plain(1), a drafted step draft(1) + verify(1 + width), or draft(1) + plain(1) where the width is 0 — and
+draft(1) + verify(1 + budget) where the engine queues the verify ahead (`DraftScheduler.ahead`). Reported per
 prompt: tokens/s of `full` and `measured` over plain decoding, and the share of `measured`'s steps that drafted.
 What the replay leaves out: the host's work between the forwards, the table's drift, other rows.
 """
@@ -110,16 +111,18 @@ def replay(trace: Trace, table: dict[str, dict[str, float]], policy: str) -> tup
             n, seconds = n + 1, seconds + plain
         else:
             drafted += 1
+            ahead = scheduler.ahead(1, budget)  # the verify queued behind the draft, at the widest width
             width = scheduler.width([row.drafted(trace.confidence[n - 1])], [budget])
-            if width == 0:
+            if width == 0 and not ahead:
                 scheduler.realised(1, 1, 0)
                 row.waited()
                 n, seconds = n + 1, seconds + draft + plain
             else:
+                columns = budget if ahead else width
                 k = min(trace.accepted[n - 1], width)
-                scheduler.realised(1, 1 + k, width)
+                scheduler.realised(1, 1 + k, columns)
                 calibration.add(k, *row.record(width, k))
-                n, seconds = n + k + 1, seconds + draft + times.seconds(Forward.VERIFY, 1 + width)
+                n, seconds = n + k + 1, seconds + draft + times.seconds(Forward.VERIFY, 1 + columns)
         calibration.tick()
     return seconds, drafted / steps
 
