@@ -1,12 +1,12 @@
 """Kernel launches of one decode step on the GPU's path, counted on the CPU: an estimate of `bench/step_bench.py`'s
 CUDA kernels per step without a GPU, and where they come from.
 
-    python bench/launch_count.py [--preset tiny] [--batch 1] [--context 4096] [--step decode|dspark]
+    python bench/launch_count.py [--preset tiny] [--batch 1] [--context 4096] [--step decode|draft|dspark]
         [--temperature 0] [--per-row-generators] [--top 40] [--out F]
 
 The model is the preset with FP8 weights (the `small` preset's quantisation config, as served), its state
 synthesised as step_bench's is (bench/kernels.py `filled_decode_batch`), every kernel op on its Triton backend (run by
-the interpreter; on a CPU the model would take the torch references). One eager step — a decode step, or a DSpark
+the interpreter; on a CPU the model would take the torch references). One eager step — a decode step, a DSpark draft alone, or a DSpark
 step: the draft and the verify of all its drafts, sampled at `--temperature` from one generator for the batch (as the
 decode engine draws) or from one per row — is counted three ways:
 - Triton launches, by kernel;
@@ -110,6 +110,8 @@ def count(preset_name: str, B: int, context: int, kind: str = "decode", temperat
     def step() -> None:
         if kind == "decode":
             batch.decode_step(tokens)
+        elif kind == "draft":
+            batch.dspark_draft(tokens, sampling, generator)
         else:
             batch.verify(tokens, batch.dspark_draft(tokens, sampling, generator), sampling, generator=generator)
 
@@ -150,7 +152,7 @@ def main() -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--step", choices=("decode", "dspark"), default="decode")
+    p.add_argument("--step", choices=("decode", "draft", "dspark"), default="decode")
     p.add_argument("--temperature", type=float, default=0.0, help="the DSpark step's sampling (0: greedy)")
     p.add_argument("--per-row-generators", action="store_true", help="the DSpark step draws from one per row")
     p.add_argument("--top", type=int, default=40)

@@ -30,11 +30,12 @@ from model.attention import dense_attention
 from model.block import Block
 from model.cache import KVCache, Step
 from model.config import ModelArgs
+from model.fused import fused
 from model.linear import Embedding, Fp8Act, Linear, param_dtype, quantize_input
 from model.mhc import hc_collapse
 from model.norm import RMSNorm
 from model.parallel import SINGLE, Parallel
-from model.sampling import keyed_link
+from model.sampling import keyed_link, race_elements
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
@@ -81,6 +82,10 @@ class ConfidenceHead(nn.Module):
         """fp32 raw logits [..., 1] of collapsed draft rows x [..., C] and Markov embeddings e [..., r]."""
         return self.proj(torch.cat((x, e.to(x.dtype)), -1)).float()
 
+    def confidence(self, x: Tensor, e: Tensor) -> Tensor:
+        """Calibrated confidences σ(zₖ / Tₖ) [B, γ] of a draft's rows x [B, γ, C] and embeddings e [B, γ, r]."""
+        return _calibrated(self(x, e).squeeze(-1), self.temperature)
+
     def check(self) -> None:
         """ValueError unless every temperature is positive and finite (a loaded checkpoint's may not be)."""
         t = self.temperature
@@ -90,6 +95,11 @@ class ConfidenceHead(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
         state_dict.setdefault(f"{prefix}temperature", torch.ones_like(self.temperature))  # absent = identity
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@fused
+def _calibrated(z: Tensor, temperature: Tensor) -> Tensor:
+    return torch.sigmoid(z / temperature.to(z.dtype))  # fp32, as the logits
 
 
 class DSparkBlock(Block):
@@ -117,11 +127,7 @@ class DSparkBlock(Block):
         q, _ = attn.heads(q_latent)  # q rotates in the attention kernel
         data, scale = attn.window_entries(kv, positions)
         ring, B, g = cache.rings[self.layer], x.shape[0], x.shape[1]
-        anchor = positions[:, :1] - 1  # the newest committed position p
-        in_ring = (ring.pos[:B] >= 0) & (ring.pos[:B] <= anchor) & (ring.pos[:B] > anchor - W)
-        slots = torch.arange(W + g, dtype=torch.int32, device=x.device)  # [ring ‖ block rows]
-        keys = torch.cat((torch.where(in_ring, slots[:W], -1), slots[W:].expand(B, g)), dim=1)
-        window = (ring.data[:B], ring.scale[:B], data, scale, keys[:, None].expand(-1, g, -1))
+        window = (ring.data[:B], ring.scale[:B], data, scale, block_keys(ring.pos[:B], positions, W, g))
         return attn.attend_packed(q, positions, window, None)
 
     def dense_block_attention(
@@ -135,6 +141,18 @@ class DSparkBlock(Block):
         o = dense_attention(q, [(ring, ring_mask.unsqueeze(1).expand(-1, x.shape[1], -1)), (kv, block)],
                             attn.attn_sink, attn.softmax_scale)  # fmt: skip
         return attn.project_out(o, positions)
+
+
+@fused
+def block_keys(ring_pos: Tensor, positions: Tensor, W: int, g: int) -> Tensor:
+    """The keys of a block of g draft rows at positions p+1… (positions [B, g]) → every row's slot ids [B, g, W + g]
+    (int32, contiguous, as the attention kernel reads them) over [ring ‖ block rows]: the ring slots holding a
+    position in (p − W, p] (−1 for the others: never read), then every row of the block."""
+    anchor = positions[:, :1] - 1  # the newest committed position p
+    in_ring = (ring_pos >= 0) & (ring_pos <= anchor) & (ring_pos > anchor - W)
+    slots = torch.arange(W + g, dtype=torch.int32, device=ring_pos.device)
+    keys = torch.cat((torch.where(in_ring, slots[:W], -1), slots[W:].expand(ring_pos.shape[0], g)), dim=1)
+    return keys.unsqueeze(1).expand(-1, g, -1).contiguous()
 
 
 def context(mtp: nn.ModuleList, taps: list[Tensor] | Tensor) -> Tensor:
@@ -179,22 +197,30 @@ def markov_chain(model: Transformer, x: Tensor, base: Tensor, y: Tensor, link: L
     tokens are `link` of its logits Uₖ + the Markov bias of the token before it, its confidence the head's, calibrated
     by the link's temperature. A `link` that keeps no distribution (None) gives a draft without any."""
     last = model.mtp[-1]
-    head = last.confidence_head
-    tokens, dists, confidence, prev = [], [], [], y
+    tokens, dists, embedded, prev = [], [], [], y
     for k in range(x.shape[1]):
         e = last.markov_head.embed(prev)
         prev, q = link(base[:, k] + last.markov_head.head(e).float(), k)
-        confidence.append(torch.sigmoid(head(x[:, k], e) / head.temperature[k]))
         tokens.append(prev)
         dists.append(q)
+        embedded.append(e)
+    confidence = last.confidence_head.confidence(x, torch.stack(embedded, 1))  # every link's at once
     probs = torch.stack(dists, 1) if all(q is not None for q in dists) else None
-    return Draft(torch.stack(tokens, 1), probs, torch.cat(confidence, -1))
+    return Draft(torch.stack(tokens, 1), probs, confidence)
 
 
 def keyed_links(temperature: Tensor, seeds: Tensor, cursor: Tensor) -> Link:
     """The links of a chain whose rows race on keyed noise (`model.sampling.keyed_link`): link k of row b is output
-    position cursor[b] + k of seed seeds[b] (device tensors [B]); no distribution kept (one-hot on the tokens)."""
-    return lambda logits, k: (keyed_link(logits, temperature, seeds, cursor + k), None)
+    position cursor[b] + k of seed seeds[b] (device tensors [B]); no distribution kept (one-hot on the tokens). The
+    race's element counters are made once, for every link."""
+    elements: list[Tensor] = []
+
+    def link(logits: Tensor, k: int) -> tuple[Tensor, None]:
+        if not elements:
+            elements.append(race_elements(logits))
+        return keyed_link(logits, temperature, seeds, cursor, k, elements[0]), None
+
+    return link
 
 
 def draft_logits(model: Transformer, tokens: Tensor, taps: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:

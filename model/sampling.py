@@ -141,17 +141,20 @@ def keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     `sample`, its noise a pure function of the row's (seed, position) (`race_uniforms`), −log u the exponential. A
     request's positions race from noise of their own in one launch for the whole forward (a generator per row and
     position takes a few launches each), reproducible from the seed alone."""
-    return _keyed_race(probs, seeds, positions, _elements(probs))
+    return _keyed_race(probs, seeds, positions, race_elements(probs))
 
 
-def keyed_link(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+def keyed_link(
+    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, offset: int = 0, v: Tensor | None = None
+) -> Tensor:
     """logits [N, V], temperature [N], seeds and positions [N] → token ids [N]: `keyed_race` of the tempered
     softmax in its Gumbel-max form — argmax(logits / t − log(−log u)) over the same uniforms —, no distribution
-    made; a row of temperature 0 takes its arg-max. A draft chain's link, capturable with it."""
-    return _keyed_link(logits, temperature, seeds, positions, _elements(logits))
+    made; a row of temperature 0 takes its arg-max. A draft chain's link, capturable with it: link k races at
+    positions + k (`offset`), from the element counters `v` (`race_elements`) the chain makes once."""
+    return _keyed_link(logits, temperature, seeds, positions, race_elements(logits) if v is None else v, offset)
 
 
-def _elements(scores: Tensor) -> Tensor:
+def race_elements(scores: Tensor) -> Tensor:
     """1 … V, int64, on the scores' device: the race's element counters, read from memory by the fused kernels
     (an index generated inside one is int32, which the int64 hash arithmetic overflows)."""
     return torch.arange(1, scores.shape[-1] + 1, device=scores.device, dtype=torch.int64)
@@ -163,8 +166,10 @@ def _keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> T
 
 
 @fused
-def _keyed_link(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> Tensor:
-    u, t, scores = race_uniforms(seeds, positions, v), temperature.unsqueeze(-1), logits.float()
+def _keyed_link(
+    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, v: Tensor, offset: int
+) -> Tensor:
+    u, t, scores = race_uniforms(seeds, positions + offset, v), temperature.unsqueeze(-1), logits.float()
     return chunked_argmax(torch.where(t > 0, scores / t.clamp_min(1e-6) - torch.log(-torch.log(u)), scores))
 
 
