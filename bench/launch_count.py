@@ -6,9 +6,9 @@ CUDA kernels per step without a GPU, and where they come from.
 
 The model is the preset with FP8 weights (the `small` preset's quantisation config, as served), its state
 synthesised as step_bench's is (bench/kernels.py `filled_decode_batch`), every kernel op on its Triton backend (run by
-the interpreter; on a CPU the model would take the torch references). One eager step — a decode step, a DSpark draft alone, or a DSpark
-step: the draft and the verify of all its drafts, sampled at `--temperature` from one generator for the batch (as the
-decode engine draws) or from one per row — is counted three ways:
+the interpreter; on a CPU the model would take the torch references). One eager step — a decode step, a DSpark
+draft alone, or a DSpark step: the draft and the verify of all its drafts, sampled at `--temperature` from one
+generator for the batch (as the decode engine draws) or from one per row — is counted three ways:
 - Triton launches, by kernel;
 - calls of compiled functions (`model.fused`): one to three kernels each on a GPU, the plain torch ops here;
 - the remaining torch ops by the line of this repository that issued them (a dispatch mode; views and empty
