@@ -201,8 +201,8 @@ class DecodeBatch:
         x, base = self.graphs.draft(y) if self._graphed() else draft_features(self.model, self.cache, y)
         one_hot = sampling.one_hot()
 
-        def link(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-            q = sampling.probs(logits)
+        def link(base: Tensor, bias: Tensor, k: int) -> tuple[Tensor, Tensor]:
+            q = sampling.probs(base + bias.float())
             return (q.argmax(-1) if one_hot else sample(q, generator)), q
 
         return markov_chain(self.model, x, base, y, link)

@@ -170,14 +170,21 @@ def absorb(mtp: nn.ModuleList, step: Step, taps: list[Tensor]) -> None:
         step.rings[block.layer] = kernels.quantize_swa_fp8(kv, backend=kernels.backend_for(kv))
 
 
+@fused
+def block_inputs(y: Tensor, start: Tensor, noise: int, g: int) -> tuple[Tensor, Tensor]:
+    """A draft block's token ids [B, g] = [y, noise × (g−1)] (y [B]) and their positions start + 0 … g−1 (start
+    [B]: each row's next position)."""
+    ids = torch.cat((y.unsqueeze(1), torch.full((y.shape[0], g - 1), noise, dtype=y.dtype, device=y.device)), dim=1)
+    return ids, start.unsqueeze(1) + torch.arange(g, device=y.device)
+
+
 def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tensor, Tensor]:
     """The DSpark blocks over [y, noise × (γ−1)] (y [B]: the pending tokens, at each cache row's next position)
     → (collapse(X) [B, γ, C], the head's logits Uₖ [B, γ, V] in fp32): the part of a draft that does not depend on
     the drafted tokens, so one forward (or one captured graph) serves every link of the Markov chain."""
-    a, B = model.args, y.shape[0]
-    noise = torch.full((B, a.dspark_block_size - 1), a.dspark_noise_token_id, device=y.device)
-    ids = torch.cat((y.unsqueeze(1), noise), dim=1)
-    positions = cache.next_positions(slice(0, B)).unsqueeze(1) + torch.arange(ids.shape[1], device=y.device)
+    a = model.args
+    start = cache.next_positions(slice(0, y.shape[0]))
+    ids, positions = block_inputs(y, start, a.dspark_noise_token_id, a.dspark_block_size)
     X, pre = model.embed_stream(ids)
     update = None
     for block in model.mtp:
@@ -189,7 +196,8 @@ def draft_features(model: Transformer, cache: KVCache, y: Tensor) -> tuple[Tenso
     return x, model.head(last.norm(x)).float()
 
 
-Link = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]  # link k's logits, k → (its tokens, their distribution)
+# link k's head logits Uₖ and Markov bias, k → (its tokens, their distribution)
+Link = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor | None]]
 
 
 def markov_chain(model: Transformer, x: Tensor, base: Tensor, y: Tensor, link: Link) -> Draft:
@@ -200,7 +208,7 @@ def markov_chain(model: Transformer, x: Tensor, base: Tensor, y: Tensor, link: L
     tokens, dists, embedded, prev = [], [], [], y
     for k in range(x.shape[1]):
         e = last.markov_head.embed(prev)
-        prev, q = link(base[:, k] + last.markov_head.head(e).float(), k)
+        prev, q = link(base[:, k], last.markov_head.head(e), k)
         tokens.append(prev)
         dists.append(q)
         embedded.append(e)
@@ -215,10 +223,10 @@ def keyed_links(temperature: Tensor, seeds: Tensor, cursor: Tensor) -> Link:
     race's element counters are made once, for every link."""
     elements: list[Tensor] = []
 
-    def link(logits: Tensor, k: int) -> tuple[Tensor, None]:
+    def link(base: Tensor, bias: Tensor, k: int) -> tuple[Tensor, None]:
         if not elements:
-            elements.append(race_elements(logits))
-        return keyed_link(logits, temperature, seeds, cursor, k, elements[0]), None
+            elements.append(race_elements(base))
+        return keyed_link(base, temperature, seeds, cursor, k, elements[0], bias), None
 
     return link
 

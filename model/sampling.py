@@ -145,13 +145,21 @@ def keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
 
 
 def keyed_link(
-    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, offset: int = 0, v: Tensor | None = None
+    logits: Tensor,
+    temperature: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    offset: int = 0,
+    v: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """logits [N, V], temperature [N], seeds and positions [N] → token ids [N]: `keyed_race` of the tempered
     softmax in its Gumbel-max form — argmax(logits / t − log(−log u)) over the same uniforms —, no distribution
     made; a row of temperature 0 takes its arg-max. A draft chain's link, capturable with it: link k races at
-    positions + k (`offset`), from the element counters `v` (`race_elements`) the chain makes once."""
-    return _keyed_link(logits, temperature, seeds, positions, race_elements(logits) if v is None else v, offset)
+    positions + k (`offset`), from the element counters `v` (`race_elements`) the chain makes once, over logits +
+    `bias` (its Markov bias, added in fp32 inside the race)."""
+    v = race_elements(logits) if v is None else v
+    return _keyed_link(logits, bias, temperature, seeds, positions, v, offset)
 
 
 def race_elements(scores: Tensor) -> Tensor:
@@ -167,9 +175,10 @@ def _keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor, v: Tensor) -> T
 
 @fused
 def _keyed_link(
-    logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor, v: Tensor, offset: int
+    logits: Tensor, bias: Tensor | None, temperature: Tensor, seeds: Tensor, positions: Tensor, v: Tensor, offset: int
 ) -> Tensor:
-    u, t, scores = race_uniforms(seeds, positions + offset, v), temperature.unsqueeze(-1), logits.float()
+    scores = logits.float() if bias is None else logits.float() + bias.float()
+    u, t = race_uniforms(seeds, positions + offset, v), temperature.unsqueeze(-1)
     return chunked_argmax(torch.where(t > 0, scores / t.clamp_min(1e-6) - torch.log(-torch.log(u)), scores))
 
 
