@@ -435,7 +435,7 @@ class Engine:
         with self.times.timed(Forward.DRAFT, len(rows)):
             draft = batch.dspark_draft(pending, batch_sampling(rows))
             head = slice(None), slice(0, self.max_draft)
-            drafts = ReadBack(draft.confidence[head], draft.tokens[head])  # queued before the verify: the draft's
+            drafts = ReadBack(draft.confidence[head], draft.tokens[head])  # the draft's, queued before any verify
             launched = batch.verify_forward(pending, draft.trim(widest)) if ahead else None
             verify = None if guided else batch_sampling(rows)  # made while the draft runs (masks follow the drafts)
             confidence, drafted = drafts.lists()  # one wait: the draft has run
