@@ -321,3 +321,23 @@ def test_every_sampled_request_has_noise_of_its_own() -> None:
         assert len({sequence(None).noise_seed for _ in range(8)}) == 8
     finally:
         loop.close()
+
+
+def test_a_verify_launched_ahead_accepts_only_what_the_confidences_choose(
+    start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable
+) -> None:
+    """Where a verify's width costs nothing but a verify costs more than a plain step, every drafted step launches
+    the widest verify right behind its draft (`DraftScheduler.ahead`), before the confidences are read. Once the
+    confidently wrong drafter's worth has fallen, they choose no column at all: the verify already under way then
+    accepts no draft and emits the plain step's token — the tokens are still plain greedy, and every drafted step
+    was verified (none fell back to a plain forward)."""
+    mesh = start_mesh(times=Machine(lambda forward, n: 0.011 if forward is Forward.VERIFY else 0.01))
+    ids, n = prompt(13), 40
+    plain, _ = mesh.generate(token_ids=token_ids(ids), max_tokens=n, disable_speculation=True, cache_salt=salt)
+    spec, messages = mesh.generate(token_ids=token_ids(ids), max_tokens=n, cache_salt=salt + b"/spec")
+    assert spec == plain
+    assert messages[-1].usage.draft_tokens_accepted == 0
+    text = mesh.metrics(mesh.decode)
+    drafted = plans(text)["draft"] + plans(text)["probe"]
+    assert metric_value(text, "v41mesh_decode_verify_width_bucket", 'le="0.0"') >= 1  # no column chosen
+    assert metric_value(text, "v41mesh_decode_speculative_row_steps_total") == drafted
