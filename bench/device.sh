@@ -63,7 +63,7 @@ for part in "$@"; do
               if [ -z "$sanitizer" ]; then echo "compute-sanitizer: not on this machine"; else
                 timeout "$limit" "$sanitizer" --tool memcheck --error-exitcode 3 \
                   python3 bench/kernels.py --check attention --out "$OUT/kernels_sanitize"; fi ;;
-    fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm --bench attention-1,attention-64 \
+    fused) timeout "$limit" python3 bench/kernels.py --check attention,quant,activations,moe-gemm,row-gather --bench attention-1,attention-64 \
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured,full --max-tokens 96 \
               --out "$OUT/decode.json" ;;

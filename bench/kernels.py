@@ -557,6 +557,24 @@ def check_moe_gemm(
         c.report(f"moe gate_up cast E={E} tokens={N} block {block} {tuning or ''}", bad == 0, f"{bad} bytes differ")
 
 
+def check_row_gather(c: Checks, rows: int, ids: int) -> None:
+    """Rows gathered from a table in page-locked host memory (on a GPU: read in place over PCIe) — E4M3 Engram rows,
+    their UE8M0 scales, bf16 rows — bit for bit the rows indexed on the host, the table's last row included."""
+    pin = DEVICE == "cuda"
+    for name, width, dtype in (("E4M3 rows × 256", 256, torch.uint8), ("UE8M0 scales × 8", 8, torch.uint8),
+                               ("bf16 rows × 64", 64, torch.bfloat16)):  # fmt: skip
+        table = torch.randint(0, 256, (rows, width * dtype.itemsize), dtype=torch.uint8).view(dtype)
+        table = table.pin_memory() if pin else table
+        index = torch.randint(0, rows, (ids,), device=DEVICE)
+        index[0] = rows - 1
+        out = torch.empty((ids, width), dtype=dtype, device=DEVICE)
+        kernels.gather_rows(table, index, out, backend="triton")
+        want = table[index.cpu()]
+        bad = int((out.cpu().view(torch.uint8) != want.view(torch.uint8)).sum())
+        c.report(f"row gather {name}", bad == 0, f"{ids} of {rows} rows{' (pinned host table)' if pin else ''}, "
+                 f"{bad} bytes differ")  # fmt: skip
+
+
 def run_checks(names: list[str], tiny: bool) -> list[str]:
     """The checks of the named kernels (`all`: every one) at real sizes (`tiny`: CPU sizes)."""
     print("checks (Triton against the torch references)", flush=True)
@@ -570,7 +588,8 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                               (check_fp8_linear, 40, 64, 256)],
                  "moe-gemm": [(check_moe_gemm, 8, 128, 64, 32, [1, 3]),
                               (check_moe_gemm, 8, 128, 64, 16, [3]),
-                              (check_moe_gemm, 8, 128, 64, 32, [3], {"dot": "fp32"})]}  # fmt: skip
+                              (check_moe_gemm, 8, 128, 64, 32, [3], {"dot": "fp32"})],
+                 "row-gather": [(check_row_gather, 50, 37)]}  # fmt: skip
     else:
         plans = {"quant": [(check_quantisers, 1 << 16)], "activations": [(check_activations, 1 << 14)],
                  "indexer": [(check_indexer, 8, 1, 70_001), (check_indexer, 1, 300, 20_000),
@@ -591,7 +610,8 @@ def run_checks(names: list[str], tiny: bool) -> list[str]:
                               for E in (48, 384) for block in (32, 16)]
                              + [(check_moe_gemm, 48, 5120, 2304, 32, [64], {"ptx": False})]
                              + [(check_moe_gemm, E, 5120, 2304, 32, [1, 64, 256], {"dot": "fp8"})
-                                for E in (48, 384)]}  # fmt: skip
+                                for E in (48, 384)],
+                 "row-gather": [(check_row_gather, 10_000_000, 64 * 7 * 24), (check_row_gather, 1000, 1)]}  # fmt: skip
     c = Checks()
     for name in plans if names == ["all"] else names:
         for check, *args in plans[name]:
@@ -1306,8 +1326,8 @@ def main() -> int:
         const="all",
         default="",
         help="run the correctness checks at real "
-        "sizes: all, or some of quant, activations, indexer, candidates, topk, attention, fp8-gemm, moe-gemm "
-        "(comma-separated)",
+        "sizes: all, or some of quant, activations, indexer, candidates, topk, attention, fp8-gemm, moe-gemm, "
+        "row-gather (comma-separated)",
     )
     parser.add_argument("--bench", default="", help=f"sections, comma-separated, or 'all': {', '.join(SECTIONS)}")
     parser.add_argument("--report", action="store_true", help="merge the sections' JSON in --parts (after --bench)")
