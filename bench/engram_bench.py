@@ -13,7 +13,8 @@ Each decode row: ms per step (`DecodeBatch.decode_step`, eager on both sides, or
 graphs on both sides: the graph hashes its tokens and gathers their rows from the mapped host tables beside block 0;
 with `--graphs` a third side, `host_staged`, has the host stage the rows before each replay and the graph copy them,
 as for tables the GPU cannot read) at batch B and 4 K context, sides alternated `--rounds` times, median and spread;
-"added" is against the device side. The prefill row: one 16 K-token chunk (`encode_prefill`). `--trace DIR` writes a
+"added" is against the device side. The prefill row: one 16 K-token chunk (`encode_prefill`, eager: `host` gathers
+its rows in place beside block 0, `host_staged` through the host's gather threads and staging). `--trace DIR` writes a
 torch.profiler trace of three host steps at batch 64 and one prefill chunk, and reports how much of the rows'
 transfers (host-to-device copies, in-place gathers) overlapped kernels of the compute stream.
 
@@ -232,7 +233,7 @@ def main() -> int:
     with torch.no_grad():
         for B in map(int, ns.batches.split(",")):
             results["decode"].append(bench_decode(models, B, ns.rounds, ns.steps, ns.graphs))
-        prefill_models = {k: models[k] for k in ("device", "host")}
+        prefill_models = {k: models[k] for k in ("device", "host", "host_staged") if k in models}
         results["prefill"] = bench_prefill(prefill_models, ns.prefill_tokens, 3)
         if ns.trace is not None and DEVICE == "cuda":
             results["overlap"] = overlap(models["host"], ns.trace, ns.graphs)

@@ -9,14 +9,16 @@ stream, so they are known before the first layer runs. Placements (`--engram-sto
 - `mmap`: the tables are memory-mapped from the checkpoint's own shards (no second copy on disk); the page cache
   holds what the token stream touches.
 
-On the host, a step's token ids and look-back are on the host as soon as the step is built (`EngramFetch.start`);
-once the layers before the first Engram layer (block 0) are launched, the host hashes them, gathers the rows into a
-pinned staging buffer (a big step's in pieces, by a small pool of threads) and issues one non-blocking
-host-to-device copy per table on a side stream, while the GPU runs block 0. The Engram layer's stream then waits on
-the copy's event, never the host. A decode step replayed from a CUDA graph does without the host altogether where
-the tables are in pinned host memory: the graph hashes its own tokens on the device and gathers their rows from the
-tables in place, the GPU reading the mapped host memory over PCIe beside block 0 (`StagedMemory`). A layer decodes
-the same bytes by the same function whichever placement fetched them, so the outputs are bit-identical.
+Where the tables are in pinned host memory, a GPU step does without the host: as the forward's first work it hashes
+its own tokens on the device and, on a side stream, gathers their rows from the tables in place, the GPU reading the
+mapped host memory over PCIe while block 0 (the layers before the first Engram layer) runs; the Engram layer's
+stream waits on the gather's event (`InPlaceMemory` for an eager forward — a prefill chunk —, `StagedMemory` for
+one captured as a CUDA graph). Tables the GPU cannot read (`mmap`'s pages of the shards) go through the host: a step's
+token ids and look-back are on the host as soon as the step is built (`EngramFetch.start`); once block 0 is
+launched, the host hashes them, gathers the rows into a pinned staging buffer (a big step's in pieces, by a small
+pool of threads) and issues one non-blocking host-to-device copy per table on a side stream, which the Engram layer
+waits for in the same way. A layer decodes the same bytes by the same function whichever placement fetched them, so
+the outputs are bit-identical.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from model.engram import NgramHash
 from model.linear import Embedding, Fp8Rows
 
 if TYPE_CHECKING:
+    from model.cache import Step
     from model.transformer import Transformer
 
 Placement = Literal["device", "host", "mmap"]
@@ -162,12 +165,33 @@ class HostMemory:
         if layer not in self.fetched:
             self.fetched[layer] = self.pending.pop(layer)()
         rows, copied, shape = self.fetched[layer]
-        if copied is not None:
-            stream = torch.cuda.current_stream(rows[0].device)
-            stream.wait_event(copied)
-            for t in rows:
-                t.record_stream(stream)  # side-stream memory: not reused before this stream is done with it
+        _arrived(rows, copied)
         return self.decode(layer, rows).view(*shape, -1)
+
+
+class InPlaceMemory:
+    """The rows of an eager forward on a GPU whose tables are in pinned host memory: the forward's first work hashes
+    its tokens on the device and gathers every layer's rows from the tables in place on the side stream
+    (`EngramFetch.gather_in_place`), beside the layers before the first Engram layer; `values` makes the current
+    stream wait for the gather, not the host."""
+
+    def __init__(self, fetch: EngramFetch, tokens: Tensor, history: Tensor) -> None:
+        self.fetch = fetch
+        side = fetch.stream
+        if side is not None:  # None: a CPU model told to gather in place (the torch reference, inline)
+            side.wait_stream(torch.cuda.current_stream(fetch.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            ids = {layer: fetch.device_hash.rows(layer, tokens, history) for layer in fetch.tables}
+            self.shape = {layer: ids[layer].shape for layer in fetch.tables}
+            self.rows = {layer: _rows_like(fetch.tables[layer], ids[layer].numel(), fetch.device) for layer in ids}
+            fetch.gather_in_place({layer: ids[layer].view(-1) for layer in ids}, self.rows)
+            self.gathered = torch.cuda.Event() if side is not None else None
+            if self.gathered is not None:
+                self.gathered.record(side)
+
+    def values(self, layer: int) -> Tensor:
+        _arrived(self.rows[layer], self.gathered)
+        return self.fetch.decode(layer, self.rows[layer]).view(*self.shape[layer], -1)
 
 
 class EngramFetch:
@@ -197,6 +221,13 @@ class EngramFetch:
         self.last_copy: dict[int, torch.cuda.Event] = {}  # layer → the copy that last read its staging
         self.gathering: dict[int, list[tuple[slice, list[Future]]]] = {}  # layer → the pieces last queued into it
 
+    def memory(self, step: Step) -> InPlaceMemory | HostMemory:
+        """The rows of an eager forward's step: gathered in place from its tokens and look-back on the device, as its
+        first work, where the GPU reads the tables (`in_place`); else fetched by the host (`start`)."""
+        if self.in_place():
+            return InPlaceMemory(self, step.tokens, step.history)
+        return self.start(*step.host_ids())
+
     def start(self, tokens: Tensor, history: Tensor) -> HostMemory:
         """The rows of a step — tokens [B, T] and history [B, n−1], int64 on the host — to fetch from every layer's
         table (and copy to the device) when the first Engram layer is reached."""
@@ -218,6 +249,13 @@ class EngramFetch:
     def device_hash(self) -> NgramHash:
         """The row hash on the model's device (a captured forward's, which hashes its own tokens)."""
         return NgramHash(self.hash.args).to(self.device)
+
+    def gather_in_place(self, ids: dict[int, Tensor], out: dict[int, tuple[Tensor, ...]]) -> None:
+        """out[layer][i] ← each of the layer's stored tensors at the rows ids[layer] (flat, on the model's device),
+        read from the tables where they lie (`kernels.gather_rows`), on the current stream."""
+        for layer, rows in out.items():
+            for dst, src in zip(rows, _stored(self.tables[layer]), strict=True):
+                kernels.gather_rows(src, ids[layer], dst, backend=kernels.backend_for(dst))
 
     def decode(self, layer: int, rows: tuple[Tensor, ...]) -> Tensor:
         table = self.tables[layer]
@@ -350,11 +388,8 @@ class StagedMemory:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             if self.in_place:
-                ids = self.fetch.device_hash.rows
-                for layer, rows in self.rows.items():
-                    flat = ids(layer, tokens, history).view(-1)
-                    for dst, src in zip(rows, _stored(self.fetch.tables[layer]), strict=True):
-                        kernels.gather_rows(src, flat, dst, backend=kernels.backend_for(dst))
+                ids = {layer: self.fetch.device_hash.rows(layer, tokens, history).view(-1) for layer in self.rows}
+                self.fetch.gather_in_place(ids, self.rows)
             elif self.cuda:
                 for layer, pinned in self.host.items():
                     for dst, src in zip(self.rows[layer], pinned, strict=True):
@@ -370,6 +405,16 @@ class StagedMemory:
 
 
 Bytes = tuple[np.ndarray, ...]
+
+
+def _arrived(rows: tuple[Tensor, ...], event: torch.cuda.Event | None) -> None:
+    """Make the current stream wait for rows a side stream filled (event None: filled in order already)."""
+    if event is None:
+        return
+    stream = torch.cuda.current_stream(rows[0].device)
+    stream.wait_event(event)
+    for t in rows:
+        t.record_stream(stream)  # side-stream memory: not reused before this stream is done with it
 
 
 def _wait(pieces: list[tuple[slice, list[Future]]]) -> None:

@@ -107,13 +107,13 @@ class Transformer(nn.Module):
         return {layer: self.ngram.rows(layer, tokens, history) for layer in self.args.engram_layer_ids}
 
     def engram_memory(self, step: Step) -> Memory:
-        """The Engram rows of a step: staged for it (a captured forward, model.graphs), fetched from the host tables
-        (started now, waited for by each Engram layer), or looked up on the device."""
+        """The Engram rows of a step: staged for it (a captured forward, model.graphs), gathered from tables off the
+        device (started now, waited for by each Engram layer), or looked up on the device."""
         if step.memory is not None:
             return step.memory
         if self.engram_fetch is None:
             return DeviceMemory(self, step.tokens, step.history)
-        return self.engram_fetch.start(*step.host_ids())
+        return self.engram_fetch.memory(step)
 
     def logits(self, X: Tensor, pre: Tensor) -> Tensor:
         """fp32 logits of the final stream (collapsed with the last FFN site's pre-mix)."""
@@ -192,7 +192,8 @@ class Transformer(nn.Module):
         full = self.part == "full" and not encoder_only
         rings = range(a.n_layers_total) if full else range(L2)
         sources = [s for s in a.kv_source_layer_ids if full or s <= L2]
-        host = self.engram_fetch is not None  # the host hashes Engram rows: it keeps the look-back too
+        fetch = self.engram_fetch
+        host = fetch is not None and not fetch.in_place()  # the host hashes Engram rows: it keeps the look-back too
         return KVCache(a, rings, sources, device=self.device, dtype=self.dtype, capacity=capacity, host_history=host)
 
     def step_layers(self, step: Step, X: Tensor, pre: Tensor, layers: Iterable[int], taps=None):

@@ -1,6 +1,7 @@
 """Engram tables off the device (`host`: host memory, `mmap`: the checkpoint's shards mapped): the host hashes each
-step's rows and gathers them on worker threads; every output is bit-identical to the on-device table's, through
-chunked prefill, a restored prefix, decode steps, forks and DSpark verify."""
+step's rows and gathers them on worker threads, or the device gathers them from pinned tables in place; every output
+is bit-identical to the on-device table's, through chunked prefill, a restored prefix, decode steps, forks and
+DSpark verify."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from model.checkpoint import Checkpoint, load_checkpoint, write_seeded
 from model.engram_store import (
     EngramFetch,
     HostMemory,
+    InPlaceMemory,
     available_host_bytes,
     cgroup_free_bytes,
     choose_placement,
@@ -102,18 +104,24 @@ def test_staged_host_rows_of_static_forwards_give_the_device_tables_outputs_bit_
     assert_same(run(on_host, prompt, cut=7, static=True), run(tiny, prompt, cut=7, static=True))
 
 
-def test_rows_gathered_in_place_by_static_forwards_give_the_device_tables_outputs_bit_for_bit(
-    tiny: Transformer, tiny_args: ModelArgs, tokens
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_rows_gathered_in_place_give_the_device_tables_outputs_bit_for_bit(
+    tiny: Transformer, tiny_args: ModelArgs, tokens, static: bool
 ):
-    """What a captured forward does with tables in pinned host memory — hashes its own tokens on the model's device
-    and gathers their rows from the tables where they lie, the host staging nothing — gives the device tables'
+    """What a GPU forward does with tables in pinned host memory — eager (a prefill chunk) or as its CUDA graph
+    would capture it — hashes its own tokens on the model's device and gathers their rows from the tables where they
+    lie, the host hashing and staging nothing (the cache keeps no host look-back), and gives the device tables'
     outputs, bit for bit."""
     model = build_model(tiny_args, seed=0, dtype=torch.float64, engram="host")
     model.engram_fetch.close()
     model.engram_fetch = EngramFetch(model, gather_on_device=True)
     prompt = tokens(19).tolist()
     try:
-        assert_same(run(model, prompt, cut=7, static=True), run(tiny, prompt, cut=7, static=True))
+        batch, out = DecodeBatch(model), encode_prefill(model, prompt[:9])
+        batch.join(out.blocks, out.encoder_state)
+        assert batch.cache.host_history is None
+        assert isinstance(model.engram_memory(batch.cache.step(torch.tensor([[7]]))), InPlaceMemory)
+        assert_same(run(model, prompt, cut=7, static=static), run(tiny, prompt, cut=7, static=static))
     finally:
         model.engram_fetch.close()
 

@@ -1,8 +1,8 @@
 """On a GPU (skipped without one): Engram tables in pinned host memory hold zero bytes on the device, and a model
 fetching its rows from them gives the on-device tables' outputs bit for bit through prefill, decode and DSpark
-verify — eagerly (hashed on the host, copied on a side stream), and replayed from CUDA graphs (hashed on the device
-and gathered from the mapped host tables inside the graph; or, as for tables the GPU cannot read, staged on the host
-before each replay and copied inside it)."""
+verify, eagerly and replayed from CUDA graphs: hashed on the device and gathered from the mapped host tables as the
+forward's first work (inside the graph for a replay), or, as for tables the GPU cannot read (`graphs-staged`, whose
+prefill is eager), hashed and gathered by the host and copied on a side stream (staged before each replay)."""
 
 from __future__ import annotations
 
