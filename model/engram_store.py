@@ -24,7 +24,6 @@ the outputs are bit-identical.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -214,6 +213,7 @@ class EngramFetch:
     ) -> None:
         self.device, self.gather_rows, self.gather_on_device = model.device, gather_rows, gather_on_device
         self.hash = NgramHash(model.args)  # on the host, beside the tables
+        self.device_hash = model.ngram  # the model's own, on its device: a forward that hashes its own tokens
         self.tables = engram_tables(model)
         self.gatherers = ThreadPoolExecutor(gather_threads, thread_name_prefix="engram-gather")
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -244,11 +244,6 @@ class EngramFetch:
             return self.gather_on_device
         stored = [t for table in self.tables.values() for t in _stored(table)]
         return self.device.type == "cuda" and all(t.is_pinned() for t in stored)
-
-    @functools.cached_property
-    def device_hash(self) -> NgramHash:
-        """The row hash on the model's device (a captured forward's, which hashes its own tokens)."""
-        return NgramHash(self.hash.args).to(self.device)
 
     def gather_in_place(self, ids: dict[int, Tensor], out: dict[int, tuple[Tensor, ...]]) -> None:
         """out[layer][i] ← each of the layer's stored tensors at the rows ids[layer] (flat, on the model's device),
