@@ -113,10 +113,9 @@ class StepGraphs:
         return n <= self.buckets[-1]
 
     def hashes_on_device(self) -> bool:
-        """Whether the forwards read their Engram rows without the host (tables on the device or gathered in place):
-        then their tokens may stay on the device."""
-        fetch = self.model.engram_fetch
-        return fetch is None or fetch.in_place()
+        """Whether the forwards read their Engram rows without the host (tables on the device or gathered in place:
+        the cache then mirrors no look-back on the host): their tokens may stay on the device."""
+        return self.cache.host_history is None
 
     # ------------------------------------------------------------------------------------------------ forwards
     def decode(self, tokens: Tensor) -> Tensor:
