@@ -77,8 +77,10 @@ for part in "$@"; do
              --calls 6 --max-tokens 32 --concurrency 6 --configs ours,no-dspark --out "$OUT/serve.json" ;;
     engram) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64 --rounds 3 --no-mmap \
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
+    engram-full) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64,256 --rounds 3 --host-dim 256 \
+                   --out "$OUT/engram_full.json" ;;
     *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe moe-ablation fp8 mhc fused" \
-            "decode engine engine-variant constraint engram serve sanitize)" ;;
+            "decode engine engine-variant constraint engram engram-full serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"

@@ -189,6 +189,24 @@ def profiled(work, trace: Path, name: str) -> dict:
     return row
 
 
+def measure(models: dict, ns: argparse.Namespace) -> dict:
+    """The decode rows, the prefill row and (`--trace`, a GPU) the overlap, for the sides in `models`."""
+    results = {
+        "decode": [],
+        "prefill": None,
+        "overlap": None,
+        "machine": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+    }
+    with torch.no_grad():
+        for B in map(int, ns.batches.split(",")):
+            results["decode"].append(bench_decode(models, B, ns.rounds, ns.steps, ns.graphs))
+        prefill_models = {k: models[k] for k in ("device", "host", "host_staged") if k in models}
+        results["prefill"] = bench_prefill(prefill_models, ns.prefill_tokens, 3)
+        if ns.trace is not None and DEVICE == "cuda":
+            results["overlap"] = overlap(models["host"], ns.trace, ns.graphs)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,64,256")
@@ -216,27 +234,15 @@ def main() -> int:
         staged.engram_fetch.close()
         staged.engram_fetch = EngramFetch(staged, gather_on_device=False)
     print(f"host tables: {host_args.engram_num_embeddings} rows × {host_args.engram_head_dim}", flush=True)
-    folder = Path(tempfile.mkdtemp(prefix="engram-mmap-"))
-    if not ns.no_mmap:
-        wide = with_tables(small, 200_000, RELEASED.engram_n_heads, RELEASED.engram_head_dim)
-        models["device_wide"] = build_model(wide, seed=0, device=DEVICE, dtype=torch.bfloat16).eval()
-        full = wide.replace(engram_vocab_size=RELEASED.engram_vocab_size,
-                            engram_num_embeddings=RELEASED.engram_num_embeddings)  # fmt: skip
-        models["mmap"] = mapped_model(full, folder)
-        print(f"mmap tables: {full.engram_num_embeddings} rows × {full.engram_head_dim} in {folder}", flush=True)
-    results = {
-        "decode": [],
-        "prefill": None,
-        "overlap": None,
-        "machine": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-    }
-    with torch.no_grad():
-        for B in map(int, ns.batches.split(",")):
-            results["decode"].append(bench_decode(models, B, ns.rounds, ns.steps, ns.graphs))
-        prefill_models = {k: models[k] for k in ("device", "host", "host_staged") if k in models}
-        results["prefill"] = bench_prefill(prefill_models, ns.prefill_tokens, 3)
-        if ns.trace is not None and DEVICE == "cuda":
-            results["overlap"] = overlap(models["host"], ns.trace, ns.graphs)
+    with tempfile.TemporaryDirectory(prefix="engram-mmap-") as folder:  # the sparse table files, removed at the end
+        if not ns.no_mmap:
+            wide = with_tables(small, 200_000, RELEASED.engram_n_heads, RELEASED.engram_head_dim)
+            models["device_wide"] = build_model(wide, seed=0, device=DEVICE, dtype=torch.bfloat16).eval()
+            full = wide.replace(engram_vocab_size=RELEASED.engram_vocab_size,
+                                engram_num_embeddings=RELEASED.engram_num_embeddings)  # fmt: skip
+            models["mmap"] = mapped_model(full, Path(folder))
+            print(f"mmap tables: {full.engram_num_embeddings} rows × {full.engram_head_dim} in {folder}", flush=True)
+        results = measure(models, ns)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps(results, indent=2))
     return 0

@@ -194,9 +194,11 @@ class InPlaceMemory:
 
 
 class EngramFetch:
-    """Fetches steps' Engram rows from tables held off the device (`host`, `mmap`) of one model.
+    """Fetches steps' Engram rows from tables held off the device (`host`, `mmap`) of one model: gathered by the
+    device in place where it can read the tables (`in_place`: `InPlaceMemory`, and `StagedMemory` inside a graph),
+    otherwise by the host (`start`: `HostMemory`).
 
-    The host work runs on the thread that launches the step, when its first Engram layer is reached: hashing every
+    The host's work runs on the thread that launches the step, when its first Engram layer is reached: hashing every
     layer's ids is a few numpy ops, and a decode step's rows (B × T × R per table) are gathered in one call; a step
     of more than `gather_rows` ids (a prefill chunk) is gathered in pieces by `gather_threads` threads, each holding
     the GIL only to start its piece, every layer's pieces queued at once in layer order, so the later tables are
