@@ -260,7 +260,8 @@ def main() -> int:
     runs: list[Run] = []
     try:
         for name in order:  # first calls pay one-off costs (allocations, lazy initialisation): not measured
-            replicas.generate(name, prompts, samplings[0], 4, -1)
+            for sampling in samplings:  # each sampling path pays its own first-call costs
+                replicas.generate(name, prompts, sampling, 4, -1)
         work = [(r, b, s) for r in range(args.repeats) for b in batches for s in samplings]
         for i, (repeat, batch, sampling) in enumerate(tqdm(work, desc="runs")):
             for name in order[i % len(order) :] + order[: i % len(order)]:  # rotate who goes first
