@@ -27,7 +27,9 @@ a run that never ends an answer is suspect), the engine's mean step (its `step_s
 sampling and the step's read back) and that time's share of the run's clock (the rest passes between steps: delivering
 tokens, the engine's loop, waits for the GIL, which the engine shares with the replicas' event loop), and whether greedy
 and seeded outputs equal `off`'s. Then, per speculative replica, what its drafted steps are made of: its plain, draft
-and verify forwards' seconds by token count, as its scheduler last read them (each timed to its read-back).
+and verify forwards' seconds by token count, as its scheduler last read them (each timed to its read-back). The JSON's
+runs carry, per run, the scheduler's trust for the run's batch and its forwards' seconds at that batch after the run:
+how a replica's drafting evolves from run to run.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Run:
     outputs: list[list[int]]
     steps: float  # engine steps of the run
     step_seconds: float  # their summed time: forward, sampling and the step's reads back (the engine's clock)
+    trust: float | None  # the scheduler's trust in its forecasts for the run's batch bucket, after the run
+    forwards_ms: dict[str, list[float | None]]  # ms as the scheduler read them after the run (`scheduler_state`)
 
     @property
     def step_ms(self) -> float:
@@ -153,9 +157,24 @@ class Replicas:
         decoded = [sum(n for at, n in s if at > first) for s, first in zip(streams.stamps, streams.first, strict=True)]
         row_rates = [n / (end - first) for n, end, first in zip(decoded, ends, streams.first, strict=True) if n]
         plans = {p: delta[f"plan_{p}"] for p in PLANS}
+        trust, forwards = self.scheduler_state(name, len(prompts))
         return Run(name, len(prompts), sampling, repeat, sum(decoded), max(ends) - min(streams.first),
                    statistics.median(row_rates), delta["accepted"], delta["row_steps"], plans, streams.outputs,
-                   delta["steps"], delta["step_seconds"])  # fmt: skip
+                   delta["steps"], delta["step_seconds"], trust, forwards)  # fmt: skip
+
+    def scheduler_state(self, name: str, rows: int) -> tuple[float | None, dict[str, list[float | None]]]:
+        """What the replica's DSpark scheduler holds for a batch of `rows` rows: its trust (None: speculation off)
+        and its forwards' ms at that batch (each read as the scheduler reads it, None where never measured)."""
+        engine = self.servers[name].engine
+        if not engine.settings.speculation:
+            return None, {}
+        times, widths = engine.times, range(1, engine.max_draft + 1)
+        sizes = {Forward.PLAIN: [rows], Forward.DRAFT: [rows], Forward.VERIFY: [rows * (1 + w) for w in widths]}
+        forwards = {
+            f.value: [round(times.seconds(f, n) * 1e3, 3) if times.measured(f) else None for n in ns]
+            for f, ns in sizes.items()
+        }
+        return round(engine.scheduler.trust(rows), 3), forwards
 
     def step_times(self, name: str) -> dict[str, dict[int, float]]:
         """The replica's forwards as its DSpark scheduler reads them, ms by tokens: the medians of its latest steps
