@@ -76,7 +76,8 @@ class GatewayServer:
         self._cache: CacheHealth | None = None
         self._http: _HttpServer | None = None
         self._grpc: GrpcServer | None = None
-        self._grpc_serving = True  # GrpcServer.start() sets SERVING
+        self._grpc_serving = True  # what gRPC health reports: GrpcServer.start() sets SERVING
+        self._health_lock = asyncio.Lock()  # the start and the poller's readiness updates, one at a time
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -137,7 +138,9 @@ class GatewayServer:
             cfg.grpc_port,
         )
         self.grpc_port = self._grpc.port
-        await self._grpc.start()
+        async with self._health_lock:  # the poller, running already, must not set a status the start then overwrites
+            await self._grpc.start()
+            self._grpc_serving = True
         await self._follow_readiness()
         log.info("serving", host=cfg.host, port=self.port, grpc_port=self.grpc_port)
 
@@ -202,10 +205,11 @@ class GatewayServer:
 
     async def _follow_readiness(self) -> None:
         """gRPC health says what /health says: SERVING only while ready."""
-        ready = self.readiness()["ready"]
-        if self._grpc is not None and ready != self._grpc_serving and not self.gateway.draining:  # type: ignore[union-attr]
-            self._grpc_serving = ready
-            await self._grpc.set_serving(ready)
+        async with self._health_lock:
+            ready = self.readiness()["ready"]
+            if self._grpc is not None and ready != self._grpc_serving and not self.gateway.draining:  # type: ignore[union-attr]
+                self._grpc_serving = ready
+                await self._grpc.set_serving(ready)
 
     def _observe_decode(self) -> None:
         """Admission's view of the mesh: the batch slots and the sequences of the decode replicas that answer."""
