@@ -71,6 +71,8 @@ for part in "$@"; do
               --out "$OUT/engine.json" ;;
     engine-variant) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
                       --no-batch-invariant --out "$OUT/engine_variant.json" ;;
+    engine-draft) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1 \
+                    --speculation full --out "$OUT/engine_draft.json" ;;
     constraint) timeout "$limit" python3 bench/constraint_bench.py --model small --device cuda --batches 64,1 \
                   --steps 12 --rounds 3 --fill-threads 0,1 --schemas 52 --out "$OUT/constraint.json" ;;
     serve) timeout "$limit" python3 bench/serve_bench.py --model small --traces /tmp/agent-traces --sessions 3 \
@@ -80,7 +82,7 @@ for part in "$@"; do
     engram-full) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64,256 --rounds 3 --host-dim 256 \
                    --out "$OUT/engram_full.json" ;;
     *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe moe-ablation fp8 mhc fused" \
-            "decode engine engine-variant constraint engram engram-full serve sanitize)" ;;
+            "decode engine engine-variant engine-draft constraint engram engram-full serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"

@@ -1,7 +1,7 @@
 """Where a served decode step's time goes: the engine's whole iteration against the captured graph it replays.
 
     python bench/engine_profile.py [--model model/checkpoints/v41-demo] [--batches 1,24] [--steps 40]
-        [--speculation] [--no-batch-invariant] [--out bench/out/engine_profile.json]
+        [--speculation off|measured|full] [--no-batch-invariant] [--out bench/out/engine_profile.json]
 
 One engine (decode_svc.engine.Engine, no thread, no gRPC) on the model takes B held-out prompts (train.eval) with a
 budget no step reaches, prefills them itself and then iterates, as its thread would; per batch it reports:
@@ -51,9 +51,15 @@ console = Console(stderr=True)
 GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
-def new_engine(model: Any, batch: int, speculation: bool) -> Engine:
+def new_engine(model: Any, batch: int, speculation: str) -> Engine:
+    """An engine of `batch` rows; speculation "off", or DSpark under the "measured" or "full" draft policy."""
     settings = EngineSettings(
-        max_batch=batch, max_queue=batch, speculation=speculation, max_draft=4, draft_policy="measured", chunk_size=512
+        max_batch=batch,
+        max_queue=batch,
+        speculation=speculation != "off",
+        max_draft=4,
+        draft_policy="full" if speculation == "full" else "measured",
+        chunk_size=512,
     )
     log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[structlog.processors.JSONRenderer()])
     engine = Engine(model, settings, DecodeMetrics(CollectorRegistry()), log, lambda *a: None)
@@ -104,7 +110,7 @@ def hottest(engine: Engine, steps: int, top: int) -> str:
     return text.getvalue()
 
 
-def measure(model: Any, batch: int, steps: int, speculation: bool, top: int) -> dict[str, Any]:
+def measure(model: Any, batch: int, steps: int, speculation: str, top: int) -> dict[str, Any]:
     engine = new_engine(model, batch, speculation)
     loop = asyncio.new_event_loop()
     prompts = chat_prompts(0, batch)
@@ -126,7 +132,12 @@ def main() -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--batches", default="1,24")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--speculation", action="store_true", help="the speculative lane (DSpark) instead of plain")
+    p.add_argument(
+        "--speculation",
+        choices=("off", "measured", "full"),
+        default="off",
+        help="plain steps, or DSpark's lane under the measured or full (every step drafts) policy",
+    )
     p.add_argument("--top", type=int, default=30, help="functions listed from the host profile")
     add_batch_invariant(p, default=True)
     p.add_argument("--out", type=Path, default=ROOT / "bench/out/engine_profile.json")
