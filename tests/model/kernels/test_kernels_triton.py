@@ -20,6 +20,7 @@ from kernel_cases import (
     tied_topk_case,
     topk_case,
 )
+from torch import Tensor
 
 from model import DecodeBatch, Transformer, encode_prefill, kernels, quant
 from model.graphs import StepGraphs
@@ -417,16 +418,29 @@ def test_topk_of_the_scores_decode_steps_produce(tiny: Transformer, monkeypatch:
             assert torch.equal(topk_indices_triton(scores, k, lengths, paths), want)
 
 
+def _alone(case: tuple, rope: tuple[Tensor, Tensor], b: int, t: int) -> Tensor:
+    """Query (b, t) of an attention case launched by itself: its row's keys, its own window slots and entries."""
+    q, swa_data, swa_scale, new_data, new_scale, swa_idx, kv_data, kv_scale, idx, sink, scale = case
+    row, query = slice(b, b + 1), (slice(b, b + 1), slice(t, t + 1))
+    keys = (swa_data[row], swa_scale[row], new_data[row], new_scale[row], swa_idx[query])
+    one = (q[query], *keys, kv_data[row], kv_scale[row], idx[query], sink, scale)
+    return sparse_attention_triton(*one, rope=(rope[0][query], rope[1]))[0, 0]
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_sparse_attention_under_batch_invariance_computes_a_query_alike_in_any_batch(monkeypatch, invariant: bool):
-    """On a GPU of 132 SMs (emulated), a query alone has its 7 key tiles split 7 ways, among 24 queries 5 ways; under
-    batch invariance it is one program either way, and its output bits are the same."""
+    """On a GPU of 132 SMs (emulated), a query alone has its 5 key tiles split 5 ways, among 32 queries (4 rows × 8
+    verify positions) 3 ways; under batch invariance the layer's shape splits them 2 ways either way, and each
+    query's output bits are what it gets alone."""
     from model.kernels import invariance, sparse_attn
 
     monkeypatch.setattr(sparse_attn, "multiprocessors", lambda: 132)
     monkeypatch.setattr(invariance, "_invariant", invariant)
-    case = attention_case(generator(24), 24, 1, 4, 32, 40, 80, 60)
-    alone = sparse_attention_triton(*(t[1:2] if isinstance(t, torch.Tensor) and t.dim() > 1 else t for t in case))
-    among = sparse_attention_triton(*case)
-    torch.testing.assert_close(among, kernels.sparse_attention(*case), rtol=1e-5, atol=1e-6)
-    assert torch.equal(alone[0], among[1]) == invariant
+    B, T, H, D = 4, 8, 2, 32
+    case = attention_case(generator(31), B, T, H, D, 20, 60, 40)  # 2 window tiles + 3 entry tiles of 16 keys
+    assert sparse_attn._invariant_splits(5, 16, H, D, D) == 2
+    rope = (torch.arange(B * T).view(B, T) + 100, 10000.0 ** -(torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    among = sparse_attention_triton(*case, rope=rope)
+    alone = torch.stack([torch.stack([_alone(case, rope, b, t) for t in range(T)]) for b in range(B)])
+    torch.testing.assert_close(among, kernels.sparse_attention(*case, rope=rope), rtol=1e-5, atol=1e-6)
+    assert torch.equal(among, alone) == invariant
