@@ -1,7 +1,7 @@
 """Where the grouped MXFP4 gate_up GEMM's K loop spends its time: the served kernel beside variants with one part of
 the loop taken out, each timed alone (issue 19: the GEMM sits at 20–49 % of HBM bandwidth, its target is 60 %).
 
-    python bench/moe_ablation.py [--variants base,no-scale,i2f,no-dot,bytes,rescale] [--out bench/out/moe_ablation.json]
+    python bench/moe_ablation.py [--variants base,no-scale,i2f,no-dot,bytes] [--out bench/out/moe_ablation.json]
     python bench/moe_ablation.py --tiny        # smoke run on CPU (Triton interpreter, small experts)
 
 Each variant swaps one of `model.kernels.moe_gemm`'s jit helpers for a cut-down one before the kernel is first
@@ -10,14 +10,9 @@ compiled, in a process of its own (`base` runs first and last: the spread of the
 - `no-scale`: the nibble decode with one constant scale (the scale loads and their unpacking gone);
 - `i2f`: each nibble converted to bf16 by one integer conversion (no table decode, no scales);
 - `no-dot`: the decode as served, the two tensor-core dots replaced by row sums (no wgmma, no operand shuffles);
-- `bytes`: `i2f` and `no-dot` together (the loads and the loop alone);
-- `rescale`: the same product formulated without the decoded weights' trip through shared memory — per 32-input
-  scale block, its packed bytes and its two 16-input activation slices loaded on their own, the nibbles decoded at
-  scale 1 (a constant fits whatever layout the dot operand takes), two K = 16 dots into a fresh partial, the partial
-  times the block's weight scales added to the accumulator: more instructions and each partial's dots waited for
-  before its rescale, against no operand round trip.
-A cut-down variant's output is meaningless; its time says what the part it removes costs. `base` and `rescale`
-compute the product: their output is checked against the torch reference (the run fails past 1e-2 relative).
+- `bytes`: `i2f` and `no-dot` together (the loads and the loop alone).
+A cut-down variant's output is meaningless; its time says what the part it removes costs. `base` computes the
+product: its output is checked against the torch reference (the run fails past 1e-2 relative).
 Shapes: top-6 over 48 experts at 64 and 256 tokens (one expert-parallel rank of eight) and over all 384 at 256,
 C = 5120, I = 2304, scales per 32.
 """
@@ -42,10 +37,9 @@ import triton.language as tl
 
 from bench.kernels import expert_weights, median_ms, moe_inputs
 from model.kernels import moe_gemm
-from model.kernels.formats import e2m1_scaled, ue8m0_block_scales
+from model.kernels.formats import e2m1_scaled
 
-VARIANTS = ("base", "no-scale", "i2f", "no-dot", "bytes", "rescale")
-EXACT = ("base", "rescale")  # variants that compute the product (a reordered sum: not bit for bit)
+VARIANTS = ("base", "no-scale", "i2f", "no-dot", "bytes")
 TOLERANCE = 1e-2  # relative, against the torch reference in bf16
 SHAPES = ((48, 64), (48, 256), (384, 256))  # (experts, tokens)
 TINY_SHAPES = ((8, 4),)
@@ -83,45 +77,12 @@ def project_no_dot(acc, w_ptr, ws_ptr, rows, ok, x_even, x_odd, k0, K: tl.conste
     return acc + w[:, None] * x[None, :]
 
 
-@triton.jit
-def activation_rows(x_ptr, p, ok, k0, K: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
-    """`moe_gemm._activation_halves` deferred to `project_rescaled`: the pairs' row pointers and mask [1, BM]."""
-    return (x_ptr + p.to(tl.int64) * K)[None, :], ok[None, :]
-
-
-@triton.jit
-def project_rescaled(acc, w_ptr, ws_ptr, rows, ok, x_rows, x_ok, k0, K: tl.constexpr, SB: tl.constexpr,
-                     BK: tl.constexpr, WORDS: tl.constexpr, HW: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
-    """`moe_gemm._project` a scale block at a time: acc [BN, BM] plus Σ_blocks (W_block · x_block) · scale_block,
-    each block's weights decoded at scale 1 and its activations loaded as the dot takes them (`activation_rows`)."""
-    tl.static_assert(SB == 32, "two K = 16 dots a block: scales per 32 inputs")
-    R: tl.constexpr = rows.shape[0]
-    BLOCKS: tl.constexpr = BK // SB
-    scales = ue8m0_block_scales(ws_ptr, rows, ok, k0 // SB, K // SB, BLOCKS, WORDS)  # [R, BLOCKS] fp32
-    unit = tl.full((R, 1, 1), 1.0, tl.float32)
-    operand = tl.bfloat16 if HW else tl.float32
-    for b in tl.static_range(BLOCKS):
-        kb = k0 + b * SB
-        packed = moe_gemm._packed_weights(w_ptr, rows, ok, kb, K, SB)  # [R, 16]
-        low, high = e2m1_scaled(tl.reshape(packed, (R, 1, SB // 2)), unit.to(tl.bfloat16) if PTX else unit, PTX)
-        half = kb // 2 + tl.arange(0, SB // 2)
-        at, live = x_rows + half[:, None], x_ok & (half < K // 2)[:, None]  # [16, BM]: even inputs, then odd
-        x_even = tl.load(at, mask=live, other=0.0).to(operand)
-        x_odd = tl.load(at + K // 2, mask=live, other=0.0).to(operand)
-        partial = tl.dot(tl.reshape(high, (R, SB // 2)).to(operand), x_odd,
-                         tl.dot(tl.reshape(low, (R, SB // 2)).to(operand), x_even))  # fmt: skip
-        scale = tl.sum(tl.where(tl.arange(0, BLOCKS)[None, :] == b, scales, 0.0), axis=1)  # column b
-        acc += partial * scale[:, None]
-    return acc
-
-
 PATCHES = {
     "base": {},
     "no-scale": {"_weight_halves": weight_halves_no_scale},
     "i2f": {"_weight_halves": weight_halves_i2f},
     "no-dot": {"_project": project_no_dot},
     "bytes": {"_weight_halves": weight_halves_i2f, "_project": project_no_dot},
-    "rescale": {"_activation_halves": activation_rows, "_project": project_rescaled},
 }
 
 
@@ -137,7 +98,7 @@ def time_variant(variant: str, shapes: tuple[tuple[int, int], ...], C: int, I: i
         w13_bytes, _ = m.weight_bytes()
         ms = median_ms(lambda m=m: m.gate_up("triton"))
         row = {"variant": variant, "experts": E, "tokens": N, "ms": ms, "TB/s": w13_bytes / ms / 1e9}
-        if variant in EXACT:
+        if variant == "base":
             got, want = m.gate_up("triton").float(), m.gate_up("torch").float()
             row["rel_err"] = float((got - want).norm() / want.norm().clamp_min(1e-30))
             if not row["rel_err"] <= TOLERANCE:

@@ -1,5 +1,5 @@
-"""bench/moe_ablation.py swaps moe_gemm's jit helpers for cut-down or reformulated ones: a rename or a signature
-change there must show here, not as a failed GPU call; a reformulation must still compute the product."""
+"""bench/moe_ablation.py swaps moe_gemm's jit helpers for cut-down ones: a rename or a signature change there must
+show here, not as a failed GPU call; the served kernel must still compute the product."""
 
 import json
 import subprocess
@@ -15,10 +15,10 @@ def test_every_variant_runs_the_gemm_in_the_interpreter(tmp_path: Path) -> None:
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["variant"] for row in rows] == ["base", "no-scale", "i2f", "no-dot", "bytes", "rescale", "base"]
+    assert [row["variant"] for row in rows] == ["base", "no-scale", "i2f", "no-dot", "bytes", "base"]
     assert all(row["ms"] > 0 for row in rows)
-    exact = [row for row in rows if "rel_err" in row]  # the variants that compute the product, checked
-    assert [row["variant"] for row in exact] == ["base", "rescale", "base"]
+    exact = [row for row in rows if "rel_err" in row]  # the served kernel's runs, checked against the reference
+    assert [row["variant"] for row in exact] == ["base", "base"]
     assert all(row["rel_err"] < 1e-2 for row in exact)
     assert "| no-dot |" in done.stdout
 
