@@ -420,18 +420,19 @@ class Engine:
         """Draft if the scheduler says it pays, verify the width it chooses on the draft's confidences, commit. Where a
         verify of every draft costs no more than a narrow one (`DraftScheduler.ahead`) and the forward can take the
         drafts on the device (`DecodeBatch.chains`), the verify is queued right behind the draft at the widest width
-        and the confidences, read meanwhile, only cut what is accepted: the device never waits for the host."""
+        and accepts every draft the caps allow: the device never waits for the host."""
         m, records = self.metrics, [seq.draft for seq in rows]
         budgets = [min(self.max_draft, seq.limit - len(seq.output) - 1) for seq in rows]  # a step emits drafts + 1
+        guides = [seq.guide for seq in rows]
+        guided = any(g is not None for g in guides)
+        chained = not guided and batch.chains()
         typical = self.calibration.typical
-        plan = self.scheduler.plan([r.forecast(self.max_draft, typical) for r in records], budgets)
+        plan = self.scheduler.plan([r.forecast(self.max_draft, typical) for r in records], budgets, chained)
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
             return self._waiting_step(batch, rows, pending)
-        guides = [seq.guide for seq in rows]
-        guided = any(g is not None for g in guides)
         widest = max(budgets)
-        ahead = not guided and batch.chains() and self.scheduler.ahead(len(rows), widest)
+        ahead = chained and self.scheduler.ahead(len(rows), widest)
         with self.times.timed(Forward.DRAFT, len(rows)):
             draft = batch.dspark_draft(pending, batch_sampling(rows))
             head = slice(None), slice(0, self.max_draft)
@@ -443,7 +444,7 @@ class Engine:
         if guided:  # never past a draft the constraint refuses
             caps = [min(cap, n) for cap, n in zip(caps, admitted(guides, drafted), strict=True)]
         a = [r.drafted(c) for r, c in zip(records, confidence, strict=True)]
-        width = self.scheduler.width(a, caps)
+        width = max(caps, default=0) if launched is not None else self.scheduler.width(a, caps)
         m.verify_width.observe(width)
         if width == 0 and launched is None:  # not worth a verify column after all
             self._realised(len(rows), len(rows), 0)

@@ -34,8 +34,11 @@ of two, as the step graphs' buckets) keeps a trust of its own: a wide batch's lo
 drafts.
 
 Where verifying is free of its width (the verify's measured seconds flat in W within FLAT, a GPU at small batches),
-the engine launches the widest verify right behind the draft, before the host has read the confidences, and the
-width the rule then chooses cuts only the acceptance (`ahead`): the device does not idle while the host decides.
+the engine launches the widest verify right behind the draft, before the host has read the confidences (`ahead`):
+the device does not idle while the host decides, and the verify accepts every draft the caps allow — the forward has
+run over all of them, so a narrower width would only drop tokens already paid for. Such a step is planned as what it
+will be, the widest verify behind the draft; the verify table's narrow widths, which such steps no longer measure,
+do not weigh on it.
 
 `full=True` verifies every draft the caps allow, on every step: what the rule does when verification is free, kept as
 a policy for measuring acceptance and for tests.
@@ -102,11 +105,12 @@ class DraftScheduler:
         realised, promised = self._gains.get(bucket(rows), (0.0, 0.0))
         return (realised + 1.0) / (promised + 1.0)
 
-    def plan(self, forecasts: Rows, caps: Sequence[int]) -> Plan:
-        """Whether this step drafts, given each row's forecast a and its cap (budget and --max-draft)."""
+    def plan(self, forecasts: Rows, caps: Sequence[int], chained: bool = False) -> Plan:
+        """Whether this step drafts, given each row's forecast a and its cap (budget and --max-draft); `chained`: the
+        batch can take a verify launched behind its draft (`ahead`)."""
         if max(caps, default=0) == 0:
             return Plan.PLAIN
-        self._promised = self._gain(forecasts, caps)
+        self._promised = self._gain(forecasts, caps, chained)
         if self.full or self._promised * self.trust(len(caps)) > 1.0:
             self._idle, self._wait = 0, PROBE_MIN
             return Plan.DRAFT
@@ -118,7 +122,7 @@ class DraftScheduler:
 
     def ahead(self, rows: int, width: int) -> bool:
         """Whether a drafted step's verify may be launched at `width` columns right behind the draft, before its
-        confidences are seen (which then only cut what is accepted): where every draft is verified anyway (`full`,
+        confidences are seen (it then judges every draft the caps allow): where every draft is verified anyway (`full`,
         or a forward still to measure), or where a verify that wide costs within FLAT of one column's — the forward
         is bound by the weights it reads, not its tokens, and choosing the width would save nothing."""
         if self.full or not self.times.measured(*Forward):
@@ -146,14 +150,18 @@ class DraftScheduler:
         realised, promised = self._gains.get(key, (0.0, 0.0))
         self._gains[key] = [realised * self._decay + gain, promised * self._decay + self._promised]
 
-    def _gain(self, forecasts: Rows, caps: Sequence[int]) -> float:
+    def _gain(self, forecasts: Rows, caps: Sequence[int], chained: bool) -> float:
         """The throughput of drafting on the forecast over a plain step's, the draft's own seconds counted (∞ while a
-        forward was never measured: measure it)."""
+        forward was never measured: measure it): at the widest width where the verify will go ahead, else at the
+        width the rule would choose."""
         if not self.times.measured(*Forward):
             return math.inf
-        rows = len(caps)
+        rows, widest = len(caps), max(caps)
         draft, verify = self.times.seconds(Forward.DRAFT, rows), self._verify(rows)
-        _, rate = widen(forecasts, caps, lambda w: draft + verify(w), 1)
+        if chained and self.ahead(rows, widest):
+            rate = expected_tokens(forecasts, caps, widest) / (draft + verify(widest))
+        else:
+            _, rate = widen(forecasts, caps, lambda w: draft + verify(w), 1)
         return rate * self.times.seconds(Forward.PLAIN, rows) / rows
 
     def _verify(self, rows: int) -> Callable[[int], float]:

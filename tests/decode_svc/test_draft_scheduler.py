@@ -153,6 +153,18 @@ def test_the_verify_goes_ahead_of_the_draft_only_where_its_width_costs_nothing()
     assert not DraftScheduler(times).ahead(4, 5)  # 24 tokens against 8: 12 against 10.58 ms, 13 % dearer
 
 
+def test_a_step_whose_verify_goes_ahead_is_planned_at_the_widest_width() -> None:
+    """A GPU's table where the narrow verifies were measured slow (launched after the host chose their width, the
+    full forward timed) and the widest fast (queued behind the draft, the remainder timed): drafting pays at the
+    widest width, where a chained batch's verify goes, though no narrow width pays. An unchained batch (the verify
+    waits for the host's choice) is planned on the widths it could choose."""
+    times = measured(plain={1: 1.5 * MS}, draft={1: 1.2 * MS}, verify={2: 2.4 * MS, 3: 2.6 * MS, 5: 1.3 * MS})
+    forecast = [[0.6, 0.05, 0.05, 0.05]]  # (1 + 0.75) / 2.5 ms against 1 / 1.5 ms: 1.05x at the widest
+    assert DraftScheduler(times).ahead(1, 4)
+    assert DraftScheduler(times).plan(forecast, [4], chained=True) is Plan.DRAFT
+    assert DraftScheduler(times).plan(forecast, [4], chained=False) is Plan.PLAIN  # best: 1 draft, 0.67x
+
+
 def test_step_times_are_medians_read_between_and_beyond_the_sizes_measured() -> None:
     times = StepTimes(window=5)
     assert not times.measured(Forward.PLAIN)
