@@ -14,7 +14,8 @@ step through a trace as the speculative lane of one row does — plan, width on 
 a fixed table of step times: a speculative replica's `step_times` in a decode bench JSON (the medians its scheduler
 last read on that machine; `:REPLICA` picks one, default `full`, whose table every drafted step renewed). A plain step
 costs plain(1), a drafted step draft(1) + verify(1 + width), or draft(1) + plain(1) where the width is 0 — and
-draft(1) + verify(1 + budget) where the engine queues the verify ahead (`DraftScheduler.ahead`). Reported per
+draft(1) + verify(1 + budget), every draft judged, where the engine queues the verify ahead (`DraftScheduler.ahead`;
+the row is chained, as a GPU's replayed graphs are). Reported per
 prompt: tokens/s of `full` and `measured` over plain decoding, and the share of `measured`'s steps that drafted.
 What the replay leaves out: the host's work between the forwards, the table's drift, other rows.
 """
@@ -106,19 +107,20 @@ def replay(trace: Trace, table: dict[str, dict[str, float]], policy: str) -> tup
         if policy == "off" or budget == 0:
             n, seconds = n + 1, seconds + plain
             continue
-        if scheduler.plan([row.forecast(gamma, calibration.typical)], [budget]) is Plan.PLAIN:
+        if scheduler.plan([row.forecast(gamma, calibration.typical)], [budget], chained=True) is Plan.PLAIN:
             row.waited()
             n, seconds = n + 1, seconds + plain
         else:
             drafted += 1
             ahead = scheduler.ahead(1, budget)  # the verify queued behind the draft, at the widest width
-            width = scheduler.width([row.drafted(trace.confidence[n - 1])], [budget])
+            a = [row.drafted(trace.confidence[n - 1])]
+            width = budget if ahead else scheduler.width(a, [budget])
             if width == 0 and not ahead:
                 scheduler.realised(1, 1, 0)
                 row.waited()
                 n, seconds = n + 1, seconds + draft + plain
             else:
-                columns = budget if ahead else width
+                columns = width
                 k = min(trace.accepted[n - 1], width)
                 scheduler.realised(1, 1 + k, columns)
                 calibration.add(k, *row.record(width, k))
