@@ -10,6 +10,11 @@ budget no step reaches, prefills them itself and then iterates, as its thread wo
   what the GPU needs; the difference is the host's;
 - the profiled iterations: CUDA kernels per iteration, the GPU's busy share of the wall time and the kernels taking
   most of it;
+- `phases`: where an iteration's GPU time goes, phase by phase — CUDA events recorded on the stream as the iteration
+  starts and as each of the batch's calls returns (`decode_step`: plain; `dspark_draft`, `verify_forward`, `accept`),
+  so the interval ending at a phase's event holds its kernels and any time the GPU waited for the host to launch
+  them, and `between` the time from the last phase's event to the next iteration's start (the host's delivery and
+  planning, the GPU idle); medians per iteration;
 - the host's hottest functions over the timed iterations (cProfile, by own and by cumulative time), which name
   what to cut.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
@@ -97,6 +103,48 @@ def spread(ms: list[float]) -> dict[str, Any]:
     return {"median_ms": round(statistics.median(ms), 3), "spread_ms": [round(min(ms), 3), round(max(ms), 3)]}
 
 
+PHASES = {"decode_step": "plain", "dspark_draft": "draft", "verify_forward": "verify", "accept": "accept"}
+
+
+def phases(engine: Engine, lane: Any, steps: int) -> dict[str, float]:
+    """Median GPU ms per iteration of each phase and of the gap between iterations (module docstring): the lane's
+    batch calls wrapped, on the instance, to record an event as each returns."""
+    marks: list[tuple[str, torch.cuda.Event]] = []
+
+    def mark(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append((name, event))
+
+    def marking(call: Any, name: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = call(*args, **kwargs)
+            mark(name)
+            return out
+
+        return run
+
+    for method, name in PHASES.items():
+        setattr(lane, method, marking(getattr(lane, method), name))
+    try:
+        for _ in range(steps):
+            mark("start")
+            engine.iterate()
+        mark("start")
+        torch.cuda.synchronize()
+    finally:
+        for method in PHASES:
+            delattr(lane, method)
+    per_step: list[dict[str, float]] = []
+    for (before, a), (name, b) in itertools.pairwise(marks):
+        if before == "start":
+            per_step.append({})
+        label = "between" if name == "start" else name
+        per_step[-1][label] = per_step[-1].get(label, 0.0) + a.elapsed_time(b)
+    labels = sorted({label for step in per_step for label in step})
+    return {label: round(statistics.median(step.get(label, 0.0) for step in per_step), 3) for label in labels}
+
+
 def hottest(engine: Engine, steps: int, top: int) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -119,10 +167,13 @@ def measure(model: Any, batch: int, steps: int, speculation: str, top: int) -> d
         engine.iterate()
     iterate = timed(engine.iterate, steps)
     profiled = kernel_profile(engine.iterate, 5)
-    found = {"batch": batch, "iterate": spread(iterate), **profiled, "hottest": hottest(engine, steps, top)}
-    lane = next(b for b in engine.batches.values() if len(b))  # last: its rows advance past what the engine knows
+    lane = next(b for b in engine.batches.values() if len(b))
+    found = {"batch": batch, "iterate": spread(iterate), **profiled, "phases": phases(engine, lane, steps)}
+    found["hottest"] = hottest(engine, steps, top)
     tokens = torch.zeros(batch, 1, dtype=torch.long)  # on the host, as the engine gives them (the Engram look-back)
-    found["replay"] = spread(timed(lambda: lane.graphs.decode(tokens), steps))
+    found["replay"] = spread(  # last: its rows advance past what the engine knows
+        timed(lambda: lane.graphs.decode(tokens), steps)
+    )
     loop.close()
     return found
 
@@ -151,6 +202,7 @@ def main() -> int:
         found = measure(model, batch, args.steps, args.speculation, args.top)
         console.print(f"B={batch}: iterate {found['iterate']} replay {found['replay']} "
                       f"kernels/iterate {found['kernels_per_step']:.0f} busy {found['gpu_busy']:.0%}")  # fmt: skip
+        console.print(f"GPU ms per iteration by phase: {found['phases']}")
         console.print(
             "kernels by time (µs per iteration): "
             + ", ".join(f"{name} {us}" for name, us in found["top_kernel_us"][:12])
