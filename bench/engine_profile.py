@@ -57,13 +57,13 @@ console = Console(stderr=True)
 GREEDY = Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=None)
 
 
-def new_engine(model: Any, batch: int, speculation: str) -> Engine:
+def new_engine(model: Any, batch: int, speculation: str, max_draft: int = 4) -> Engine:
     """An engine of `batch` rows; speculation "off", or DSpark under the "measured" or "full" draft policy."""
     settings = EngineSettings(
         max_batch=batch,
         max_queue=batch,
         speculation=speculation != "off",
-        max_draft=4,
+        max_draft=max_draft,
         draft_policy="full" if speculation == "full" else "measured",
         chunk_size=512,
     )
@@ -74,11 +74,13 @@ def new_engine(model: Any, batch: int, speculation: str) -> Engine:
     return engine
 
 
-def running(engine: Engine, prompts: list[list[int]], loop: asyncio.AbstractEventLoop, limit: int) -> list[Sequence]:
+def running(
+    engine: Engine, prompts: list[list[int]], loop: asyncio.AbstractEventLoop, limit: int, sampling: Sampling = GREEDY
+) -> list[Sequence]:
     """Submit the prompts and iterate until every one decodes."""
     seqs = []
     for ids in prompts:
-        params = Params(uuid.uuid4().hex, GREEDY, frozenset(), limit, False, 0, True, b"")
+        params = Params(uuid.uuid4().hex, sampling, frozenset(), limit, False, 0, True, b"")
         seq = Sequence(params, Outbox(loop), Prompt(ids, local_prefill="token_ids"), limit=limit)
         engine.register(seq)
         engine.submit(seq)

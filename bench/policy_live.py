@@ -26,12 +26,9 @@ import argparse
 import asyncio
 import json
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
-import structlog
-from prometheus_client import CollectorRegistry
 from rich.console import Console
 from rich.table import Table
 
@@ -39,13 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from engine_profile import new_engine, running  # noqa: E402
 from policy_replay import load_times, step_times  # noqa: E402
 from serve_bench import machine  # noqa: E402
 
-from decode_svc.engine import Engine, EngineSettings  # noqa: E402
-from decode_svc.metrics import DecodeMetrics  # noqa: E402
+from decode_svc.engine import Engine  # noqa: E402
 from decode_svc.scheduler import DraftScheduler  # noqa: E402
-from decode_svc.sequence import Outbox, Params, Prompt, Sampling, Sequence, State  # noqa: E402
+from decode_svc.sequence import Sampling, State  # noqa: E402
 from decode_svc.step_times import Forward, StepTimes  # noqa: E402
 from mesh.up import DEFAULT_MODEL  # noqa: E402
 from model_service.runtime import load_model  # noqa: E402
@@ -75,35 +72,17 @@ class Believed(StepTimes):
         self.clock += self.clock_table.seconds(forward, tokens)
 
 
-def new_engine(model: Any, policy: str, times: Believed) -> tuple[Engine, CollectorRegistry]:
-    settings = EngineSettings(
-        max_batch=1, max_queue=1, speculation=True, max_draft=model.args.dspark_block_size, draft_policy=policy,
-        chunk_size=512,
-    )  # fmt: skip
-    registry = CollectorRegistry()
-    log = structlog.wrap_logger(structlog.PrintLogger(sys.stderr), processors=[structlog.processors.JSONRenderer()])
-    engine = Engine(model, settings, DecodeMetrics(registry), log, lambda *a: None)
-    if not engine.warm_up():
-        raise SystemExit(engine.start_error)
-    engine.times, engine.scheduler = times, DraftScheduler(times, full=policy == "full")
-    return engine, registry
-
-
-def drafted_steps(registry: CollectorRegistry) -> float:
-    value = registry.get_sample_value
-    return sum(value("v41mesh_decode_draft_steps_total", {"plan": p}) or 0.0 for p in ("draft", "probe"))
+def drafted_steps(engine: Engine) -> float:
+    """The speculative lane's steps that drafted so far (plan draft or probe), from the engine's metrics."""
+    samples = (sample for metric in engine.metrics.draft_steps.collect() for sample in metric.samples)
+    return sum(s.value for s in samples if s.name.endswith("_total") and s.labels["plan"] in ("draft", "probe"))
 
 
 def decode(
     engine: Engine, prompt: list[int], sampling: Sampling, limit: int, loop: asyncio.AbstractEventLoop
 ) -> tuple[int, int]:
     """Decode one request to its end → (its output tokens after the first, which the prefill emits; the steps)."""
-    params = Params(uuid.uuid4().hex, sampling, frozenset(), limit, False, 0, True, b"")
-    seq = Sequence(params, Outbox(loop), Prompt(prompt, local_prefill="token_ids"), limit=limit)
-    engine.register(seq)
-    engine.submit(seq)
-    while seq.state is not State.RUNNING:
-        engine.iterate()
+    (seq,) = running(engine, [prompt], loop, limit, sampling)
     steps = 0
     while seq.state is State.RUNNING:
         engine.iterate()
@@ -113,14 +92,15 @@ def decode(
 
 def run_policy(model: Any, policy: str, believed: StepTimes, clock: StepTimes, args: argparse.Namespace) -> list[dict]:
     times = Believed(believed, clock)
-    engine, registry = new_engine(model, policy, times)
+    engine = new_engine(model, 1, policy, model.args.dspark_block_size)
+    engine.times, engine.scheduler = times, DraftScheduler(times, full=policy == "full")
     prompt, plain = chat_prompts(0, 1)[0], clock.seconds(Forward.PLAIN, 1)
     loop, runs = asyncio.new_event_loop(), []
     for repeat in range(args.repeats):
         for name in args.samplings.split(","):
-            started, drafted = times.clock, drafted_steps(registry)
+            started, drafted = times.clock, drafted_steps(engine)
             tokens, steps = decode(engine, prompt, SAMPLINGS[name], args.max_tokens, loop)
-            share = (drafted_steps(registry) - drafted) / steps
+            share = (drafted_steps(engine) - drafted) / steps
             runs.append({"policy": policy, "repeat": repeat, "sampling": name, "tokens": tokens, "steps": steps,
                          "speed": tokens * plain / (times.clock - started), "drafted": share,
                          "trust": engine.scheduler.trust(1)})  # fmt: skip
