@@ -131,6 +131,8 @@ def replay(trace: Trace, table: dict[str, dict[str, float]], policy: str) -> tup
 
 def load_times(spec: str) -> tuple[str, dict[str, dict[str, float]]]:
     path, _, replica = spec.partition(":")
+    if not Path(path).is_file():
+        raise SystemExit(f"{path}: no such decode bench JSON")
     tables = json.loads(Path(path).read_text())["step_times"]
     replica = replica or "full"
     if replica not in tables or not all(tables[replica].get(f.value) for f in Forward):
