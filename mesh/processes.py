@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -63,6 +64,9 @@ _PYTHON_M = (sys.executable, "-m")  # every child is `python -m <package> serve 
 
 # Ports at most this far below the kernel's ephemeral range are candidates for free_port.
 _PORT_SPAN = 10_000
+# The ports free_port handed out last, never handed out again until they leave: a mesh draws all its ports before its
+# children bind any, and two draws of one port would make two of its children race for it.
+_GIVEN: deque[int] = deque(maxlen=256)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,17 +74,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     Chosen at random below the kernel's ephemeral range: the kernel hands ports in that range to every port-0 bind
     and outgoing connection, so a port found free there can be taken before the server binds it (CI once lost a
-    metrics port that way). Below it only another free_port caller can, one chance in thousands."""
+    metrics port that way). Below it only another process's free_port caller can, one chance in thousands; this
+    process's callers never get one port twice in a row of `_GIVEN`'s length."""
     low = _ephemeral_low()
     candidates = range(max(1024, low - _PORT_SPAN), low)
     for _ in range(64):
         port = random.choice(candidates) if candidates else 0
+        if port in _GIVEN:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return int(sock.getsockname()[1])
+            port = int(sock.getsockname()[1])
+        _GIVEN.append(port)
+        return port
     raise OSError(f"no free port on {host} in {candidates.start}..{candidates.stop - 1}")
 
 
@@ -131,8 +140,15 @@ def gateway_sees(url: str, prefill: int, decode: int, cache: int) -> bool:
         return False
     if answer.status_code != 200:
         return False
-    health = answer.json()
-    return health["replicas_up"] == {"prefill": prefill, "decode": decode} and health["cache_shards_up"] == cache
+    try:
+        health = answer.json()
+    except ValueError:  # another server holds the port: the gateway will fail to bind it and exit
+        return False
+    if not isinstance(health, dict):
+        return False
+    return (
+        health.get("replicas_up") == {"prefill": prefill, "decode": decode} and health.get("cache_shards_up") == cache
+    )
 
 
 class Child:

@@ -1,8 +1,10 @@
-"""free_port: a port below the kernel's ephemeral range, bindable when returned."""
+"""free_port: a port below the kernel's ephemeral range, bindable when returned, never one this process was just
+given."""
 
 from __future__ import annotations
 
 import socket
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -25,10 +27,24 @@ def test_ports_come_from_below_the_ephemeral_range_and_can_be_bound() -> None:
 
 
 def test_a_held_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processes, "_GIVEN", deque(maxlen=8))
     with socket.socket() as held:
-        held.bind(("127.0.0.1", free_port()))
+        held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        picks = iter([taken, taken, free_port()])
+        free = free_port()
+        processes._GIVEN.clear()  # given to nothing that binds it: to be drawn again below
+        picks = iter([taken, taken, free])
         monkeypatch.setattr(processes.random, "choice", lambda _candidates: next(picks))
         assert free_port() != taken
         assert next(picks, None) is None, "the held port was tried twice, then the free one"
+
+
+def test_a_port_just_given_is_not_given_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mesh draws every port before its children bind any: with four candidates, four draws get four ports and a
+    fifth finds none (drawn at random, the same port would come back within a few draws)."""
+    monkeypatch.setattr(processes, "_PORT_SPAN", 4)
+    monkeypatch.setattr(processes, "_GIVEN", deque(maxlen=8))
+    ports = [free_port() for _ in range(4)]
+    assert len(set(ports)) == 4
+    with pytest.raises(OSError, match="no free port"):
+        free_port()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, start_http_server
 
 from mesh import processes
 from mesh.processes import Mesh, MeshSpec
@@ -35,3 +36,18 @@ def test_a_child_whose_port_was_taken_restarts_the_mesh_on_new_ports(
             assert "Failed to bind" in (tmp_path / "logs" / "cache.log").read_text()  # the first run's end
             assert "Failed to bind" not in cache.tail(200)  # this run's lines
             assert httpx.get(mesh.base_url + "/health", timeout=10).json()["ready"] is True
+
+
+def test_a_gateway_port_answered_by_another_server_is_not_the_gateway_ready() -> None:
+    """The gateway's health poll on a port another HTTP server holds (a replica's metrics server answers any path with
+    its metrics, status 200): not ready — the gateway, failing to bind, exits and the mesh draws new ports —, not a
+    JSON error out of the mesh's start."""
+    port = processes.free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=CollectorRegistry())
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert not processes.gateway_sees(url, prefill=1, decode=1, cache=1)
+    finally:
+        server.shutdown()
+        thread.join()
