@@ -157,14 +157,15 @@ class Replicas:
         decoded = [sum(n for at, n in s if at > first) for s, first in zip(streams.stamps, streams.first, strict=True)]
         row_rates = [n / (end - first) for n, end, first in zip(decoded, ends, streams.first, strict=True) if n]
         plans = {p: delta[f"plan_{p}"] for p in PLANS}
-        trust, forwards = self.scheduler_state(name, len(prompts))
+        trust, forwards = self.scheduler_state(name, len(prompts), temperature == 0)
         return Run(name, len(prompts), sampling, repeat, sum(decoded), max(ends) - min(streams.first),
                    statistics.median(row_rates), delta["accepted"], delta["row_steps"], plans, streams.outputs,
                    delta["steps"], delta["step_seconds"], trust, forwards)  # fmt: skip
 
-    def scheduler_state(self, name: str, rows: int) -> tuple[float | None, dict[str, list[float | None]]]:
-        """What the replica's DSpark scheduler holds for a batch of `rows` rows: its trust (None: speculation off)
-        and its forwards' ms at that batch (each read as the scheduler reads it, None where never measured)."""
+    def scheduler_state(self, name: str, rows: int, greedy: bool) -> tuple[float | None, dict[str, list[float | None]]]:
+        """What the replica's DSpark scheduler holds for a batch of `rows` rows, greedy or sampled: its trust (None:
+        speculation off) and its forwards' ms at that batch (each read as the scheduler reads it, None where never
+        measured)."""
         engine = self.servers[name].engine
         if not engine.settings.speculation:
             return None, {}
@@ -174,7 +175,7 @@ class Replicas:
             f.value: [round(times.seconds(f, n) * 1e3, 3) if times.measured(f) else None for n in ns]
             for f, ns in sizes.items()
         }
-        return round(engine.scheduler.trust(rows), 3), forwards
+        return round(engine.scheduler.trust(rows, greedy), 3), forwards
 
     def step_times(self, name: str) -> dict[str, dict[int, float]]:
         """The replica's forwards as its DSpark scheduler reads them, ms by tokens: the medians of its latest steps

@@ -103,7 +103,7 @@ def run_policy(model: Any, policy: str, believed: StepTimes, clock: StepTimes, a
             share = (drafted_steps(engine) - drafted) / steps
             runs.append({"policy": policy, "repeat": repeat, "sampling": name, "tokens": tokens, "steps": steps,
                          "speed": tokens * plain / (times.clock - started), "drafted": share,
-                         "trust": engine.scheduler.trust(1)})  # fmt: skip
+                         "trust": engine.scheduler.trust(1, SAMPLINGS[name].greedy)})  # fmt: skip
             console.print(runs[-1])
     loop.close()
     return runs

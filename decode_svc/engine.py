@@ -91,7 +91,8 @@ class Engine:
         self.batches: dict[Lane, DecodeBatch] = {lane: self._new_batch() for lane in Lane}
         self.rows: dict[Lane, dict[int, Sequence]] = {lane: {} for lane in Lane}  # seq id → sequence
         self.prefilling: dict[Sequence, Prefill] = {}  # PREFILLING sequences, in arrival order
-        self.calibration = Calibration()  # what DSpark's drafts have been worth lately (engine thread only)
+        # What DSpark's drafts have been worth lately, to greedy rows (True) and to sampled ones (engine thread only).
+        self.calibrations = {greedy: Calibration() for greedy in (True, False)}
         self.times = times if times is not None else StepTimes()  # what each forward costs here (engine thread only)
         self.scheduler = DraftScheduler(self.times, full=settings.draft_policy == "full")
         self.mail = Mail()  # what the streams get: sent after each step and a join, an abort or a failure at once
@@ -239,8 +240,9 @@ class Engine:
         stepping = [lane for lane in Lane if len(self.batches[lane])]
         for lane in stepping:
             self._step(lane)
-        if stepping:  # the calibration forgets per batch step, not per chunk of a prefill running alone
-            self.calibration.tick()
+        if stepping:  # the calibrations forget per batch step, not per chunk of a prefill running alone
+            for calibration in self.calibrations.values():
+                calibration.tick()
         return True
 
     def _capture(self) -> None:
@@ -370,7 +372,7 @@ class Engine:
             seq.seq_id, seq.lane = seq_id, lane
             self.rows[lane][seq_id] = seq
             self._enter(seq, State.RUNNING)
-            seq.draft.prior = self.calibration.ratio
+            seq.draft.prior = self.calibrations[seq.params.sampling.greedy].ratio
         try:
             logits = torch.stack([row for _, row in joined])
             tokens = sample_rows(logits, seqs)
@@ -426,8 +428,10 @@ class Engine:
         guides = [seq.guide for seq in rows]
         guided = any(g is not None for g in guides)
         chained = not guided and batch.chains()
-        typical = self.calibration.typical
-        plan = self.scheduler.plan([r.forecast(self.max_draft, typical) for r in records], budgets, chained)
+        greedy = [seq.params.sampling.greedy for seq in rows]
+        calibrations = [self.calibrations[g] for g in greedy]
+        forecasts = [r.forecast(self.max_draft, c.typical) for r, c in zip(records, calibrations, strict=True)]
+        plan = self.scheduler.plan(forecasts, budgets, chained, greedy=all(greedy))
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
             return self._waiting_step(batch, rows, pending)
@@ -447,7 +451,7 @@ class Engine:
         width = max(caps, default=0) if launched is not None else self.scheduler.width(a, caps)
         m.verify_width.observe(width)
         if width == 0 and launched is None:  # not worth a verify column after all
-            self._realised(len(rows), len(rows), 0)
+            self._realised(len(rows), len(rows), 0, all(greedy))
             return self._waiting_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
         columns = widest if launched is not None else width
@@ -460,9 +464,9 @@ class Engine:
             else:
                 result = batch.accept(launched, verify, torch.tensor(lengths))
         accepted = result.accepted.tolist()
-        self._realised(len(rows), len(rows) + sum(accepted), columns)
-        for r, n, k in zip(records, lengths, accepted, strict=True):
-            self.calibration.add(k, *r.record(n, k))
+        self._realised(len(rows), len(rows) + sum(accepted), columns, all(greedy))
+        for r, c, n, k in zip(records, calibrations, lengths, accepted, strict=True):
+            c.add(k, *r.record(n, k))
         m.draft_proposed.inc(sum(lengths))
         m.draft_accepted.inc(sum(accepted))
         m.speculative_steps.inc(len(rows))
@@ -474,9 +478,10 @@ class Engine:
             seq.draft.waited()
         return self._plain_step(batch, rows, pending)
 
-    def _realised(self, rows: int, tokens: int, width: int) -> None:
+    def _realised(self, rows: int, tokens: int, width: int, greedy: bool) -> None:
         self.scheduler.realised(rows, tokens, width)
-        self.metrics.draft_trust.labels(str(bucket(rows))).set(self.scheduler.trust(rows))
+        draws = "greedy" if greedy else "sampled"
+        self.metrics.draft_trust.labels(str(bucket(rows)), draws).set(self.scheduler.trust(rows, greedy))
 
     def _deliver(self, seq: Sequence, tokens: list[int], logits: Tensor) -> None:
         """Emit a step's tokens up to a stop token, the end of its output constraint's grammar (nothing may follow

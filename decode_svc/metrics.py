@@ -3,8 +3,8 @@
 Mean DSpark accepted length per verify (bonus token included) = (draft_accepted_tokens + speculative_row_steps) /
 speculative_row_steps; acceptance rate = draft_accepted_tokens / draft_proposed_tokens. What the scheduler decided:
 draft_steps_total{plan} (plain, draft, probe) before a step, verify_width once drafted (0: the draft was not worth
-verifying), draft_trust{rows} how far its forecasts have held lately for a batch bucket (realised over promised
-speed-up).
+verifying), draft_trust{rows,draws} how far its forecasts have held lately for a batch bucket of all-greedy rows
+(draws="greedy") or with a sampled row ("sampled"): realised over promised speed-up.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class DecodeMetrics:
         self.verify_width = histogram("verify_width", "Drafts per row a drafted step verified", WIDTH_BUCKETS)
         self.draft_trust = Gauge(
             p + "draft_trust",
-            "Realised over promised speed-up of recent drafted steps, by batch bucket (scheduler)",
-            ("rows",),
+            "Realised over promised speed-up of recent drafted steps, by batch bucket and draws (scheduler)",
+            ("rows", "draws"),
             registry=registry,
         )
         self.constrained = counter("constrained", "Generations under an output constraint, by grammar", ("grammar",))

@@ -29,9 +29,11 @@ throughput gain the step realised (its tokens over its forwards' measured second
 the gain its forecast promised, and `trust` — realised over promised, over recent drafted steps (a half-life of
 TRUST_HALF_LIFE of them, starting from 1) — scales every forecast. Drafts that keep losing to plain steps thus stop
 after a step or two, and a probe that wins earns trust back. Those errors depend on the batch (a width of 24 rows
-read off a profile of 2, a harness that waits between wide steps), so each batch bucket (rows rounded up to a power
-of two, as the step graphs' buckets) keeps a trust of its own: a wide batch's losses do not silence a lone row's
-drafts.
+read off a profile of 2, a harness that waits between wide steps) and on how its tokens are drawn (a greedy row keeps
+a draft that is its target's arg-max, a sampled row one the rejection rule admits: fewer, and a forecast built on the
+other kind's outcomes misleads), so each batch bucket (rows rounded up to a power of two, as the step graphs'
+buckets) keeps two trusts, one for all-greedy batches and one for batches with a sampled row: a wide batch's losses
+do not silence a lone row's drafts, nor sampled rows' losses a greedy row's.
 
 Where verifying is free of its width (the verify's measured seconds flat in W within FLAT, a GPU at small batches),
 the engine launches the widest verify right behind the draft, before the host has read the confidences (`ahead`):
@@ -97,21 +99,24 @@ class DraftScheduler:
         self._idle = 0  # plain steps since the lane last drafted
         self._wait = PROBE_MIN  # plain steps before the next probe
         self._promised = 0.0  # the forecast gain of the drafted step under way
-        self._gains: dict[int, list[float]] = {}  # by batch bucket: decayed realised and promised gains
+        self._key = (1, False)  # the trust it answers to: its (batch bucket, greedy)
+        self._gains: dict[tuple[int, bool], list[float]] = {}  # decayed realised and promised gains, by key
         self._decay = 0.5 ** (1.0 / TRUST_HALF_LIFE)
 
-    def trust(self, rows: int) -> float:
-        """Realised over promised throughput gain of recent drafted steps of `rows`' bucket (1 before any)."""
-        realised, promised = self._gains.get(bucket(rows), (0.0, 0.0))
+    def trust(self, rows: int, greedy: bool = False) -> float:
+        """Realised over promised throughput gain of recent drafted steps of `rows`' bucket, all-greedy batches or
+        those with a sampled row (1 before any)."""
+        realised, promised = self._gains.get((bucket(rows), greedy), (0.0, 0.0))
         return (realised + 1.0) / (promised + 1.0)
 
-    def plan(self, forecasts: Rows, caps: Sequence[int], chained: bool = False) -> Plan:
+    def plan(self, forecasts: Rows, caps: Sequence[int], chained: bool = False, greedy: bool = False) -> Plan:
         """Whether this step drafts, given each row's forecast a and its cap (budget and --max-draft); `chained`: the
-        batch can take a verify launched behind its draft (`ahead`)."""
+        batch can take a verify launched behind its draft (`ahead`); `greedy`: every row decodes greedily."""
         if max(caps, default=0) == 0:
             return Plan.PLAIN
         self._promised = self._gain(forecasts, caps, chained)
-        if self.full or self._promised * self.trust(len(caps)) > 1.0:
+        self._key = (bucket(len(caps)), greedy)
+        if self.full or self._promised * self.trust(len(caps), greedy) > 1.0:
             self._idle, self._wait = 0, PROBE_MIN
             return Plan.DRAFT
         self._idle += 1
@@ -138,17 +143,16 @@ class DraftScheduler:
         return widen(a, caps, lambda w: verify(w) if w else plain, 0)[0]
 
     def realised(self, rows: int, tokens: int, width: int) -> None:
-        """A drafted step emitted `tokens` verifying `width` columns (0: a plain step after the draft): its gain over
-        a plain step, on the measured seconds of its forwards, against the gain its forecast promised."""
+        """The drafted step last planned emitted `tokens` verifying `width` columns (0: a plain step after the draft):
+        its gain over a plain step, on the measured seconds of its forwards, against the gain its forecast promised."""
         if not self.times.measured(*Forward) or self._promised == math.inf:
             return
         seconds = self.times.seconds(Forward.DRAFT, rows) + (
             self._verify(rows)(width) if width else self.times.seconds(Forward.PLAIN, rows)
         )
         gain = tokens / seconds * self.times.seconds(Forward.PLAIN, rows) / rows
-        key = bucket(rows)
-        realised, promised = self._gains.get(key, (0.0, 0.0))
-        self._gains[key] = [realised * self._decay + gain, promised * self._decay + self._promised]
+        realised, promised = self._gains.get(self._key, (0.0, 0.0))
+        self._gains[self._key] = [realised * self._decay + gain, promised * self._decay + self._promised]
 
     def _gain(self, forecasts: Rows, caps: Sequence[int], chained: bool) -> float:
         """The throughput of drafting on the forecast over a plain step's, the draft's own seconds counted (∞ while a

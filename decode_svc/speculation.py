@@ -6,8 +6,9 @@ it costs.
 
 s calibrates the head online, per sequence: (accepted + s₀) / (Σ Π cᵢ promised for the drafts verified + 1), the ratio
 of what verification accepted to what the head promised (the paper calibrates offline, by Sequential Temperature
-Scaling). The prior s₀ is the replica's own ratio over recent verifications (`Calibration`), so a new sequence starts
-from what the drafter has been worth lately. A calibrated head keeps s ≈ 1; a drafter that is confidently wrong — an
+Scaling). The prior s₀ is the replica's own ratio over recent verifications of rows drawn alike (`Calibration`, one for
+greedy rows and one for sampled rows, whose drafts are accepted less often), so a new sequence starts from what the
+drafter has been worth lately to rows like it. A calibrated head keeps s ≈ 1; a drafter that is confidently wrong — an
 untrained DSpark — drives s towards 0 within a step or two, and its drafts are then worth nothing to the scheduler.
 
 Whether to draft at all is decided before the draft exists, on a forecast of its aₖ: what the sequence's recent

@@ -236,6 +236,26 @@ def test_a_drafter_that_is_always_wrong_stops_drafting_even_where_verifying_is_f
     assert usage.draft_tokens_proposed == 5 * (drafted + probes)  # free verification: each drafted step verified all
 
 
+def test_sampled_rows_that_lose_their_drafts_leave_a_greedy_rows_forecast_hopeful(
+    start_mesh: Callable[..., Mesh], salt: bytes, prompt: Callable
+) -> None:
+    """Greedy and sampled rows' drafts are accepted at different rates, so the replica keeps their calibrations, and
+    the scheduler its trusts, apart: after sampled requests whose drafts the random DSpark got wrong, a greedy
+    request still starts from a hopeful forecast and drafts on it (a shared calibration would forecast nothing)."""
+    mesh = start_mesh(times=free_verification())
+    sampled = decode_pb2.SamplingParams(temperature=1.0, seed=3)
+    for n in (13, 17):
+        mesh.generate(token_ids=token_ids(prompt(n)), max_tokens=24, sampling=sampled, cache_salt=salt)
+    text = mesh.metrics(mesh.decode)
+    drafted = metric_value(text, "v41mesh_decode_draft_steps_total", 'plan="draft"')
+    assert metric_value(text, "v41mesh_decode_draft_trust", 'draws="sampled",rows="1"') < 1.0
+    assert metric_value(text, "v41mesh_decode_draft_trust", 'draws="greedy",rows="1"') == 0  # no greedy step yet
+
+    mesh.generate(token_ids=token_ids(prompt(19)), max_tokens=8, cache_salt=salt)
+    text = mesh.metrics(mesh.decode)
+    assert metric_value(text, "v41mesh_decode_draft_steps_total", 'plan="draft"') == drafted + 1  # its first step
+
+
 def test_the_engine_measures_every_forward_at_start(mesh: Mesh) -> None:
     """The step times the scheduler starts from: plain, draft, and the narrowest and widest verify, at 1 and 2 rows."""
     engine = mesh.decode.engine

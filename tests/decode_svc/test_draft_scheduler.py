@@ -122,6 +122,22 @@ def test_each_batch_bucket_keeps_a_trust_of_its_own() -> None:
     assert [bucket(n) for n in (1, 2, 3, 16, 17, 256)] == [1, 2, 4, 16, 32, 256]
 
 
+def test_sampled_batches_keep_a_trust_apart_from_greedy_ones() -> None:
+    """Drafted steps with a sampled row that lose to plain steps cost the sampled trust of their bucket, not the greedy
+    one: an all-greedy batch of that size afterwards drafts on its forecast at once."""
+    gpu = DraftScheduler(GPU)
+    hopeful = [[1.0] * 5]
+    while gpu.plan(hopeful, [5], greedy=False) is Plan.DRAFT:
+        gpu.realised(rows=1, tokens=1, width=0)
+    sampled = gpu.trust(1, greedy=False)
+    assert sampled < 0.5
+    assert gpu.trust(1, greedy=True) == 1.0
+    assert gpu.plan(hopeful, [5], greedy=True) is Plan.DRAFT
+    gpu.realised(rows=1, tokens=4, width=5)  # 4 of the 6 tokens promised: the greedy trust alone answers for it
+    assert gpu.trust(1, greedy=True) == pytest.approx((4 / 15 * 10 + 1) / (6 / 15 * 10 + 1))
+    assert gpu.trust(1, greedy=False) == sampled
+
+
 def test_probes_back_off_to_the_longest_wait() -> None:
     gpu = DraftScheduler(GPU)
     never = [[0.0] * 5]
