@@ -66,17 +66,20 @@ def hc_expand_coefficients_torch(
 @triton.jit
 def _expanded(x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, r, ok, k, K, x_stride, C, N: tl.constexpr):
     """Channels k (of the flattened n·C) of rows r of X' = post ⊗ out + combᵀ X, in fp32 and rounded to X's dtype as
-    `mhc.hc_expand` rounds them, stored at new_ptr (rows of K) → their values as fp32."""
+    `mhc.hc_expand` rounds them, stored at new_ptr (rows of K) → their values as fp32. Each product is fused into its
+    sum explicitly (`tl.fma`): no multiply and add are left for the compiler to contract or not, which it may decide
+    differently in the kernel's specialisations for other row counts — X' would round otherwise in a verify than in
+    a plain step (batch invariance)."""
     mask = ok[:, None] & (k < K)[None, :]
     copy, c = k // C, k % C  # X'ₖ's copy and channel
     mixed = tl.zeros(mask.shape, dtype=tl.float32)
     for j in tl.static_range(N):
         weight = tl.load(comb_ptr + r[:, None] * (N * N) + j * N + copy[None, :], mask=mask, other=0.0)
         stream = tl.load(x_ptr + r[:, None] * x_stride + j * C + c[None, :], mask=mask, other=0.0)
-        mixed += weight.to(tl.float32) * stream.to(tl.float32)
+        mixed = tl.fma(weight.to(tl.float32), stream.to(tl.float32), mixed)
     post = tl.load(post_ptr + r[:, None] * N + copy[None, :], mask=mask, other=0.0).to(tl.float32)
     update = tl.load(out_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = (post * update + mixed).to(new_ptr.dtype.element_ty)
+    x = tl.fma(post, update, mixed).to(new_ptr.dtype.element_ty)
     tl.store(new_ptr + r[:, None] * K + k[None, :], x, mask=mask)
     return x.to(tl.float32)
 
