@@ -30,10 +30,10 @@ the gain its forecast promised, and `trust` — realised over promised, over rec
 TRUST_HALF_LIFE of them, starting from 1) — scales every forecast. Drafts that keep losing to plain steps thus stop
 after a step or two, and a probe that wins earns trust back. Those errors depend on the batch (a width of 24 rows
 read off a profile of 2, a harness that waits between wide steps) and on how its tokens are drawn (a greedy row keeps
-a draft that is its target's arg-max, a sampled row one the rejection rule admits: fewer, and a forecast built on the
-other kind's outcomes misleads), so each batch bucket (rows rounded up to a power of two, as the step graphs'
-buckets) keeps two trusts, one for all-greedy batches and one for batches with a sampled row: a wide batch's losses
-do not silence a lone row's drafts, nor sampled rows' losses a greedy row's.
+a draft that is its target's arg-max, a sampled row one that is the token its sampling draws there: fewer, and a
+forecast built on the other kind's outcomes misleads), so each batch bucket (rows rounded up to a power of two, as
+the step graphs' buckets) keeps two trusts, one for all-greedy batches and one for batches with a sampled row: a
+wide batch's losses do not silence a lone row's drafts, nor sampled rows' losses a greedy row's.
 
 Where verifying is free of its width (the verify's measured seconds flat in W within FLAT, a GPU at small batches),
 the engine launches the widest verify right behind the draft, before the host has read the confidences (`ahead`):
