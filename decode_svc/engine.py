@@ -428,10 +428,10 @@ class Engine:
         guides = [seq.guide for seq in rows]
         guided = any(g is not None for g in guides)
         chained = not guided and batch.chains()
-        greedy = [seq.params.sampling.greedy for seq in rows]
-        calibrations = [self.calibrations[g] for g in greedy]
+        calibrations = [self.calibrations[seq.params.sampling.greedy] for seq in rows]
+        greedy = all(seq.params.sampling.greedy for seq in rows)  # the batch's trust: all-greedy or with a sampled row
         forecasts = [r.forecast(self.max_draft, c.typical) for r, c in zip(records, calibrations, strict=True)]
-        plan = self.scheduler.plan(forecasts, budgets, chained, greedy=all(greedy))
+        plan = self.scheduler.plan(forecasts, budgets, chained, greedy=greedy)
         m.draft_steps.labels(plan.value).inc()
         if plan is Plan.PLAIN:
             return self._waiting_step(batch, rows, pending)
@@ -451,7 +451,7 @@ class Engine:
         width = max(caps, default=0) if launched is not None else self.scheduler.width(a, caps)
         m.verify_width.observe(width)
         if width == 0 and launched is None:  # not worth a verify column after all
-            self._realised(len(rows), len(rows), 0, all(greedy))
+            self._realised(len(rows), len(rows), 0, greedy)
             return self._waiting_step(batch, rows, pending)
         lengths = [min(width, cap) for cap in caps]
         columns = widest if launched is not None else width
@@ -464,7 +464,7 @@ class Engine:
             else:
                 result = batch.accept(launched, verify, torch.tensor(lengths))
         accepted = result.accepted.tolist()
-        self._realised(len(rows), len(rows) + sum(accepted), columns, all(greedy))
+        self._realised(len(rows), len(rows) + sum(accepted), columns, greedy)
         for r, c, n, k in zip(records, calibrations, lengths, accepted, strict=True):
             c.add(k, *r.record(n, k))
         m.draft_proposed.inc(sum(lengths))
