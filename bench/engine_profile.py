@@ -173,9 +173,8 @@ def measure(model: Any, batch: int, steps: int, speculation: str, top: int) -> d
     found = {"batch": batch, "iterate": spread(iterate), **profiled, "phases": phases(engine, lane, steps)}
     found["hottest"] = hottest(engine, steps, top)
     tokens = torch.zeros(batch, 1, dtype=torch.long)  # on the host, as the engine gives them (the Engram look-back)
-    found["replay"] = spread(  # last: its rows advance past what the engine knows
-        timed(lambda: lane.graphs.decode(tokens), steps)
-    )
+    # Last: the replayed graph's rows advance past what the engine knows.
+    found["replay"] = spread(timed(lambda: lane.graphs.decode(tokens), steps))
     loop.close()
     return found
 
