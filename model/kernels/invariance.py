@@ -14,9 +14,13 @@ reduction order from the number of rows:
 into bf16 dots and splits K as for a single tile of tokens; sparse attention runs one program per query and head group;
 cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its deterministic and batch-invariant modes
 (on a torch without the latter, < 2.12, its one rule is applied here: a persistent reduction picks its row block and
-warps as for 4,096 rows, so each row is summed in one order at every row count). It is process-wide and must be set
-before the first GEMM and the first compilation (cuBLAS reads its workspace size once, and compiled kernels keep the
-choices they were compiled with).
+warps as for 4,096 rows, so each row is summed in one order at every row count). And no Triton kernel, ours or
+inductor's, leaves a multiply and an add for ptxas to contract: a kernel is compiled once per specialisation of its
+integer arguments (a row count divisible by 16 or not), and ptxas may fuse a product into a sum in one binary and not
+in another — the same element one ulp apart between a verify and a plain step. Where a kernel wants a fused
+multiply-add it says so (`tl.fma`); every other product rounds on its own. It is process-wide and must be set before
+the first GEMM and the first compilation (cuBLAS reads its workspace size once, and compiled kernels keep the choices
+they were compiled with).
 """
 
 import functools
@@ -42,6 +46,7 @@ def set_batch_invariant(on: bool) -> None:
     if not on or not torch.cuda.is_available():
         return
     import torch._inductor.config as inductor  # here: a process without invariance never loads the compiler
+    import triton
 
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # no room for split-K partial sums
     os.environ["CUBLASLT_WORKSPACE_SIZE"] = "1"
@@ -52,6 +57,8 @@ def set_batch_invariant(on: bool) -> None:
     matmul.allow_tf32 = False
     inductor.split_reductions = False
     inductor.deterministic = True  # no benchmarked choices between configs that sum in different orders
+    inductor.emulate_precision_casts = True  # inductor compiles its kernels without fp fusion under this flag alone
+    triton.knobs.language.default_fp_fusion = False  # ours
     if "batch_invariant" in inductor._config:
         inductor.batch_invariant = True
     else:
