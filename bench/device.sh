@@ -67,6 +67,8 @@ for part in "$@"; do
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured,full --max-tokens 96 \
               --out "$OUT/decode.json" ;;
+    decode-1) timeout "$limit" python3 bench/decode_bench.py --batches 1 --replicas off,measured,full --max-tokens 96 \
+                --out "$OUT/decode_1.json" ;;
     engine) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
               --out "$OUT/engine.json" ;;
     engine-variant) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
@@ -82,7 +84,7 @@ for part in "$@"; do
     engram-full) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64,256 --rounds 3 --host-dim 256 \
                    --out "$OUT/engram_full.json" ;;
     *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe moe-ablation fp8 mhc fused" \
-            "decode engine engine-variant engine-draft constraint engram engram-full serve sanitize)" ;;
+            "decode decode-1 engine engine-variant engine-draft constraint engram engram-full serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
   tail -25 "$OUT/$name.log"
