@@ -450,17 +450,18 @@ def fp8_linear(
 
 
 def casts_in_gemm(rows: int, backend: Backend) -> bool:
-    """Whether `fp8_linear_cast` of `rows` tokens casts them inside the GEMM (Triton, chunked dots): then each of the
-    linears reading one input casts it itself, in the launch it takes anyway, rather than sharing a cast launch."""
-    return backend == "triton" and FP8GemmTuning().resolved(rows).dot != "bf16"
+    """Whether `fp8_linear_cast` of `rows` tokens casts them inside the GEMM (Triton, `fp8_gemm.casts_inside`): then
+    each of the linears reading one input casts it itself, in the launch it takes anyway, rather than sharing a cast
+    launch."""
+    return backend == "triton" and fp8_gemm.casts_inside(rows)
 
 
 def fp8_linear_cast(
     x: Tensor, w: Tensor, w_scale: Tensor, backend: Backend = "torch", tuning: FP8GemmTuning | None = None
 ) -> Tensor:
     """y [M, N] = cast(x) Wᵀ in x's dtype: float activations x [M, K] under the FP8 activation cast
-    (`quantize_swa_fp8`, the same bytes), then `fp8_linear`. The Triton form casts inside the GEMM while its dots
-    are chunked (below 32 tokens: one launch, not two)."""
+    (`quantize_swa_fp8`, the same bytes), then `fp8_linear`. The Triton form casts inside the GEMM below 32 tokens
+    (one launch, not two)."""
     _expect("x", x, (None, None), _WIDE_FLOATS)
     if x.shape[1] % kv_quant.SWA_BLOCK:
         raise ValueError(f"x: inputs must be a multiple of {kv_quant.SWA_BLOCK}, got {x.shape[1]}")

@@ -29,9 +29,11 @@ Under batch invariance (model.kernels.invariance) the numerics depend on the wei
 M, and the K splits of a single token tile.
 
 `fp8_linear_cast` takes the float activations instead and casts them as `quantize_swa_fp8` does (the same bytes):
-while the dots are chunked, inside the GEMM — each program casts the 32-input chunks of its BM token rows as it
-loads them (BM/BN of the weight's decode work, redone by each weight tile), one launch instead of two for every
-small-batch linear; with folded dots, whose token tiles are as wide as the weight's, by the cast kernel first.
+below `FOLDED_FROM` tokens, and whenever the dots are chunked, inside the GEMM — each program casts the 32-input
+chunks of its BM token rows as it loads them (BM/BN of the weight's decode work, redone by each weight tile), one
+launch instead of two for every small-batch linear, under batch invariance too; with folded dots from `FOLDED_FROM`
+tokens, whose token tiles are as wide as the weight's, by the cast kernel first. Either way the dot's operands are
+the same values, so where the cast runs does not change a row's bits.
 """
 
 from dataclasses import dataclass, replace
@@ -193,6 +195,19 @@ def _folded_operand(ptr, s_ptr, rows, scale_rows, ok, k0, K: tl.constexpr, BK: t
 
 
 @triton.jit
+def _cast_operand(ptr, rows, ok, k0, K: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
+    """Float activations [rows, BK] from input k0, cast as `quantize_swa_fp8` casts them (`_cast_chunk` per 32
+    inputs), times their scales → `_folded_operand`'s values of the cast kernel's bytes, exactly."""
+    k = k0 + tl.arange(0, BK)
+    x = tl.load(ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    R: tl.constexpr = x.shape[0]
+    chunks = tl.reshape(x, (R, BK // 32, 32))
+    scale, _ = block_scale(tl.max(abs_bits(chunks), axis=2).to(tl.float32, bitcast=True), FP8_UE8M0)
+    codes = e4m3_encode(chunks * (1.0 / scale[:, :, None]))  # 1/2^k is exact
+    return e4m3_scaled(tl.reshape(codes, (R, BK)), scale, HW)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, tiles_per_split,
     K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
@@ -200,8 +215,8 @@ def _fp8_linear_kernel(
     PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """One [BM, BN] output tile over K tiles tiles_per_split · split … of the program's split; out_ptr: y [M, N], or
-    the split's fp32 partial sums [splits, M, N]. FOLDED: one dot of scaled operands per K tile (x and w bytes),
-    else chunked (FP8_DOT: x and w as float8e4nv; CAST_X: x as floats, cast here)."""
+    the split's fp32 partial sums [splits, M, N]. FOLDED: one dot of scaled operands per K tile, else chunked
+    (FP8_DOT: x and w as float8e4nv). CAST_X: x as floats, cast here."""
     follow(PDL, EARLY)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -213,7 +228,10 @@ def _fp8_linear_kernel(
     for tile in tl.range(first, tl.minimum(first + tiles_per_split, tl.cdiv(K, BK)), num_stages=STAGES):
         if FOLDED:
             w = _folded_operand(w_ptr, ws_ptr, n, n // 32, n_ok, tile * BK, K, BK, WORDS, HW)
-            x = _folded_operand(x_ptr, xs_ptr, m, m, m_ok, tile * BK, K, BK, WORDS, HW)
+            if CAST_X:
+                x = _cast_operand(x_ptr, m, m_ok, tile * BK, K, BK, HW)
+            else:
+                x = _folded_operand(x_ptr, xs_ptr, m, m, m_ok, tile * BK, K, BK, WORDS, HW)
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = _chunked_tile(
@@ -260,10 +278,16 @@ def fp8_linear_triton(
     return _launch(x_data, x_scale, w, w_scale, out_dtype, tuning)
 
 
+def casts_inside(M: int, tuning: FP8GemmTuning = FP8GemmTuning()) -> bool:
+    """Whether `fp8_linear_cast_triton` casts M tokens inside the GEMM (below `FOLDED_FROM` tokens, or with chunked
+    dots), not by the cast kernel first."""
+    return M < FOLDED_FROM or tuning.resolved(M).dot != "bf16"
+
+
 def fp8_linear_cast_triton(x: Tensor, w: Tensor, w_scale: Tensor, tuning: FP8GemmTuning = FP8GemmTuning()) -> Tensor:
-    """`fp8_linear_cast`: float activations x [M, K], cast inside the GEMM while its dots are chunked, else by the
-    cast kernel first; y in x's dtype."""
-    if tuning.resolved(x.shape[0]).dot == "bf16":
+    """`fp8_linear_cast`: float activations x [M, K], cast inside the GEMM or by the cast kernel first
+    (`casts_inside`); y in x's dtype."""
+    if not casts_inside(x.shape[0], tuning):
         return _launch(*quantize_triton(x, FP8_UE8M0.value), w, w_scale, x.dtype, tuning)
     return _launch(x, None, w, w_scale, x.dtype, tuning)
 
@@ -282,8 +306,6 @@ def _launch(
     if t.dot == "fp8" and interpreting():
         raise ValueError("tuning.dot: the interpreter has no FP8 dot (it decodes to fp32)")
     cast = x_scale is None
-    if cast and t.dot == "bf16":
-        raise ValueError("tuning.dot: folded dots read cast activations (fp8_linear_cast casts them first)")
     check_tile_sides(block_m=(t.block_m, 16), block_n=(t.block_n, 16), block_k=(t.block_k, BLOCK))
     m_tiles, n_tiles, k_tiles = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n), triton.cdiv(K, t.block_k)
     # under batch invariance, the K splits of one token tile whatever M

@@ -76,12 +76,15 @@ def test_fp8_linear_weight_bytes_and_fp64() -> None:
 @pytest.mark.parametrize(
     ("M", "tuning"),
     [(1, FP8GemmTuning()), (5, FP8GemmTuning(split_k=3, block_k=32)), (20, FP8GemmTuning(block_n=32)),
-     (17, FP8GemmTuning(block_m=16, block_k=256)), (40, FP8GemmTuning())],
+     (17, FP8GemmTuning(block_m=16, block_k=256)), (40, FP8GemmTuning()),
+     (1, FP8GemmTuning(dot="bf16")), (5, FP8GemmTuning(dot="bf16", split_k=3, block_k=32)),
+     (17, FP8GemmTuning(dot="bf16", block_m=16, block_k=256))],
 )  # fmt: skip
 def test_fp8_linear_cast_equals_the_cast_then_the_gemm(M: int, tuning: FP8GemmTuning, dtype: torch.dtype) -> None:
-    """Float activations cast inside the GEMM (chunked dots: M < 32, several token tiles, K splits, one and eight
-    chunks a tile) give the bits of the cast kernel's bytes through the GEMM; from 32 tokens the cast kernel runs
-    first. Activations span many binades, with rows of zeros and values in E4M3's subnormal range of their block."""
+    """Float activations cast inside the GEMM (M < 32, with chunked dots and with folded ones as under batch
+    invariance: several token tiles, K splits, one and eight chunks a tile) give the bits of the cast kernel's bytes
+    through the GEMM; from 32 tokens the cast kernel runs first. Activations span many binades, with rows of zeros
+    and values in E4M3's subnormal range of their block."""
     g = generator(M)
     x = (torch.randn(M, 320, generator=g) * torch.exp2(torch.randint(-12, 12, (M, 320), generator=g))).to(dtype)
     x[M // 2] = 0
