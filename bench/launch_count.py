@@ -2,13 +2,14 @@
 CUDA kernels per step without a GPU, and where they come from.
 
     python bench/launch_count.py [--preset tiny] [--batch 1] [--context 4096] [--step decode|draft|dspark]
-        [--temperature 0] [--per-row-generators] [--top 40] [--out F]
+        [--temperature 0] [--per-row-generators] [--batch-invariant] [--top 40] [--out F]
 
 The model is the preset with FP8 weights (the `small` preset's quantisation config, as served), its state
 synthesised as step_bench's is (bench/kernels.py `filled_decode_batch`), every kernel op on its Triton backend (run by
 the interpreter; on a CPU the model would take the torch references). One eager step — a decode step, a DSpark
 draft alone, or a DSpark step: the draft and the verify of all its drafts, sampled at `--temperature` from one
-generator for the batch (as the decode engine draws) or from one per row — is counted three ways:
+generator for the batch (as the decode engine draws) or from one per row; with `--batch-invariant`, the launches
+chosen as a served replica chooses them (`model.kernels.invariance`) — is counted three ways:
 - Triton launches, by kernel;
 - calls of compiled functions (`model.fused`): one to three kernels each on a GPU, the plain torch ops here;
 - the remaining torch ops by the line of this repository that issued them (a dispatch mode; views and empty
@@ -155,9 +156,11 @@ def main() -> None:
     p.add_argument("--step", choices=("decode", "draft", "dspark"), default="decode")
     p.add_argument("--temperature", type=float, default=0.0, help="the DSpark step's sampling (0: greedy)")
     p.add_argument("--per-row-generators", action="store_true", help="the DSpark step draws from one per row")
+    p.add_argument("--batch-invariant", action="store_true", help="the kernels' launch choices as served")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", type=Path, default=None)
     ns = p.parse_args()
+    kernels.set_batch_invariant(ns.batch_invariant)  # here only the launch choices: no GPU to set up
     result = count(ns.preset, ns.batch, ns.context, ns.step, ns.temperature, ns.per_row_generators)
     if ns.out:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
