@@ -48,6 +48,7 @@ for part in "$@"; do
               tests/model/test_gpu_native.py tests/model/test_gpu_fused.py ;;
     logits) timeout "$limit" python3 tests/model/test_gpu_invariance.py logits 24 ;;
     tokens) timeout "$limit" python3 tests/model/test_gpu_invariance.py tokens 24 ;;
+    site) timeout "$limit" python3 tests/model/test_gpu_invariance.py kernels 24 ;;
     step) timeout "$limit" $STEP --batches 1,64 --sources --plain-launches --out "$OUT/step.json" ;;
     step-invariant) timeout "$limit" $STEP --batches 1,64 --batch-invariant --out "$OUT/step_invariant.json" ;;
     step-16k) timeout "$limit" $STEP --batches 1,64,256 --contexts 16384 --profile-steps 0 --out "$OUT/step_16k.json" ;;
@@ -83,7 +84,7 @@ for part in "$@"; do
               --host-dim 256 --trace "$OUT/engram_trace" --out "$OUT/engram.json" ;;
     engram-full) timeout "$limit" python3 bench/engram_bench.py --graphs --batches 1,64,256 --rounds 3 --host-dim 256 \
                    --out "$OUT/engram_full.json" ;;
-    *) echo "unknown part $name (graphs reference native logits tokens step step-invariant step-16k step-1m step-64x1m moe moe-ablation fp8 mhc fused" \
+    *) echo "unknown part $name (graphs reference native logits tokens site step step-invariant step-16k step-1m step-64x1m moe moe-ablation fp8 mhc fused" \
             "decode decode-1 engine engine-variant engine-draft constraint engram engram-full serve sanitize)" ;;
   esac > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"

@@ -4,6 +4,8 @@
   give it (`small`, bf16, graphs and eager; drafts teacher-forced from the plain tokens), at B = 1 and 24.
 - Greedy DSpark decoding of the demo checkpoint (its own drafts, every one verified) emits plain greedy decoding's
   tokens, at B = 1 and 24.
+- Each kernel of a sublayer site (the mHC coefficients with and without the stream update, the norm and cast, the
+  FP8 linear of float inputs, the Engram gate) gives B rows the bits alone that it gives them among (1 + w)·B rows.
 
 Batch invariance is process-wide and must precede the first GEMM, so each case runs this file as a script in a
 fresh process (`python tests/model/test_gpu_invariance.py CASE B [--variant]`); on a mismatch the script names the
@@ -47,6 +49,11 @@ def test_greedy_dspark_emits_plain_greedy_tokens(batch: int) -> None:
     _run("tokens", batch)
 
 
+@pytest.mark.parametrize("batch", [1, 24])
+def test_site_kernels_give_a_row_its_bits_in_any_batch(batch: int) -> None:
+    _run("kernels", batch)
+
+
 # ------------------------------------------------------------------------------------------- the script
 
 
@@ -88,15 +95,17 @@ PROBED = (
 
 
 def _recorded(model: nn.Module):
-    """Forward hooks and kernel probes recording each module's and kernel's first floating output, in call order."""
+    """Forward hooks and kernel probes recording each module's and kernel's outputs (each tensor of a tuple, the
+    i-th named `name[i]`), in call order."""
     from model import kernels
 
     seen: list[tuple[str, Tensor]] = []
 
     def keep(name: str, output) -> None:
-        out = output[0] if isinstance(output, tuple) else output
-        if isinstance(out, Tensor):
-            seen.append((name, out.detach().clone()))
+        outputs = output if isinstance(output, tuple) else (output,)
+        for i, out in enumerate(outputs):
+            if isinstance(out, Tensor):
+                seen.append((f"{name}[{i}]" if i else name, out.detach().clone()))
 
     def probe(name: str):
         op = getattr(kernels, name)
@@ -194,6 +203,78 @@ def check_logits(batch: int, graphs: bool) -> list[str]:
     return errors
 
 
+def check_kernels(batch: int) -> list[str]:
+    """Each site kernel (module docstring) on `batch` random rows of the `small` preset's sizes, alone and as the
+    rows at position j of (1 + w)·batch rows: every output's rows bit for bit."""
+    from model import kernels, preset
+    from model.engram import gated_add
+
+    args = preset("small")
+    n, C, T = args.hc_mult, args.hidden_size, 1 + args.dspark_block_size
+    g = torch.Generator(device="cuda").manual_seed(batch)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        return torch.randn(shape, generator=g, device="cuda").to(dtype)
+
+    def among(rows: Tensor, j: int) -> Tensor:
+        wide = torch.randn((batch, T, *rows.shape[1:]), generator=g, device="cuda").to(rows.dtype)
+        wide[:, j] = rows
+        return wide.flatten(0, 1)
+
+    mix = (
+        rand((2 + n) * n, n * C, dtype=torch.float32) * 0.05,
+        rand(3, dtype=torch.float32),
+        rand((2 + n) * n, dtype=torch.float32),
+    )
+    sinkhorn = (n, args.hc_sinkhorn_iters, args.rms_norm_eps, args.hc_eps)
+    w = (torch.randn((3 * C, C), generator=g, device="cuda") * 64).to(torch.float8_e4m3fn)
+    norm = rand(C)
+    w_scale = torch.full((3 * C // 32, C // 32), 120, dtype=torch.uint8, device="cuda")
+    post, comb = rand(batch, n, dtype=torch.float32).sigmoid(), rand(batch, n, n, dtype=torch.float32).softmax(-1)
+    ops = {
+        "hc_coefficients": (lambda X: kernels.hc_coefficients(X, *mix, *sinkhorn, backend="triton"), rand(batch, n, C)),
+        "hc_expand_coefficients": (
+            lambda out, X, post, comb: kernels.hc_expand_coefficients(
+                out, X, post, comb, *mix, *sinkhorn, backend="triton"
+            ),
+            rand(batch, C),
+            rand(batch, n, C),
+            post,
+            comb,
+        ),
+        "norm_cast": (
+            lambda X, pre: kernels.norm_cast(X, pre, norm, args.rms_norm_eps, backend="triton"),
+            rand(batch, n, C),
+            post,
+        ),
+        "fp8_linear_cast": (lambda x: kernels.fp8_linear_cast(x, w, w_scale, backend="triton"), rand(batch, C)),
+        "engram gated_add": (
+            lambda X, kv: gated_add(X.unsqueeze(1), kv.unsqueeze(1), X.new_ones(n, C), X.new_ones(n, C), 1e-6),
+            rand(batch, n, C),
+            rand(batch, (n + 1) * C),
+        ),
+    }
+    errors = []
+    for name, (op, *rows) in ops.items():
+        alone = op(*rows)
+        for j in (0, T - 1):
+            wide = op(*(among(r, j) for r in rows))
+            for i, (a, b) in enumerate(
+                zip(
+                    alone if isinstance(alone, tuple) else (alone,),
+                    wide if isinstance(wide, tuple) else (wide,),
+                    strict=True,
+                )
+            ):
+                b = b.view(batch, T, *b.shape[1:])[:, j].reshape(a.shape)
+                if not torch.equal(a, b):
+                    diff = (a.double() - b.double()).abs().max()
+                    errors.append(
+                        f"{name} output {i} at position {j}: max |Δ| {float(diff):.3g}, {int((a != b).sum())} differ"
+                    )
+    return errors
+
+
 def check_tokens(batch: int) -> list[str]:
     from model.sampling import SamplingParams
     from model_service.runtime import load_model
@@ -218,7 +299,7 @@ def check_tokens(batch: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=["logits", "tokens"])
+    parser.add_argument("case", choices=["logits", "tokens", "kernels"])
     parser.add_argument("batch", type=int)
     parser.add_argument("--variant", action="store_true", help="without batch invariance (to see what it fixes)")
     args = parser.parse_args()
@@ -227,11 +308,10 @@ def main() -> None:
 
     kernels.set_batch_invariant(not args.variant)
     with torch.no_grad():
-        errors = (
-            [e for graphs in (False, True) for e in check_logits(args.batch, graphs)]
-            if args.case == "logits"
-            else check_tokens(args.batch)
-        )
+        if args.case == "logits":
+            errors = [e for graphs in (False, True) for e in check_logits(args.batch, graphs)]
+        else:
+            errors = check_kernels(args.batch) if args.case == "kernels" else check_tokens(args.batch)
     print("\n".join(errors) or f"{args.case} B={args.batch}: equal")
     sys.exit(1 if errors else 0)
 
