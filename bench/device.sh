@@ -68,7 +68,7 @@ for part in "$@"; do
              --out "$OUT/kernels_fused" ;;
     decode) timeout "$limit" python3 bench/decode_bench.py --batches 1,24 --replicas off,measured,full --max-tokens 96 \
               --out "$OUT/decode.json" ;;
-    decode-1) timeout "$limit" python3 bench/decode_bench.py --batches 1 --replicas off,measured,full --max-tokens 96 \
+    decode-1) timeout "$limit" python3 bench/decode_bench.py --batches 1 --replicas off,full --max-tokens 96 \
                 --out "$OUT/decode_1.json" ;;
     engine) timeout "$limit" python3 bench/engine_profile.py --model model/checkpoints/v41-demo --batches 1,24 \
               --out "$OUT/engine.json" ;;
