@@ -30,7 +30,7 @@ def norm_cast_torch(X: Tensor, pre: Tensor | None, weight: Tensor, eps: float) -
     return x, *quant.fp8_quant(x, SWA_BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every row count (model.kernels.invariance)
 def _norm_cast_kernel(
     X_ptr, pre_ptr, w_ptr, y_ptr, data_ptr, scale_ptr, M, stride, eps,
     N: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr,

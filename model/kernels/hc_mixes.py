@@ -84,7 +84,7 @@ def _expanded(x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, r, ok, k, K, x_stride
     return x.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one binary for every row count (model.kernels.invariance)
 def _mix_partials_kernel(
     x_ptr, fn_ptr, part_ptr, sq_ptr, R, K, x_stride, split_k, out_ptr, post_ptr, comb_ptr, new_ptr, C,
     M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EXPAND: tl.constexpr,
@@ -115,7 +115,7 @@ def _mix_partials_kernel(
     tl.store(sq_ptr + slot, sq, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one binary for every row count (model.kernels.invariance)
 def _coefficients_kernel(
     part_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, K, splits, iters, rms_eps, eps,
     N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,

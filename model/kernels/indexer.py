@@ -278,7 +278,7 @@ def _score_tiles(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one binary for every query count (model.kernels.invariance)
 def _indexer_kernel(
     q_ptr, qs_ptr, w_ptr, k_ptr, ks_ptr, k_desc, ks_desc, nv_ptr, out_ptr, T, H, S, k_stride, ks_stride,
     DI: tl.constexpr, DIP: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,

@@ -14,13 +14,17 @@ reduction order from the number of rows:
 into bf16 dots and splits K as for a single tile of tokens; sparse attention runs one program per query and head group;
 cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its deterministic and batch-invariant modes
 (on a torch without the latter, < 2.12, its one rule is applied here: a persistent reduction picks its row block and
-warps as for 4,096 rows, so each row is summed in one order at every row count). And no Triton kernel, ours or
-inductor's, leaves a multiply and an add for ptxas to contract: a kernel is compiled once per specialisation of its
-integer arguments (a row count divisible by 16 or not), and ptxas may fuse a product into a sum in one binary and not
-in another — the same element one ulp apart between a verify and a plain step. Where a kernel wants a fused
-multiply-add it says so (`tl.fma`); every other product rounds on its own. It is process-wide and must be set before
-the first GEMM and the first compilation (cuBLAS reads its workspace size once, and compiled kernels keep the choices
-they were compiled with).
+warps as for 4,096 rows, so each row is summed in one order at every row count).
+
+Triton compiles a kernel once per specialisation of its integer arguments — a value of 1, a multiple of 16 or
+neither —, and two binaries of one kernel need not compute a row alike: the masks' known divisibility steers the
+layouts Triton gives its tensors, so a row's elements may be spread over the threads differently and summed in another
+order (24 rows and 144 gave the mHC's Sinkhorn two layouts), and ptxas may contract a product into a sum in one binary
+and not in the other. So every kernel of ours that sums along a row is compiled without specialising on its row or
+query count (`do_not_specialize`, always: the count only bounds masks), and under batch invariance no Triton kernel,
+ours or inductor's, is compiled with fp fusion (a kernel that wants a fused multiply-add says so: `tl.fma`). It is
+process-wide and must be set before the first GEMM and the first compilation (cuBLAS reads its workspace size once,
+and compiled kernels keep the choices they were compiled with).
 """
 
 import functools

@@ -48,7 +48,7 @@ def moe_route_torch(
     return weights * scale, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one binary for every row count (model.kernels.invariance)
 def _gate_logits_kernel(
     x_ptr, w_ptr, p_ptr, R, C, E, x_stride, k_per_split,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -71,7 +71,7 @@ def _gate_logits_kernel(
     tl.store(out, acc, mask=ok[:, None] & live[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # one binary for every row count (model.kernels.invariance)
 def _route_select_kernel(
     p_ptr, bias_ptr, w_ptr, ids_ptr, R, E, topk, scale, SPLITS: tl.constexpr, NORM: tl.constexpr,
     BLOCK_R: tl.constexpr, E_PAD: tl.constexpr,

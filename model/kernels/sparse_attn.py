@@ -168,7 +168,7 @@ def _unrotate(out_ptr, rows, h_ok, pos_ptr, freq_ptr, bt, D: tl.constexpr, RD: t
     tl.store(out_ptr + rows[:, None] + d[None, :], rotated.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one binary for every query count (model.kernels.invariance)
 def _sparse_attention_kernel(
     q_ptr, swa_ptr, swas_ptr, new_ptr, news_ptr, sidx_ptr, kv_ptr, kvs_ptr, idx_ptr, sink_ptr, out_ptr, po_ptr,
     pm_ptr, pl_ptr, pos_ptr, freq_ptr, rq_ptr, T, H, R, TN, W, q_stride, q_head_stride, kv_stride, kvs_stride, K,
