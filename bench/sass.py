@@ -304,7 +304,7 @@ def topk_reports(rows: int, length: int, k: int) -> list[Report]:
 def fp8_gemm_reports(tokens: int, rows: int, inputs: int, dot: str | None = None, cast: bool = False) -> list[Report]:
     """The FP8 linear's default launch for `tokens` tokens × a [rows, inputs] weight on an sm_90 GPU (`dot`: another
     way than the default's), scales read as words where whole (K a multiple of 128); `cast`: bf16 activations, cast
-    inside the GEMM (`fp8_linear_cast`, chunked dots only)."""
+    inside the GEMM (`fp8_linear_cast` below 32 tokens)."""
     t = fp8_gemm.FP8GemmTuning(dot=dot or ("bf16" if tokens >= fp8_gemm.FOLDED_FROM else "fp8")).resolved(tokens)
     operand = "*fp8e4nv" if t.dot == "fp8" else "*u8"
     signature = {

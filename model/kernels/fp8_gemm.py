@@ -159,9 +159,16 @@ def _cast_chunk(ptr, rows, ok, k, K: tl.constexpr, FP8_DOT: tl.constexpr):
     """Float activations [rows, 32] of one K chunk, cast as `quantize_swa_fp8` casts them → (their E4M3 codes as
     `_codes` gives them, their UE8M0 scales [rows] as fp32)."""
     x = tl.load(ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-    scale, _ = block_scale(tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True), FP8_UE8M0)
-    codes = e4m3_encode(x * (1.0 / scale[:, None]))  # 1/2^k is exact
+    codes, scale = _cast_blocks(x, 1)
     return (codes.to(tl.float8e4nv, bitcast=True) if FP8_DOT else e4m3_decode(codes)), scale
+
+
+@triton.jit
+def _cast_blocks(x, AXIS: tl.constexpr):
+    """fp32 activations whose 32-input blocks lie along AXIS, cast as `quantize_swa_fp8` casts them → (their E4M3
+    codes, the blocks' UE8M0 scales as fp32, AXIS reduced)."""
+    scale, _ = block_scale(tl.max(abs_bits(x), axis=AXIS).to(tl.float32, bitcast=True), FP8_UE8M0)
+    return e4m3_encode(x * (1.0 / tl.expand_dims(scale, AXIS))), scale  # 1/2^k is exact
 
 
 @triton.jit
@@ -196,14 +203,12 @@ def _folded_operand(ptr, s_ptr, rows, scale_rows, ok, k0, K: tl.constexpr, BK: t
 
 @triton.jit
 def _cast_operand(ptr, rows, ok, k0, K: tl.constexpr, BK: tl.constexpr, HW: tl.constexpr):
-    """Float activations [rows, BK] from input k0, cast as `quantize_swa_fp8` casts them (`_cast_chunk` per 32
-    inputs), times their scales → `_folded_operand`'s values of the cast kernel's bytes, exactly."""
+    """Float activations [rows, BK] from input k0, cast as `quantize_swa_fp8` casts them, times their scales →
+    `_folded_operand`'s values of the cast kernel's bytes, exactly."""
     k = k0 + tl.arange(0, BK)
     x = tl.load(ptr + rows[:, None] * K + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
     R: tl.constexpr = x.shape[0]
-    chunks = tl.reshape(x, (R, BK // 32, 32))
-    scale, _ = block_scale(tl.max(abs_bits(chunks), axis=2).to(tl.float32, bitcast=True), FP8_UE8M0)
-    codes = e4m3_encode(chunks * (1.0 / scale[:, :, None]))  # 1/2^k is exact
+    codes, scale = _cast_blocks(tl.reshape(x, (R, BK // 32, 32)), 2)
     return e4m3_scaled(tl.reshape(codes, (R, BK)), scale, HW)
 
 
