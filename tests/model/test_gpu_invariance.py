@@ -5,7 +5,8 @@
 - Greedy DSpark decoding of the demo checkpoint (its own drafts, every one verified) emits plain greedy decoding's
   tokens, at B = 1 and 24.
 - Each kernel of a sublayer site (the mHC coefficients with and without the stream update, the norm and cast, the
-  FP8 linear of float inputs, the Engram gate) gives B rows the bits alone that it gives them among (1 + w)·B rows.
+  FP8 linear of float inputs, the MoE route, the Engram gate) gives B rows the bits alone that it gives them among
+  (1 + w)·B rows.
 
 Batch invariance is process-wide and must precede the first GEMM, so each case runs this file as a script in a
 fresh process (`python tests/model/test_gpu_invariance.py CASE B [--variant]`); on a mismatch the script names the
@@ -203,74 +204,75 @@ def check_logits(batch: int, graphs: bool) -> list[str]:
     return errors
 
 
-def check_kernels(batch: int) -> list[str]:
-    """Each site kernel (module docstring) on `batch` random rows of the `small` preset's sizes, alone and as the
-    rows at position j of (1 + w)·batch rows: every output's rows bit for bit."""
+def _site_ops(batch: int, g: torch.Generator) -> dict[str, tuple]:
+    """Name → (the op, its inputs of `batch` rows) for each site kernel at the `small` preset's sizes, random inputs
+    and weights (the weights shared by every call)."""
     from model import kernels, preset
     from model.engram import gated_add
 
     args = preset("small")
-    n, C, T = args.hc_mult, args.hidden_size, 1 + args.dspark_block_size
-    g = torch.Generator(device="cuda").manual_seed(batch)
+    n, C, E = args.hc_mult, args.hidden_size, args.n_routed_experts
 
     def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
         return torch.randn(shape, generator=g, device="cuda").to(dtype)
+
+    M = (2 + n) * n
+    mix = (rand(M, n * C, dtype=torch.float32) * 0.05, rand(3, dtype=torch.float32), rand(M, dtype=torch.float32))
+    sinkhorn = (n, args.hc_sinkhorn_iters, args.rms_norm_eps, args.hc_eps)
+    norm, gate, bias = rand(C), rand(E, C, dtype=torch.float32) * 0.05, rand(E, dtype=torch.float32)
+    w = (torch.randn((3 * C, C), generator=g, device="cuda") * 64).to(torch.float8_e4m3fn)
+    w_scale = torch.full((3 * C // 32, C // 32), 120, dtype=torch.uint8, device="cuda")  # 2^-7
+    post, comb = rand(batch, n, dtype=torch.float32).sigmoid(), rand(batch, n, n, dtype=torch.float32).softmax(-1)
+    route = (args.num_experts_per_tok, args.norm_topk_prob, args.routed_scaling_factor)
+
+    def coefficients(X: Tensor) -> tuple[Tensor, ...]:
+        return kernels.hc_coefficients(X, *mix, *sinkhorn, backend="triton")
+
+    def expand(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> tuple[Tensor, ...]:
+        return kernels.hc_expand_coefficients(out, X, post, comb, *mix, *sinkhorn, backend="triton")
+
+    def engram(X: Tensor, kv: Tensor) -> Tensor:
+        ones = X.new_ones(n, C)
+        return gated_add(X.unsqueeze(1), kv.unsqueeze(1), ones, ones, args.rms_norm_eps)
+
+    return {
+        "hc_coefficients": (coefficients, rand(batch, n, C)),
+        "hc_expand_coefficients": (expand, rand(batch, C), rand(batch, n, C), post, comb),
+        "norm_cast": (lambda X, pre: kernels.norm_cast(X, pre, norm, args.rms_norm_eps, backend="triton"),
+                      rand(batch, n, C), post),
+        "fp8_linear_cast": (lambda x: kernels.fp8_linear_cast(x, w, w_scale, backend="triton"), rand(batch, C)),
+        "moe_route": (lambda x: kernels.moe_route(x, gate, bias, *route, backend="triton"), rand(batch, C)),
+        "engram gated_add": (engram, rand(batch, n, C), rand(batch, (n + 1) * C)),
+    }  # fmt: skip
+
+
+def check_kernels(batch: int) -> list[str]:
+    """Each site kernel (`_site_ops`) on `batch` random rows, alone and as the rows at position j of (1 + w)·batch
+    rows (the others random): every output's rows bit for bit."""
+    from model import preset
+
+    T = 1 + preset("small").dspark_block_size
+    g = torch.Generator(device="cuda").manual_seed(batch)
 
     def among(rows: Tensor, j: int) -> Tensor:
         wide = torch.randn((batch, T, *rows.shape[1:]), generator=g, device="cuda").to(rows.dtype)
         wide[:, j] = rows
         return wide.flatten(0, 1)
 
-    mix = (
-        rand((2 + n) * n, n * C, dtype=torch.float32) * 0.05,
-        rand(3, dtype=torch.float32),
-        rand((2 + n) * n, dtype=torch.float32),
-    )
-    sinkhorn = (n, args.hc_sinkhorn_iters, args.rms_norm_eps, args.hc_eps)
-    w = (torch.randn((3 * C, C), generator=g, device="cuda") * 64).to(torch.float8_e4m3fn)
-    norm = rand(C)
-    w_scale = torch.full((3 * C // 32, C // 32), 120, dtype=torch.uint8, device="cuda")
-    post, comb = rand(batch, n, dtype=torch.float32).sigmoid(), rand(batch, n, n, dtype=torch.float32).softmax(-1)
-    ops = {
-        "hc_coefficients": (lambda X: kernels.hc_coefficients(X, *mix, *sinkhorn, backend="triton"), rand(batch, n, C)),
-        "hc_expand_coefficients": (
-            lambda out, X, post, comb: kernels.hc_expand_coefficients(
-                out, X, post, comb, *mix, *sinkhorn, backend="triton"
-            ),
-            rand(batch, C),
-            rand(batch, n, C),
-            post,
-            comb,
-        ),
-        "norm_cast": (
-            lambda X, pre: kernels.norm_cast(X, pre, norm, args.rms_norm_eps, backend="triton"),
-            rand(batch, n, C),
-            post,
-        ),
-        "fp8_linear_cast": (lambda x: kernels.fp8_linear_cast(x, w, w_scale, backend="triton"), rand(batch, C)),
-        "engram gated_add": (
-            lambda X, kv: gated_add(X.unsqueeze(1), kv.unsqueeze(1), X.new_ones(n, C), X.new_ones(n, C), 1e-6),
-            rand(batch, n, C),
-            rand(batch, (n + 1) * C),
-        ),
-    }
+    def outputs(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return out if isinstance(out, tuple) else (out,)
+
     errors = []
-    for name, (op, *rows) in ops.items():
-        alone = op(*rows)
+    for name, (op, *rows) in _site_ops(batch, g).items():
+        alone = outputs(op(*rows))
         for j in (0, T - 1):
-            wide = op(*(among(r, j) for r in rows))
-            for i, (a, b) in enumerate(
-                zip(
-                    alone if isinstance(alone, tuple) else (alone,),
-                    wide if isinstance(wide, tuple) else (wide,),
-                    strict=True,
-                )
-            ):
+            among_others = outputs(op(*(among(r, j) for r in rows)))
+            for i, (a, b) in enumerate(zip(alone, among_others, strict=True)):
                 b = b.view(batch, T, *b.shape[1:])[:, j].reshape(a.shape)
                 if not torch.equal(a, b):
-                    diff = (a.double() - b.double()).abs().max()
+                    diff = float((a.double() - b.double()).abs().max())
                     errors.append(
-                        f"{name} output {i} at position {j}: max |Δ| {float(diff):.3g}, {int((a != b).sum())} differ"
+                        f"{name} output {i} at position {j}: max |Δ| {diff:.3g}, {int((a != b).sum())} differ"
                     )
     return errors
 
