@@ -16,14 +16,14 @@ cuBLAS gets no split-K workspace and exact reductions; inductor compiles in its 
 (on a torch without the latter, < 2.12, its one rule is applied here: a persistent reduction picks its row block and
 warps as for 4,096 rows, so each row is summed in one order at every row count).
 
-Triton compiles a kernel once per specialisation of its integer arguments — a value of 1, a multiple of 16 or
-neither —, and two binaries of one kernel need not compute a row alike: the masks' known divisibility steers the
-layouts Triton gives its tensors, so a row's elements may be spread over the threads differently and summed in another
-order (24 rows and 144 gave the mHC's Sinkhorn two layouts), and ptxas may contract a product into a sum in one binary
-and not in the other. So every kernel of ours that sums along a row is compiled without specialising on its row or
-query count (`do_not_specialize`, always: the count only bounds masks), and under batch invariance no Triton kernel,
-ours or inductor's, is compiled with fp fusion (a kernel that wants a fused multiply-add says so: `tl.fma`). It is
-process-wide and must be set before the first GEMM and the first compilation (cuBLAS reads its workspace size once,
+Triton compiles a kernel once per specialisation of its integer arguments — a value of 1, a multiple of 16 or neither —,
+and two binaries of one kernel need not compute a row alike: the masks' known divisibility steers the layouts Triton
+gives its tensors, so a row's elements may be spread over the threads differently and summed in another order (the mHC's
+Sinkhorn, for one, is laid out one way for 24 rows and another for 144), and ptxas may contract a product into a sum in
+one binary and not in the other. So every kernel of ours that sums along a row is compiled without specialising on its
+row or query count (`do_not_specialize`, always: the count only bounds masks), and under batch invariance no Triton
+kernel, ours or inductor's, is compiled with fp fusion (a kernel that wants a fused multiply-add says so: `tl.fma`). It
+is process-wide and must be set before the first GEMM and the first compilation (cuBLAS reads its workspace size once,
 and compiled kernels keep the choices they were compiled with).
 """
 
