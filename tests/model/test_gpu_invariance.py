@@ -174,8 +174,7 @@ def _diverging(model, prompts, tokens: list[list[int]], width: int) -> list[str]
                 continue
             v = v[..., : p.shape[-1]] if p.dim() == v.dim() else v  # scores over more entries: the plain step's
             if p.shape == v.shape and not torch.equal(p, v):
-                diff = (p.double() - v.double()).abs().nan_to_num(0.0, 0.0, 0.0)
-                at_j.append(f"position {j} {name}: max |Δ| {float(diff.max()):.3g}, {int((p != v).sum())} differ")
+                at_j.append(f"position {j} {name}: {_difference(p, v)}")
         found += at_j[:5]
     return found
 
@@ -270,11 +269,14 @@ def check_kernels(batch: int) -> list[str]:
             for i, (a, b) in enumerate(zip(alone, among_others, strict=True)):
                 b = b.view(batch, T, *b.shape[1:])[:, j].reshape(a.shape)
                 if not torch.equal(a, b):
-                    diff = float((a.double() - b.double()).abs().max())
-                    errors.append(
-                        f"{name} output {i} at position {j}: max |Δ| {diff:.3g}, {int((a != b).sum())} differ"
-                    )
+                    errors.append(f"{name} output {i} at position {j}: {_difference(a, b)}")
     return errors
+
+
+def _difference(a: Tensor, b: Tensor) -> str:
+    """How two tensors of one shape differ: the largest |Δ| (NaNs left out) and how many elements."""
+    diff = (a.double() - b.double()).abs().nan_to_num(0.0, 0.0, 0.0)
+    return f"max |Δ| {float(diff.max()):.3g}, {int((a != b).sum())} differ"
 
 
 def check_tokens(batch: int) -> list[str]:
@@ -312,8 +314,10 @@ def main() -> None:
     with torch.no_grad():
         if args.case == "logits":
             errors = [e for graphs in (False, True) for e in check_logits(args.batch, graphs)]
+        elif args.case == "kernels":
+            errors = check_kernels(args.batch)
         else:
-            errors = check_kernels(args.batch) if args.case == "kernels" else check_tokens(args.batch)
+            errors = check_tokens(args.batch)
     print("\n".join(errors) or f"{args.case} B={args.batch}: equal")
     sys.exit(1 if errors else 0)
 
