@@ -67,9 +67,8 @@ def hc_expand_coefficients_torch(
 def _expanded(x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr, r, ok, k, K, x_stride, C, N: tl.constexpr):
     """Channels k (of the flattened n·C) of rows r of X' = post ⊗ out + combᵀ X, in fp32 and rounded to X's dtype as
     `mhc.hc_expand` rounds them, stored at new_ptr (rows of K) → their values as fp32. Each product is fused into its
-    sum explicitly (`tl.fma`): no multiply and add are left for the compiler to contract or not, which it may decide
-    differently in the kernel's specialisations for other row counts — X' would round otherwise in a verify than in
-    a plain step (batch invariance)."""
+    sum explicitly (`tl.fma`): under batch invariance kernels compile without fp fusion (model.kernels.invariance),
+    and the expansion keeps its fused multiply-adds, the same in every binary."""
     mask = ok[:, None] & (k < K)[None, :]
     copy, c = k // C, k % C  # X'ₖ's copy and channel
     mixed = tl.zeros(mask.shape, dtype=tl.float32)
