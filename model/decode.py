@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from model.dspark import Draft, draft_features, keyed_links, markov_chain
-from model.graphs import StepGraphs
+from model.graphs import StepGraphs, Verified
 from model.kv import EncoderState, GlobalKVBlock, export_blocks, export_state, restore
 from model.sampling import Generators, SamplingParams, argmax_accept, sample, speculative_accept
 from model.serving import decoder_replay, forward_full, replay_length
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from model.cache import Step
-    from model.graphs import Verified
     from model.transformer import Transformer
 
 
@@ -261,12 +260,31 @@ class DecodeBatch:
         generator: Generators = None,
     ) -> VerifyResult:
         """Accept the drafts of a launched verify (up to lengths[b] of row b: `verify`'s) and commit y + the accepted
-        drafts; waits for the forward once, at the end."""
+        drafts; waits for the forward once, at the end. A replayed verify of a greedy batch accepts and commits in
+        one graph (`Verified.accept`)."""
         draft, logits, step = forward.draft, forward.logits, forward.step
         B, g = draft.tokens.shape
         lengths = torch.full((B,), g, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).cpu()
         if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > g)).any()):
             raise ValueError(f"lengths {lengths.tolist()} do not fit a draft of {g} tokens for {B} sequences")
+        keep = None  # the pending token and the accepted drafts, where the host launched their commit
+        if isinstance(step, Verified) and sampling.argmax_only():
+            accepted, nxt = step.accept(lengths)
+        else:
+            accepted, nxt = self._acceptance(forward, sampling, lengths, generator)
+            keep = accepted + 1
+            step.write(keep)
+        n, next_tokens, drafted = read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
+        step.advance([k + 1 for k in n], keep)
+        emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
+        return VerifyResult(torch.tensor(n), emitted, logits)
+
+    def _acceptance(
+        self, forward: VerifyForward, sampling: SamplingParams, lengths: Tensor, generator: Generators
+    ) -> tuple[Tensor, Tensor]:
+        """(accepted drafts [B], the token after them [B]) of a launched verify, on the device, as every rank of a
+        replicated group commits them."""
+        draft, logits = forward.draft, forward.logits
         proposed = draft.tokens.to(logits.device, non_blocking=True)  # from the host: no wait for the forward
         if sampling.argmax_only():  # greedy: the targets' tokens are the logits' arg-maxes
             accepted, nxt = argmax_accept(logits, proposed, lengths)
@@ -277,12 +295,7 @@ class DecodeBatch:
             accepted, nxt = speculative_accept(target, proposal, proposed, lengths, generator)
         if self.model.parallel.replicated:  # ranks running the same batch commit rank 0's acceptance on every rank
             self.model.parallel.broadcast(accepted, nxt)
-        keep = accepted + 1  # the pending token and the accepted drafts
-        step.write(keep)
-        n, next_tokens, drafted = read_back(accepted, nxt, draft.tokens)  # the step's one wait for the device
-        step.advance([k + 1 for k in n], keep)
-        emitted = [[*row[:k], t] for row, k, t in zip(drafted, n, next_tokens, strict=True)]
-        return VerifyResult(torch.tensor(n), emitted, logits)
+        return accepted, nxt
 
     @torch.no_grad()
     def capture(self, widths: Sequence[int] = (), progress: Callable[[int, int], None] | None = None) -> None:

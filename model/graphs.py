@@ -11,6 +11,8 @@ A graph launches them all at once. These forwards are captured, each per bucket 
              output indices in fixed buffers
     verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then its commit (`Verified`) replays a
              second graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
+             — for a greedy batch that graph also accepts (`accept`: the logits' arg-maxes against the drafts, so the
+             host launches one graph between the verify and its read-back), else keep is given
 
 What a captured forward needs, and how it is given:
 
@@ -49,6 +51,7 @@ from torch import Tensor
 from model.cache import KVCache, Step
 from model.dspark import Draft, draft_features, keyed_links, markov_chain
 from model.engram_store import StagedMemory
+from model.sampling import greedy_accept
 from model.serving import forward_full
 
 if TYPE_CHECKING:
@@ -67,10 +70,14 @@ class Captured:
     step: Step | None = None  # a verify's staged writes, which its commit graph reads
 
 
+After = Callable[[int, Captured, bool], tuple[Tensor, ...]]  # (bucket, the verify, commit) → outputs: what follows it
+
+
 @dataclass
 class Verified:
     """A replayed verify's commit, in the two halves an eager `Step` has: `write(keep)` replays the commit graph
-    (the device half), `advance(by, keep)` moves the host's positions and look-back after it."""
+    (the device half; or `accept(lengths)`, the greedy acceptance with it), `advance(by, keep)` moves the host's
+    positions and look-back after it."""
 
     graphs: StepGraphs
     key: tuple[str, int, int]  # the verify's graph
@@ -79,7 +86,10 @@ class Verified:
     def write(self, keep: Tensor) -> None:
         self.graphs.commit(self.key, keep)
 
-    def advance(self, by: list[int], keep: Tensor) -> None:
+    def accept(self, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        return self.graphs.accept(self.key, lengths)
+
+    def advance(self, by: list[int], keep: Tensor | None) -> None:
         self.graphs.cache.advanced(by, self.tokens)
 
 
@@ -97,6 +107,7 @@ class StepGraphs:
         widest = 1 + model.args.dspark_block_size
         self.tokens = torch.zeros(buckets[-1], widest, dtype=torch.int64, device=cache.device)
         self.keep = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)
+        self.lengths = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)  # drafts a greedy accept tests
         self.active = torch.zeros((), dtype=torch.int64, device=cache.device)  # rows that hold a sequence
         self.keyed = (  # a keyed draft's rows: temperatures, seeds, output indices of their first links
             torch.zeros(buckets[-1], device=cache.device),
@@ -150,13 +161,17 @@ class StepGraphs:
     def commit(self, verified: tuple[str, int, int], keep: Tensor) -> None:
         """Keep the first keep[r] positions of the verify's row r (keep [n] on the device, 1 … T) and move its device
         position past them; the host follows with `KVCache.advanced`."""
-        n, b = keep.shape[0], verified[1]
-        self.keep[:n].copy_(keep, non_blocking=True)
-        step = self.graphs[verified].step
-        if self.capture:
-            self._commit_graph(("commit", b, verified[2]), step).graph.replay()
-        else:
-            self._commit(b, step)
+        self.keep[: keep.shape[0]].copy_(keep, non_blocking=True)
+        self._after(("commit", *verified[1:]), verified, self._given)
+
+    def accept(self, verified: tuple[str, int, int], lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """A greedy batch's acceptance of the verify's drafts and its commit (`model.sampling.greedy_accept`): row r
+        accepts its leading drafts, of its first lengths[r] (host [n]), equal to its logits' arg-maxes, keeps them
+        and its pending token, and emits the arg-max after them → (accepted [n], next token [n]) on the device."""
+        n = lengths.shape[0]
+        self.lengths[:n].copy_(lengths, non_blocking=True)
+        accepted, nxt = self._after(("accept", *verified[1:]), verified, self._greedy)
+        return accepted[:n].clone(), nxt[:n].clone()
 
     def capture_all(
         self, rows: int, widths: Sequence[int] = (), progress: Callable[[int, int], None] | None = None
@@ -178,7 +193,8 @@ class StepGraphs:
             for w in widths:
                 verify = self._ready(("verify", b, 1 + w), self._verify)
                 if self.capture:
-                    self._commit_graph(("commit", b, 1 + w), verify.step)
+                    self._after_graph(("commit", b, 1 + w), verify, self._given)
+                    self._after_graph(("accept", b, 1 + w), verify, self._greedy)
             if progress is not None:
                 progress(done, len(buckets))
 
@@ -258,16 +274,24 @@ class StepGraphs:
             outputs, step = run(b, T, True)
         return self._keep(key, Captured(graph, outputs, step))
 
-    def _commit_graph(self, key: tuple[str, int, int], step: Step | None) -> Captured:
-        """The commit graph of a verify (its `step`'s staged writes), captured on first use."""
+    def _after(self, key: tuple[str, int, int], verified: tuple[str, int, int], run: After) -> tuple[Tensor, ...]:
+        """Replay the graph of `run` after the verify `verified` (uncaptured: run it) → its outputs."""
+        verify = self.graphs[verified]
+        if not self.capture:
+            return run(key[1], verify, True)
+        captured = self._after_graph(key, verify, run)
+        captured.graph.replay()
+        return captured.outputs
+
+    def _after_graph(self, key: tuple[str, int, int], verify: Captured, run: After) -> Captured:
+        """The graph of `run` after a verify (its commit, or its acceptance and commit), captured on first use."""
         if key in self.graphs:
             return self.graphs[key]
-        assert step is not None, "a verify graph holds its step"
-        step.write(self._nothing(key[1]))  # the warm-up: the commit's kernels compile, nothing is kept
+        run(key[1], verify, False)  # the warm-up: its kernels compile, nothing is kept
         graph = torch.cuda.CUDAGraph()
         with self._recording(graph):
-            self._commit(key[1], step)
-        return self._keep(key, Captured(graph, ()))
+            outputs = run(key[1], verify, True)
+        return self._keep(key, Captured(graph, outputs))
 
     def _recording(self, graph: torch.cuda.CUDAGraph) -> torch.cuda.graph:
         """Capture into `graph` from this batch's pool. Only this thread's unsafe CUDA calls may void it
@@ -275,10 +299,23 @@ class StepGraphs:
         while other threads may be copying finished sequences' blocks to the host for their write-back."""
         return torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local")
 
-    def _commit(self, b: int, step: Step) -> None:
-        keep = torch.where(self._real(b), self.keep[:b], 0)  # padding rows keep nothing, whatever the buffer holds
+    def _commit(self, b: int, step: Step | None, keep: Tensor) -> None:
+        assert step is not None, "a verify graph holds its step"
+        keep = torch.where(self._real(b), keep, 0)  # padding rows keep nothing, whatever the buffers hold
         step.write(keep)
         self.cache.advance_device(slice(0, b), keep)
+
+    def _given(self, b: int, verify: Captured, commit: bool) -> tuple[Tensor, ...]:
+        """The commit of the keep in its buffer (`commit`; a warm-up keeps nothing)."""
+        self._commit(b, verify.step, self.keep[:b] if commit else self._nothing(b))
+        return ()
+
+    def _greedy(self, b: int, verify: Captured, commit: bool) -> tuple[Tensor, ...]:
+        """The greedy acceptance of the verify's drafts, then the commit of what it accepts (`accept`)."""
+        (logits,) = verify.outputs
+        accepted, nxt = greedy_accept(logits, self.tokens[:b, 1 : logits.shape[1]], self.lengths[:b])
+        self._commit(b, verify.step, accepted + 1 if commit else self._nothing(b))
+        return accepted, nxt
 
     def _keep(self, key: tuple[str, int, int], captured: Captured) -> Captured:
         self.graphs[key] = captured

@@ -224,13 +224,27 @@ def _uniforms(lengths: Tensor, K: int, generator: Generators, device: torch.devi
 
 def argmax_accept(scores: Tensor, drafts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """`speculative_accept` of one-hot targets, read off scores [B, K+1, V] whose arg-maxes (ties to the lower id) are
-    the targets' tokens — a greedy batch's logits themselves, with no distribution made: the leading drafts equal to
-    them (within lengths[b]) are accepted, and the arg-max after them is emitted."""
-    B, K = drafts.shape
-    best = scores.argmax(-1)
-    within = torch.arange(K, device=scores.device) < lengths.to(scores.device, non_blocking=True).unsqueeze(1)
-    n = ((best[:, :K] == drafts) & within).long().cumprod(-1).sum(-1)
-    return n, best[torch.arange(B, device=scores.device), n]
+    the targets' tokens — a greedy batch's logits themselves, with no distribution made."""
+    return accept_targets(scores.argmax(-1), drafts, lengths)
+
+
+@fused
+def greedy_accept(logits: Tensor, drafts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """`argmax_accept` of a verify's logits [B, K+1, V] as one compiled function (a replayed verify's acceptance,
+    captured with its commit): the arg-maxes by `chunked_argmax`, spread over the vocabulary's chunks — a verify at
+    batch 1 has a handful of rows, which one program each would leave most of the GPU idle over."""
+    B, T, V = logits.shape
+    return accept_targets(chunked_argmax(logits.reshape(B * T, V)).view(B, T), drafts, lengths)
+
+
+def accept_targets(targets: Tensor, drafts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """The acceptance of drafts [B, K] by one-hot targets, given as their tokens [B, K+1]: row b accepts its leading
+    drafts (of its first lengths[b]) equal to the targets' and emits the target after them → (accepted count [B],
+    the token emitted after them [B])."""
+    K = drafts.shape[1]
+    within = torch.arange(K, device=targets.device) < lengths.to(targets.device, non_blocking=True).unsqueeze(1)
+    n = ((targets[:, :K] == drafts) & within).long().cumprod(-1).sum(-1)
+    return n, targets.gather(1, n.unsqueeze(1)).squeeze(1)
 
 
 def speculative_accept(

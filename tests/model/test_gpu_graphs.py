@@ -137,9 +137,9 @@ def test_graph_drafts_and_verifies_replay_their_forwards_bit_for_bit(small):
 
 def test_after_warm_up_two_hundred_steps_of_changing_batches_capture_and_compile_nothing(small):
     """Warm-up: the batch grows from 1 to 8 sequences; at each size a decode step and a draft verified at widths 1,
-    3 and 5 (buckets 1, 2, 4, 8: their decode, draft, verify and commit graphs captured, the fused functions
-    compiled). Then 200 steps, plain or speculative at one of those widths, while sequences join and leave at random:
-    no capture, no compilation."""
+    3 and 5 (buckets 1, 2, 4, 8: their decode, keyed draft, verify and greedy accept graphs captured, the fused
+    functions compiled). Then 200 steps, plain or speculative at one of those widths, while sequences join and leave
+    at random: no capture, no compilation."""
     prompts = _prompts(small, 3, 2)
     batch = DecodeBatch(small, 8, graphs=True)
     rng = random.Random(3)
@@ -223,10 +223,11 @@ def test_a_capture_beside_a_thread_copying_to_the_host_succeeds(small):
 
 def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
     """`DecodeBatch.capture` before any sequence: every bucket up to the capacity (1, 2, 4, 8) gets its decode, draft,
-    keyed draft and, per width, verify and commit graphs; steps of every batch size and width then capture nothing."""
+    keyed draft and, per width, verify, commit and greedy accept graphs; steps of every batch size and width then
+    capture nothing."""
     batch = DecodeBatch(small, 8, graphs=True)
     batch.capture((1, 3, 5))
-    assert batch.graphs.captures == 4 * (3 + 2 * 3)
+    assert batch.graphs.captures == 4 * (3 + 3 * 3)
     for out in _prompts(small, 5, 5):
         batch.join(out.blocks, out.encoder_state)
         tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
@@ -236,4 +237,4 @@ def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
         for width in (1, 3, 5):
             batch.verify(tokens, draft.trim(width), greedy)
             tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
-    assert batch.graphs.captures == 4 * (3 + 2 * 3)
+    assert batch.graphs.captures == 4 * (3 + 3 * 3)

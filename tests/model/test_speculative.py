@@ -10,7 +10,15 @@ import torch
 
 from model import DecodeBatch, SamplingParams, encode_prefill, sample, speculative_accept
 from model.dspark import draft_logits
-from model.sampling import ARGMAX_CHUNK, argmax_accept, chunked_argmax, keyed_race, nucleus, open_unit
+from model.sampling import (
+    ARGMAX_CHUNK,
+    argmax_accept,
+    chunked_argmax,
+    greedy_accept,
+    keyed_race,
+    nucleus,
+    open_unit,
+)
 
 
 def chi2_threshold(dof: int, z: float = 4.75) -> float:
@@ -46,12 +54,13 @@ def test_speculative_accept_matches_the_target(gen):
     assert abs(rate - float(torch.minimum(p, q).sum())) < 5 * math.sqrt(0.25 / B)
 
 
-@pytest.mark.parametrize("rule", ["full", "one-hot targets", "arg-max"])
+@pytest.mark.parametrize("rule", ["full", "one-hot targets", "arg-max", "chunked arg-max"])
 def test_one_hot_distributions_are_greedy(gen, rule: str):
     """Greedy is the temperature-0 case: one-hot target and draft accept exactly the arg-max prefix, whether the rule
     runs in full, reads the one-hot targets' arg-maxes (no noise drawn) or the logits' arg-maxes alone
-    (`argmax_accept`, no distribution made), within each row's length."""
-    V, K, B = 50, 4, 64
+    (`argmax_accept`, no distribution made; `greedy_accept`, a replayed verify's, by chunks of the vocabulary),
+    within each row's length."""
+    V, K, B = ARGMAX_CHUNK + 50, 4, 64
     logits = torch.randn(B, K + 1, V, generator=gen)
     greedy = SamplingParams.uniform(B)
     assert greedy.one_hot()
@@ -64,6 +73,8 @@ def test_one_hot_distributions_are_greedy(gen, rule: str):
     proposal = greedy.probs(torch.randn(B, K, V, generator=gen)).scatter(-1, drafts.unsqueeze(-1), 2.0).clamp(max=1)
     if rule == "full":
         accepted, nxt = speculative_accept(target, proposal, drafts, lengths, gen)
+    elif rule == "chunked arg-max":
+        accepted, nxt = greedy_accept(logits, drafts, lengths)
     else:
         accepted, nxt = argmax_accept(logits if rule == "arg-max" else target, drafts, lengths)
     matches = (drafts == logits[:, :K].argmax(-1)).long().cumprod(-1).sum(-1).minimum(lengths)
