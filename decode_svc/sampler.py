@@ -34,7 +34,7 @@ from torch import Tensor
 from decode_svc.masking import Masks
 from decode_svc.sequence import Sequence, TokenLogprob
 from model import SamplingParams
-from model.sampling import keyed_race
+from model.sampling import keyed_race, raced_tokens
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,8 @@ class StepSampling(SamplingParams):
         B, V = probs.shape[0], probs.shape[-1]
         T = probs.numel() // (B * V)  # positions a row
         if not SamplingParams.one_hot(self):  # a row samples: every row raced at once (a greedy row to its arg-max)
-            at = (self.cursor.unsqueeze(1) + torch.arange(T)).flatten()
-            seeds = self.seeds.repeat_interleave(T)
-            dev = probs.device
-            tokens = keyed_race(probs.view(B * T, V), seeds.to(dev, non_blocking=True), at.to(dev, non_blocking=True))
+            seeds, cursor = (keys.to(probs.device, non_blocking=True) for keys in (self.seeds, self.cursor))
+            tokens = raced_tokens(probs.view(B, T, V), seeds, cursor)
             probs = torch.nn.functional.one_hot(tokens, V).to(probs.dtype).view(probs.shape)
         self.cursor.add_(T)
         return probs

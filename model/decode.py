@@ -260,16 +260,17 @@ class DecodeBatch:
         generator: Generators = None,
     ) -> VerifyResult:
         """Accept the drafts of a launched verify (up to lengths[b] of row b: `verify`'s) and commit y + the accepted
-        drafts; waits for the forward once, at the end. A replayed verify of a greedy batch accepts and commits in
-        one graph (`Verified.accept`)."""
+        drafts; waits for the forward once, at the end. A replayed verify whose targets are a pure function of its
+        logits (`race_rows`) accepts and commits in one graph (`Verified.accept`)."""
         draft, logits, step = forward.draft, forward.logits, forward.step
         B, g = draft.tokens.shape
         lengths = torch.full((B,), g, dtype=torch.int64) if lengths is None else lengths.to(torch.int64).cpu()
         if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > g)).any()):
             raise ValueError(f"lengths {lengths.tolist()} do not fit a draft of {g} tokens for {B} sequences")
         keep = None  # the pending token and the accepted drafts, where the host launched their commit
-        if isinstance(step, Verified) and sampling.argmax_only():
-            accepted, nxt = step.accept(lengths)
+        raced = race_rows(sampling)
+        if isinstance(step, Verified) and (raced is not None or sampling.argmax_only()):
+            accepted, nxt = step.accept(lengths, raced)
         else:
             accepted, nxt = self._acceptance(forward, sampling, lengths, generator)
             keep = accepted + 1
@@ -308,6 +309,13 @@ class DecodeBatch:
     def _graphed(self) -> bool:
         """Whether this batch's forwards replay captured graphs."""
         return self.graphs is not None and self.graphs.covers(len(self))
+
+
+def race_rows(sampling: SamplingParams) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(temperature, seed, output index) per row (host [B]) of a batch whose targets' tokens are keyed races — a row
+    samples, and every row collapses onto its position's raced token (`SamplingParams.race_keys`) —, else None."""
+    keys = sampling.race_keys() if sampling.one_hot() and not sampling.argmax_only() else None
+    return None if keys is None else (sampling.temperature, *keys)
 
 
 def read_back(*tensors: Tensor) -> list[list]:

@@ -11,8 +11,9 @@ A graph launches them all at once. These forwards are captured, each per bucket 
              output indices in fixed buffers
     verify   T = 1 + width tokens per row → logits [b, T, V], writes staged; then its commit (`Verified`) replays a
              second graph that keeps the first keep[r] positions of row r and advances its device position by keep[r]
-             — for a greedy batch that graph also accepts (`accept`: the logits' arg-maxes against the drafts, so the
-             host launches one graph between the verify and its read-back), else keep is given
+             — where the targets' tokens are a pure function of the logits (greedy rows' arg-maxes, sampled rows'
+             keyed races), that graph also accepts (`accept`: the host launches one graph between the verify and its
+             read-back), else keep is given
 
 What a captured forward needs, and how it is given:
 
@@ -51,7 +52,7 @@ from torch import Tensor
 from model.cache import KVCache, Step
 from model.dspark import Draft, draft_features, keyed_links, markov_chain
 from model.engram_store import StagedMemory
-from model.sampling import greedy_accept
+from model.sampling import accept_targets, greedy_accept, raced_tokens, tempered_probs
 from model.serving import forward_full
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ After = Callable[[int, Captured, bool], tuple[Tensor, ...]]  # (bucket, the veri
 @dataclass
 class Verified:
     """A replayed verify's commit, in the two halves an eager `Step` has: `write(keep)` replays the commit graph
-    (the device half; or `accept(lengths)`, the greedy acceptance with it), `advance(by, keep)` moves the host's
+    (the device half; or `accept(lengths, raced)`, the acceptance with it), `advance(by, keep)` moves the host's
     positions and look-back after it."""
 
     graphs: StepGraphs
@@ -86,8 +87,8 @@ class Verified:
     def write(self, keep: Tensor) -> None:
         self.graphs.commit(self.key, keep)
 
-    def accept(self, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        return self.graphs.accept(self.key, lengths)
+    def accept(self, lengths: Tensor, raced: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        return self.graphs.accept(self.key, lengths, raced)
 
     def advance(self, by: list[int], keep: Tensor | None) -> None:
         self.graphs.cache.advanced(by, self.tokens)
@@ -107,9 +108,10 @@ class StepGraphs:
         widest = 1 + model.args.dspark_block_size
         self.tokens = torch.zeros(buckets[-1], widest, dtype=torch.int64, device=cache.device)
         self.keep = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)
-        self.lengths = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)  # drafts a greedy accept tests
+        self.lengths = torch.zeros(buckets[-1], dtype=torch.int64, device=cache.device)  # drafts an accept tests
         self.active = torch.zeros((), dtype=torch.int64, device=cache.device)  # rows that hold a sequence
-        self.keyed = (  # a keyed draft's rows: temperatures, seeds, output indices of their first links
+        # a keyed draft's or a raced accept's rows: temperatures, seeds, output indices of their first positions
+        self.keyed = (
             torch.zeros(buckets[-1], device=cache.device),
             *torch.zeros(2, buckets[-1], dtype=torch.int64, device=cache.device),
         )
@@ -164,13 +166,21 @@ class StepGraphs:
         self.keep[: keep.shape[0]].copy_(keep, non_blocking=True)
         self._after(("commit", *verified[1:]), verified, self._given)
 
-    def accept(self, verified: tuple[str, int, int], lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """A greedy batch's acceptance of the verify's drafts and its commit (`model.sampling.greedy_accept`): row r
-        accepts its leading drafts, of its first lengths[r] (host [n]), equal to its logits' arg-maxes, keeps them
-        and its pending token, and emits the arg-max after them → (accepted [n], next token [n]) on the device."""
+    def accept(
+        self, verified: tuple[str, int, int], lengths: Tensor, raced: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The acceptance of the verify's drafts by one-hot targets and its commit: row r accepts its leading drafts,
+        of its first lengths[r] (host [n]), equal to its targets' tokens, keeps them and its pending token, and emits
+        the target's token after them → (accepted [n], next token [n]) on the device. The targets' tokens are the
+        logits' arg-maxes (a greedy batch: `model.sampling.greedy_accept`), or with `raced` — (temperature, seed,
+        output index of the first position) per row, host [n] — each position's keyed race of its tempered softmax
+        (`model.sampling.raced_tokens`, a greedy row's race its arg-max)."""
         n = lengths.shape[0]
         self.lengths[:n].copy_(lengths, non_blocking=True)
-        accepted, nxt = self._after(("accept", *verified[1:]), verified, self._greedy)
+        for buffer, rows in zip(self.keyed, raced or (), strict=False):
+            buffer[:n].copy_(rows, non_blocking=True)
+        forward, run = ("accept", self._greedy) if raced is None else ("raced_accept", self._raced)
+        accepted, nxt = self._after((forward, *verified[1:]), verified, run)
         return accepted[:n].clone(), nxt[:n].clone()
 
     def capture_all(
@@ -195,6 +205,7 @@ class StepGraphs:
                 if self.capture:
                     self._after_graph(("commit", b, 1 + w), verify, self._given)
                     self._after_graph(("accept", b, 1 + w), verify, self._greedy)
+                    self._after_graph(("raced_accept", b, 1 + w), verify, self._raced)
             if progress is not None:
                 progress(done, len(buckets))
 
@@ -313,7 +324,18 @@ class StepGraphs:
     def _greedy(self, b: int, verify: Captured, commit: bool) -> tuple[Tensor, ...]:
         """The greedy acceptance of the verify's drafts, then the commit of what it accepts (`accept`)."""
         (logits,) = verify.outputs
-        accepted, nxt = greedy_accept(logits, self.tokens[:b, 1 : logits.shape[1]], self.lengths[:b])
+        drafts = self.tokens[:b, 1 : logits.shape[1]]
+        return self._accepted(b, verify, commit, *greedy_accept(logits, drafts, self.lengths[:b]))
+
+    def _raced(self, b: int, verify: Captured, commit: bool) -> tuple[Tensor, ...]:
+        """The acceptance of the verify's drafts by its raced targets, then the commit of what it accepts (`accept`)."""
+        (logits,) = verify.outputs
+        temperature, seeds, cursor = (rows[:b] for rows in self.keyed)
+        targets = raced_tokens(tempered_probs(logits, temperature.view(b, 1, 1)), seeds, cursor)
+        drafts = self.tokens[:b, 1 : logits.shape[1]]
+        return self._accepted(b, verify, commit, *accept_targets(targets, drafts, self.lengths[:b]))
+
+    def _accepted(self, b: int, verify: Captured, commit: bool, accepted: Tensor, nxt: Tensor) -> tuple[Tensor, ...]:
         self._commit(b, verify.step, accepted + 1 if commit else self._nothing(b))
         return accepted, nxt
 

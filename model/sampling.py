@@ -16,7 +16,7 @@ batch neighbours, with or without speculation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +52,9 @@ class SamplingParams:
 
     def race_keys(self) -> tuple[Tensor, Tensor] | None:
         """Where each row's next token is a pure function of its tempered logits and a key — (seed, output index) per
-        row, int64 [B] on the host —, those keys: a draft chain's links are then `keyed_link`s, capturable. Here:
-        only where every row is greedy (keys unused), else None (the rows draw from generators)."""
+        row, int64 [B] on the host —, those keys: a draft chain's links are then `keyed_link`s, and a verify's
+        targets the `raced_tokens` of its `tempered_probs`, both capturable. Here: only where every row is greedy
+        (keys unused), else None (the rows draw from generators)."""
         if not SamplingParams.one_hot(self):
             return None
         zeros = torch.zeros(self.temperature.shape[0], dtype=torch.int64)
@@ -61,23 +62,35 @@ class SamplingParams:
 
     def probs(self, logits: Tensor) -> Tensor:
         """logits [B, ..., V] → fp32 probabilities [B, ..., V] after temperature, top-k and top-p."""
-        greedy = argmax_one_hot(logits)
         if SamplingParams.one_hot(self):  # every row greedy: nothing to scale (this class's rule, not an override's)
-            return greedy
-        logits = logits.float()
+            return argmax_one_hot(logits)
         shape = (-1,) + (1,) * (logits.dim() - 1)
-        t = self.temperature.to(logits.device, non_blocking=True).view(shape)
-        scaled = logits / t.clamp_min(1e-6)
-        k = self.top_k.to(logits.device, non_blocking=True).view(shape)
+        cut, top_p = None, None
         if bool((self.top_k > 0).any()):  # asked of the parameters where they live (the host), not of the device
             widest = int(self.top_k.clamp(0, logits.shape[-1]).max())  # the host's copy: no wait for the device
-            k = k.clamp(0, logits.shape[-1]).expand(*scaled.shape[:-1], 1)
-            kth = scaled.topk(widest, dim=-1).values.gather(-1, (k - 1).clamp_min(0))
-            scaled = torch.where((k > 0) & (scaled < kth), -torch.inf, scaled)
-        probs = scaled.softmax(-1)
+            k = self.top_k.to(logits.device, non_blocking=True).view(shape).clamp(0, logits.shape[-1])
+
+            def cut(scaled: Tensor) -> Tensor:
+                k_b = k.expand(*scaled.shape[:-1], 1)
+                kth = scaled.topk(widest, dim=-1).values.gather(-1, (k_b - 1).clamp_min(0))
+                return torch.where((k_b > 0) & (scaled < kth), -torch.inf, scaled)
+
         if bool((self.top_p < 1).any()):
-            probs = nucleus(probs, self.top_p.to(logits.device, non_blocking=True).view(shape))
-        return torch.where(t > 0, probs, greedy)
+            top_p = self.top_p.to(logits.device, non_blocking=True).view(shape)
+        return tempered_probs(logits, self.temperature.to(logits.device, non_blocking=True).view(shape), cut, top_p)
+
+
+def tempered_probs(
+    logits: Tensor, t: Tensor, cut: Callable[[Tensor], Tensor] | None = None, top_p: Tensor | None = None
+) -> Tensor:
+    """logits [B, ..., V], temperatures t broadcast against them (on their device) → fp32 probabilities: the softmax
+    of logits / t (after `cut` of the scaled logits, then cut to the `top_p` nucleus where given) where t > 0, the
+    one-hot arg-max where t = 0 — `SamplingParams.probs`, device tensors only (capturable without cuts)."""
+    scaled = logits.float() / t.clamp_min(1e-6)
+    probs = (scaled if cut is None else cut(scaled)).softmax(-1)
+    if top_p is not None:
+        probs = nucleus(probs, top_p)
+    return torch.where(t > 0, probs, argmax_one_hot(logits))
 
 
 def argmax_one_hot(logits: Tensor) -> Tensor:
@@ -134,6 +147,16 @@ def _finalise(z: Tensor) -> Tensor:
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     return z ^ _shift_right(z, 31)
+
+
+def raced_tokens(probs: Tensor, seeds: Tensor, cursor: Tensor) -> Tensor:
+    """probs [B, T, V] of T consecutive positions per row, seeds and cursor [B] (int64, on probs' device) → tokens
+    [B, T]: position t of row b races (`keyed_race`) at (seeds[b], cursor[b] + t) — a row's tokens at its output
+    indices cursor[b] … cursor[b] + T − 1."""
+    B, T, V = probs.shape
+    positions = cursor.unsqueeze(1) + torch.arange(T, device=cursor.device)
+    tokens = keyed_race(probs.reshape(B * T, V), seeds.unsqueeze(1).expand(B, T).reshape(-1), positions.flatten())
+    return tokens.view(B, T)
 
 
 def keyed_race(probs: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:

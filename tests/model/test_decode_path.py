@@ -8,6 +8,7 @@ one of them against the plain computation it replaces (bit for bit where the rew
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -150,13 +151,16 @@ def test_query_window_equals_query_and_window_kv(tiny: Transformer, gen):
     assert torch.equal(kv, attn.window_kv(x, positions))
 
 
-def _commit_free_drafts(batch: DecodeBatch, pending: list[int]) -> torch.Tensor:
-    """γ drafts per row that the target accepts greedily, all of them: its own greedy continuation, found by γ
-    uncommitted forwards (their write-ahead entries are rewritten by the verify at the same positions)."""
+def _commit_free_drafts(
+    batch: DecodeBatch, pending: list[int], targets: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.argmax(-1)
+) -> torch.Tensor:
+    """γ drafts per row that the target accepts, all of them: its own continuation — the `targets`' tokens of its
+    logits [B, 1 + γ, V] (greedy: their arg-maxes) —, found by γ uncommitted forwards (their write-ahead entries are
+    rewritten by the verify at the same positions)."""
     drafts = torch.zeros(len(pending), batch.model.args.dspark_block_size, dtype=torch.int64)
     for k in range(drafts.shape[1]):
         step = batch.cache.step(torch.cat((torch.tensor(pending).unsqueeze(1), drafts), dim=1))
-        drafts[:, k] = serving.forward_full(batch.model, step)[:, k].argmax(-1)
+        drafts[:, k] = targets(serving.forward_full(batch.model, step))[:, k]
     return drafts
 
 
@@ -216,6 +220,41 @@ def test_static_verifies_over_padded_rows_equal_plain_verifies(tiny: Transformer
         assert mirrored.tokens == result.tokens
         torch.testing.assert_close(mirrored.logits, result.logits, rtol=1e-6, atol=1e-7)
         pending = [row[-1] for row in result.tokens]
+    _assert_same_state(plain, static)
+
+
+def test_a_raced_verify_accepts_and_commits_in_its_static_step_as_the_eager_acceptance_does(tiny: Transformer, tokens):
+    """A sampled batch (rows at T = 1, greedy and T = 0.7, keyed noise) whose drafts the targets accept in full, in
+    part and not at all: the static forwards' acceptance (`StepGraphs.accept` with raced targets: what the
+    `raced_accept` graph captures) accepts, emits and commits what the eager acceptance of `StepSampling.probs`'
+    races does, verify after verify."""
+    plain, static = _twin_batches(tiny, tokens)
+    n, V = 3, tiny.args.vocab_size
+    cursor = torch.tensor([10, 0, 7])
+
+    def sampling() -> StepSampling:
+        return StepSampling(
+            torch.tensor([1.0, 0.0, 0.7]), torch.zeros(n, dtype=torch.int64), torch.ones(n),
+            seeds=torch.tensor([3, 4, 5]), cursor=cursor.clone(),
+        )  # fmt: skip
+
+    pending, accepted = tokens(n).tolist(), []
+    for _ in range(3):
+        drafts = _commit_free_drafts(plain, pending, lambda logits: sampling().probs(logits).argmax(-1))
+        g = drafts.shape[1]
+        drafts[0, 0], drafts[1, 1] = (drafts[0, 0] + 1) % V, (drafts[1, 1] + 1) % V  # rejected there
+        draft = Draft(drafts, None, torch.zeros(n, g))
+        lengths = torch.tensor([g, g, g - 1])
+        result, mirrored = (
+            plain.verify(pending, draft, sampling(), lengths),
+            static.verify(pending, draft, sampling(), lengths),
+        )
+        assert mirrored.tokens == result.tokens
+        assert torch.equal(mirrored.accepted, result.accepted)
+        accepted.append(result.accepted.tolist())
+        cursor += result.accepted + 1
+        pending = [row[-1] for row in result.tokens]
+    assert accepted == [[0, 1, g - 1]] * 3
     _assert_same_state(plain, static)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
+from decode_svc.sampler import StepSampling
 from model import DecodeBatch, build_model, encode_prefill, preset
 from model.graphs import MIN_CONTEXT, StepGraphs
 from model.sampling import SamplingParams
@@ -105,11 +106,13 @@ def test_replayed_steps_wait_for_the_device_only_to_read_a_verify_back(small):
     assert bool(logits.isfinite().all())
 
 
-def test_graph_drafts_and_verifies_replay_their_forwards_bit_for_bit(small):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_graph_drafts_and_verifies_replay_their_forwards_bit_for_bit(small, sampled: bool):
     """Drafts and verifies replayed from graphs equal, bit for bit, the same forwards run uncaptured (StepGraphs
     without capture: the rows padded to the same bucket, the same static steps): the same draft probabilities, verify
     logits and accepted tokens, and the same positions after, verify widths changing (each width's graph captured on
-    first use, one replayed again later).
+    first use, one replayed again later) — greedy rows, and rows at T = 1, 0 and 0.7 racing keyed noise (their
+    acceptance the raced accept graph's).
 
     The twin runs the padded shapes because a plain eager batch of 3 rows is a different computation: without batch
     invariance a GEMM over 4 rows may round a row's last bit unlike one over 3, and in bf16 one such bit can flip an
@@ -121,16 +124,24 @@ def test_graph_drafts_and_verifies_replay_their_forwards_bit_for_bit(small):
     for batch in (graphed, twin):
         for out in prompts:
             batch.join(out.blocks, out.encoder_state)
-    greedy, V = SamplingParams.uniform(3), small.args.vocab_size
+    V, cursor = small.args.vocab_size, torch.tensor([10, 0, 7])
+
+    def sampling() -> StepSampling:
+        temperature = torch.tensor([1.0, 0.0, 0.7]) if sampled else torch.zeros(3)
+        return StepSampling(
+            temperature, torch.zeros(3, dtype=torch.int64), torch.ones(3), torch.tensor([3, 4, 5]), cursor.clone()
+        )
+
     pending = torch.randint(0, V, (3, 1), generator=torch.Generator().manual_seed(5)).cuda()
     for width in (5, 2, 5, 1, 3):
-        g, t = graphed.dspark_draft(pending, greedy), twin.dspark_draft(pending, greedy)
+        g, t = graphed.dspark_draft(pending, sampling()), twin.dspark_draft(pending, sampling())
         assert torch.equal(g.tokens, t.tokens), width
         assert torch.equal(g.proposal(V), t.proposal(V)), width
         draft = t.trim(width)
-        rg, rt = graphed.verify(pending, draft, greedy), twin.verify(pending, draft, greedy)
+        rg, rt = graphed.verify(pending, draft, sampling()), twin.verify(pending, draft, sampling())
         assert torch.equal(rg.logits, rt.logits), (width, float((rg.logits - rt.logits).abs().max()))
         assert rg.tokens == rt.tokens
+        cursor += rt.accepted + 1
         pending = torch.tensor([[row[-1]] for row in rt.tokens], device="cuda")
     assert graphed.positions() == twin.positions()
 
@@ -223,11 +234,11 @@ def test_a_capture_beside_a_thread_copying_to_the_host_succeeds(small):
 
 def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
     """`DecodeBatch.capture` before any sequence: every bucket up to the capacity (1, 2, 4, 8) gets its decode, draft,
-    keyed draft and, per width, verify, commit and greedy accept graphs; steps of every batch size and width then
-    capture nothing."""
+    keyed draft and, per width, verify, commit, accept and raced accept graphs; steps of every batch size and width
+    then capture nothing."""
     batch = DecodeBatch(small, 8, graphs=True)
     batch.capture((1, 3, 5))
-    assert batch.graphs.captures == 4 * (3 + 3 * 3)
+    assert batch.graphs.captures == 4 * (3 + 4 * 3)
     for out in _prompts(small, 5, 5):
         batch.join(out.blocks, out.encoder_state)
         tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
@@ -237,4 +248,4 @@ def test_a_start_up_capture_leaves_nothing_to_capture_later(small):
         for width in (1, 3, 5):
             batch.verify(tokens, draft.trim(width), greedy)
             tokens = torch.randint(0, small.args.vocab_size, (len(batch), 1), device="cuda")
-    assert batch.graphs.captures == 4 * (3 + 3 * 3)
+    assert batch.graphs.captures == 4 * (3 + 4 * 3)
