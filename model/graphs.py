@@ -177,8 +177,9 @@ class StepGraphs:
         (`model.sampling.raced_tokens`, a greedy row's race its arg-max)."""
         n = lengths.shape[0]
         self.lengths[:n].copy_(lengths, non_blocking=True)
-        for buffer, rows in zip(self.keyed, raced or (), strict=False):
-            buffer[:n].copy_(rows, non_blocking=True)
+        if raced is not None:
+            for buffer, rows in zip(self.keyed, raced, strict=True):
+                buffer[:n].copy_(rows, non_blocking=True)
         forward, run = ("accept", self._greedy) if raced is None else ("raced_accept", self._raced)
         accepted, nxt = self._after((forward, *verified[1:]), verified, run)
         return accepted[:n].clone(), nxt[:n].clone()
